@@ -1,0 +1,88 @@
+"""Reference backend: eager PyTorch, batched over particles.
+
+A *runner* holds the KV state of B sequences (B = groups x particles) that share one prompt and
+advance in lockstep, so every row has the same length and no padding is needed. Finished particles
+keep being fed (their tokens are ignored by the sampler), which keeps every step's shape fixed.
+
+Runner contract (the GPU engine implements the same four calls):
+    extend(tokens [B, L]) -> logits [B, L, V] float32   feed L tokens, logits after each
+    reorder(index [B])                                  row i becomes old row index[i] (resampling)
+    crop(length)                                        keep the first `length` fed tokens
+    length                                              number of tokens fed so far
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+
+class HFRunner:
+    """Runs a Hugging Face causal LM with a ``DynamicCache`` batched over particles."""
+
+    def __init__(self, model: torch.nn.Module, prefix_ids: list[int], batch: int):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.batch = batch
+        self.device = next(model.parameters()).device
+        self.cache = DynamicCache()
+        self.length = 0
+        if prefix_ids:
+            ids = torch.tensor([prefix_ids], dtype=torch.long, device=self.device)
+            with torch.inference_mode():
+                self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            # NOTE: the prompt is computed once and then repeated for every particle.
+            self.cache.batch_repeat_interleave(batch)
+            self.length = len(prefix_ids)
+
+    @torch.inference_mode()
+    def extend(self, tokens: Tensor) -> Tensor:
+        # tokens: [B, L]
+        out = self.model(input_ids=tokens.to(self.device), past_key_values=self.cache, use_cache=True)
+        self.length += tokens.shape[1]
+        return out.logits.float()
+
+    def reorder(self, index: Tensor) -> None:
+        if self.length:
+            self.cache.reorder_cache(index.to(self.device))
+
+    def crop(self, length: int) -> None:
+        if length < self.length:
+            self.cache.crop(length)
+            self.length = length
+
+
+class FunctionRunner:
+    """Runs a user callable ``fn(contexts [B, T]) -> next-token logits or log-probs [B, V]``."""
+
+    def __init__(self, fn: Callable[[Tensor], Tensor], prefix_ids: list[int], batch: int, vocab_size: int):
+        self.fn = fn
+        self.vocab_size = vocab_size
+        self.history = torch.tensor(prefix_ids, dtype=torch.long).reshape(1, -1).repeat(batch, 1)
+
+    @property
+    def length(self) -> int:
+        return self.history.shape[1]
+
+    def extend(self, tokens: Tensor) -> Tensor:
+        outs = []
+        for i in range(tokens.shape[1]):
+            self.history = torch.cat([self.history, tokens[:, i : i + 1].to(self.history.device)], dim=1)
+            out = torch.as_tensor(self.fn(self.history)).float()
+            if out.shape != (self.history.shape[0], self.vocab_size):
+                raise ValueError(
+                    f"the model function returned shape {tuple(out.shape)} for {self.history.shape[0]} "
+                    f"contexts; it must return next-token log-probabilities of shape "
+                    f"[batch, vocab_size] = [{self.history.shape[0]}, {self.vocab_size}]"
+                )
+            outs.append(out)
+        return torch.stack(outs, dim=1)
+
+    def reorder(self, index: Tensor) -> None:
+        self.history = self.history[index.to(self.history.device)]
+
+    def crop(self, length: int) -> None:
+        self.history = self.history[:, :length]

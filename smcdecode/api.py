@@ -1,0 +1,228 @@
+"""Strategies: SMC-SD, exact speculative decoding and autoregressive sampling, side by side.
+
+    target = LM(model, temperature=0.7) * Regex(r"[0-9]+")
+    smc = SMC(target, Draft(draft_model, temperature=0.7), particles=8, block_size=4)
+    result = smc.run("Pick a number: ", max_new_tokens=16, seed=0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+
+import torch
+
+from .errors import SMCDecodeError, check_nonneg_int, check_positive_int, check_unit_interval
+from .potentials.base import as_target
+from .result import Result
+from .samplers.autoregressive import autoregressive
+from .samplers.proposals import as_proposal
+from .samplers.resampling import RESAMPLERS, normalise
+from .samplers.smc_sd import SMCOutput, smc_sd
+from .samplers.speculative import speculative
+
+
+def _generator(seed: int | None) -> torch.Generator:
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        check_nonneg_int("seed", seed)
+        g.manual_seed(seed)
+    return g
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool, total: int, desc: str):
+    if not enabled:
+        yield None
+        return
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="tok", leave=False)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+class _Strategy:
+    name = "strategy"
+
+    def __init__(self, target):
+        self.target = as_target(target)
+        self.model = self.target.lm.model
+
+    def _prepare(self, prompt, max_new_tokens: int) -> list[int]:
+        check_positive_int("max_new_tokens", max_new_tokens)
+        ids = self.model.prompt_ids(prompt)
+        self.model.check_length(len(ids), max_new_tokens)
+        for c in self.target.constraints:
+            if hasattr(c, "satisfiable") and not c.satisfiable():
+                self._unsatisfiable = f"no token sequence satisfies the constraint {c!r} with this vocabulary"
+                break
+        else:
+            self._unsatisfiable = ""
+        return ids
+
+    def run(self, prompt, max_new_tokens: int = 64, seed: int | None = None, progress: bool = True) -> Result:
+        """Generate from ``prompt`` (text, token ids, or chat messages) and return a :class:`Result`."""
+        ids = self._prepare(prompt, max_new_tokens)
+        g = _generator(seed)
+        start = time.perf_counter()
+        with _progress(progress, max_new_tokens * self._bar_scale(), self.name) as bar:
+            out = self._run(ids, 1, max_new_tokens, g, bar)
+        seconds = time.perf_counter() - start
+        return self._result(out, ids, seconds, g)
+
+    def run_groups(self, prompt, groups: int, max_new_tokens: int = 64, seed: int | None = None) -> SMCOutput:
+        """``groups`` independent runs at once (vectorised), as raw tensors with a leading group
+        dimension: used for replicate studies such as checking that E[Ẑ] = Z."""
+        check_positive_int("groups", groups)
+        ids = self._prepare(prompt, max_new_tokens)
+        return self._run(ids, groups, max_new_tokens, _generator(seed), None)
+
+    def _bar_scale(self) -> int:
+        return 1
+
+    def _result(self, out: SMCOutput, ids, seconds, g) -> Result:
+        model = self.model
+        toks, texts = [], []
+        for row, n in zip(out.tokens[0], out.lengths[0]):
+            t = row[: int(n)].tolist()
+            toks.append(t)
+            texts.append(model.decode(t[:-1] if t and t[-1] == model.eos_token_id else t))
+        lw = out.log_weights[0]
+        W, _ = normalise(lw[None])
+        W = W[0]
+        sample = None
+        message = self._unsatisfiable
+        if float(W.sum()) > 0:
+            sample = int(torch.multinomial(W, 1, generator=g)[0])
+        elif not message:
+            message = (
+                "every particle has weight 0: no particle satisfied the constraints within max_new_tokens; "
+                "raise max_new_tokens or the number of particles"
+            )
+        return Result(
+            strategy=self.name,
+            texts=texts,
+            tokens=toks,
+            log_weights=lw,
+            weights=W,
+            finished=out.finished[0],
+            log_evidence=float(out.log_evidence[0]),
+            ess=[float(e[0]) for e in out.ess],
+            resampled=[bool(r[0]) for r in out.resampled],
+            weight_history=[w[0] for w in out.weights],
+            sample_index=sample,
+            seconds=seconds,
+            prompt_tokens=len(ids),
+            particles=out.tokens.shape[1],
+            block_size=getattr(self, "block_size", 0),
+            draft_tokens=out.draft_tokens,
+            accepted_tokens=getattr(out, "accepted_tokens", None),
+            message=message,
+        )
+
+
+class SMC(_Strategy):
+    """Sequential Monte Carlo speculative decoding (SMC-SD).
+
+    ``proposal``: a :class:`Draft` (its samples are reweighted, never rejected), or ``"target"``
+    for a plain particle filter proposing one token per round from the locally normalised target.
+    ``block_size`` K: draft tokens per round (a round adds K+1 tokens: the drafts and a bonus).
+    ``ess_threshold`` τ: resample when ESS < τ·N; 0 never (sequential importance sampling), 1 every round.
+    """
+
+    name = "smc"
+
+    def __init__(
+        self,
+        target,
+        proposal="target",
+        *,
+        particles: int = 8,
+        block_size: int = 4,
+        resampler: str = "systematic",
+        ess_threshold: float = 0.5,
+    ):
+        super().__init__(target)
+        self.particles = check_positive_int("particles", particles, "use at least 1 particle")
+        self.block_size = check_positive_int("block_size", block_size, "draft at least 1 token per round")
+        if resampler not in RESAMPLERS:
+            raise SMCDecodeError(f"unknown resampler {resampler!r}: choose one of {sorted(RESAMPLERS)}")
+        self.resampler = resampler
+        self.ess_threshold = check_unit_interval("ess_threshold", ess_threshold, "0 never resamples, 1 always")
+        self.proposal = as_proposal(proposal, self.model)
+        if self.proposal is None:
+            self.block_size = 0
+
+    def _run(self, ids, groups, max_new_tokens, g, bar):
+        return smc_sd(
+            self.target, self.proposal, ids, groups=groups, particles=self.particles,
+            block_size=self.block_size, max_new_tokens=max_new_tokens, resampler=self.resampler,
+            ess_threshold=self.ess_threshold, generator=g, progress=bar,
+        )
+
+
+class SpeculativeDecoding(_Strategy):
+    """Exact speculative decoding (the baseline): samples exactly p_T, ``samples`` independent
+    sequences. Only a plain LM target (α = 1, no constraints or rewards) is allowed."""
+
+    name = "speculative"
+
+    def __init__(self, target, proposal, *, block_size: int = 4, samples: int = 1):
+        super().__init__(target)
+        if self.target.lm.alpha != 1 or self.target.constraints or self.target.rewards:
+            raise SMCDecodeError(
+                f"exact speculative decoding samples the LM alone; target {self.target!r} has a power, "
+                "constraint or reward: use SMC for it"
+            )
+        self.proposal = as_proposal(proposal, self.model)
+        if self.proposal is None:
+            raise SMCDecodeError("speculative decoding needs a draft proposal: pass Draft(model, temperature)")
+        self.block_size = check_positive_int("block_size", block_size, "draft at least 1 token per round")
+        self.samples = check_positive_int("samples", samples)
+
+    def _bar_scale(self) -> int:
+        return self.samples
+
+    def _run(self, ids, groups, max_new_tokens, g, bar):
+        out = speculative(
+            self.target, self.proposal, ids, batch=groups * self.samples, block_size=self.block_size,
+            max_new_tokens=max_new_tokens, generator=g, progress=bar,
+        )
+        return _regroup(out, groups)
+
+
+class Autoregressive(_Strategy):
+    """Plain autoregressive sampling of ``samples`` sequences from the locally normalised target
+    p_T^α·1[valid] (exactly p_T when α = 1 and there is no constraint; rewards are not allowed)."""
+
+    name = "autoregressive"
+
+    def __init__(self, target, *, samples: int = 1):
+        super().__init__(target)
+        if self.target.rewards:
+            raise SMCDecodeError("autoregressive sampling cannot apply a reward tilt: use SMC for it")
+        self.samples = check_positive_int("samples", samples)
+        self.block_size = 0
+
+    def _run(self, ids, groups, max_new_tokens, g, bar):
+        out = autoregressive(
+            self.target, ids, batch=groups * self.samples, max_new_tokens=max_new_tokens, generator=g, progress=bar
+        )
+        return _regroup(out, groups)
+
+
+def _regroup(out: SMCOutput, groups: int) -> SMCOutput:
+    B = out.tokens.shape[1]
+    n = B // groups
+    out.tokens = out.tokens.view(groups, n, -1)
+    out.lengths = out.lengths.view(groups, n)
+    out.finished = out.finished.view(groups, n)
+    out.log_weights = out.log_weights.view(groups, n)
+    out.log_evidence = torch.full((groups,), math.nan, dtype=torch.float64)
+    return out

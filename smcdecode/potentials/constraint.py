@@ -1,0 +1,71 @@
+"""Prefix-checkable constraints Ψ(x) = 1[x ∈ A] with a vectorised, forkable state.
+
+The tensor path used by the samplers, for a batch of B particles:
+
+    start(B)              -> state        initial state (tensor with leading dim B, or any
+                                          object ``fork`` can index)
+    allowed(state)        -> bool [B, V]  tokens that keep the prefix viable; EOS iff x ∈ A
+    advance(state, v [B]) -> state        state after appending token v
+    accepting(state)      -> bool [B]     is the prefix itself in A (for sequences cut at
+                                          max_new_tokens)
+    fork(state, index)    -> state        rows ``index`` (resampling: a gather)
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from ..errors import SMCDecodeError
+from .base import Potential
+
+
+class TokenConstraint(Potential):
+    """Base for constraints with a tensor path. Subclasses implement the five state methods."""
+
+    def start(self, batch: int):
+        raise NotImplementedError  # abstract
+
+    def allowed(self, state) -> Tensor:
+        raise NotImplementedError  # abstract
+
+    def advance(self, state, tokens: Tensor):
+        raise NotImplementedError  # abstract
+
+    def accepting(self, state) -> Tensor:
+        raise NotImplementedError  # abstract
+
+    def fork(self, state, index: Tensor):
+        return state[index.to(state.device)]
+
+    def __pow__(self, alpha: float) -> "TokenConstraint":
+        if not float(alpha) > 0:
+            raise SMCDecodeError(f"a constraint can only be raised to a power > 0, got {alpha!r}")
+        return self  # 1[x ∈ A]^α = 1[x ∈ A]
+
+    def _state_of(self, tokens: Sequence[int]):
+        model = self._require_model()
+        state = self.start(1)
+        for t in tokens:
+            if not bool(self.allowed(state)[0, t]):
+                return None
+            if t == model.eos_token_id:
+                raise SMCDecodeError("tokens passed to a potential must not contain EOS: use complete()")
+            state = self.advance(state, torch.tensor([t]))
+        return state
+
+    def prefix(self, tokens, prompt=()):
+        return 0.0 if self._state_of(tokens) is not None else float("-inf")
+
+    def complete(self, tokens, prompt=()):
+        state = self._state_of(tokens)
+        return 0.0 if state is not None and bool(self.accepting(state)[0]) else float("-inf")
+
+    def logw_next(self, tokens, prompt=()):
+        state = self._state_of(tokens)
+        V = self._require_model().vocab_size
+        if state is None:
+            return torch.full((V,), float("-inf"), dtype=torch.float64)
+        return torch.where(self.allowed(state)[0], 0.0, float("-inf")).double()

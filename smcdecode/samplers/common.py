@@ -1,0 +1,118 @@
+"""Tensor helpers shared by the strategies: sampling, masks, constraint/reward bookkeeping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+NEG_INF = float("-inf")
+
+
+def gumbel_argmax(log_weights: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One draw per row from softmax(log_weights) [B, V] by the exponential race (no host sync).
+
+    argmax_v (log w_v − log E_v), E_v ~ Exp(1), is distributed ∝ w_v. Rows that are all -inf
+    return an arbitrary index; callers give those particles weight -inf.
+    """
+    u = torch.rand(log_weights.shape, generator=generator, dtype=torch.float64, device=log_weights.device)
+    e = -torch.log1p(-u)  # Exp(1) with u in [0, 1)
+    return torch.argmax(log_weights.double() - torch.log(e.clamp(min=1e-300)), dim=-1)
+
+
+def masked_log_softmax(log_weights: Tensor, allowed: Tensor | None) -> Tensor:
+    """log of the normalised distribution ∝ exp(log_weights)·1[allowed]; rows with nothing allowed
+    are all -inf (never NaN)."""
+    if allowed is not None:
+        log_weights = log_weights.masked_fill(~allowed, NEG_INF)
+    lse = torch.logsumexp(log_weights, dim=-1, keepdim=True)
+    return torch.where(torch.isfinite(lse), log_weights - torch.where(torch.isfinite(lse), lse, 0.0), NEG_INF)
+
+
+@dataclass
+class Constraints:
+    """The constraints of a target, with their per-particle states (one entry per constraint)."""
+
+    potentials: Sequence
+    states: list = field(default_factory=list)
+
+    @classmethod
+    def start(cls, potentials: Sequence, batch: int) -> "Constraints":
+        return cls(list(potentials), [c.start(batch) for c in potentials])
+
+    def __bool__(self) -> bool:
+        return bool(self.potentials)
+
+    def allowed(self, states: list | None = None) -> Tensor | None:
+        states = self.states if states is None else states
+        mask = None
+        for c, s in zip(self.potentials, states):
+            m = c.allowed(s)
+            mask = m if mask is None else mask & m
+        return mask
+
+    def advanced(self, tokens: Tensor, states: list | None = None) -> list:
+        states = self.states if states is None else states
+        return [c.advance(s, tokens) for c, s in zip(self.potentials, states)]
+
+    def accepting(self, batch: int) -> Tensor:
+        ok = torch.ones(batch, dtype=torch.bool)
+        for c, s in zip(self.potentials, self.states):
+            ok = ok & c.accepting(s).cpu()
+        return ok
+
+    def fork(self, index: Tensor) -> None:
+        self.states = [c.fork(s, index) for c, s in zip(self.potentials, self.states)]
+
+
+def texts_of(model, tokens: Tensor, lengths: Tensor, rows: Sequence[int]) -> list[str]:
+    """Decoded generated text of the given rows (EOS dropped)."""
+    eos = model.eos_token_id
+    out = []
+    for i in rows:
+        ids = tokens[i, : int(lengths[i])].tolist()
+        if ids and ids[-1] == eos:
+            ids = ids[:-1]
+        out.append(model.decode(ids))
+    return out
+
+
+class RewardTracker:
+    """Incremental log-weights of reward tilts: prefix twists add β·(R(new) − R(old)) each round,
+    completion rewards add β·R(x) once, when the particle finishes."""
+
+    def __init__(self, rewards: Sequence, model, batch: int):
+        self.rewards = list(rewards)
+        self.model = model
+        self.prev = {}
+        for i, r in enumerate(self.rewards):
+            if r.mode == "prefix":
+                self.prev[i] = r.scores([""]).repeat(batch)
+
+    def __bool__(self) -> bool:
+        return bool(self.rewards)
+
+    def increment(self, tokens: Tensor, lengths: Tensor, active: Tensor, finishing: Tensor) -> Tensor:
+        B = tokens.shape[0]
+        incr = torch.zeros(B, dtype=torch.float64)
+        rows = active.nonzero().flatten().tolist()
+        if not rows:
+            return incr
+        texts = texts_of(self.model, tokens, lengths, rows)
+        idx = torch.tensor(rows, dtype=torch.long)
+        for i, r in enumerate(self.rewards):
+            if r.mode == "prefix":
+                values = r.scores(texts)
+                incr[idx] += r.beta * (values - self.prev[i][idx])
+                self.prev[i][idx] = values
+            else:
+                fin = [j for j, row in enumerate(rows) if bool(finishing[row])]
+                if fin:
+                    values = r.scores([texts[j] for j in fin])
+                    incr[idx[fin]] += r.beta * values
+        return incr
+
+    def fork(self, index: Tensor) -> None:
+        self.prev = {i: v[index] for i, v in self.prev.items()}

@@ -1,0 +1,187 @@
+"""SMC speculative decoding (SMC-SD) for G groups × N particles, on any backend's runners.
+
+One round, per particle with history h (DESIGN.md §2):
+  1. draft d_1..d_k ~ q' (the draft at its temperature, masked by the target's constraints);
+  2. one target pass over [last, d_1..d_k] gives p_T(· | h, d_<i), i = 1..k+1;
+  3. bonus b ~ π_loc(v) ∝ p_T(v | h, d)^α · 1[valid];
+  4. log w += Σ_i [α log p_T(d_i) − log q'(d_i)] + log Σ_v p_T(v | h, d)^α 1[valid]
+     (terms stop at the first EOS; no bonus after an EOS or when the token budget runs out);
+  5. rewards add their twist / terminal terms; a sequence cut at max_new_tokens that the
+     constraints do not accept gets log w = -inf.
+Then, per group, resample when ESS < τ·N (always when τ = 1) and fold the mean weight into log Ẑ.
+With no draft (proposal = the target) k = 0: a plain particle filter with the locally optimal
+proposal π_loc, one token per round.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .common import NEG_INF, Constraints, RewardTracker, gumbel_argmax, masked_log_softmax
+from .resampling import get_resampler, normalise
+
+
+@dataclass
+class SMCOutput:
+    """Raw output of a run, with a leading group dimension G and particle dimension N."""
+
+    tokens: Tensor  # [G, N, max_new_tokens] long, EOS-padded
+    lengths: Tensor  # [G, N] generated tokens (an ending EOS included)
+    finished: Tensor  # [G, N] bool: ended by EOS, budget, or weight -inf
+    log_weights: Tensor  # [G, N] float64, since the last resampling
+    log_evidence: Tensor  # [G] float64 log Ẑ
+    ess: list[Tensor] = field(default_factory=list)  # per round, [G]
+    resampled: list[Tensor] = field(default_factory=list)  # per round, [G] bool
+    weights: list[Tensor] = field(default_factory=list)  # per round, normalised [G, N] before resampling
+    draft_tokens: int = 0  # drafted tokens proposed in total (all particles)
+    rounds: int = 0
+
+
+def smc_sd(
+    target,
+    draft,
+    prompt_ids: list[int],
+    *,
+    groups: int,
+    particles: int,
+    block_size: int,
+    max_new_tokens: int,
+    resampler: str = "systematic",
+    ess_threshold: float = 0.5,
+    generator: torch.Generator | None = None,
+    progress=None,
+) -> SMCOutput:
+    """Run SMC-SD. ``target`` is a Product (one LM, constraints, rewards); ``draft`` is a
+    :class:`~smcdecode.samplers.proposals.Draft` or None (target as proposal, block size 0)."""
+    lm = target.lm
+    model = lm.model
+    G, N = groups, particles
+    B = G * N
+    K = block_size if draft is not None else 0
+    eos = model.eos_token_id
+    alpha = lm.alpha
+    resample = get_resampler(resampler)
+
+    t_runner = model.start(prompt_ids[:-1], B)
+    d_runner = draft.model.start(prompt_ids[:-1], B) if K > 0 else None
+    pending = torch.full((B, 1), prompt_ids[-1], dtype=torch.long)  # tokens the draft has not seen
+    last = torch.full((B,), prompt_ids[-1], dtype=torch.long)  # token the target has not seen
+
+    tokens = torch.full((B, max_new_tokens), eos, dtype=torch.long)
+    lengths = torch.zeros(B, dtype=torch.long)
+    finished = torch.zeros(B, dtype=torch.bool)
+    log_w = torch.zeros(B, dtype=torch.float64)
+    log_Z = torch.zeros(G, dtype=torch.float64)
+    constraints = Constraints.start(target.constraints, B)
+    rewards = RewardTracker(target.rewards, model, B)
+    out = SMCOutput(tokens, lengths, finished, log_w, log_Z)
+    position = 0  # generated length of every unfinished particle (they advance in lockstep)
+
+    while position < max_new_tokens and not bool(finished.all()):
+        remaining = max_new_tokens - position
+        k = min(K, remaining)
+        bonus = remaining > K
+        active = ~finished
+
+        # 1. draft k tokens from q' (masked by the constraints)
+        drafts = torch.empty(B, k, dtype=torch.long)
+        log_q = torch.zeros(B, k, dtype=torch.float64)
+        masks = []
+        states = constraints.states
+        if k > 0:
+            logits = d_runner.extend(pending)[:, -1].cpu()
+            for i in range(k):
+                mask = constraints.allowed(states)
+                masks.append(mask)
+                lq = masked_log_softmax(torch.log_softmax(logits.double() / draft.temperature, -1), mask)
+                d = gumbel_argmax(lq, generator)
+                drafts[:, i] = d
+                log_q[:, i] = lq.gather(1, d[:, None])[:, 0]
+                states = constraints.advanced(d, states)
+                if i < k - 1:
+                    logits = d_runner.extend(d[:, None])[:, -1].cpu()
+            out.draft_tokens += int(active.sum()) * k
+
+        # 2. one target pass over [last, d_1..d_k]
+        feed = torch.cat([last[:, None], drafts], dim=1)
+        log_p = lm.log_probs(t_runner.extend(feed).cpu()).double()  # [B, k+1, V]
+
+        # 4. incremental weights of the drafted tokens, up to and including the first EOS
+        term = alpha * log_p[:, :k].gather(2, drafts[:, :, None])[:, :, 0] - log_q
+        term = torch.where(torch.isneginf(log_q), NEG_INF, term)  # masked-out dead end
+        is_eos = drafts == eos
+        keep = (torch.cumsum(is_eos.long(), 1) - is_eos.long()) == 0
+        incr = torch.where(keep, term, 0.0).sum(1)
+        any_eos = is_eos.any(1)
+        n_new = torch.where(any_eos, is_eos.long().argmax(1) + 1, k)
+        block = drafts
+
+        # 3. bonus token from π_loc ∝ p^α·1[valid], weighted by its normaliser
+        if bonus:
+            mask = constraints.allowed(states)
+            lb = alpha * log_p[:, k]
+            if mask is not None:
+                lb = lb.masked_fill(~mask, NEG_INF)
+            log_norm = torch.logsumexp(lb, dim=-1)
+            b = gumbel_argmax(lb, generator)
+            incr = incr + torch.where(any_eos, 0.0, log_norm)
+            n_new = torch.where(any_eos, n_new, k + 1)
+            block = torch.cat([drafts, b[:, None]], dim=1)
+            states = constraints.advanced(b, states)
+            pending = torch.stack([drafts[:, -1], b], dim=1) if k > 0 else b[:, None]
+            last = b
+        constraints.states = states
+
+        width = block.shape[1]
+        block = torch.where(torch.arange(width)[None, :] < n_new[:, None], block, eos)
+        tokens[active, position : position + width] = block[active]
+        lengths[active] += n_new[active]
+        position += width
+
+        ended = active & (any_eos | (lengths >= max_new_tokens))
+        truncated = ended & ~any_eos
+        if constraints:
+            incr = torch.where(truncated & ~constraints.accepting(B), NEG_INF, incr)
+        if rewards:
+            incr = incr + rewards.increment(tokens, lengths, active, ended)
+        log_w = torch.where(active, log_w + incr, log_w)
+        finished |= ended | torch.isneginf(log_w)
+        if progress is not None:
+            progress.update(width)
+
+        # resample per group when ESS < τN
+        lw = log_w.view(G, N)
+        W, ess = normalise(lw)
+        live_group = (~finished).view(G, N).any(1)
+        do = live_group & (ess > 0) & ((ess < ess_threshold * N) | (ess_threshold >= 1.0))
+        out.ess.append(ess)
+        out.resampled.append(do)
+        out.weights.append(W)
+        out.rounds += 1
+        if bool(do.any()):  # the one host sync of the round
+            A = resample(W, generator)
+            A = torch.where(do[:, None], A, torch.arange(N)[None, :])
+            index = (A + (torch.arange(G) * N)[:, None]).flatten()
+            lse = torch.logsumexp(lw, dim=1)
+            log_Z += torch.where(do, lse - math.log(N), 0.0)
+            log_w = torch.where(do[:, None], 0.0, lw).flatten()
+            tokens, lengths, finished = tokens[index], lengths[index], finished[index]
+            pending, last = pending[index], last[index]
+            constraints.fork(index)
+            rewards.fork(index)
+            t_runner.reorder(index)
+            if d_runner is not None:
+                d_runner.reorder(index)
+
+    lw = log_w.view(G, N)
+    log_Z += torch.logsumexp(lw, dim=1) - math.log(N)
+    out.tokens = tokens.view(G, N, -1)
+    out.lengths = lengths.view(G, N)
+    out.finished = finished.view(G, N)
+    out.log_weights = lw
+    out.log_evidence = log_Z
+    return out

@@ -1,0 +1,10 @@
+"""The GPU engine: native Llama-family models over a paged, particle-shared KV cache, with
+Triton attention and CUDA-graph rounds. See docs/engine.md."""
+
+from .attention import PagedBatch, paged_attention, reference_paged_attention
+from .engine import Engine, EngineOutput, sample_exponential_race
+from .kv_cache import KVPool, PageTable
+from .model import PRESETS, Llama, LlamaConfig
+
+__all__ = ["Engine", "EngineOutput", "KVPool", "Llama", "LlamaConfig", "PRESETS", "PageTable", "PagedBatch",
+           "paged_attention", "reference_paged_attention", "sample_exponential_race"]

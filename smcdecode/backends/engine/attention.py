@@ -1,0 +1,75 @@
+"""Paged attention for decode (L = 1 or 2 queries per row) and the (K+1)-query verify pass.
+
+Query i of row b sits at position ``seq_lens[b] - L + i`` and attends to every cached position
+<= its own (the new keys were written to the cache before attention). Two implementations with the
+same contract: ``reference_paged_attention`` (pure torch: gather the row's pages, masked softmax in
+float32; runs anywhere, and is what the Triton kernel is tested against) and the Triton
+split-KV kernel in ``kernels.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class PagedBatch:
+    """Where the L new tokens of each of B rows go and what they attend to (all device tensors)."""
+
+    positions: Tensor  # [B, L] long: position of each new token
+    seq_lens: Tensor  # [B] int32: cached tokens per row after the write
+    page_table: Tensor  # [B, P] int32: page ids of each row, in order
+    slot_pages: Tensor  # [B*L] long: page of each new token
+    slot_offsets: Tensor  # [B*L] long: offset in that page
+
+    @classmethod
+    def build(cls, positions: Tensor, page_table: Tensor, page_size: int) -> "PagedBatch":
+        """From positions [B, L] and the page table; no host sync (capturable in a CUDA graph)."""
+        B, L = positions.shape
+        page_idx = torch.div(positions, page_size, rounding_mode="floor")
+        pages = page_table.long().gather(1, page_idx)
+        return cls(positions, (positions[:, -1] + 1).to(torch.int32), page_table,
+                   pages.reshape(-1), (positions % page_size).reshape(-1))
+
+
+def reference_paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, batch: PagedBatch) -> Tensor:
+    """q [B, L, H, D]; pools [num_pages, Hkv, PS, D] -> out [B, L, H, D] (q's dtype).
+
+    Gathers all P pages of every row (P·PS keys), masks positions after each query; float32 softmax."""
+    B, L, H, D = q.shape
+    _, Hkv, PS, _ = k_pool.shape
+    P = batch.page_table.shape[1]
+    pt = batch.page_table.long()
+    k = k_pool[pt].permute(0, 2, 1, 3, 4).reshape(B, Hkv, P * PS, D)  # [B, Hkv, S, D]
+    v = v_pool[pt].permute(0, 2, 1, 3, 4).reshape(B, Hkv, P * PS, D)
+    G = H // Hkv
+    qf = q.float().permute(0, 2, 1, 3).reshape(B, Hkv, G * L, D)  # rows ordered (g, l)
+    scores = qf @ k.float().transpose(-1, -2) / D**0.5  # [B, Hkv, G*L, S]
+    qpos = batch.positions.repeat(1, G)  # [B, G*L] matching (g, l) order
+    allowed = torch.arange(P * PS, device=q.device)[None, None, :] <= qpos[:, :, None]
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v.float()  # [B, Hkv, G*L, D]
+    return out.reshape(B, H, L, D).permute(0, 2, 1, 3).to(q.dtype)
+
+
+def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, batch: PagedBatch, backend: str = "auto") -> Tensor:
+    """Dispatch: ``"triton"`` (CUDA), ``"torch"`` (reference), ``"auto"`` (triton when on CUDA)."""
+    if backend == "auto":  # the kernel holds all L·G query rows of a kv head in one tile
+        small = q.shape[1] * (q.shape[2] // k_pool.shape[1]) <= 128
+        backend = "triton" if q.is_cuda and small and _triton_available() else "torch"
+    if backend == "triton":
+        from .kernels import triton_paged_attention
+
+        return triton_paged_attention(q, k_pool, v_pool, batch)
+    return reference_paged_attention(q, k_pool, v_pool, batch)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,162 @@
+"""Paged KV memory: device page pools and a host-side, reference-counted page table.
+
+The particles of a request share pages: the prompt is written once and every particle's page-table
+row points at the same prompt pages. Resampling (``fork``) copies page-table rows — a pointer
+exchange with reference counts — and the partially filled last page of a row is copied only when a
+row that shares it is about to write into it (copy-on-write, ``reserve``). The draft and the target
+each have their own pool (their own layer count and head shape); both use one page table, so a page
+id names a page in both pools.
+
+NOTE: the page table lives on the host (numpy) and is uploaded to a static device tensor before each
+CUDA-graph replay; all bookkeeping happens between rounds, after the round's one host sync.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+class KVPool:
+    """The keys and values of all layers of one model: ``kv [n_layers, 2, num_pages, Hkv, PS, D]``."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, num_pages: int, page_size: int,
+                 dtype=torch.bfloat16, device="cuda", attention_backend: str = "auto"):
+        self.kv = torch.zeros(n_layers, 2, num_pages, n_kv_heads, page_size, head_dim, dtype=dtype, device=device)
+        self.page_size = page_size
+        self.attention_backend = attention_backend
+
+    @classmethod
+    def for_model(cls, cfg, num_pages: int, page_size: int, dtype=torch.bfloat16, device="cuda", **kw) -> "KVPool":
+        return cls(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, num_pages, page_size, dtype, device, **kw)
+
+    def k(self, layer: int) -> Tensor:
+        return self.kv[layer, 0]
+
+    def v(self, layer: int) -> Tensor:
+        return self.kv[layer, 1]
+
+    def write(self, layer: int, k: Tensor, v: Tensor, pages: Tensor, offsets: Tensor) -> None:
+        # k, v: [B, L, Hkv, D]; pages/offsets: [B*L]. NOTE: (page, offset) pairs must be distinct.
+        Hkv, D = k.shape[-2:]
+        self.kv[layer, 0][pages, :, offsets] = k.reshape(-1, Hkv, D)
+        self.kv[layer, 1][pages, :, offsets] = v.reshape(-1, Hkv, D)
+
+    def copy_pages(self, src: Tensor, dst: Tensor) -> None:
+        """kv[..., dst, ...] = kv[..., src, ...] for every layer (copy-on-write)."""
+        self.kv[:, :, dst] = self.kv[:, :, src]
+
+    @property
+    def bytes_per_page(self) -> int:
+        n_layers, two, _, Hkv, PS, D = self.kv.shape
+        return n_layers * two * Hkv * PS * D * self.kv.element_size()
+
+
+class PageTable:
+    """Reference-counted pages of ``rows`` sequences over a pool of ``num_pages`` pages.
+
+    ``table [rows, max_pages]`` holds page ids (unused entries point at page 0, which is never
+    handed out: a harmless target for masked reads). ``n_pages[r]`` entries of row r are live and
+    ``lengths[r]`` tokens are stored."""
+
+    def __init__(self, rows: int, max_pages: int, num_pages: int, page_size: int):
+        self.page_size = page_size
+        self.table = np.zeros((rows, max_pages), dtype=np.int32)
+        self.n_pages = np.zeros(rows, dtype=np.int64)
+        self.lengths = np.zeros(rows, dtype=np.int64)
+        self.ref = np.zeros(num_pages, dtype=np.int64)
+        self.ref[0] = 1 << 40  # page 0: the null page
+        self.free = list(range(num_pages - 1, 0, -1))
+        self.peak_used = 0
+
+    @property
+    def used(self) -> int:
+        return int((self.ref[1:] > 0).sum())
+
+    def _alloc(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise MemoryError(f"KV pool exhausted: need {n} more pages, {len(self.free)} free; "
+                              f"allocate more pages (num_pages) or run fewer particles")
+        pages = [self.free.pop() for _ in range(n)]
+        self.ref[pages] = 1
+        return pages
+
+    def _release(self, pages: np.ndarray) -> None:
+        np.subtract.at(self.ref, pages, 1)
+        dead = np.unique(pages[self.ref[pages] == 0])
+        self.free.extend(dead.tolist())
+
+    def share_prefix(self, rows: list[int], src_row: int) -> None:
+        """Rows become copies of ``src_row`` (prompt sharing): their page entries point at its pages."""
+        n = int(self.n_pages[src_row])
+        pages = self.table[src_row, :n]
+        for r in rows:
+            if r == src_row:
+                continue
+            self._release(self.table[r, : self.n_pages[r]])
+            self.table[r, :n] = pages
+            self.table[r, n:] = 0
+            self.ref[pages] += 1
+            self.n_pages[r] = n
+            self.lengths[r] = self.lengths[src_row]
+
+    def reserve(self, rows: np.ndarray, new_lengths: np.ndarray, write_from: np.ndarray | None = None
+                ) -> tuple[list[int], list[int]]:
+        """Make positions [write_from, new_lengths) of ``rows`` writable (write_from defaults to the
+        stored length): copy-on-write of every allocated page in that range that other rows share
+        (the partially filled last page, in practice), fresh pages after it. Returns the (src, dst)
+        page copies to perform on the device pools before the write."""
+        PS = self.page_size
+        src, dst = [], []
+        if write_from is None:
+            write_from = self.lengths[rows]
+        for r, new_len, start in zip(rows.tolist(), new_lengths.tolist(), np.asarray(write_from).tolist()):
+            n = int(self.n_pages[r])
+            for j in range(start // PS, min(n, -(-new_len // PS))):
+                page = int(self.table[r, j])
+                if self.ref[page] > 1:  # shared page about to be written: copy it first
+                    (fresh,) = self._alloc(1)
+                    self.ref[page] -= 1
+                    self.table[r, j] = fresh
+                    src.append(page)
+                    dst.append(fresh)
+            need = -(-new_len // PS) - n
+            if need > 0:
+                if n + need > self.table.shape[1]:
+                    raise MemoryError(f"row {r} needs {n + need} pages, the page table holds {self.table.shape[1]}")
+                self.table[r, n : n + need] = self._alloc(need)
+                self.n_pages[r] = n + need
+        self.peak_used = max(self.peak_used, self.used)
+        return src, dst
+
+    def advance(self, rows: np.ndarray, new_lengths: np.ndarray) -> None:
+        self.lengths[rows] = new_lengths
+
+    def fork(self, index: np.ndarray) -> None:
+        """Row i becomes a copy of old row ``index[i]`` (resampling): shared pages, counts adjusted."""
+        index = np.asarray(index)
+        if np.array_equal(index, np.arange(len(index))):
+            return
+        cols = np.arange(self.table.shape[1])[None, :]
+        old_live = self.table[cols < self.n_pages[:, None]]
+        table, n_pages, lengths = self.table[index], self.n_pages[index], self.lengths[index]
+        new_live = table[cols < n_pages[:, None]]
+        np.add.at(self.ref, new_live, 1)
+        self._release(old_live)
+        self.table, self.n_pages, self.lengths = table, n_pages, lengths
+
+    def crop(self, rows: np.ndarray, new_lengths: np.ndarray) -> None:
+        """Keep the first ``new_lengths`` tokens of each row (speculative-decoding rollback)."""
+        PS = self.page_size
+        for r, new_len in zip(rows.tolist(), new_lengths.tolist()):
+            keep = -(-new_len // PS)
+            n = int(self.n_pages[r])
+            if keep < n:
+                self._release(self.table[r, keep:n].copy())
+                self.table[r, keep:n] = 0
+                self.n_pages[r] = keep
+            self.lengths[r] = min(int(self.lengths[r]), new_len)
+
+    def free_rows(self, rows: np.ndarray) -> None:
+        self.crop(rows, np.zeros(len(rows), dtype=np.int64))

@@ -51,7 +51,8 @@ class HFRunner:
 
     def crop(self, length: int) -> None:
         if length < self.length:
-            self.cache.crop(length)
+            # NOTE: a negative argument means "drop that many tokens" in every transformers version
+            self.cache.crop(length - self.length)
             self.length = length
 
 

@@ -117,7 +117,8 @@ def smc_sd(
         keep = (torch.cumsum(is_eos.long(), 1) - is_eos.long()) == 0
         incr = torch.where(keep, term, 0.0).sum(1)
         any_eos = is_eos.any(1)
-        n_new = torch.where(any_eos, is_eos.long().argmax(1) + 1, k)
+        first_eos = is_eos.long().argmax(1) if k > 0 else torch.zeros(B, dtype=torch.long)
+        n_new = torch.where(any_eos, first_eos + 1, k)
         block = drafts
 
         # 3. bonus token from π_loc ∝ p^α·1[valid], weighted by its normaliser
@@ -142,8 +143,9 @@ def smc_sd(
         lengths[active] += n_new[active]
         position += width
 
-        ended = active & (any_eos | (lengths >= max_new_tokens))
-        truncated = ended & ~any_eos
+        hit_eos = any_eos | (block[:, -1] == eos) if bonus else any_eos
+        ended = active & (hit_eos | (lengths >= max_new_tokens))
+        truncated = ended & ~hit_eos
         if constraints:
             incr = torch.where(truncated & ~constraints.accepting(B), NEG_INF, incr)
         if rewards:

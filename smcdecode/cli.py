@@ -87,12 +87,14 @@ def _default_draft(target_model):
     if load_default_draft is not None:
         try:
             return load_default_draft(target_model)
-        except sd.SMCDecodeError:
-            raise
-        except Exception:  # noqa: BLE001 - fall back to the truncated draft below
-            pass
+        except Exception as e:  # noqa: BLE001 - no shipped draft fits: fall back to truncation
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+    else:
+        reason = "no shipped drafts"
     layers = target_model.hf.config.num_hidden_layers
-    return sd.truncated_draft(target_model, max(1, layers // 3))
+    keep = max(1, layers // 3)
+    print(f"smcdecode: note: using the target's first {keep} layers as the draft ({reason})", file=sys.stderr)
+    return sd.truncated_draft(target_model, keep)
 
 
 def _generate(args) -> int:

@@ -223,7 +223,9 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("SMCDECODE_CACHE", Path.home() / ".cache" / "smcdecode"))
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device, cache: bool = True) -> HFModel:
+def _load_gguf(
+    path: Path, dtype: torch.dtype, device: str | torch.device, cache: bool = True, name: str | None = None
+) -> HFModel:
     """Load a GGUF through transformers; keep a converted copy so later loads take a second."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -253,7 +255,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str | torch.device, cache
             except OSError:
                 pass  # a read-only home: loading still works, just slower next time
     hf = hf.to(dtype)
-    return HFModel(hf.to(device), tok, name=path.stem)
+    return HFModel(hf.to(device), tok, name=name or path.stem)
 
 
 def load_model(
@@ -272,7 +274,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name_or_path in ("smollm2", "default", "SmolLM2-135M-Instruct"):
-        return _load_gguf(_smollm2_dir() / SMOLLM2_GGUF, dtype, device)
+        return _load_gguf(_smollm2_dir() / SMOLLM2_GGUF, dtype, device, name="SmolLM2-135M-Instruct")
     path = Path(name_or_path).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():

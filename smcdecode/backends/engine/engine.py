@@ -48,11 +48,13 @@ class Engine:
     """Holds the models and their KV pools; runs SMC-SD and autoregressive decoding on them."""
 
     def __init__(self, target: Llama, draft: Llama | None = None, *, num_pages: int, page_size: int = 16,
-                 attention_backend: str = "auto"):
+                 max_context: int | None = None, attention_backend: str = "auto"):
+        """``max_context`` fixes the page-table width (so kernel launch shapes, and thus compiled
+        kernels and graphs, do not depend on each call's lengths); None sizes it per call."""
         self.target, self.draft = target, draft
         p = next(target.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.page_size, self.num_pages = page_size, num_pages
+        self.page_size, self.num_pages, self.max_context = page_size, num_pages, max_context
         self.kv_t = KVPool.for_model(target.cfg, num_pages, page_size, self.dtype, self.device,
                                      attention_backend=attention_backend)
         self.kv_d = None
@@ -77,8 +79,11 @@ class Engine:
     def _start(self, prompts: list[list[int]], N: int, extra: int) -> tuple[PageTable, Tensor]:
         """Page table for G·N rows; each request's prompt prefilled once (in row g·N) and shared."""
         G, PS = len(prompts), self.page_size
-        longest = max(len(p) for p in prompts)
-        table = PageTable(G * N, -(-(longest + extra) // PS) + 1, self.num_pages, PS)
+        longest = max(len(p) for p in prompts) + extra
+        if self.max_context is not None and longest > self.max_context:
+            raise ValueError(f"prompt + new tokens + block need {longest} positions, more than the engine's "
+                             f"max_context ({self.max_context}): raise max_context")
+        table = PageTable(G * N, -(-(self.max_context or longest) // PS) + 1, self.num_pages, PS)
         for g, ids in enumerate(prompts):
             r = g * N
             table.reserve(np.array([r]), np.array([len(ids) - 1]))

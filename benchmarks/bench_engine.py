@@ -1,0 +1,318 @@
+"""Benchmark of the GPU engine: HF generate (static cache, compiled), our AR, SMC-SD at several
+(N, K), 1 and 8 requests, on random-weight Llama-3.1-8B (target) / Llama-3.2-1B (draft) shapes in
+bf16, with the weight-bandwidth roofline and the GEMM floor measured in the same run.
+
+    python benchmarks/bench_engine.py --out-dir docs      # one NVIDIA GPU, ~5 minutes
+
+Writes benchmarks.json and benchmarks.md (and profile.txt) into --out-dir. Random weights at real
+shapes are a fair speed benchmark: outputs run to a fixed length (EOS is ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from smcdecode.backends.engine import PRESETS, Engine, Llama
+
+
+def cuda_time(fn, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (median of 20)."""
+    n = 1 << 30
+    x = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del x, y
+    return 2 * n / statistics.median(times)
+
+
+def weight_bytes(model: Llama, with_embedding: bool = False) -> int:
+    """Bytes of the weights a forward pass reads (the embedding table is gathered, not read, unless tied)."""
+    total = 0
+    seen = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if name == "tok_embeddings.weight" and not model.cfg.tie_embeddings and not with_embedding:
+            continue
+        total += p.numel() * p.element_size()
+    return total
+
+
+def gemm_graph_time(model: Llama, rows: list[int], repeats: int = 20) -> float:
+    """Time of the weight matrix products of forward passes at M = rows[i] tokens, replayed in one
+    CUDA graph (the GEMM floor; attention, norms, sampling excluded)."""
+    cfg = model.cfg
+    xs = {m: (torch.randn(m, cfg.dim, device="cuda", dtype=torch.bfloat16),
+              torch.randn(m, cfg.intermediate_size, device="cuda", dtype=torch.bfloat16)) for m in set(rows)}
+
+    def run():
+        for m in rows:
+            x, xi = xs[m]
+            for blk in model.layers:
+                F.linear(x, blk.wqkv.weight)
+                F.linear(x, blk.wo.weight)
+                F.linear(x, blk.w13.weight)
+                F.linear(xi, blk.w2.weight)
+            F.linear(x, model.output.weight)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    g.replay()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del g
+    return statistics.median(times)
+
+
+def hf_generate(prompts: torch.Tensor, out_len: int, repeats: int) -> dict:
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
+
+    c = PRESETS["llama-3.1-8b"]
+    cfg = HFConfig(vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.intermediate_size,
+                   num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+                   rope_theta=c.rope_theta, rope_scaling=c.rope_scaling, max_position_embeddings=131072,
+                   tie_word_embeddings=False)
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(cfg)
+    hf = hf.to_empty(device="cuda").to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.02)
+    hf.model.rotary_emb.__init__(cfg, device="cuda")
+    kw = dict(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=True, cache_implementation="static",
+              pad_token_id=0)
+    ids = prompts[:1].cuda()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(ids, **kw)  # compiles (static cache => torch.compile of the forward)
+    first = time.perf_counter() - t0
+    assert out.shape[1] == ids.shape[1] + out_len
+    with torch.inference_mode():
+        times = cuda_time(lambda: hf.generate(ids, **kw), repeats)
+    mem = torch.cuda.max_memory_allocated()
+    del hf
+    torch.cuda.empty_cache()
+    t = statistics.median(times)
+    return {"system": "HF generate (static cache, compiled)", "requests": 1, "tok_s_per_request": out_len / t,
+            "tok_s_total": out_len / t, "seconds": times, "first_call_s": first, "peak_mem_gib": mem / 2**30}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out-dir", default="docs")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--out-len", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--configs", default="8x8,12x8,8x4,4x8")
+    ap.add_argument("--requests", default="1,8")
+    args = ap.parse_args()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    dev = torch.cuda.get_device_properties(0)
+    res: dict = {"device": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
+                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 "shapes": {"target": "llama-3.1-8b", "draft": "llama-3.2-1b", "dtype": "bfloat16",
+                            "prompt_len": args.prompt_len, "out_len": args.out_len, "page_size": 16,
+                            "weights": "random (normal 0, 0.02)", "eos": "ignored (fixed-length outputs)"},
+                 "repeats": args.repeats, "runs": [], "errors": []}
+
+    def save():
+        (out_dir / "benchmarks.json").write_text(json.dumps(res, indent=1, default=float))
+
+    bw = copy_bandwidth()
+    res["copy_bandwidth_TBps"] = bw / 1e12
+    print(f"device {dev.name}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    G_max = max(int(g) for g in args.requests.split(","))
+    prompts = torch.randint(0, 128000, (G_max, args.prompt_len))
+
+    if not args.skip_hf:
+        try:
+            r = hf_generate(prompts, args.out_len, args.repeats)
+            res["runs"].append(r)
+            print(r, flush=True)
+        except Exception:
+            res["errors"].append("hf: " + traceback.format_exc()[-2000:])
+            print(res["errors"][-1], flush=True)
+        save()
+
+    target = Llama.random(PRESETS["llama-3.1-8b"], device="cuda", seed=1)
+    draft = Llama.random(PRESETS["llama-3.2-1b"], device="cuda", seed=2)
+    tb, db = weight_bytes(target), weight_bytes(draft)
+    res["weight_bytes"] = {"target": tb, "draft": db}
+    max_ctx = args.prompt_len + args.out_len + 16
+    num_pages = 8 * 12 * (-(-(args.out_len + 16) // 16) + 1) + 8 * (-(-args.prompt_len // 16)) + 64
+    engine = Engine(target, draft, num_pages=num_pages, page_size=16, max_context=max_ctx)
+    page_bytes = engine.kv_t.bytes_per_page + engine.kv_d.bytes_per_page
+    res["kv"] = {"num_pages": num_pages, "bytes_per_page_target_plus_draft": page_bytes,
+                 "pool_gib": num_pages * page_bytes / 2**30}
+    print(f"weights: target {tb / 2**30:.2f} GiB, draft {db / 2**30:.2f} GiB; KV pool {num_pages} pages", flush=True)
+    requests = [int(g) for g in args.requests.split(",")]
+    P = [p.tolist() for p in prompts]
+
+    # --- our autoregressive decoding
+    for G in requests:
+        try:
+            engine.autoregressive(P[:G], max_new_tokens=8)  # compile kernels, warm up
+            torch.cuda.reset_peak_memory_stats()
+            times = cuda_time(lambda: engine.autoregressive(P[:G], max_new_tokens=args.out_len), args.repeats)
+            t = statistics.median(times)
+            floor = gemm_graph_time(target, [G]) * args.out_len
+            r = {"system": "engine AR", "requests": G, "tok_s_per_request": args.out_len / t,
+                 "tok_s_total": G * args.out_len / t, "seconds": times, "gemm_floor_s": floor,
+                 "gemm_floor_tok_s_total": G * args.out_len / floor, "frac_of_gemm_floor": floor / t,
+                 "roofline_tok_s_per_request": bw / tb, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+            res["runs"].append(r)
+            print({k: v for k, v in r.items() if k != "seconds"}, flush=True)
+        except Exception:
+            res["errors"].append(f"ar G={G}: " + traceback.format_exc()[-2000:])
+            print(res["errors"][-1], flush=True)
+        save()
+
+    # --- SMC-SD
+    for G in requests:
+        for nk in args.configs.split(","):
+            N, K = (int(x) for x in nk.split("x"))
+            try:
+                kw = dict(particles=N, block_size=K)
+                engine.smc_sd(P[:G], max_new_tokens=3 * (K + 1), **kw)  # compile kernels, warm up
+                torch.cuda.reset_peak_memory_stats()
+                outs = []
+                times = cuda_time(lambda: outs.append(engine.smc_sd(P[:G], max_new_tokens=args.out_len, **kw)),
+                                  args.repeats)
+                t = statistics.median(times)
+                o = outs[-1]
+                rounds = o.rounds
+                B = G * N
+                round_floor = gemm_graph_time(draft, [2 * B] + [B] * (K - 1)) + gemm_graph_time(target, [B * (K + 1)])
+                floor = round_floor * rounds
+                roofline_round = (K * db + tb) / bw
+                ess = torch.tensor([e.mean() for e in o.ess])
+                r = {"system": f"engine SMC-SD N={N} K={K}", "N": N, "K": K, "requests": G,
+                     "tok_s_per_request": args.out_len / t, "tok_s_total": G * args.out_len / t,
+                     "seconds": times, "rounds": rounds, "ms_per_round": 1e3 * t / rounds,
+                     "gemm_floor_ms_per_round": 1e3 * round_floor, "gemm_floor_tok_s_total": G * args.out_len / floor,
+                     "frac_of_gemm_floor": floor / t,
+                     "roofline_tok_s_per_request": (K + 1) / roofline_round,
+                     "mean_ess": float(ess.mean()), "resample_rate": float(sum(x.mean() for x in o.resampled) / rounds),
+                     "peak_kv_pages": o.peak_pages, "peak_kv_gib": o.peak_pages * page_bytes / 2**30,
+                     "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+                res["runs"].append(r)
+                print({k: v for k, v in r.items() if k != "seconds"}, flush=True)
+            except Exception:
+                res["errors"].append(f"smc {nk} G={G}: " + traceback.format_exc()[-2000:])
+                print(res["errors"][-1], flush=True)
+            save()
+
+    # memory per extra particle: KV pages used at N=12 vs N=8 (K=8, one request)
+    by = {(r.get("N"), r.get("K"), r["requests"]): r for r in res["runs"] if "N" in r}
+    if (8, 8, 1) in by and (12, 8, 1) in by:
+        d = by[(12, 8, 1)]["peak_kv_pages"] - by[(8, 8, 1)]["peak_kv_pages"]
+        res["kv_bytes_per_extra_particle"] = d * page_bytes / 4
+        res["kv_bytes_per_token_per_particle"] = page_bytes / 16
+        save()
+
+    # --- profile: where a round's time goes (eager, so kernels are attributed; and graph replay)
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            engine.smc_sd(P[:1], particles=8, block_size=8, max_new_tokens=4 * 9, use_graphs=False)
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof2:
+            engine.smc_sd(P[:1], particles=8, block_size=8, max_new_tokens=20 * 9)
+            torch.cuda.synchronize()
+        table2 = prof2.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        (out_dir / "profile.txt").write_text("EAGER (4 rounds, N=8 K=8, 1 request)\n" + table
+                                             + "\n\nGRAPHS (20 rounds + capture)\n" + table2)
+        res["profile_top_eager"] = [(e.key, e.device_time_total / 1e3) for e in sorted(
+            prof.key_averages(), key=lambda e: -e.device_time_total)[:15]]
+        res["profile_top_graph"] = [(e.key, e.device_time_total / 1e3) for e in sorted(
+            prof2.key_averages(), key=lambda e: -e.device_time_total)[:15]]
+    except Exception:
+        res["errors"].append("profile: " + traceback.format_exc()[-2000:])
+    save()
+    write_markdown(res, out_dir / "benchmarks.md")
+    print("\nsystem | G | tok/s/req | tok/s total | frac GEMM floor | peak GiB")
+    for r in res["runs"]:
+        print(f"{r['system']} | {r['requests']} | {r['tok_s_per_request']:.1f} | {r['tok_s_total']:.1f} | "
+              f"{r.get('frac_of_gemm_floor', float('nan')):.2f} | {r['peak_mem_gib']:.1f}")
+
+
+def write_markdown(res: dict, path: Path) -> None:
+    s = res["shapes"]
+    lines = [
+        "# Engine benchmarks", "",
+        f"Measured {res['date']} on **{res['device']}** ({res['sms']} SMs), torch {res['torch']}, by "
+        f"`benchmarks/bench_engine.py`. Target {s['target']}, draft {s['draft']}, {s['dtype']}, random weights, "
+        f"prompt {s['prompt_len']} tokens, output {s['out_len']} tokens (EOS ignored), KV page {s['page_size']} tokens. "
+        f"Median of {res['repeats']} runs, each end to end (prefill, CUDA-graph capture and decoding).",
+        f"Copy bandwidth measured in the same run: {res['copy_bandwidth_TBps']:.2f} TB/s (read + write).", "",
+        "| system | requests | tok/s per request | tok/s total | GEMM floor tok/s total | of GEMM floor | "
+        "weight-BW roofline tok/s per request | ms/round | mean ESS | resample rate | peak KV GiB | peak GPU mem GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    f = lambda r, k, fmt: (fmt.format(r[k]) if k in r else "–")  # noqa: E731
+    for r in res["runs"]:
+        lines.append(f"| {r['system']} | {r['requests']} | {r['tok_s_per_request']:.1f} | {r['tok_s_total']:.1f} | "
+                     f"{f(r, 'gemm_floor_tok_s_total', '{:.0f}')} | {f(r, 'frac_of_gemm_floor', '{:.0%}')} | "
+                     f"{f(r, 'roofline_tok_s_per_request', '{:.0f}')} | {f(r, 'ms_per_round', '{:.2f}')} | "
+                     f"{f(r, 'mean_ess', '{:.2f}')} | {f(r, 'resample_rate', '{:.2f}')} | "
+                     f"{f(r, 'peak_kv_gib', '{:.2f}')} | {r['peak_mem_gib']:.1f} |")
+    if "kv_bytes_per_extra_particle" in res:
+        lines += ["", f"KV memory per extra particle (N=12 vs N=8, K=8, one request, target + draft): "
+                      f"{res['kv_bytes_per_extra_particle'] / 2**20:.1f} MiB "
+                      f"({res['kv_bytes_per_token_per_particle'] / 2**10:.0f} KiB per token); the prompt's pages "
+                      f"are stored once per request."]
+    if res.get("errors"):
+        lines += ["", "Errors:", ""] + ["    " + e.replace("\n", "\n    ") for e in res["errors"]]
+    path.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

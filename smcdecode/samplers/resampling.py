@@ -11,7 +11,7 @@ particle with positive weight. Zero-weight particles own an empty interval and a
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -20,7 +20,8 @@ from ..errors import SMCDecodeError
 
 
 def _inverse_cdf(W: Tensor, u: Tensor) -> Tensor:
-    """Ancestors for sorted uniforms u [G, M] in [0, 1) against weights W [G, N]."""
+    """Ancestors for uniforms u [G, M] in [0, 1) against weights W [G, N] (u need not be sorted;
+    sorted u give sorted ancestors)."""
     cdf = torch.cumsum(W, dim=-1)
     total = cdf[..., -1:]
     idx = torch.searchsorted(cdf, (u * total).contiguous(), right=True)
@@ -60,7 +61,9 @@ def residual(W: Tensor, generator: torch.Generator | None = None) -> Tensor:
     res = (N * Wd - counts).clamp(min=0)
     res_total = res.sum(dim=-1, keepdim=True)
     res_W = torch.where(res_total > 0, res / res_total.clamp(min=1e-300), Wd)
-    u, _ = torch.sort(torch.rand(G, N, generator=generator, dtype=torch.float64, device=W.device), dim=-1)
+    # NOTE: unsorted: the first R of N *sorted* uniforms are the R smallest, which biases the draws
+    # towards low indices; the first R columns of i.i.d. uniforms are R independent draws.
+    u = torch.rand(G, N, generator=generator, dtype=torch.float64, device=W.device)
     extra = _inverse_cdf(res_W, u)  # [G, N]; only the first R columns are used
     use = torch.arange(N, device=W.device)[None, :] < R
     counts = counts.long()

@@ -1,0 +1,141 @@
+"""Toy language models and hypothesis strategies for the statistical tests.
+
+A toy LM is a random logits table whose row is picked by a hash of the *whole* context (every
+token and the length), so its next-token distribution depends on all of the history: a sampler
+that forgets to reorder a runner's history after resampling, or feeds a token twice, changes the
+distribution it samples and fails the exact tests. Everything is seeded; hypothesis runs
+derandomised, so the suite is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+import smcdecode as sd
+
+# the CI machines have 2 cores shared by several jobs; the tensors here are tiny
+torch.set_num_threads(1)
+
+PROMPT = [0]  # the "<bos>" token
+LETTERS = ["a", "b", "c", "d"]
+REGEX_VOCAB = ["<bos>", "a", "b", "ab", "<eos>"]
+TABLE_ROWS = 251  # a prime: hash buckets of the context
+
+
+def statistical_settings(max_examples: int) -> settings:
+    """Few, fixed examples: every test is deterministic and its false-alarm rate is designed to be
+    far below 1/1000 per example."""
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        database=None,
+    )
+
+
+class HashedTableLM:
+    """``fn(contexts [B, T]) -> logits [B, V]``: row ``hash(context) mod 251`` of a random table;
+    with ``markov=True`` the row is the last token (a bigram model that ignores the rest)."""
+
+    def __init__(self, table: torch.Tensor, markov: bool = False):
+        self.table = table  # [TABLE_ROWS, V] float32
+        self.markov = markov
+        gen = torch.Generator().manual_seed(12345)
+        self.coef = torch.randint(1, 2**31 - 1, (64,), generator=gen)
+
+    def __call__(self, contexts: torch.Tensor) -> torch.Tensor:
+        # contexts: [B, T]
+        T = contexts.shape[1]
+        if self.markov:
+            return self.table[contexts[:, -1] % self.table.shape[0]]
+        h = ((contexts * self.coef[:T]).sum(1) + 7919 * T) % self.table.shape[0]
+        return self.table[h]
+
+
+def toy_table(seed: int, vocab_size: int, scale: float) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return scale * torch.randn(TABLE_ROWS, vocab_size, generator=gen)
+
+
+def toy_model(table: torch.Tensor, vocab: list[str], markov: bool = False, name: str = "toy") -> sd.FunctionModel:
+    return sd.FunctionModel(HashedTableLM(table, markov), vocab=vocab, eos="<eos>", name=name)
+
+
+@dataclass
+class Toy:
+    """A target LM and a draft LM over one small vocabulary, with sampling settings."""
+
+    model: sd.FunctionModel
+    draft: sd.FunctionModel
+    vocab: list[str]
+    max_new_tokens: int
+    temperature: float
+    draft_temperature: float
+
+    def lm(self, alpha: float = 1.0) -> sd.LM:
+        return sd.LM(self.model, temperature=self.temperature) ** alpha
+
+    def proposal(self) -> sd.Draft:
+        return sd.Draft(self.draft, self.draft_temperature)
+
+
+@st.composite
+def toys(draw, vocab=None, max_new_tokens=(3, 4), draft_noise=(0.3, 0.7)) -> Toy:
+    """A random target/draft pair. The draft is either the target's table plus Gaussian noise
+    (a close draft), or a bigram table that ignores all but the last token (a poor draft).
+    The ranges keep the importance weights' variance moderate, so z-tests on means are valid."""
+    if vocab is None:
+        n_letters = draw(st.integers(1, 3))
+        vocab = ["<bos>", *LETTERS[:n_letters], "<eos>"]
+    V = len(vocab)
+    seed = draw(st.integers(0, 2**31 - 1))
+    scale = draw(st.sampled_from([0.5, 1.0, 1.5]))
+    table = toy_table(seed, V, scale)
+    kind = draw(st.sampled_from(["noisy", "bigram"]))
+    if kind == "noisy":
+        noise = draw(st.sampled_from(list(draft_noise)))
+        draft_table = table + noise * toy_table(seed + 1, V, 1.0)
+        draft = toy_model(draft_table, vocab, name="toy-draft")
+    else:
+        draft = toy_model(toy_table(seed + 2, V, 0.5), vocab, markov=True, name="toy-bigram-draft")
+    return Toy(
+        model=toy_model(table, vocab),
+        draft=draft,
+        vocab=vocab,
+        max_new_tokens=draw(st.sampled_from(list(max_new_tokens))),
+        temperature=draw(st.sampled_from([0.8, 1.0, 1.25])),
+        draft_temperature=draw(st.sampled_from([1.0, 1.25])),
+    )
+
+
+# -- rewards: deterministic text functions (no Python hash(): it is salted per process) ----------
+
+
+def reward_count(text: str) -> float:
+    return text.count("a") - 0.5 * text.count("b")
+
+
+def reward_crc(text: str) -> float:
+    """An arbitrary, non-monotone score in [-1, 1) with R("") ≠ 0."""
+    return (zlib.crc32(text.encode()) % 1000) / 500.0 - 1.0 + 0.3
+
+
+def reward_length(text: str) -> float:
+    return math.sin(1.7 * len(text)) + 0.5
+
+
+REWARDS = [reward_count, reward_crc, reward_length]
+
+
+@pytest.fixture
+def toy_lm_model() -> sd.FunctionModel:
+    """One fixed 5-token toy model (for tests that need no hypothesis)."""
+    return toy_model(toy_table(7, 5, 1.0), ["<bos>", "a", "b", "c", "<eos>"])

@@ -9,9 +9,10 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+from collections.abc import Callable, Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -227,11 +228,9 @@ def _load_gguf(
     path: Path, dtype: torch.dtype, device: str | torch.device, cache: bool = True, name: str | None = None
 ) -> HFModel:
     """Load a GGUF through transformers; keep a converted copy so later loads take a second."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from safetensors.torch import load_model as load_weights
     from safetensors.torch import save_model as save_weights
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     stat = path.stat()
     converted = _cache_dir() / f"{path.stem}-{stat.st_size}"

@@ -8,7 +8,7 @@ if TYPE_CHECKING:
     from .result import Result
 
 
-def plot_result(result: "Result", path: str | None = None):
+def plot_result(result: Result, path: str | None = None):
     import matplotlib
 
     if path is not None:

@@ -13,7 +13,7 @@ Runner contract (the GPU engine implements the same four calls):
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

@@ -13,7 +13,8 @@ exactly one language model, any number of prefix-checkable constraints, any numb
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -29,7 +30,7 @@ class Potential:
     """Base class: log-space scores of token sequences. Combine with ``*``."""
 
     #: the model whose vocabulary this potential is defined over (set for LMs; bound for others)
-    model: "Model | None" = None
+    model: Model | None = None
 
     def prefix(self, tokens: Sequence[int], prompt: Sequence[int] = ()) -> float:
         raise NotImplementedError  # abstract
@@ -55,11 +56,11 @@ class Potential:
         """[B, V] next-token log-weights for a batch of sequences (same result as one at a time)."""
         return torch.stack([self.logw_next(s, prompt) for s in seqs])
 
-    def bind(self, model: "Model") -> "Potential":
+    def bind(self, model: Model) -> Potential:
         """This potential over ``model``'s vocabulary (LMs are already bound)."""
         return self
 
-    def _require_model(self) -> "Model":
+    def _require_model(self) -> Model:
         if self.model is None:
             raise SMCDecodeError(
                 f"{self!r} is not bound to a vocabulary: multiply it with an LM potential "
@@ -67,12 +68,12 @@ class Potential:
             )
         return self.model
 
-    def __mul__(self, other: "Potential") -> "Product":
+    def __mul__(self, other: Potential) -> Product:
         if not isinstance(other, Potential):
             return NotImplemented
         return Product([self, other])
 
-    def __pow__(self, alpha: float) -> "Potential":
+    def __pow__(self, alpha: float) -> Potential:
         raise SMCDecodeError(f"{type(self).__name__} does not support a power")
 
 
@@ -103,7 +104,7 @@ class Product(Potential):
         return " * ".join(repr(f) for f in self.factors)
 
     @property
-    def lm(self) -> "LM":
+    def lm(self) -> LM:
         from .lm import LM
 
         lms = [f for f in self.factors if isinstance(f, LM)]
@@ -125,7 +126,7 @@ class Product(Potential):
 
         return [f for f in self.factors if isinstance(f, Reward)]
 
-    def bind(self, model: "Model") -> "Product":
+    def bind(self, model: Model) -> Product:
         return Product([f.bind(model) for f in self.factors])
 
     def prefix(self, tokens, prompt=()):
@@ -150,7 +151,7 @@ class Product(Potential):
     def batch_logw_next(self, seqs, prompt=()):
         return sum(f.batch_logw_next(seqs, prompt) for f in self.factors)
 
-    def __pow__(self, alpha: float) -> "Product":
+    def __pow__(self, alpha: float) -> Product:
         return Product([f**alpha for f in self.factors])
 
 

@@ -13,7 +13,7 @@ The tensor path used by the samplers, for a batch of B particles:
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -40,7 +40,7 @@ class TokenConstraint(Potential):
     def fork(self, state, index: Tensor):
         return state[index.to(state.device)]
 
-    def __pow__(self, alpha: float) -> "TokenConstraint":
+    def __pow__(self, alpha: float) -> TokenConstraint:
         if not float(alpha) > 0:
             raise SMCDecodeError(f"a constraint can only be raised to a power > 0, got {alpha!r}")
         return self  # 1[x ∈ A]^α = 1[x ∈ A]

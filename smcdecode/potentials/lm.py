@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -31,7 +31,7 @@ class LM(Potential):
         power = f" ** {self.alpha:g}" if self.alpha != 1 else ""
         return f"LM({self.model.name}, T={self.temperature:g}){power}"
 
-    def __pow__(self, alpha: float) -> "LM":
+    def __pow__(self, alpha: float) -> LM:
         return LM(self.model, self.temperature, self.alpha * _check_alpha(alpha))
 
     def log_probs(self, logits: Tensor) -> Tensor:

@@ -44,7 +44,7 @@ class Regex(TokenConstraint):
     def __repr__(self) -> str:
         return f"Regex({self.pattern!r})"
 
-    def bind(self, model) -> "Regex":
+    def bind(self, model) -> Regex:
         if self.model is model:
             return self
         bound = Regex.__new__(Regex)

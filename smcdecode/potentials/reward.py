@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -43,14 +43,14 @@ class Reward(Potential):
     def __repr__(self) -> str:
         return f"Reward({self.name}, beta={self.beta:g}, mode={self.mode!r})"
 
-    def bind(self, model) -> "Reward":
+    def bind(self, model) -> Reward:
         if self.model is model:
             return self
         bound = Reward(self.fn, self.beta, self.mode, self.batched, self.name)
         bound.model = model
         return bound
 
-    def __pow__(self, alpha: float) -> "Reward":
+    def __pow__(self, alpha: float) -> Reward:
         bound = Reward(self.fn, self.beta * check_finite_float("alpha", alpha), self.mode, self.batched, self.name)
         bound.model = self.model
         return bound

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -39,7 +39,7 @@ class Constraints:
     states: list = field(default_factory=list)
 
     @classmethod
-    def start(cls, potentials: Sequence, batch: int) -> "Constraints":
+    def start(cls, potentials: Sequence, batch: int) -> Constraints:
         return cls(list(potentials), [c.start(batch) for c in potentials])
 
     def __bool__(self) -> bool:

@@ -64,7 +64,6 @@ class Engine:
                                  f"({target.cfg.vocab_size}): use a draft with the target's tokenizer")
             self.kv_d = KVPool.for_model(draft.cfg, num_pages, page_size, self.dtype, self.device,
                                          attention_backend=attention_backend)
-        self.graph_pool = None
 
     # ------------------------------------------------------------------------------------------
 
@@ -115,9 +114,9 @@ class Engine:
             fn()  # warm-up: Triton compilation, cuBLAS handles (its effects are undone by the caller)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        if self.graph_pool is None:
-            self.graph_pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.graph_pool):
+        # NOTE: each graph gets its own memory pool (a shared graph_pool_handle tripped an allocator
+        # assertion in torch 2.11); the pool is freed with the graph, i.e. when the call returns.
+        with torch.cuda.graph(graph):
             fn()
         return graph.replay
 

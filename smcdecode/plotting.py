@@ -26,7 +26,7 @@ def plot_result(result: Result, path: str | None = None):
     ax_ess.set_ylabel("effective sample size")
     ax_ess.set_ylim(0, result.particles * 1.05)
     ax_ess.set_title("ESS before resampling")
-    ax_ess.legend(loc="lower left", fontsize=8)
+    ax_ess.legend(loc="best", fontsize=8)
     if result.weight_history:
         W = torch.stack(result.weight_history).T.numpy()  # [N, rounds]
         im = ax_w.imshow(W, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest",

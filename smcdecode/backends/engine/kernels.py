@@ -1,6 +1,8 @@
 """Triton kernels of the engine. Each has a pure-torch reference (named in its docstring) and a
 GPU test against it (tests/test_engine_kernels.py).
 
+merge of the splits — one program per output row. Reference: merge_splits_reference.
+
 paged attention — split-KV ("flash-decoding") over a paged cache, for L <= 16 queries per row
 (decode: 1–2, SMC-SD verify: K+1). One program per (row, kv head, KV split) holds all L·G query
 rows of its kv head (GQA group G = H / Hkv) as one [BLOCK_M, D] tile, so each key/value page is
@@ -98,9 +100,40 @@ def triton_paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, batch, blo
         L=L, G=G, H=H, HKV=Hkv, D=D, PS=PS, NSPLIT=nsplit, CHUNK=chunk,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=2,
     )
-    # merge the splits: out = Σ_s e^{lse_s − lse} o_s
-    lse = lse[:, :, : L * G]
-    o_part = o_part[:, :, : L * G]
-    w = torch.softmax(lse, dim=1)  # splits past the row's length have lse = -inf -> weight 0
-    out = (o_part * w[..., None]).sum(dim=1)  # [B*Hkv, L*G, D], rows ordered (l, g)
-    return out.view(B, Hkv, L, G, D).permute(0, 2, 1, 3, 4).reshape(B, L, H, D).to(q.dtype)
+    out = torch.empty_like(q)
+    _merge_splits_kernel[(B * Hkv * L * G,)](
+        o_part, lse, out, L=L, G=G, H=H, HKV=Hkv, D=D, NSPLIT=nsplit,
+        NSPLIT_P2=triton.next_power_of_2(nsplit), BLOCK_M=block_m, num_warps=1,
+    )
+    return out
+
+
+def merge_splits_reference(o_part: Tensor, lse: Tensor, B: int, L: int, H: int, dtype) -> Tensor:
+    """Torch reference of ``_merge_splits_kernel``: o_part [B*Hkv, S, BLOCK_M, D], lse [B*Hkv, S, BLOCK_M]
+    -> out [B, L, H, D] = Σ_s softmax_s(lse) · o_s (splits past a row's length have lse = -inf)."""
+    Hkv = o_part.shape[0] // B
+    G, D = H // Hkv, o_part.shape[-1]
+    w = torch.softmax(lse[:, :, : L * G], dim=1)
+    out = (o_part[:, :, : L * G] * w[..., None]).sum(dim=1)  # [B*Hkv, L*G, D], rows ordered (l, g)
+    return out.view(B, Hkv, L, G, D).permute(0, 2, 1, 3, 4).reshape(B, L, H, D).to(dtype)
+
+
+@triton.jit
+def _merge_splits_kernel(OP, LSE, OUT, L: tl.constexpr, G: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr,
+                         D: tl.constexpr, NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+    pid = tl.program_id(0)  # ((b * HKV + kvh) * L + l) * G + g
+    m = pid % (L * G)
+    bk = pid // (L * G)
+    b = bk // HKV
+    kvh = bk % HKV
+    l_idx = m // G
+    g_idx = m % G
+    s = tl.arange(0, NSPLIT_P2)
+    s_ok = s < NSPLIT
+    lse = tl.load(LSE + (bk * NSPLIT + s) * BLOCK_M + m, mask=s_ok, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, 0))
+    w = w / tl.sum(w, 0)
+    d = tl.arange(0, D)
+    o = tl.load(OP + ((bk * NSPLIT + s) * BLOCK_M + m)[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], 0)
+    tl.store(OUT + ((b * L + l_idx) * H + kvh * G + g_idx) * D + d, out.to(OUT.dtype.element_ty))

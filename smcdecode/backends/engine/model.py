@@ -107,6 +107,54 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, H: int, Hkv: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Split the fused projection [B, L, (H + 2Hkv)·D] and rotate q and k."""
+    B, L, _ = qkv.shape
+    D = cos.shape[-1]
+    q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    q = apply_rope(q.reshape(B, L, H, D), cos, sin)
+    k = apply_rope(k.reshape(B, L, Hkv, D), cos, sin)
+    return q.contiguous(), k.contiguous(), v.reshape(B, L, Hkv, D).contiguous()
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _fused(fn):
+    """torch.compile ``fn`` (one fused kernel instead of several elementwise launches) on CUDA;
+    eager on CPU, when SMCDECODE_COMPILE=0, or if compilation fails."""
+    import os
+
+    if os.environ.get("SMCDECODE_COMPILE", "1") == "0":
+        return fn
+    compiled = torch.compile(fn, fullgraph=True)
+    ok = [True]
+
+    def call(*args):
+        if ok[0] and args[0].is_cuda:
+            try:
+                return compiled(*args)
+            except Exception as e:  # noqa: BLE001 — fall back to eager, once, loudly
+                import warnings
+
+                warnings.warn(f"torch.compile of {fn.__name__} failed, running eager: {str(e)[:200]}")
+                ok[0] = False
+        return fn(*args)
+
+    return call
+
+
+fused_rms_norm, fused_rope_qkv, fused_silu_mul = _fused(rms_norm), _fused(rope_qkv), _fused(silu_mul)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -114,9 +162,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return fused_rms_norm(x, self.weight, self.eps)
 
 
 class Block(nn.Module):
@@ -135,16 +181,11 @@ class Block(nn.Module):
         cfg = self.cfg
         B, L, _ = x.shape
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        qkv = self.wqkv(self.attention_norm(x))
-        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q = apply_rope(q.view(B, L, H, D), cos, sin)
-        k = apply_rope(k.view(B, L, Hkv, D), cos, sin)
-        v = v.view(B, L, Hkv, D)
+        q, k, v = fused_rope_qkv(self.wqkv(self.attention_norm(x)), cos, sin, H, Hkv)
         kv.write(self.layer, k, v, batch.slot_pages, batch.slot_offsets)
         o = paged_attention(q, kv.k(self.layer), kv.v(self.layer), batch, backend=kv.attention_backend)
         h = x + self.wo(o.reshape(B, L, H * D))
-        gate, up = self.w13(self.ffn_norm(h)).chunk(2, dim=-1)
-        return h + self.w2(F.silu(gate) * up)
+        return h + self.w2(fused_silu_mul(self.w13(self.ffn_norm(h))))
 
 
 class Llama(nn.Module):

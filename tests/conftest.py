@@ -78,32 +78,40 @@ class Toy:
     vocab: list[str]
     max_new_tokens: int
     temperature: float
-    draft_temperature: float
+    alpha: float
+    draft_factor: float
 
-    def lm(self, alpha: float = 1.0) -> sd.LM:
-        return sd.LM(self.model, temperature=self.temperature) ** alpha
+    def lm(self) -> sd.LM:
+        """The target's LM potential p_T^α."""
+        return sd.LM(self.model, temperature=self.temperature) ** self.alpha
 
     def proposal(self) -> sd.Draft:
-        return sd.Draft(self.draft, self.draft_temperature)
+        """The draft at temperature factor·T/min(α, 1): never sharper than the local target
+        p_T^α ∝ p_{T/α} (a proposal with lighter tails than the target gives heavy-tailed weights)."""
+        return sd.Draft(self.draft, self.draft_factor * self.temperature / min(self.alpha, 1.0))
 
 
 @st.composite
-def toys(draw, vocab=None, max_new_tokens=(3, 4), draft_noise=(0.3, 0.7)) -> Toy:
-    """A random target/draft pair. The draft is either the target's table plus Gaussian noise
-    (a close draft), or a bigram table that ignores all but the last token (a poor draft).
-    The ranges keep the importance weights' variance moderate, so z-tests on means are valid."""
+def toys(draw, vocab=None, max_new_tokens=(3, 4), alphas=(1.0,), drafts=("noisy", "bigram")) -> Toy:
+    """A random target/draft pair. The draft is the target's table plus Gaussian noise (a close
+    draft), or a bigram table that ignores all but the last token (a poor draft: its importance
+    weights are heavy-tailed, fine for evidence tests, too noisy for per-sequence tests).
+
+    The logits' scale is kept below 2·T/α so the target is never nearly deterministic: a sequence
+    of probability 1e-5 that no replicate visits would carry more of E[Ẑ] than rounding allows."""
     if vocab is None:
         n_letters = draw(st.integers(1, 3))
         vocab = ["<bos>", *LETTERS[:n_letters], "<eos>"]
     V = len(vocab)
+    alpha = draw(st.sampled_from(list(alphas)))
+    temperature = draw(st.sampled_from([0.8, 1.0, 1.25]))
+    scale = draw(st.sampled_from([s for s in (0.5, 1.0, 1.5) if s <= 2 * temperature / alpha]))
     seed = draw(st.integers(0, 2**31 - 1))
-    scale = draw(st.sampled_from([0.5, 1.0, 1.5]))
     table = toy_table(seed, V, scale)
-    kind = draw(st.sampled_from(["noisy", "bigram"]))
+    kind = draw(st.sampled_from(list(drafts)))
     if kind == "noisy":
-        noise = draw(st.sampled_from(list(draft_noise)))
-        draft_table = table + noise * toy_table(seed + 1, V, 1.0)
-        draft = toy_model(draft_table, vocab, name="toy-draft")
+        noise = draw(st.sampled_from([0.3, 0.7]))
+        draft = toy_model(table + noise * toy_table(seed + 1, V, 1.0), vocab, name="toy-draft")
     else:
         draft = toy_model(toy_table(seed + 2, V, 0.5), vocab, markov=True, name="toy-bigram-draft")
     return Toy(
@@ -111,8 +119,9 @@ def toys(draw, vocab=None, max_new_tokens=(3, 4), draft_noise=(0.3, 0.7)) -> Toy
         draft=draft,
         vocab=vocab,
         max_new_tokens=draw(st.sampled_from(list(max_new_tokens))),
-        temperature=draw(st.sampled_from([0.8, 1.0, 1.25])),
-        draft_temperature=draw(st.sampled_from([1.0, 1.25])),
+        temperature=temperature,
+        alpha=alpha,
+        draft_factor=draw(st.sampled_from([1.0, 1.25])),
     )
 
 

@@ -67,22 +67,21 @@ def brute_force(model, temperature, alpha, max_new_tokens, pattern=None, reward=
 
 @statistical_settings(8)
 @given(
-    toy=toys(vocab=REGEX_VOCAB, max_new_tokens=(3, 4)),
-    alpha=st.sampled_from([0.5, 1.0, 2.0]),
+    toy=toys(vocab=REGEX_VOCAB, max_new_tokens=(3, 4), alphas=(0.5, 1.0, 2.0)),
     pattern=st.sampled_from([None, *PATTERNS]),
     reward=st.sampled_from([None, *REWARDS]),
     beta=st.sampled_from([-1.0, 0.7]),
     mode=st.sampled_from(["prefix", "complete"]),
 )
-def test_exact_target_matches_brute_force(toy, alpha, pattern, reward, beta, mode):
-    target = toy.lm(alpha)
+def test_exact_target_matches_brute_force(toy, pattern, reward, beta, mode):
+    target = toy.lm()
     if pattern is not None:
         target = target * sd.Regex(pattern)
     if reward is not None:
         target = target * sd.Reward(reward, beta=beta, mode=mode)
     M = toy.max_new_tokens
     exact = exact_target(target, PROMPT, M)
-    probs, log_Z = brute_force(toy.model, toy.temperature, alpha, M, pattern, reward, beta, mode)
+    probs, log_Z = brute_force(toy.model, toy.temperature, toy.alpha, M, pattern, reward, beta, mode)
     assert set(exact.probs) == set(probs)
     assert math.isclose(sum(exact.probs.values()), 1.0, abs_tol=1e-12)
     assert exact.log_Z == pytest.approx(log_Z, abs=1e-4)
@@ -139,8 +138,8 @@ def test_exact_autoregressive_is_locally_masked(toy_lm_model):
 # -- property checks ----------------------------------------------------------------------------
 
 
-def _potentials(toy, alpha, pattern, reward, beta):
-    lm = toy.lm(alpha)
+def _potentials(toy, pattern, reward, beta):
+    lm = toy.lm()
     regex = sd.Regex(pattern).bind(toy.model)
     rewards = [sd.Reward(reward, beta, mode=m).bind(toy.model) for m in ("prefix", "complete")]
     return [lm, regex, *rewards, lm * regex * rewards[0], lm * rewards[1]]
@@ -148,30 +147,28 @@ def _potentials(toy, alpha, pattern, reward, beta):
 
 @statistical_settings(6)
 @given(
-    toy=toys(vocab=REGEX_VOCAB, max_new_tokens=(3,)),
-    alpha=st.sampled_from([0.5, 1.0, 2.0]),
+    toy=toys(vocab=REGEX_VOCAB, max_new_tokens=(3,), alphas=(0.5, 1.0, 2.0)),
     pattern=st.sampled_from(PATTERNS),
     reward=st.sampled_from(REWARDS),
     beta=st.sampled_from([-1.0, 0.7]),
 )
-def test_potentials_next_token_weights_agree_with_scores(toy, alpha, pattern, reward, beta):
+def test_potentials_next_token_weights_agree_with_scores(toy, pattern, reward, beta):
     seqs = enumerate_prefixes(toy.model, 2)
-    for potential in _potentials(toy, alpha, pattern, reward, beta):
+    for potential in _potentials(toy, pattern, reward, beta):
         check_logw_next_consistency(potential, PROMPT, seqs)
 
 
 @statistical_settings(6)
 @given(
-    toy=toys(vocab=REGEX_VOCAB, max_new_tokens=(3,)),
-    alpha=st.sampled_from([0.5, 1.0, 2.0]),
+    toy=toys(vocab=REGEX_VOCAB, max_new_tokens=(3,), alphas=(0.5, 1.0, 2.0)),
     pattern=st.sampled_from(PATTERNS),
     reward=st.sampled_from(REWARDS),
     beta=st.sampled_from([-1.0, 0.7]),
 )
-def test_potentials_batched_equals_unbatched(toy, alpha, pattern, reward, beta):
+def test_potentials_batched_equals_unbatched(toy, pattern, reward, beta):
     equal = [s for s in enumerate_prefixes(toy.model, 2) if len(s) == 2]
     mixed = enumerate_prefixes(toy.model, 2)
-    for potential in _potentials(toy, alpha, pattern, reward, beta):
+    for potential in _potentials(toy, pattern, reward, beta):
         check_batch_consistency(potential, PROMPT, equal)
         check_batch_consistency(potential, PROMPT, mixed)
         check_batch_consistency(potential, [0, 1, 2], mixed[:7])  # a longer prompt
@@ -283,3 +280,4 @@ def test_statistics_accept_exact_samples_and_reject_wrong_ones(toy_lm_model):
     assert evidence_z_score(zhat.log(), math.log(1.1)) < -5
     assert evidence_z_score(torch.zeros(10, dtype=torch.float64), 0.0) == 0.0
     assert evidence_z_score(torch.zeros(10, dtype=torch.float64), 0.1) == -math.inf
+    assert evidence_z_score(torch.full((10,), 1e-8, dtype=torch.float64), 0.0) == 0.0  # rounding

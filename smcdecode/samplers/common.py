@@ -89,7 +89,7 @@ class RewardTracker:
         self.prev = {}
         for i, r in enumerate(self.rewards):
             if r.mode == "prefix":
-                self.prev[i] = r.scores([""]).repeat(batch)
+                self.prev[i] = _reward_scores(r, [""], [[]]).repeat(batch)
 
     def __bool__(self) -> bool:
         return bool(self.rewards)
@@ -101,18 +101,33 @@ class RewardTracker:
         if not rows:
             return incr
         texts = texts_of(self.model, tokens, lengths, rows)
+        ids = None
+        if any(hasattr(r, "score_tokens") for r in self.rewards):
+            # an ending EOS included; a sequence cut at max_new_tokens is scored as complete too
+            # (EOS appended), as every factor but the LM is (smcdecode.testing: the target)
+            eos = self.model.eos_token_id
+            ids = [tokens[row, : int(lengths[row])].tolist() for row in rows]
+            ids = [x + [eos] if bool(finishing[row]) and (not x or x[-1] != eos) else x for x, row in zip(ids, rows)]
         idx = torch.tensor(rows, dtype=torch.long)
         for i, r in enumerate(self.rewards):
             if r.mode == "prefix":
-                values = r.scores(texts)
+                values = _reward_scores(r, texts, ids)
                 incr[idx] += r.beta * (values - self.prev[i][idx])
                 self.prev[i][idx] = values
             else:
                 fin = [j for j, row in enumerate(rows) if bool(finishing[row])]
                 if fin:
-                    values = r.scores([texts[j] for j in fin])
+                    values = _reward_scores(r, [texts[j] for j in fin], None if ids is None else [ids[j] for j in fin])
                     incr[idx[fin]] += r.beta * values
         return incr
 
     def fork(self, index: Tensor) -> None:
         self.prev = {i: v[index] for i, v in self.prev.items()}
+
+
+def _reward_scores(reward, texts: list[str], ids: list[list[int]] | None) -> Tensor:
+    """R of each row: from its text, or from its token ids for rewards that define
+    ``score_tokens`` (e.g. LMReward, which scores the exact tokens under a second prompt)."""
+    if ids is not None and hasattr(reward, "score_tokens"):
+        return reward.score_tokens(ids)
+    return reward.scores(texts)

@@ -135,7 +135,8 @@ def _fused(fn):
 
     if os.environ.get("SMCDECODE_COMPILE", "1") == "0":
         return fn
-    compiled = torch.compile(fn, fullgraph=True)
+    # dynamic=True: one kernel for every batch shape (static specialisation hit the recompile limit)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
     ok = [True]
 
     def call(*args):

@@ -26,7 +26,7 @@ class PagedBatch:
     slot_offsets: Tensor  # [B*L] long: offset in that page
 
     @classmethod
-    def build(cls, positions: Tensor, page_table: Tensor, page_size: int) -> "PagedBatch":
+    def build(cls, positions: Tensor, page_table: Tensor, page_size: int) -> PagedBatch:
         """From positions [B, L] and the page table; no host sync (capturable in a CUDA graph)."""
         B, L = positions.shape
         page_idx = torch.div(positions, page_size, rounding_mode="floor")

@@ -22,7 +22,7 @@ from torch import Tensor
 
 @triton.jit
 def _paged_attn_split_kernel(
-    Q, KP, VP, PT, SL, O, LSE,
+    Q, KP, VP, PT, SL, O, LSE,  # noqa: E741
     sm_scale, stride_pt,
     L: tl.constexpr, G: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
     PS: tl.constexpr, NSPLIT: tl.constexpr, CHUNK: tl.constexpr,

@@ -28,7 +28,7 @@ class KVPool:
         self.attention_backend = attention_backend
 
     @classmethod
-    def for_model(cls, cfg, num_pages: int, page_size: int, dtype=torch.bfloat16, device="cuda", **kw) -> "KVPool":
+    def for_model(cls, cfg, num_pages: int, page_size: int, dtype=torch.bfloat16, device="cuda", **kw) -> KVPool:
         return cls(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, num_pages, page_size, dtype, device, **kw)
 
     def k(self, layer: int) -> Tensor:

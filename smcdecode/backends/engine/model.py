@@ -42,7 +42,7 @@ class LlamaConfig:
             self.head_dim = self.dim // self.n_heads
 
     @classmethod
-    def from_hf(cls, cfg) -> "LlamaConfig":
+    def from_hf(cls, cfg) -> LlamaConfig:
         scaling = getattr(cfg, "rope_scaling", None) or None
         params = getattr(cfg, "rope_parameters", None)
         theta = getattr(cfg, "rope_theta", None)
@@ -146,7 +146,7 @@ def _fused(fn):
             except Exception as e:  # noqa: BLE001 — fall back to eager, once, loudly
                 import warnings
 
-                warnings.warn(f"torch.compile of {fn.__name__} failed, running eager: {str(e)[:200]}")
+                warnings.warn(f"torch.compile of {fn.__name__} failed, running eager: {str(e)[:200]}", stacklevel=2)
                 ok[0] = False
         return fn(*args)
 
@@ -224,7 +224,7 @@ class Llama(nn.Module):
     # construction
 
     @classmethod
-    def random(cls, cfg: LlamaConfig, dtype=torch.bfloat16, device="cuda", seed: int = 0) -> "Llama":
+    def random(cls, cfg: LlamaConfig, dtype=torch.bfloat16, device="cuda", seed: int = 0) -> Llama:
         """Random weights at real shapes (speed benchmarks: the values do not change the speed)."""
         with torch.device("meta"):
             model = cls(cfg)
@@ -241,7 +241,7 @@ class Llama(nn.Module):
         return model.eval()
 
     @classmethod
-    def from_state_dict(cls, cfg: LlamaConfig, sd: dict[str, Tensor], dtype=torch.bfloat16, device="cpu") -> "Llama":
+    def from_state_dict(cls, cfg: LlamaConfig, sd: dict[str, Tensor], dtype=torch.bfloat16, device="cpu") -> Llama:
         """From a Hugging Face ``LlamaForCausalLM`` state dict (``model.layers.{i}.self_attn.q_proj.weight`` …)."""
         with torch.device("meta"):
             model = cls(cfg)
@@ -278,14 +278,14 @@ class Llama(nn.Module):
         return model.eval()
 
     @classmethod
-    def from_hf(cls, hf_model: nn.Module, dtype=torch.bfloat16, device="cpu") -> "Llama":
+    def from_hf(cls, hf_model: nn.Module, dtype=torch.bfloat16, device="cpu") -> Llama:
         """From a loaded ``transformers`` Llama-family model (or an ``smcdecode.models.HFModel``)."""
         hf_model = getattr(hf_model, "hf", hf_model)
         cfg = LlamaConfig.from_hf(hf_model.config)
         return cls.from_state_dict(cfg, hf_model.state_dict(), dtype=dtype, device=device)
 
     @classmethod
-    def from_safetensors(cls, directory: str, dtype=torch.bfloat16, device="cpu") -> "Llama":
+    def from_safetensors(cls, directory: str, dtype=torch.bfloat16, device="cpu") -> Llama:
         """From a Hugging Face model directory (config.json + *.safetensors shards)."""
         from pathlib import Path
 

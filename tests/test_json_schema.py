@@ -1,0 +1,351 @@
+"""JSONSchema: errors, the tensor path, hypothesis-generated schemas and documents, and exact
+enumeration of constrained targets (SMC vs the global conditional, locally-masked decoding vs it)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jsonschema
+import pytest
+import torch
+from conftest import PROMPT, statistical_settings, toy_model, toy_table
+from hypothesis import assume, given
+from hypothesis import strategies as st
+from hypothesis_jsonschema import from_schema
+
+import smcdecode as sd
+from smcdecode.potentials.grammar import MatcherBatch
+from smcdecode.potentials.json_schema import JSONSchema
+from smcdecode.testing import (
+    check_distribution,
+    check_logw_next_consistency,
+    check_tensor_path,
+    enumerate_prefixes,
+    exact_autoregressive,
+    exact_target,
+    total_variation,
+)
+
+# '{"a": ' and '12' overlap shorter tokens: a document has several tokenisations, all allowed
+VOCAB = ["<bos>", "{", '{"a": ', '"a"', '"b"', ": ", ", ", "1", "2", "12", "}", "x", "<eos>"]
+INT_SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"enum": [1, 2]}},
+    "required": ["a"],
+    "additionalProperties": False,
+}
+ARRAY_VOCAB = ["<bos>", "[", "]", "[1", "1", "2", ", ", "true", "<eos>"]
+ARRAY_SCHEMA = {"type": "array", "items": {"enum": [1, 2, True]}, "minItems": 1, "maxItems": 3}
+
+
+def toy(seed: int, vocab=VOCAB, scale: float = 1.0) -> sd.FunctionModel:
+    return toy_model(toy_table(seed, len(vocab), scale), vocab)
+
+
+def noisy_draft(seed: int, vocab=VOCAB, noise: float = 0.3) -> sd.FunctionModel:
+    """The target toy's table plus noise: a draft close enough that importance weights stay
+    light-tailed (a z-test on a few hundred replicates needs that)."""
+    table = toy_table(seed, len(vocab), 1.0) + noise * toy_table(seed + 1, len(vocab), 1.0)
+    return toy_model(table, vocab, name="toy-draft")
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "schema, needle",
+    [
+        ({"type": "foo"}, "invalid JSON Schema at type"),
+        ({"type": "object", "properties": {"a": {"type": 3}}}, "invalid JSON Schema at properties/a/type"),
+        ({"type": "array", "minItems": -1}, "invalid JSON Schema at minItems"),
+        ('{"type": "object",', "schema string is not valid JSON"),
+        (42, "schema must be a dict"),
+        (False, "accepts no document"),
+        ({"not": {"type": "string"}}, 'Unimplemented keys: ["not"]'),
+        ({"type": "array", "uniqueItems": True}, "uniqueItems"),
+        ({"if": {"type": "string"}, "then": {"minLength": 2}}, '"if"'),
+        ({"type": "string", "format": "no-such-format"}, "Unknown format: no-such-format"),
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
+        ({"properties": {"a": {"$ref": "#/$defs/missing"}}}, "missing"),
+        ({"type": "string", "pattern": "(?<=a)b"}, "look-around"),
+    ],
+)
+def test_invalid_or_unsupported_schema_raises_naming_the_problem(schema, needle):
+    with pytest.raises(sd.SMCDecodeError) as e:
+        JSONSchema(schema)
+    assert needle in str(e.value)
+
+
+def test_unsupported_schema_is_reported_as_unsupported_not_invalid():
+    with pytest.raises(sd.SMCDecodeError, match="not supported by the grammar engine"):
+        JSONSchema({"type": "object", "properties": {"a": {"not": {"type": "null"}}}})
+
+
+def test_bad_options_raise():
+    with pytest.raises(sd.SMCDecodeError, match="whitespace"):
+        JSONSchema({"type": "integer"}, whitespace="pretty")
+
+
+def test_one_of_with_coercion_and_disjoint_branches_compile():
+    JSONSchema({"oneOf": [{"type": "integer"}, {"type": "number"}]}, coerce_one_of=True)
+    JSONSchema({"oneOf": [{"type": "string"}, {"type": "integer"}]})  # provably disjoint: exact
+
+
+def test_pydantic_model_and_json_string_schemas():
+    from pydantic import BaseModel
+
+    class Point(BaseModel):
+        x: int
+        y: int
+
+    c = JSONSchema(Point)
+    assert c.schema["required"] == ["x", "y"]
+    assert c.parse('{"x": 1, "y": 2}') == Point(x=1, y=2)
+    assert JSONSchema(json.dumps(INT_SCHEMA)).schema == INT_SCHEMA
+    with pytest.raises(sd.SMCDecodeError, match="schema must be a dict"):
+        JSONSchema(int)
+
+
+def test_parse_validates():
+    c = JSONSchema({"type": "object", "properties": {"d": {"type": "string", "format": "date"}}, "required": ["d"]})
+    assert c.parse('{"d": "2024-02-29"}') == {"d": "2024-02-29"}
+    assert not c.is_valid('{"d": "2023-02-29"}')  # format checked
+    assert not c.is_valid('{"d": ')
+    with pytest.raises(sd.SMCDecodeError, match="at d"):
+        c.parse('{"d": 3}')
+
+
+# -- the tensor path ---------------------------------------------------------------------------
+
+
+def test_tensor_path_agrees_with_scalar_path():
+    model = toy(0)
+    c = JSONSchema(INT_SCHEMA).bind(model)
+    seqs = enumerate_prefixes(model, 3)
+    check_tensor_path(c, seqs)
+    doc = model.encode('{"a": 12, "b": 2}')
+    prefixes = [doc[:i] for i in range(len(doc) + 1)]
+    check_tensor_path(c, prefixes)
+    check_logw_next_consistency(c, PROMPT, prefixes + seqs[:40])
+
+
+def test_masks_allow_every_tokenisation_and_eos_only_when_complete():
+    model = toy(0)
+    c = JSONSchema(INT_SCHEMA).bind(model)
+    mask = c.allowed(c.start(1))[0]
+    assert {VOCAB[i] for i in mask.nonzero().flatten().tolist()} == {"{", '{"a": '}
+    for text in ['{"a": 1}', '{"a": 12}', '{"a": 1, "b": 2}', '{"a": 21211}']:
+        assert c.matches(text)
+    for text in ['{"a": 1', '{"a": 1, "b": 12}', '{"b": 1}', '{"a": 1, "b": 2, "b": 1}', "{}", "x"]:
+        assert not c.matches(text)
+    ids = [VOCAB.index(t) for t in ["{", '"a"', ": ", "1", "2", "}"]]  # a non-canonical tokenisation
+    assert c.complete(ids) == 0.0
+    assert c.prefix(ids[:-1]) == 0.0 and c.complete(ids[:-1]) == -math.inf
+
+
+def test_fork_is_copy_on_write_and_spent_states_raise():
+    model = toy(0)
+    c = JSONSchema(INT_SCHEMA).bind(model)
+    s = c.start(2)
+    s = c.advance(s, torch.tensor([VOCAB.index('{"a": ')] * 2))
+    forked = c.fork(s, torch.tensor([1, 1, 0]))
+    assert len(forked) == 3 and len({id(m) for m in forked.matchers}) == 3
+    # children of one ancestor evolve independently
+    forked = c.advance(forked, torch.tensor([VOCAB.index("1"), VOCAB.index("2"), VOCAB.index("12")]))
+    forked = c.advance(forked, torch.tensor([VOCAB.index("}")] * 3))
+    assert c.accepting(forked).tolist() == [True, True, True]
+    with pytest.raises(sd.SMCDecodeError, match="used after it was advanced"):
+        c.allowed(s)
+    # a disallowed token kills a particle: nothing allowed, never accepting
+    dead = c.advance(c.start(1), torch.tensor([VOCAB.index("x")]))
+    assert not c.allowed(dead).any() and not c.accepting(dead).any()
+
+
+def test_state_type():
+    c = JSONSchema(INT_SCHEMA).bind(toy(0))
+    assert isinstance(c.start(3), MatcherBatch)
+
+
+# -- hypothesis: generated schemas and documents -------------------------------------------------
+
+KEYS = ["id", "name", "tags", "a b", "é"]
+
+
+def leaf_schemas():
+    return st.one_of(
+        st.just({"type": "integer"}),
+        st.tuples(st.integers(-50, 50), st.integers(0, 100)).map(
+            lambda t: {"type": "integer", "minimum": t[0], "maximum": t[0] + t[1]}
+        ),
+        st.just({"type": "number"}),
+        st.just({"type": "boolean"}),
+        st.just({"type": "null"}),
+        st.just({"type": "string"}),
+        st.integers(0, 6).map(lambda n: {"type": "string", "maxLength": n}),
+        st.just({"type": "string", "pattern": "^[a-c]{1,4}$"}),
+        st.just({"type": "string", "format": "date"}),
+        st.just({"type": "string", "format": "email"}),
+        st.lists(
+            st.one_of(st.integers(-3, 3), st.text("xyz", max_size=3), st.booleans()),
+            min_size=1,
+            max_size=4,
+            unique=True,
+        ).map(lambda v: {"enum": v}),
+        st.just({"type": ["integer", "null"]}),
+    )
+
+
+def compound(children):
+    objects = st.dictionaries(st.sampled_from(KEYS), children, min_size=1, max_size=3).flatmap(
+        lambda props: st.tuples(st.just(props), st.sets(st.sampled_from(sorted(props))), st.booleans()).map(
+            lambda t: {
+                "type": "object",
+                "properties": t[0],
+                "required": sorted(t[1]),
+                **({"additionalProperties": False} if t[2] else {}),
+            }
+        )
+    )
+    arrays = st.tuples(children, st.integers(0, 2), st.integers(0, 3)).map(
+        lambda t: {"type": "array", "items": t[0], "minItems": t[1], "maxItems": t[1] + t[2]}
+    )
+    return st.one_of(objects, arrays)
+
+
+schemas = st.recursive(leaf_schemas(), compound, max_leaves=5)
+
+
+def in_schema_order(value, schema):
+    """Objects with the schema's properties first, in its order (the order generation uses)."""
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        keys = [k for k in props if k in value] + [k for k in value if k not in props]
+        return {k: in_schema_order(value[k], props.get(k, {})) for k in keys}
+    if isinstance(value, list):
+        return [in_schema_order(v, schema.get("items", {})) for v in value]
+    return value
+
+
+def char_model(text: str) -> sd.FunctionModel:
+    """A character-level toy vocabulary covering ``text``, plus multi-character tokens that cross
+    JSON token boundaries."""
+    base = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
+    extra = sorted(set(text) - set(base))
+    multi = ['{"', '": ', ', "', '"}', "true", "null", "]}", "12", "-1", "e+"]
+    vocab = base + extra + multi + ["<eos>"]
+    return sd.FunctionModel(lambda ctx: torch.zeros(ctx.shape[0], len(vocab)), vocab)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+@statistical_settings(40)
+@given(data=st.data(), schema=schemas)
+def test_generated_documents_are_accepted(data, schema):
+    jsonschema.Draft202012Validator.check_schema(schema)
+    value = data.draw(from_schema(schema))
+    text = json.dumps(in_schema_order(value, schema), ensure_ascii=False, separators=(", ", ": "))
+    assume(_encodable(text))
+    model = char_model(text)
+    c = JSONSchema(schema).bind(model)
+    assert c.matches(text), f"document {text!r} of schema {json.dumps(schema)} was rejected"
+    assert c.is_valid(text)
+
+
+def _structural_lm(vocab):
+    """Uniform over characters but drawn to closing characters and EOS: documents end quickly."""
+    bias = torch.zeros(len(vocab))
+    for i, s in enumerate(vocab):
+        if s in ('"', "}", "]", "<eos>", "1", "0", "true", "null", '"}', "]}"):
+            bias[i] = 3.0
+    return lambda ctx: bias.expand(ctx.shape[0], -1)
+
+
+@statistical_settings(12)
+@given(schema=schemas)
+def test_every_smc_sample_validates(schema):
+    jsonschema.Draft202012Validator.check_schema(schema)
+    vocab = [chr(c) for c in range(32, 127)] + ['"}', "]}", "true", "null", "<eos>"]
+    model = sd.FunctionModel(_structural_lm(vocab), vocab)
+    c = JSONSchema(schema)
+    result = sd.SMC(sd.LM(model) * c, particles=6).run([vocab.index("{")], max_new_tokens=40, seed=0, progress=False)
+    validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    for text, w in zip(result.texts, result.weights.tolist()):
+        if w > 0:
+            validator.validate(json.loads(text))
+
+
+# -- exact enumeration -----------------------------------------------------------------------------
+
+
+@statistical_settings(4)
+@given(seed=st.integers(0, 10_000), particles=st.sampled_from([4, 6]))
+def test_smc_matches_the_exact_global_conditional(seed, particles):
+    model = toy(seed)
+    target = sd.LM(model) * JSONSchema(INT_SCHEMA)
+    exact = exact_target(target, PROMPT, 8)
+    assert len(exact.probs) > 3
+    out = sd.SMC(target, particles=particles).run_groups(PROMPT, groups=1000, max_new_tokens=8, seed=seed)
+    check_distribution(out, exact)
+
+
+def test_locally_masked_decoding_is_not_the_global_conditional():
+    model = toy(3, scale=1.5)
+    target = sd.LM(model) * JSONSchema(INT_SCHEMA)
+    exact = exact_target(target, PROMPT, 8)
+    local = exact_autoregressive(target, PROMPT, 8)
+    assert total_variation(exact.probs, local.probs) > 0.2
+    # SMC gets close with a handful of particles (evidence-pooled over replicates)
+    out = sd.SMC(target, particles=4).run_groups(PROMPT, groups=600, max_new_tokens=8, seed=0)
+    check_distribution(out, exact)
+
+
+@statistical_settings(3)
+@given(seed=st.integers(0, 10_000), alpha=st.sampled_from([0.5, 2.0]), block=st.sampled_from([1, 3]))
+def test_smc_sd_with_a_masked_draft_and_power_target(seed, alpha, block):
+    model = toy(seed, vocab=ARRAY_VOCAB)
+    draft = noisy_draft(seed, vocab=ARRAY_VOCAB)
+    target = sd.LM(model) ** alpha * JSONSchema(ARRAY_SCHEMA)
+    exact = exact_target(target, PROMPT, 7)
+    smc = sd.SMC(target, sd.Draft(draft, 1.0 / min(alpha, 1.0)), particles=4, block_size=block)
+    out = smc.run_groups(PROMPT, groups=800, max_new_tokens=7, seed=seed)
+    check_distribution(out, exact)
+    validator = jsonschema.Draft202012Validator(ARRAY_SCHEMA)
+    for i, n in enumerate(out.lengths.flatten().tolist()):
+        if torch.isfinite(out.log_weights.flatten()[i]):
+            validator.validate(json.loads(model.decode(out.tokens.flatten(0, 1)[i, :n].tolist())))
+
+
+def test_autoregressive_masked_samples_all_validate():
+    model = toy(5)
+    c = JSONSchema(INT_SCHEMA)
+    out = sd.Autoregressive(sd.LM(model) * c, samples=50).run(PROMPT, max_new_tokens=10, seed=0, progress=False)
+    bound = c.bind(model)
+    for text, w in zip(out.texts, out.weights.tolist()):
+        if w > 0:
+            assert bound.is_valid(text), text
+
+
+@pytest.mark.slow
+def test_smollm2_json_extraction_validates():
+    from pydantic import BaseModel
+
+    from smcdecode.structured import generate_json
+
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    model = sd.load_model()
+    out = generate_json(
+        model, "Alice is 31 years old. Extract the person.", Person, particles=4, max_new_tokens=24, seed=0
+    )
+    assert out.ok and isinstance(out.value, Person)
+    for v, w in zip(out.values, out.weights.tolist()):
+        assert (v is not None) == (w > 0)

@@ -1,0 +1,272 @@
+"""Fidelity of SMC-SD on real weights: per-token target log-likelihood of its outputs.
+
+On held-out chat prompts (the prompts `python -m smcdecode.distill` held out: same files, same
+seed, same length filter), each method generates one answer of at most --max-new-tokens tokens:
+
+    target          plain autoregressive samples from p_T (the reference)
+    smc_k4, smc_k8  SMC-SD, N=8 particles, K=4 / 8 draft tokens per round, distilled draft
+    sd_k4           exact speculative decoding, K=4, distilled draft (exactly p_T)
+    smc_trunc_k4    SMC-SD, N=8, K=4, truncated draft (the target's first --truncated layers)
+
+All at T=0.7 (target and draft). Every answer x is scored by the target: the mean per-token
+log p(x_t | prompt, x_<t) at T=1 (the model's own likelihood) and at T=0.7 (the sampled
+distribution). A method that samples p_T matches `target` up to noise; a biased one does not.
+Also recorded per SMC run: mean ESS per round, rounds with ESS ≥ N/2, resampling rate; per SD run
+the acceptance rate.
+
+Runs the prompts in --workers processes (each loads its own models on --device); answers go to
+--results-dir as JSON lines as they are made, so a run cut short by --budget can be continued.
+
+    python benchmarks/draft_fidelity.py --target smollm2 --draft default --prompts sharegpt_500.json \\
+        alpaca_eval_instructions.json --device cuda --workers 12 --out fidelity.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+METHODS = ("target", "smc_k4", "smc_k8", "sd_k4", "smc_trunc_k4")
+
+
+def heldout_prompts(args, target) -> list[str]:
+    from smcdecode.distill import chat_prompts, load_prompts, split_prompts
+
+    usable = chat_prompts(target, load_prompts(args.prompts), args.max_prompt_tokens)
+    _, held = split_prompts(usable, args.holdout, args.seed)
+    return [text for text, _ in held][: args.limit]
+
+
+def _strategies(args, target):
+    from smcdecode import LM, SMC, Autoregressive, Draft, SpeculativeDecoding, truncated_draft
+    from smcdecode.drafts import load_default_draft, load_draft
+
+    T = args.temperature
+    lm = LM(target, T)
+    out = {}
+    if "target" in args.methods:
+        out["target"] = Autoregressive(lm, samples=1)
+    if {"smc_k4", "smc_k8", "sd_k4"} & set(args.methods):  # the distilled draft, loaded only when used
+        draft = load_default_draft(target) if args.draft == "default" else load_draft(target, args.draft)
+        out["smc_k4"] = SMC(lm, Draft(draft, T), particles=args.particles, block_size=4)
+        out["smc_k8"] = SMC(lm, Draft(draft, T), particles=args.particles, block_size=8)
+        out["sd_k4"] = SpeculativeDecoding(lm, Draft(draft, T), block_size=4)
+    if "smc_trunc_k4" in args.methods:
+        trunc = truncated_draft(target, args.truncated)
+        out["smc_trunc_k4"] = SMC(lm, Draft(trunc, T), particles=args.particles, block_size=4)
+    return out
+
+
+def _score(target, prompt_ids: list[int], tokens: list[int], temperature: float) -> tuple[float, float]:
+    """Mean per-token log p(x_t | ·) of ``tokens`` after ``prompt_ids``, at T=1 and at ``temperature``."""
+    import torch
+
+    ids = torch.tensor([prompt_ids + tokens], device=target.device)
+    with torch.inference_mode():
+        logits = target.hf(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()  # [n, V]
+    idx = torch.tensor(tokens, device=logits.device)[:, None]
+    ll1 = torch.log_softmax(logits, -1).gather(1, idx).mean()
+    llt = torch.log_softmax(logits / temperature, -1).gather(1, idx).mean()
+    return float(ll1), float(llt)
+
+
+def worker(rank: int, args, jobs: list[tuple[int, str]], deadline: float) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from smcdecode import load_model
+
+    target = load_model(args.target, device=args.device)
+    strategies = _strategies(args, target)
+    methods = list(args.methods)
+    out = Path(args.results_dir) / f"worker{rank}-{'-'.join(methods)}.jsonl"
+    done = _done(Path(args.results_dir))
+    with open(out, "a") as f:
+        for idx, text in jobs:
+            if time.time() > deadline:
+                break
+            messages = [{"role": "user", "content": text}]
+            prompt_ids = target.chat(messages)
+            for j, name in enumerate(methods):
+                if (idx, name) in done:
+                    continue
+                res = strategies[name].run(messages, max_new_tokens=args.max_new_tokens,
+                                           seed=args.seed * 100_000 + 10 * idx + j, progress=False)
+                tokens = res.sample_tokens or []
+                ll1, llt = _score(target, prompt_ids, tokens, args.temperature) if tokens else (math.nan, math.nan)
+                half = res.particles / 2
+                rec = {
+                    "prompt": idx, "method": name, "tokens": len(tokens), "ll_t1": ll1, "ll_t": llt,
+                    "seconds": res.seconds, "rounds": res.rounds,
+                    "finished": bool(tokens and tokens[-1] == target.eos_token_id),
+                    "text": target.decode(tokens)[:160],
+                }
+                if name.startswith("smc"):
+                    rec.update(mean_ess=res.mean_ess, resample_rate=res.resample_rate, ess=res.ess,
+                               rounds_ess_ge_half=sum(e >= half for e in res.ess))
+                if name.startswith("sd"):
+                    rec.update(drafted=res.draft_tokens, accepted=res.accepted_tokens)
+                f.write(json.dumps(rec) + "\n")
+                f.flush()
+
+
+def _done(results_dir: Path) -> set[tuple[int, str]]:
+    done = set()
+    for file in results_dir.glob("worker*.jsonl"):
+        for line in file.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a killed run
+            done.add((r["prompt"], r["method"]))
+    return done
+
+
+def _mean_ci(xs: list[float]) -> tuple[float, float]:
+    n = len(xs)
+    m = sum(xs) / n
+    if n < 2:
+        return m, math.nan
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+    return m, 1.96 * sd / math.sqrt(n)
+
+
+def aggregate(results_dir: Path, particles: int) -> dict:
+    """Per-method figures over the prompts that every method present in ``results_dir`` completed
+    (runs made by several invocations, e.g. one per group of methods, are pooled)."""
+    recs: dict[tuple[int, str], dict] = {}
+    for file in sorted(results_dir.glob("worker*.jsonl")):
+        for line in file.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            recs[(r["prompt"], r["method"])] = r
+    present = {m for _, m in recs}
+    methods = [m for m in METHODS if m in present]
+    prompts = sorted({p for p, _ in recs})
+    complete = [p for p in prompts if all((p, m) in recs and math.isfinite(recs[(p, m)]["ll_t1"]) for m in methods)]
+    table = {}
+    for m in methods:
+        rows = [recs[(p, m)] for p in complete]
+        if not rows:
+            continue
+        entry = {"prompts": len(rows)}
+        for key in ("ll_t1", "ll_t"):
+            mean, ci = _mean_ci([r[key] for r in rows])
+            entry[key] = {"mean": mean, "ci95": ci}
+            if m != "target" and "target" in methods:
+                diffs = [r[key] - recs[(p, "target")][key] for p, r in zip(complete, rows)]
+                d, dci = _mean_ci(diffs)
+                base = abs(sum(recs[(p, "target")][key] for p in complete) / len(complete))
+                entry[key].update(diff_vs_target=d, diff_ci95=dci, rel_diff_pct=100 * d / base)
+        entry["mean_tokens"] = sum(r["tokens"] for r in rows) / len(rows)
+        entry["finished_frac"] = sum(r["finished"] for r in rows) / len(rows)
+        entry["mean_seconds"] = sum(r["seconds"] for r in rows) / len(rows)
+        entry["tokens_per_second"] = sum(r["tokens"] for r in rows) / sum(r["seconds"] for r in rows)
+        if m.startswith("smc"):
+            all_ess = [e for r in rows for e in r["ess"]]
+            entry["mean_ess_per_run"] = _mean_ci([r["mean_ess"] for r in rows])
+            entry["mean_ess_pooled_rounds"] = sum(all_ess) / len(all_ess)
+            entry["frac_rounds_ess_ge_half"] = sum(e >= particles / 2 for e in all_ess) / len(all_ess)
+            entry["resample_rate"] = sum(r["resample_rate"] * r["rounds"] for r in rows) / sum(r["rounds"] for r in rows)
+            entry["rounds"] = sum(r["rounds"] for r in rows)
+        if m.startswith("sd"):
+            entry["acceptance_rate"] = sum(r["accepted"] for r in rows) / max(1, sum(r["drafted"] for r in rows))
+        table[m] = entry
+    return {"prompts_complete": len(complete), "prompts_started": len(prompts), "methods": table,
+            "runs": {m: sum(1 for _, mm in recs if mm == m) for m in methods}}
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "| method | prompts | mean log p (T=1) ± 95% CI | Δ vs target [95% CI] | rel. Δ | mean log p_T (T=0.7) | "
+        "Δ vs target [95% CI] | mean ESS / round | rounds ESS ≥ N/2 | resample rate | SD acceptance |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m, e in report["methods"].items():
+        a, b = e["ll_t1"], e["ll_t"]
+
+        def delta(x):
+            if "diff_vs_target" not in x:
+                return "—"
+            lo, hi = x["diff_vs_target"] - x["diff_ci95"], x["diff_vs_target"] + x["diff_ci95"]
+            return f"{x['diff_vs_target']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+        rel = f"{a['rel_diff_pct']:+.1f}%" if "rel_diff_pct" in a else "—"
+        ess = f"{e['mean_ess_pooled_rounds']:.2f}" if "mean_ess_pooled_rounds" in e else "—"
+        half = f"{100 * e['frac_rounds_ess_ge_half']:.0f}%" if "frac_rounds_ess_ge_half" in e else "—"
+        rr = f"{e['resample_rate']:.2f}" if "resample_rate" in e else "—"
+        acc = f"{e['acceptance_rate']:.3f}" if "acceptance_rate" in e else "—"
+        lines.append(f"| {m} | {e['prompts']} | {a['mean']:.3f} ± {a['ci95']:.3f} | {delta(a)} | {rel} | "
+                     f"{b['mean']:.3f} ± {b['ci95']:.3f} | {delta(b)} | {ess} | {half} | {rr} | {acc} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="smollm2")
+    p.add_argument("--draft", default="default", help="a draft directory, or 'default' (the shipped draft)")
+    p.add_argument("--prompts", nargs="+", required=True, help="the prompt files given to smcdecode.distill")
+    p.add_argument("--holdout", type=int, default=200, help="as given to smcdecode.distill")
+    p.add_argument("--max-prompt-tokens", type=int, default=256, help="as given to smcdecode.distill")
+    p.add_argument("--seed", type=int, default=0, help="as given to smcdecode.distill (also seeds the runs)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first LIMIT held-out prompts")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--particles", type=int, default=8)
+    p.add_argument("--truncated", type=int, default=10, help="layers of the truncated draft")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS", help="start no new prompt after this")
+    p.add_argument("--results-dir", default="fidelity-results")
+    p.add_argument("--out", default="fidelity.json")
+    args = p.parse_args(argv)
+
+    start = time.time()
+    deadline = start + args.budget if args.budget else math.inf
+    results = Path(args.results_dir)
+    results.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    from smcdecode import load_model
+
+    target = load_model(args.target, device="cpu")  # tokenizer only, for the held-out split
+    prompts = heldout_prompts(args, target)
+    del target
+    jobs = list(enumerate(prompts))
+    print(f"{len(jobs)} held-out prompts, {args.workers} workers, methods {args.methods}", flush=True)
+    if args.workers > 1:
+        ctx = torch.multiprocessing.get_context("spawn")
+        procs = [ctx.Process(target=worker, args=(r, args, jobs[r :: args.workers], deadline))
+                 for r in range(args.workers)]
+        for pr in procs:
+            pr.start()
+        for pr in procs:
+            pr.join()
+        failed = [r for r, pr in enumerate(procs) if pr.exitcode != 0]
+        if failed:
+            print(f"workers {failed} failed (exit codes {[procs[r].exitcode for r in failed]})", flush=True)
+    else:
+        worker(0, args, jobs, deadline)
+    report = aggregate(results, args.particles)
+    device = args.device
+    if device.startswith("cuda") and torch.cuda.is_available():
+        device += f" ({torch.cuda.get_device_name()})"
+    report.update(date=time.strftime("%Y-%m-%d"), device=device, seconds=round(time.time() - start, 1),
+                  settings={k: v for k, v in vars(args).items() if k not in ("results_dir", "out")})
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(markdown(report))
+    print(f"{report['prompts_complete']} prompts complete in {report['seconds']:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    raise SystemExit(main())

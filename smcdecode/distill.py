@@ -1,0 +1,606 @@
+"""Distil a small draft from a target LM, for SMC-SD and speculative decoding.
+
+The draft (see :mod:`smcdecode.drafts`) is ``L`` decoder layers of the target's width, initialised
+from target layers, on top of the target's frozen token embeddings and LM head. It is trained to
+minimise the per-token
+
+    KL(p_T || q_T) = Σ_v p_T(v | h) [log p_T(v | h) − log q_T(v | h)],
+
+p_T and q_T the target's and draft's next-token distributions at temperature T (the temperature
+SMC-SD will run at; several may be given and their losses are averaged), over the response
+positions of text *the target itself generates* from chat prompts. The held-out figures are
+
+    acceptance α(h) = Σ_v min(p_T, q_T)      (exact speculative decoding accepts a draft token
+                                               with this probability)
+    χ²(h)          = Σ_v p_T² / q_T − 1      (the variance of the per-token importance weight
+                                               p/q under q; SMC-SD's weights degrade with it)
+
+averaged over positions of held-out target samples.
+
+    python -m smcdecode.distill --target smollm2 --prompts sharegpt_500.json alpaca_eval_instructions.json \\
+        --out my-draft --layers 4 --steps 2000 --device cuda
+
+writes ``my-draft/draft.json`` + ``draft.safetensors`` (load with ``smcdecode.drafts.load_draft``),
+``corpus.pt`` (the generated text), ``checkpoint.pt`` (training resumes from it when the command
+is run again) and ``eval.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .drafts import build_draft, load_draft, load_own_state, own_parameters, own_state, save_draft, size_bytes
+from .errors import SMCDecodeError
+from .models import HFModel
+
+
+@dataclass
+class DistillConfig:
+    """The recipe. ``steps`` optimiser steps of ``batch_size`` sequences; with ``time_budget_s``
+    training also stops when that much time has passed, and the learning-rate schedule runs on
+    progress = max(step / steps, elapsed / time_budget_s)."""
+
+    layers: int = 4
+    init_layers: list[int] | None = None
+    temperatures: list[float] = field(default_factory=lambda: [0.7])
+    samples_per_prompt: int = 4
+    max_prompt_tokens: int = 256
+    max_new_tokens: int = 256
+    holdout: int = 200
+    steps: int = 2000
+    time_budget_s: float | None = None
+    batch_size: int = 32
+    lr: float = 3e-4
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    checkpoint_every: int = 200
+    generation_batch_size: int = 256
+    weights: str = "int8"
+
+    def check(self) -> None:
+        for name in ("layers", "samples_per_prompt", "max_prompt_tokens", "max_new_tokens", "steps", "batch_size",
+                     "checkpoint_every", "generation_batch_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SMCDecodeError(f"{name} must be a positive integer, got {v!r}")
+        if not self.temperatures or any(not (t > 0 and math.isfinite(t)) for t in self.temperatures):
+            raise SMCDecodeError(f"temperatures must be finite numbers > 0, got {self.temperatures!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise SMCDecodeError(f"lr must be a finite number > 0, got {self.lr!r}")
+        if self.holdout < 0:
+            raise SMCDecodeError(f"holdout must be >= 0, got {self.holdout!r}")
+        if self.time_budget_s is not None and not self.time_budget_s > 0:
+            raise SMCDecodeError(f"time_budget_s must be > 0 seconds, got {self.time_budget_s!r}")
+
+    # fields that change what is trained; a checkpoint made with other values is not resumed
+    # (steps and time_budget_s may change: run again with more steps to train longer)
+    TRAINING_FIELDS = ("layers", "init_layers", "temperatures", "batch_size", "lr", "warmup_steps", "min_lr_ratio",
+                       "grad_clip", "seed")
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts and the target's own text
+
+
+def load_prompts(paths: Sequence[str | Path]) -> list[str]:
+    """User prompts from JSON / JSONL files: plain strings, ShareGPT (``conversations``: first human
+    turn), AlpacaEval (``instruction`` [+ ``input``]), Spec-Bench (``turns``), or ``prompt`` /
+    ``question`` / ``text`` fields. Duplicates and empty prompts are dropped; order is kept."""
+    prompts: list[str] = []
+    for path in paths:
+        path = Path(path)
+        if not path.is_file():
+            raise SMCDecodeError(f"prompt file {str(path)!r} does not exist")
+        text = path.read_text()
+        try:
+            if path.suffix == ".jsonl":
+                items = [json.loads(line) for line in text.splitlines() if line.strip()]
+            else:
+                items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SMCDecodeError(f"prompt file {str(path)!r} is not valid JSON/JSONL ({e})") from None
+        if not isinstance(items, list):
+            raise SMCDecodeError(f"prompt file {str(path)!r} must hold a JSON list (or JSONL lines)")
+        for item in items:
+            p = _prompt_of(item)
+            if p:
+                prompts.append(p.strip())
+    seen: set[str] = set()
+    out = [p for p in prompts if p and not (p in seen or seen.add(p))]
+    if not out:
+        raise SMCDecodeError(f"no prompts found in {[str(p) for p in paths]}")
+    return out
+
+
+def _prompt_of(item) -> str | None:
+    if isinstance(item, str):
+        return item
+    if not isinstance(item, dict):
+        return None
+    if isinstance(item.get("conversations"), list):
+        for turn in item["conversations"]:
+            if isinstance(turn, dict) and turn.get("from", turn.get("role")) in ("human", "user"):
+                return turn.get("value", turn.get("content"))
+        return None
+    if isinstance(item.get("instruction"), str):
+        extra = item.get("input")
+        return item["instruction"] + (f"\n\n{extra}" if isinstance(extra, str) and extra.strip() else "")
+    if isinstance(item.get("turns"), list) and item["turns"]:
+        return item["turns"][0] if isinstance(item["turns"][0], str) else None
+    for key in ("prompt", "question", "text"):
+        if isinstance(item.get(key), str):
+            return item[key]
+    return None
+
+
+def chat_prompts(target: HFModel, prompts: Sequence[str], max_prompt_tokens: int) -> list[tuple[str, list[int]]]:
+    """(text, token ids) of each prompt as a single user chat turn (raw text if the model has no
+    chat template), keeping those of at most ``max_prompt_tokens`` tokens."""
+    has_chat = getattr(target.tokenizer, "chat_template", None) is not None
+    out = []
+    for p in prompts:
+        ids = target.chat([{"role": "user", "content": p}]) if has_chat else target.encode(p)
+        if 0 < len(ids) <= max_prompt_tokens:
+            out.append((p, ids))
+    return out
+
+
+def split_prompts(items: Sequence, holdout: int, seed: int = 0) -> tuple[list, list]:
+    """(train, held_out): a seeded shuffle, the first ``holdout`` held out. Deterministic, so the
+    benchmarks recover the same held-out prompts from the same files and seed."""
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    if holdout >= len(items):
+        raise SMCDecodeError(f"holdout ({holdout}) must be smaller than the number of usable prompts ({len(items)})")
+    held = sorted(order[:holdout])
+    train = sorted(order[holdout:])
+    return [items[i] for i in train], [items[i] for i in held]
+
+
+@torch.no_grad()
+def generate_corpus(
+    target: HFModel,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    samples: int = 1,
+    max_new_tokens: int = 256,
+    temperature: float = 0.7,
+    batch_size: int = 256,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids) for ``samples`` target samples per prompt at ``temperature``
+    (plain ancestral sampling: no top-k / top-p), each response cut after its first EOS."""
+    hf, eos = target.hf, target.eos_token_id
+    device = target.device
+    jobs = [list(p) for p in prompt_ids for _ in range(samples)]
+    order = sorted(range(len(jobs)), key=lambda i: len(jobs[i]))  # similar lengths share a batch
+    responses: list[list[int]] = [[] for _ in jobs]
+    torch.manual_seed(seed)
+    bar = _bar(progress, len(jobs), "generating", "seq")
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        width = max(len(jobs[i]) for i in rows)
+        ids = torch.full((len(rows), width), eos, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, i in enumerate(rows):  # left padding
+            ids[r, width - len(jobs[i]) :] = torch.tensor(jobs[i])
+            mask[r, width - len(jobs[i]) :] = 1
+        out = hf.generate(
+            input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=temperature,
+            top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=eos, eos_token_id=eos,
+        )
+        for r, i in enumerate(rows):
+            gen = out[r, width:].tolist()
+            responses[i] = gen[: gen.index(eos) + 1] if eos in gen else gen
+        if bar is not None:
+            bar.update(len(rows))
+    if bar is not None:
+        bar.close()
+    return [(p, r) for p, r in zip(jobs, responses) if r]
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss, evaluation
+
+
+def _logits(hf: torch.nn.Module, input_ids: Tensor, positions: Tensor) -> Tensor:
+    """Next-token logits [P, V] at the selected ``positions`` ([B, T] bool) only."""
+    hidden = hf.model(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, T, H]
+    logits = hf.get_output_embeddings()(hidden[positions])
+    cap = getattr(hf.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits.float()
+
+
+def kl_loss(target_logits: Tensor, draft_logits: Tensor, temperatures: Sequence[float]) -> Tensor:
+    """Mean over positions and temperatures of KL(p_T || q_T); logits [P, V]."""
+    total = draft_logits.new_zeros(())
+    for t in temperatures:
+        log_p = torch.log_softmax(target_logits / t, dim=-1)
+        log_q = torch.log_softmax(draft_logits / t, dim=-1)
+        total = total + (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    return total / len(temperatures)
+
+
+def _batch(seqs: Sequence[tuple[list[int], list[int]]], device) -> tuple[Tensor, Tensor]:
+    """input ids [B, T] (right-padded) and the positions [B, T] that predict a response token."""
+    width = max(len(p) + len(r) - 1 for p, r in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    positions = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for b, (p, r) in enumerate(seqs):
+        full = (p + r)[:-1]  # the last token predicts nothing we train on
+        ids[b, : len(full)] = torch.tensor(full)
+        positions[b, len(p) - 1 : len(full)] = True
+    return ids.to(device), positions.to(device)
+
+
+@torch.no_grad()
+def evaluate_draft(
+    target: HFModel,
+    draft: HFModel,
+    corpus: Sequence[tuple[list[int], list[int]]],
+    *,
+    temperature: float = 0.7,
+    batch_size: int = 16,
+    progress: bool = False,
+) -> dict:
+    """Held-out figures of ``draft`` against ``target`` at ``temperature`` over the response
+    positions of ``corpus``: mean acceptance Σ min(p, q), χ² = Σ p²/q − 1 (mean, median, and the
+    mean of log(1 + χ²)), KL(p || q), and the positions counted. Runs in float32."""
+    device = target.device
+    acc, chi, kl = [], [], []
+    bar = _bar(progress, len(corpus), "evaluating", "seq")
+    for start in range(0, len(corpus), batch_size):
+        seqs = corpus[start : start + batch_size]
+        ids, pos = _batch(seqs, device)
+        log_p = torch.log_softmax(_logits(target.hf, ids, pos) / temperature, -1)
+        log_q = torch.log_softmax(_logits(draft.hf, ids, pos) / temperature, -1)
+        acc.append(torch.minimum(log_p, log_q).exp().sum(-1).double().cpu())
+        chi.append(torch.logsumexp(2 * log_p - log_q, -1).double().cpu())  # log(1 + χ²)
+        kl.append((log_p.exp() * (log_p - log_q)).sum(-1).double().cpu())
+        if bar is not None:
+            bar.update(len(seqs))
+    if bar is not None:
+        bar.close()
+    if not acc:
+        raise SMCDecodeError("the evaluation corpus is empty")
+    a, log1p_chi2, k = torch.cat(acc), torch.cat(chi), torch.cat(kl)
+    chi2 = torch.expm1(log1p_chi2)
+    return {
+        "temperature": temperature,
+        "acceptance": float(a.mean()),
+        "chi2_mean": float(chi2.mean()),
+        "chi2_median": float(chi2.median()),
+        "log1p_chi2_mean": float(log1p_chi2.mean()),
+        "kl": float(k.mean()),
+        "positions": int(a.numel()),
+        "sequences": len(corpus),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+
+
+def _epoch_batches(corpus, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """Batches of one epoch: a seeded shuffle, lengths sorted within windows of 16 batches (less
+    padding), batch order shuffled again. Deterministic in (seed, epoch), so training resumes
+    exactly where it stopped."""
+    rng = random.Random(seed * 1_000_003 + epoch)
+    order = list(range(len(corpus)))
+    rng.shuffle(order)
+    window = 16 * batch_size
+    batches = []
+    for s in range(0, len(order), window):
+        chunk = sorted(order[s : s + window], key=lambda i: len(corpus[i][0]) + len(corpus[i][1]))
+        batches += [chunk[b : b + batch_size] for b in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def _lr_factor(step: int, progress: float, cfg: DistillConfig) -> float:
+    warm = min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return warm * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
+
+
+def train_draft(
+    target: HFModel,
+    draft: HFModel,
+    corpus: Sequence[tuple[list[int], list[int]]],
+    config: DistillConfig,
+    *,
+    checkpoint: str | Path | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Minimise KL(p_T || q_T) over ``corpus`` by AdamW on the draft's own parameters (the target
+    is frozen). With ``checkpoint``, state is saved there every ``checkpoint_every`` steps and at the
+    end, and a compatible checkpoint found there is resumed. Returns {"steps", "seconds", "history"}."""
+    config.check()
+    if not corpus:
+        raise SMCDecodeError("the training corpus is empty")
+    device = target.device
+    for p in target.hf.parameters():
+        p.requires_grad_(False)
+    params = own_parameters(draft.hf)
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    step, elapsed, history = 0, 0.0, []
+    ckpt = Path(checkpoint) if checkpoint is not None else None
+    if ckpt is not None and ckpt.exists():
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        saved = {k: state["config"].get(k) for k in DistillConfig.TRAINING_FIELDS}
+        now = {k: dataclasses.asdict(config)[k] for k in DistillConfig.TRAINING_FIELDS}
+        if saved != now:
+            changed = {k: (saved[k], now[k]) for k in now if saved[k] != now[k]}
+            raise SMCDecodeError(
+                f"checkpoint {str(ckpt)!r} was made with another recipe {changed} (saved, now): "
+                "use the same options to resume, or --fresh to start over"
+            )
+        load_own_state(draft, state["draft"])
+        opt.load_state_dict(state["optimizer"])
+        step, elapsed, history = state["step"], state["elapsed"], state["history"]
+        log(f"resuming from {ckpt} at step {step} ({elapsed:.0f} s trained)")
+
+    def progress_of(step: int, elapsed: float) -> float:
+        p = step / config.steps
+        if config.time_budget_s:
+            p = max(p, elapsed / config.time_budget_s)
+        return p
+
+    def save() -> None:
+        if ckpt is None:
+            return
+        tmp = ckpt.with_suffix(".tmp")
+        torch.save({"step": step, "elapsed": elapsed, "history": history, "config": dataclasses.asdict(config),
+                    "draft": {k: v.detach().cpu() for k, v in own_state(draft).items()},
+                    "optimizer": opt.state_dict()}, tmp)
+        tmp.replace(ckpt)
+
+    use_bf16 = device.type == "cuda"
+    nb = len(_epoch_batches(corpus, config.batch_size, config.seed, 0))
+    draft.hf.train()
+    bar = _bar(progress, config.steps, "distilling", "step", initial=step)
+    t0, window = time.perf_counter() - elapsed, []
+    epoch_seen, batches = -1, []
+    try:
+        while progress_of(step, elapsed) < 1.0:
+            epoch, b = divmod(step, nb)
+            if epoch != epoch_seen:
+                epoch_seen, batches = epoch, _epoch_batches(corpus, config.batch_size, config.seed, epoch)
+            rows = batches[b]
+            ids, pos = _batch([corpus[i] for i in rows], device)
+            for g in opt.param_groups:
+                g["lr"] = config.lr * _lr_factor(step, progress_of(step, elapsed), config)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+                with torch.no_grad():
+                    z_t = _logits(target.hf, ids, pos)
+                z_d = _logits(draft.hf, ids, pos)
+            loss = kl_loss(z_t, z_d, config.temperatures)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+            opt.step()
+            step += 1
+            elapsed = time.perf_counter() - t0
+            window.append(float(loss.detach()))  # NOTE: one sync per step, for the progress bar
+            if step % 25 == 0 or progress_of(step, elapsed) >= 1.0:
+                history.append({"step": step, "seconds": round(elapsed, 1), "kl": sum(window) / len(window),
+                                "lr": opt.param_groups[0]["lr"]})
+                window = []
+                if bar is None and (step % 100 == 0 or progress_of(step, elapsed) >= 1.0):
+                    h = history[-1]
+                    log(f"step {step}: KL {h['kl']:.4f}, lr {h['lr']:.2e}, {elapsed:.0f} s")
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(kl=f"{float(loss.detach()):.3f}")
+            if step % config.checkpoint_every == 0:
+                save()
+    finally:
+        if bar is not None:
+            bar.close()
+        draft.hf.eval()
+    save()
+    for p in params:
+        p.requires_grad_(False)
+    return {"steps": step, "seconds": round(elapsed, 1), "history": history}
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole recipe
+
+
+def distill(
+    target: HFModel,
+    prompts: Sequence[str],
+    out_dir: str | Path,
+    config: DistillConfig | None = None,
+    *,
+    fresh: bool = False,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Distil a draft for ``target`` from ``prompts`` (user chat messages) into ``out_dir``.
+
+    1. keep prompts of at most ``max_prompt_tokens`` tokens; hold ``holdout`` of them out;
+    2. sample ``samples_per_prompt`` responses per training prompt (one per held-out prompt) from
+       the target at the first training temperature (saved in ``corpus.pt``, reused on resume);
+    3. build the draft (:func:`smcdecode.drafts.build_draft`) and train it (:func:`train_draft`);
+    4. save it (``draft.json`` + ``draft.safetensors``), reload the saved file, and evaluate the
+       reloaded draft on the held-out responses at each temperature (``eval.json``).
+
+    Returns the report written to ``eval.json``.
+    """
+    config = config or DistillConfig()
+    config.check()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    corpus_file, ckpt = out / "corpus.pt", out / "checkpoint.pt"
+    if fresh:
+        for f in (corpus_file, ckpt):
+            f.unlink(missing_ok=True)
+    started = time.perf_counter()
+    gen_seconds = 0.0
+    if corpus_file.exists():
+        corpus = torch.load(corpus_file, weights_only=True)
+        log(f"reusing {len(corpus['train'])} training and {len(corpus['heldout'])} held-out sequences from {corpus_file}")
+    else:
+        usable = chat_prompts(target, prompts, config.max_prompt_tokens)
+        train_p, held_p = split_prompts(usable, config.holdout, config.seed)
+        log(f"{len(usable)} of {len(prompts)} prompts fit in {config.max_prompt_tokens} tokens: "
+            f"{len(train_p)} for training, {len(held_p)} held out")
+        t = time.perf_counter()
+        temp = config.temperatures[0]
+        train = generate_corpus(target, [ids for _, ids in train_p], samples=config.samples_per_prompt,
+                                max_new_tokens=config.max_new_tokens, temperature=temp,
+                                batch_size=config.generation_batch_size, seed=config.seed, progress=progress)
+        held = generate_corpus(target, [ids for _, ids in held_p], samples=1, max_new_tokens=config.max_new_tokens,
+                               temperature=temp, batch_size=config.generation_batch_size, seed=config.seed + 1,
+                               progress=progress) if held_p else []
+        gen_seconds = time.perf_counter() - t
+        corpus = {"train": train, "heldout": held, "heldout_prompts": [text for text, _ in held_p],
+                  "generation_seconds": gen_seconds}
+        torch.save(corpus, corpus_file)
+        n_tok = sum(len(r) for _, r in train)
+        log(f"generated {len(train)} training sequences ({n_tok} response tokens) in {gen_seconds:.0f} s")
+    draft = build_draft(target, config.layers, config.init_layers)
+    trained = train_draft(target, draft, corpus["train"], config, checkpoint=ckpt, progress=progress, log=log)
+    recipe = {
+        "config": dataclasses.asdict(config),
+        "train_sequences": len(corpus["train"]),
+        "train_response_tokens": sum(len(r) for _, r in corpus["train"]),
+        "steps": trained["steps"],
+        "train_seconds": trained["seconds"],
+        "generation_seconds": round(float(corpus.get("generation_seconds", gen_seconds)), 1),
+        "device": str(target.device) + (f" ({torch.cuda.get_device_name(target.device)})"
+                                        if target.device.type == "cuda" else ""),
+        "final_train_kl": trained["history"][-1]["kl"] if trained["history"] else None,
+    }
+    save_draft(draft, out, weights=config.weights, metadata={"training": recipe})
+    reloaded = load_draft(target, out)  # evaluate what was saved (int8 weights included)
+    figures = [evaluate_draft(target, reloaded, corpus["heldout"], temperature=t) for t in config.temperatures] \
+        if corpus["heldout"] else []
+    config_file = out / "draft.json"
+    saved = json.loads(config_file.read_text())
+    saved["eval"] = figures
+    config_file.write_text(json.dumps(saved, indent=2) + "\n")
+    report = {"draft": str(out), "size_bytes": size_bytes(out), "training": recipe, "eval": figures,
+              "history": trained["history"], "seconds": round(time.perf_counter() - started, 1)}
+    (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def _bar(enabled: bool, total: int, desc: str, unit: str, initial: int = 0):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, initial=initial, dynamic_ncols=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = DistillConfig()
+    p = argparse.ArgumentParser(
+        prog="smcdecode distill",
+        description="Distil a small draft from a target LM (KL to the target's next-token distributions at the "
+        "SMC-SD temperature, on text the target generates from your prompts). Run it again to resume.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--target", default="smollm2", help="target: 'smollm2', a Hugging Face directory, or a .gguf file")
+    p.add_argument("--prompts", nargs="+", required=True, metavar="FILE",
+                   help="JSON/JSONL prompt files (ShareGPT, AlpacaEval, Spec-Bench, or a list of strings)")
+    p.add_argument("--out", required=True, help="output directory (draft, corpus, checkpoint, eval.json)")
+    p.add_argument("--layers", type=int, default=d.layers, help="decoder layers of the draft")
+    p.add_argument("--init-layers", help="comma-separated target layers to initialise from (default: evenly spaced)")
+    p.add_argument("--temperature", type=float, nargs="+", default=d.temperatures,
+                   help="temperature(s) T of KL(p_T || q_T); the first is also the sampling temperature of the corpus")
+    p.add_argument("--samples-per-prompt", type=int, default=d.samples_per_prompt, help="target samples per training prompt")
+    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, help="skip longer (chat-formatted) prompts")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="length of each target sample")
+    p.add_argument("--holdout", type=int, default=d.holdout, help="prompts held out for the final evaluation")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimiser steps")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="also stop training after this many seconds (the LR schedule follows whichever ends first)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warm-up steps")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints")
+    p.add_argument("--generation-batch-size", type=int, default=d.generation_batch_size, help="sequences per generate() call")
+    p.add_argument("--weights", choices=["int8", "bfloat16", "float32"], default=d.weights,
+                   help="storage of the saved layers (int8: per-row scales, half the size of bfloat16)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed for the split, the samples and the batches")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--fresh", action="store_true", help="ignore an existing corpus and checkpoint in --out")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m smcdecode.distill ...`` / ``smcdecode distill ...``; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        init = None
+        if args.init_layers:
+            try:
+                init = [int(x) for x in args.init_layers.split(",")]
+            except ValueError:
+                raise SMCDecodeError(f"--init-layers must be comma-separated integers, got {args.init_layers!r}") from None
+        config = DistillConfig(
+            layers=args.layers, init_layers=init, temperatures=list(args.temperature),
+            samples_per_prompt=args.samples_per_prompt, max_prompt_tokens=args.max_prompt_tokens,
+            max_new_tokens=args.max_new_tokens, holdout=args.holdout, steps=args.steps,
+            time_budget_s=args.time_budget, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
+            seed=args.seed, checkpoint_every=args.checkpoint_every,
+            generation_batch_size=args.generation_batch_size, weights=args.weights,
+        )
+        config.check()
+        prompts = load_prompts(args.prompts)
+        from .models import load_model
+
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device.startswith("cuda"):
+            torch.backends.cuda.matmul.allow_tf32 = True
+        target = load_model(args.target, device=device)
+        report = distill(target, prompts, args.out, config, fresh=args.fresh, progress=not args.no_progress,
+                         log=lambda s: print(s, file=sys.stderr))
+    except SMCDecodeError as e:
+        print(f"smcdecode distill: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("smcdecode distill: interrupted; run the same command again to resume from the checkpoint",
+              file=sys.stderr)
+        return 130
+    t = report["training"]
+    print(f"draft saved to {report['draft']} ({report['size_bytes'] / 1e6:.1f} MB): {config.layers} layers, "
+          f"{t['steps']} steps in {t['train_seconds']:.0f} s on {t['device']}")
+    for e in report["eval"]:
+        print(f"held-out at T={e['temperature']:g}: acceptance Σmin(p,q) = {e['acceptance']:.3f}, "
+              f"χ² mean {e['chi2_mean']:.3g} / median {e['chi2_median']:.3g}, KL {e['kl']:.3f} "
+              f"({e['positions']} positions)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

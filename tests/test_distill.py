@@ -1,0 +1,218 @@
+"""Distillation and draft files, on tiny random Llama models (CPU, a few seconds in all)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from smcdecode import LM, SMC, Draft, HFModel, SMCDecodeError
+from smcdecode.distill import (
+    DistillConfig,
+    distill,
+    evaluate_draft,
+    generate_corpus,
+    kl_loss,
+    load_prompts,
+    main,
+    split_prompts,
+    train_draft,
+)
+from smcdecode.drafts import build_draft, load_default_draft, load_draft, own_state, read_draft_config, save_draft
+
+transformers = pytest.importorskip("transformers")
+
+
+def word_tokenizer(vocab: int):
+    """A whitespace tokenizer over the words <s>, </s>, w0 .. w{vocab-3} (no chat template)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<s>", "</s>"] + [f"w{i}" for i in range(vocab - 2)]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="w0")
+
+
+def tiny_target(vocab: int = 48, seed: int = 0, layers: int = 3, tokenizer: bool = False) -> HFModel:
+    """A random Llama with peaked next-token distributions (large init), so KL is far from 0."""
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True, bos_token_id=0,
+        eos_token_id=1, pad_token_id=1, initializer_range=0.25,
+    )
+    tok = word_tokenizer(vocab) if tokenizer else None
+    return HFModel(transformers.LlamaForCausalLM(cfg).eval(), tok, name=f"tiny-{vocab}-{seed}")
+
+
+@pytest.fixture(scope="module")
+def target() -> HFModel:
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def corpus(target):
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 48, (int(n),), generator=g).tolist() for n in torch.randint(3, 8, (16,), generator=g)]
+    return generate_corpus(target, prompts, samples=2, max_new_tokens=12, batch_size=32, seed=0, progress=False)
+
+
+def test_corpus_is_cut_after_eos(target, corpus):
+    assert len(corpus) == 32
+    for _prompt, response in corpus:
+        assert 1 <= len(response) <= 12
+        assert target.eos_token_id not in response[:-1]
+
+
+def test_kl_loss_is_zero_on_equal_logits_and_positive_otherwise():
+    z = torch.randn(5, 7)
+    assert float(kl_loss(z, z, [0.7, 1.0])) == pytest.approx(0.0, abs=1e-6)
+    assert float(kl_loss(z, z + torch.randn(5, 7), [0.7])) > 0
+
+
+def test_distillation_reduces_kl(target, corpus):
+    held, train = corpus[:8], corpus[8:]
+    draft = build_draft(target, 1)
+    before = evaluate_draft(target, draft, held)
+    config = DistillConfig(layers=1, steps=40, batch_size=8, lr=1e-2, warmup_steps=1, checkpoint_every=1000)
+    report = train_draft(target, draft, train, config, progress=False)
+    after = evaluate_draft(target, draft, held)
+    assert report["steps"] == 40
+    assert after["kl"] < 0.7 * before["kl"]
+    assert after["acceptance"] > before["acceptance"]
+    # the target is frozen and shared, not trained
+    assert all(not p.requires_grad for p in target.hf.parameters())
+    assert draft.hf.get_input_embeddings() is target.hf.get_input_embeddings()
+
+
+def test_training_resumes_from_checkpoint_exactly(target, corpus, tmp_path):
+    config = dict(layers=1, batch_size=8, lr=3e-3, warmup_steps=1, min_lr_ratio=1.0, checkpoint_every=1000)
+    straight = build_draft(target, 1)
+    train_draft(target, straight, corpus, DistillConfig(steps=10, **config), progress=False)
+
+    ckpt = tmp_path / "checkpoint.pt"
+    resumed = build_draft(target, 1)
+    train_draft(target, resumed, corpus, DistillConfig(steps=5, **config), checkpoint=ckpt, progress=False)
+    fresh = build_draft(target, 1)  # a new process: same recipe, more steps
+    logs = []
+    out = train_draft(target, fresh, corpus, DistillConfig(steps=10, **config), checkpoint=ckpt, progress=False,
+                      log=logs.append)
+    assert out["steps"] == 10 and "resuming" in logs[0]
+    for (k, a), b in zip(own_state(straight).items(), own_state(fresh).values()):
+        torch.testing.assert_close(a, b, msg=k)
+
+    with pytest.raises(SMCDecodeError, match="another recipe"):
+        train_draft(target, build_draft(target, 1), corpus, DistillConfig(steps=10, **{**config, "lr": 1e-3}),
+                    checkpoint=ckpt, progress=False)
+
+
+def test_distill_end_to_end_then_resume(tmp_path):
+    target = tiny_target(tokenizer=True)
+    prompts = [" ".join(f"w{(7 * i + j) % 46}" for j in range(2 + i % 4)) for i in range(20)]
+    config = DistillConfig(layers=1, samples_per_prompt=2, max_new_tokens=8, holdout=4, steps=6, batch_size=4,
+                           lr=1e-2, warmup_steps=1, checkpoint_every=3, weights="bfloat16")
+    logs: list[str] = []
+    report = distill(target, prompts, tmp_path, config, progress=False, log=logs.append)
+    for name in ("draft.json", "draft.safetensors", "corpus.pt", "checkpoint.pt", "eval.json"):
+        assert (tmp_path / name).is_file(), name
+    assert report["training"]["steps"] == 6 and report["training"]["train_sequences"] == 32
+    (figures,) = report["eval"]
+    assert figures["temperature"] == 0.7 and 0 < figures["acceptance"] <= 1 and figures["sequences"] == 4
+    assert read_draft_config(tmp_path)["eval"] == report["eval"]
+
+    # the same command with more steps: the corpus is reused and training resumes
+    config.steps = 9
+    report = distill(target, prompts, tmp_path, config, progress=False, log=logs.append)
+    assert any(line.startswith("reusing") for line in logs) and any(line.startswith("resuming") for line in logs)
+    assert report["training"]["steps"] == 9
+    result = SMC(LM(target, 0.7), Draft(load_draft(target, tmp_path), 0.7), particles=2, block_size=2).run(
+        "w3 w4", max_new_tokens=5, seed=0, progress=False)
+    assert isinstance(result.text, str)
+
+
+@pytest.mark.parametrize("weights, tol", [("float32", 0.0), ("bfloat16", 5e-2), ("int8", 5e-2)])
+def test_saved_draft_round_trips(target, tmp_path, weights, tol):
+    draft = build_draft(target, 2, [0, 2])
+    with torch.no_grad():
+        for p in draft.hf.model.layers.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # differ from the target layers they started from
+    path = save_draft(draft, tmp_path / "d", weights=weights, metadata={"training": {"note": "test"}})
+    config = read_draft_config(path)
+    assert config["num_layers"] == 2 and config["init_layers"] == [0, 2] and config["weights"] == weights
+    assert config["training"] == {"note": "test"}
+    assert config["target"]["vocab_size"] == 48
+    loaded = load_draft(target, path)
+    ids = torch.randint(2, 48, (2, 9))
+    with torch.no_grad():
+        a, b = draft.hf(ids).logits, loaded.hf(ids).logits
+    assert float((a - b).norm() / a.norm()) <= tol + 1e-6
+    assert loaded.hf.get_output_embeddings() is target.hf.get_output_embeddings()  # shared, not saved
+    saved = sum(f.stat().st_size for f in path.iterdir())
+    assert saved < 4 * sum(p.numel() for p in draft.hf.model.layers.parameters()) + 20_000
+
+    # the loaded draft drives SMC-SD
+    out = SMC(LM(target, 0.7), Draft(loaded, 0.7), particles=3, block_size=2).run_groups([5, 6, 7], 1, 6, seed=0)
+    assert out.tokens.shape == (1, 3, 6) and out.rounds >= 1
+
+
+def test_vocab_mismatch_is_a_clear_error(target, tmp_path):
+    path = save_draft(build_draft(target, 1), tmp_path / "d")
+    other = tiny_target(vocab=64, seed=0)
+    with pytest.raises(SMCDecodeError, match=r"draft .* vocabulary \(48\) differs from target vocabulary \(64\)"):
+        load_draft(other, path)
+    same_vocab = tiny_target(vocab=48, seed=7)  # same sizes, different weights
+    with pytest.raises(SMCDecodeError, match="distilled from a different target"):
+        load_draft(same_vocab, path)
+    with pytest.raises(SMCDecodeError, match="no shipped draft fits"):
+        load_default_draft(other)
+    with pytest.raises(SMCDecodeError, match="no draft at"):
+        load_draft(target, tmp_path / "missing")
+
+
+def test_draft_config_errors(target, tmp_path):
+    with pytest.raises(SMCDecodeError, match="num_layers must be"):
+        build_draft(target, 3)
+    with pytest.raises(SMCDecodeError, match="init_layers must list"):
+        build_draft(target, 2, [0, 5])
+    (tmp_path / "draft.json").write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(SMCDecodeError, match="not a smcdecode draft"):
+        load_draft(target, tmp_path)
+
+
+def test_load_prompts_reads_the_eval_formats(tmp_path):
+    (tmp_path / "share.json").write_text(json.dumps([
+        {"id": "a", "conversations": [{"from": "human", "value": "Hello?"}, {"from": "gpt", "value": "Hi"}]},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "no human turn"}]},
+    ]))
+    (tmp_path / "alpaca.json").write_text(json.dumps([{"instruction": "Sum 2 and 3.", "input": ""}, "plain", "Hello?"]))
+    (tmp_path / "spec.jsonl").write_text(json.dumps({"turns": ["First turn", "second"]}) + "\n")
+    prompts = load_prompts([tmp_path / "share.json", tmp_path / "alpaca.json", tmp_path / "spec.jsonl"])
+    assert prompts == ["Hello?", "Sum 2 and 3.", "plain", "First turn"]
+    train, held = split_prompts(list(range(10)), 3, seed=0)
+    assert len(held) == 3 and sorted(train + held) == list(range(10))
+    assert split_prompts(list(range(10)), 3, seed=0) == (train, held)
+
+
+def test_command_reports_bad_input(tmp_path, capsys):
+    assert main(["--prompts", str(tmp_path / "missing.json"), "--out", str(tmp_path / "o")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["--prompts", "x.json", "--out", str(tmp_path / "o"), "--layers", "0"]) == 2
+    assert "layers must be a positive integer" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_distill_on_cuda(tmp_path):
+    target = tiny_target(tokenizer=True)
+    target.hf.to("cuda")
+    prompts = [" ".join(f"w{(5 * i + j) % 46}" for j in range(2 + i % 3)) for i in range(24)]
+    config = DistillConfig(layers=1, samples_per_prompt=2, max_new_tokens=10, holdout=4, steps=60, batch_size=8,
+                           lr=1e-2, warmup_steps=1)
+    report = distill(target, prompts, tmp_path, config, progress=False, log=lambda s: None)
+    history = report["history"]
+    assert history[-1]["kl"] < history[0]["kl"]
+    draft = load_draft(target, tmp_path)
+    assert draft.device.type == "cuda"
+    result = SMC(LM(target, 0.7), Draft(draft, 0.7), particles=4, block_size=3).run("w1 w2", 9, seed=0, progress=False)
+    assert isinstance(result.text, str)

@@ -141,6 +141,69 @@ def hf_generate(prompts: torch.Tensor, out_len: int, repeats: int) -> dict:
             "tok_s_total": out_len / t, "seconds": times, "first_call_s": first, "peak_mem_gib": mem / 2**30}
 
 
+def accepted_per_round(o) -> float:
+    """Mean over rows of accepted drafts per round: each round of a row adds its accepted drafts plus
+    one token (the correction or the bonus), so a row ran lengths − accepted rounds."""
+    acc = o.accepted.double()
+    return float((acc / (o.lengths.double() - acc).clamp(min=1)).mean())
+
+
+def smollm2_runs(args) -> list[dict]:
+    """The real default model: SmolLM2-135M-Instruct (GGUF Q4_1 dequantised, bf16) as the target and its
+    first 10 layers (+ final norm and head) as the draft, on ShareGPT prompts through the chat template."""
+    from smcdecode.backends.engine import LlamaConfig
+    from smcdecode.models import load_model
+
+    hf = load_model(args.smollm2_gguf, dtype="float32")
+    tok = hf.tokenizer if hasattr(hf, "tokenizer") else hf.tok
+    target = Llama.from_hf(hf, dtype=torch.bfloat16, device="cuda")
+    cfg = LlamaConfig(**{**target.cfg.__dict__, "n_layers": 10})
+    draft = Llama.from_state_dict(cfg, hf.hf.state_dict(), dtype=torch.bfloat16, device="cuda")
+    data = json.loads(Path(args.prompts_json).read_text())
+    prompts = []
+    for item in data:
+        text = item["conversations"][0]["value"]
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        if 16 <= len(ids) <= 256:
+            prompts.append(ids)
+        if len(prompts) == 8:
+            break
+    out_len = 256
+    engine = Engine(target, draft, num_pages=8 * 8 * 40 + 8 * 20 + 64, page_size=16, max_context=600)
+    runs = []
+    for G in (1, 8):
+        P = prompts[:G]
+        engine.autoregressive(P, max_new_tokens=8)
+        times = cuda_time(lambda: engine.autoregressive(P, max_new_tokens=out_len), args.repeats)
+        runs.append({"system": "SmolLM2 engine AR", "requests": G, "tok_s_total": G * out_len / statistics.median(times),
+                     "seconds": times})
+        for N, K in ((8, 8), (8, 4)):
+            engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=2 * (K + 1))
+            outs = []
+            times = cuda_time(lambda: outs.append(engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=out_len)),
+                              args.repeats)
+            o = outs[-1]
+            runs.append({"system": f"SmolLM2 engine SMC-SD N={N} K={K} (draft: first 10 layers)", "requests": G,
+                         "tok_s_total": G * out_len / statistics.median(times), "seconds": times,
+                         "mean_ess": float(torch.tensor([e.mean() for e in o.ess]).mean()), "N": N, "K": K,
+                         "resample_rate": float(sum(x.mean() for x in o.resampled) / o.rounds)})
+            engine.clear_graphs()
+        engine.speculative(P, block_size=4, max_new_tokens=10)
+        outs = []
+        times = cuda_time(lambda: outs.append(engine.speculative(P, block_size=4, max_new_tokens=out_len)),
+                          args.repeats)
+        o = outs[-1]
+        runs.append({"system": "SmolLM2 engine exact SD K=4 (draft: first 10 layers)", "requests": G,
+                     "tok_s_total": G * out_len / statistics.median(times), "seconds": times,
+                     "acceptance": accepted_per_round(o), "K": 4,
+                     "tokens_per_round": out_len / o.rounds})
+        engine.clear_graphs()
+        for r in runs[-4:]:
+            print({k: v for k, v in r.items() if k != "seconds"}, flush=True)
+    return runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out-dir", default="docs")
@@ -150,6 +213,13 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--configs", default="8x8,12x8,8x4,4x8")
     ap.add_argument("--requests", default="1,8")
+    ap.add_argument("--sd-blocks", default="4", help="K values of exact speculative decoding")
+    ap.add_argument("--sd-out-len", type=int, default=256,
+                    help="output length of the speculative-decoding runs (random weights accept ~nothing: "
+                         "one token a round)")
+    ap.add_argument("--smollm2-gguf", default=None, help="SmolLM2-135M-Instruct GGUF: also run the real model")
+    ap.add_argument("--prompts-json", default="../shared/data/eval/sharegpt_500.json")
+    ap.add_argument("--skip-profile", action="store_true")
     args = ap.parse_args()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -220,7 +290,10 @@ def main() -> None:
             N, K = (int(x) for x in nk.split("x"))
             try:
                 kw = dict(particles=N, block_size=K)
-                engine.smc_sd(P[:G], max_new_tokens=3 * (K + 1), **kw)  # compile kernels, warm up
+                t0 = time.perf_counter()
+                engine.smc_sd(P[:G], max_new_tokens=3 * (K + 1), **kw)  # compile kernels, capture the graph
+                torch.cuda.synchronize()
+                capture_call = time.perf_counter() - t0
                 torch.cuda.reset_peak_memory_stats()
                 outs = []
                 times = cuda_time(lambda: outs.append(engine.smc_sd(P[:G], max_new_tokens=args.out_len, **kw)),
@@ -241,12 +314,50 @@ def main() -> None:
                      "roofline_tok_s_per_request": (K + 1) / roofline_round,
                      "mean_ess": float(ess.mean()), "resample_rate": float(sum(x.mean() for x in o.resampled) / rounds),
                      "peak_kv_pages": o.peak_pages, "peak_kv_gib": o.peak_pages * page_bytes / 2**30,
+                     "host_ms_per_round": 1e3 * o.host_s / rounds, "first_call_s": capture_call,
                      "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
                 res["runs"].append(r)
                 print({k: v for k, v in r.items() if k != "seconds"}, flush=True)
             except Exception:
                 res["errors"].append(f"smc {nk} G={G}: " + traceback.format_exc()[-2000:])
                 print(res["errors"][-1], flush=True)
+            engine.clear_graphs()
+            save()
+
+    # --- exact speculative decoding (random weights: acceptance ~0, so also the tok/s a measured
+    # round time gives at acceptance rates α: E[tokens a round] = (1 − α^(K+1)) / (1 − α))
+    for G in requests:
+        for K in (int(k) for k in args.sd_blocks.split(",")):
+            try:
+                t0 = time.perf_counter()
+                engine.speculative(P[:G], block_size=K, max_new_tokens=2 * (K + 1))
+                torch.cuda.synchronize()
+                capture_call = time.perf_counter() - t0
+                torch.cuda.reset_peak_memory_stats()
+                outs = []
+                L = args.sd_out_len
+                times = cuda_time(lambda: outs.append(engine.speculative(P[:G], block_size=K, max_new_tokens=L)),
+                                  args.repeats)
+                t = statistics.median(times)
+                o = outs[-1]
+                B = G
+                round_floor = gemm_graph_time(draft, [2 * B] + [B] * (K - 1)) + gemm_graph_time(target, [B * (K + 1)])
+                ms_round = 1e3 * t / o.rounds
+                r = {"system": f"engine exact SD K={K}", "K": K, "requests": G, "out_len": L,
+                     "tok_s_per_request": L / t, "tok_s_total": G * L / t, "seconds": times, "rounds": o.rounds,
+                     "ms_per_round": ms_round, "gemm_floor_ms_per_round": 1e3 * round_floor,
+                     "frac_of_gemm_floor": 1e-3 * round_floor * o.rounds / t,
+                     "gemm_floor_tok_s_total": G * L / (round_floor * o.rounds),
+                     "acceptance": accepted_per_round(o),
+                     "tok_s_per_request_at_alpha": {a: (1 - a ** (K + 1)) / (1 - a) / (ms_round / 1e3)
+                                                    for a in (0.6, 0.8, 0.9)},
+                     "first_call_s": capture_call, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+                res["runs"].append(r)
+                print({k: v for k, v in r.items() if k != "seconds"}, flush=True)
+            except Exception:
+                res["errors"].append(f"sd K={K} G={G}: " + traceback.format_exc()[-2000:])
+                print(res["errors"][-1], flush=True)
+            engine.clear_graphs()
             save()
 
     # memory per extra particle: KV pages used at N=12 vs N=8 (K=8, one request)
@@ -259,6 +370,8 @@ def main() -> None:
 
     # --- profile: where a round's time goes (eager, so kernels are attributed; and graph replay)
     try:
+        if args.skip_profile:
+            raise RuntimeError("profile skipped (--skip-profile)")
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -278,6 +391,15 @@ def main() -> None:
     except Exception:
         res["errors"].append("profile: " + traceback.format_exc()[-2000:])
     save()
+    engine = target = draft = None  # free the 8B/1B before the real-model runs
+    torch.cuda.empty_cache()
+    if args.smollm2_gguf:
+        try:
+            res["smollm2"] = smollm2_runs(args)
+        except Exception:
+            res["errors"].append("smollm2: " + traceback.format_exc()[-2000:])
+            print(res["errors"][-1], flush=True)
+        save()
     write_markdown(res, out_dir / "benchmarks.md")
     print("\nsystem | G | tok/s/req | tok/s total | frac GEMM floor | peak GiB")
     for r in res["runs"]:
@@ -295,14 +417,16 @@ def write_markdown(res: dict, path: Path) -> None:
         f"Median of {res['repeats']} runs, each end to end (prefill, CUDA-graph capture and decoding).",
         f"Copy bandwidth measured in the same run: {res['copy_bandwidth_TBps']:.2f} TB/s (read + write).", "",
         "| system | requests | tok/s per request | tok/s total | GEMM floor tok/s total | of GEMM floor | "
-        "weight-BW roofline tok/s per request | ms/round | mean ESS | resample rate | peak KV GiB | peak GPU mem GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "weight-BW roofline tok/s per request | ms/round | host ms/round | first call s | mean ESS | resample rate | "
+        "peak KV GiB | peak GPU mem GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     f = lambda r, k, fmt: (fmt.format(r[k]) if k in r else "–")  # noqa: E731
     for r in res["runs"]:
         lines.append(f"| {r['system']} | {r['requests']} | {r['tok_s_per_request']:.1f} | {r['tok_s_total']:.1f} | "
                      f"{f(r, 'gemm_floor_tok_s_total', '{:.0f}')} | {f(r, 'frac_of_gemm_floor', '{:.0%}')} | "
                      f"{f(r, 'roofline_tok_s_per_request', '{:.0f}')} | {f(r, 'ms_per_round', '{:.2f}')} | "
+                     f"{f(r, 'host_ms_per_round', '{:.2f}')} | {f(r, 'first_call_s', '{:.2f}')} | "
                      f"{f(r, 'mean_ess', '{:.2f}')} | {f(r, 'resample_rate', '{:.2f}')} | "
                      f"{f(r, 'peak_kv_gib', '{:.2f}')} | {r['peak_mem_gib']:.1f} |")
     if "kv_bytes_per_extra_particle" in res:
@@ -310,6 +434,28 @@ def write_markdown(res: dict, path: Path) -> None:
                       f"{res['kv_bytes_per_extra_particle'] / 2**20:.1f} MiB "
                       f"({res['kv_bytes_per_token_per_particle'] / 2**10:.0f} KiB per token); the prompt's pages "
                       f"are stored once per request."]
+    sd = [r for r in res["runs"] if "tok_s_per_request_at_alpha" in r]
+    if sd:
+        lines += ["", "Exact speculative decoding (random weights: drafts are almost never accepted, so a round "
+                      "yields ~1 token; the round time does not depend on acceptance, so the last columns give "
+                      "the tok/s per request that the measured round time yields at acceptance rate α):", "",
+                  "| system | requests | output tokens | tok/s per request (measured) | ms/round | of GEMM floor | "
+                  "accepted/round | α=0.6 | α=0.8 | α=0.9 |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sd:
+            a = r["tok_s_per_request_at_alpha"]
+            lines.append(f"| {r['system']} | {r['requests']} | {r['out_len']} | {r['tok_s_per_request']:.1f} | "
+                         f"{r['ms_per_round']:.2f} | {r['frac_of_gemm_floor']:.0%} | {r['acceptance']:.2f} | "
+                         + " | ".join(f"{a[k]:.0f}" for k in sorted(a)) + " |")
+    if res.get("smollm2"):
+        lines += ["", "Real model: SmolLM2-135M-Instruct (GGUF Q4_1 dequantised to bf16) as target, its first 10 "
+                      "of 30 layers (+ final norm and head) as draft; 8 ShareGPT prompts through the chat template, "
+                      "256 output tokens (EOS ignored, so every run has the same length), median of "
+                      f"{res['repeats']}:", "",
+                  "| system | requests | tok/s total | mean ESS | resample rate | accepted drafts/round |",
+                  "|---|---|---|---|---|---|"]
+        for r in res["smollm2"]:
+            lines.append(f"| {r['system']} | {r['requests']} | {r['tok_s_total']:.0f} | {f(r, 'mean_ess', '{:.2f}')} | "
+                         f"{f(r, 'resample_rate', '{:.2f}')} | {f(r, 'acceptance', '{:.2f}')} |")
     if res.get("errors"):
         lines += ["", "Errors:", ""] + ["    " + e.replace("\n", "\n    ") for e in res["errors"]]
     path.write_text("\n".join(lines) + "\n")

@@ -89,3 +89,81 @@ def test_triton_merge_splits_matches_reference(B, L, H, Hkv, S):
     ref = merge_splits_reference(o_part.double(), lse.double(), B, L, H, torch.float64)
     err = (out.double() - ref).norm() / ref.norm()
     assert torch.isfinite(out).all() and err < 1e-2, float(err)
+
+
+@pytest.mark.parametrize("M,dim,strided", [(7, 576, False), (72, 4096, True), (3, 2048, True), (256, 64, False)])
+def test_triton_add_rms_norm_and_silu_mul_match_reference(M, dim, strided):
+    pytest.importorskip("triton")
+    from smcdecode.backends.engine.kernels import triton_add_rms_norm, triton_silu_mul
+    from smcdecode.backends.engine.model import add_rms_norm_reference, silu_mul
+
+    torch.manual_seed(M + dim)
+    x = torch.randn(M, 3, dim, device="cuda", dtype=torch.bfloat16)
+    d = torch.randn(M, 3, dim, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(dim, device="cuda", dtype=torch.bfloat16)
+    if strided:  # the last-position slice, as in a last_only forward
+        x, d = x[:, -1:], d[:, -1:]
+    h, y = triton_add_rms_norm(x, d, w, 1e-5)
+    h_ref, y_ref = add_rms_norm_reference(x, d, w, 1e-5)
+    assert torch.equal(h, h_ref)
+    assert (y.float() - y_ref.float()).abs().max() <= 2e-2 * y_ref.float().abs().max()
+    h0, y0 = triton_add_rms_norm(x, None, w, 1e-5)
+    assert h0 is x and (y0.float() - add_rms_norm_reference(x, None, w, 1e-5)[1].float()).abs().max() < 0.1
+    gu = torch.randn(M, 2 * dim, device="cuda", dtype=torch.bfloat16)
+    ref = silu_mul(gu)
+    assert (triton_silu_mul(gu).float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max()
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(32, 8, 128), (9, 3, 64)])
+def test_triton_rope_kv_write_matches_reference(H, Hkv, D):
+    pytest.importorskip("triton")
+    from smcdecode.backends.engine.kernels import triton_rope_kv_write
+    from smcdecode.backends.engine.model import rope_kv_write_reference
+
+    torch.manual_seed(H)
+    B, L, PS, pages_n = 3, 9, 16, 40
+    qkv = torch.randn(B, L, (H + 2 * Hkv) * D, device="cuda", dtype=torch.bfloat16)
+    positions = torch.tensor([[5], [300], [1000]], device="cuda") + torch.arange(L, device="cuda")
+    freqs = torch.arange(2048, device="cuda", dtype=torch.float64)[:, None] * (
+        1.0 / 10000 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float64) / D))
+    cos, sin = freqs.cos().float(), freqs.sin().float()
+    page_ids = torch.randperm(pages_n - 1, device="cuda")[: B * 2].view(B, 2) + 1
+    slot_pages = page_ids.gather(1, (positions - positions[:, :1]) // PS).reshape(-1)
+    offsets = ((positions - positions[:, :1]) % PS).reshape(-1)
+    pools = [torch.full((pages_n, Hkv, PS, D), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    q = triton_rope_kv_write(qkv, positions.reshape(-1), cos, sin, pools[0], pools[1], slot_pages, offsets, H, Hkv)
+    q_ref = rope_kv_write_reference(qkv, positions, cos, sin, pools[2], pools[3], slot_pages, offsets, H, Hkv)
+    assert (q.float() - q_ref.float()).abs().max() < 2e-2
+    for a, b in ((pools[0], pools[2]), (pools[1], pools[3])):
+        assert torch.equal(torch.isnan(a), torch.isnan(b))  # the same slots written, nothing else
+        ok = ~torch.isnan(b)
+        assert (a[ok].float() - b[ok].float()).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("V", [10, 50_000, 128_256])
+def test_triton_sample_and_score_matches_reference(V):
+    pytest.importorskip("triton")
+    from smcdecode.backends.engine.kernels import triton_sample_and_score
+
+    torch.manual_seed(V)
+    R, T = 4000, 0.8
+    support = torch.tensor([0, V // 3, V // 2 + 1, V - 1], device="cuda")  # spread over the kernel's splits
+    values = torch.tensor([0.0, 1.0, -0.5, 1.5], device="cuda")
+    logits = torch.full((R, V), -1e4, device="cuda", dtype=torch.bfloat16)
+    logits[:, support] = values.to(torch.bfloat16)
+    logits += torch.randn(R, V, device="cuda", dtype=torch.bfloat16) * 0.01  # every row different
+    gather = torch.randint(0, V, (R,), device="cuda")
+    gather[::2] = support[torch.randint(0, 4, (R // 2,), device="cuda")]
+    seed = torch.tensor(1234, device="cuda")
+    tok, lp_tok, lp_gather = triton_sample_and_score(logits, T, seed, gather)
+    logp = torch.log_softmax(logits.float() / T, -1)
+    assert torch.allclose(lp_tok, logp.gather(1, tok[:, None])[:, 0], atol=1e-4)
+    assert torch.allclose(lp_gather, logp.gather(1, gather[:, None])[:, 0], atol=1e-4)
+    # the draws follow the softmax: chi-square over the 4 support tokens (others have p < 1e-4000)
+    p = torch.softmax(values / T, 0).double()
+    counts = torch.stack([(tok == s).sum() for s in support]).double()
+    assert int(counts.sum()) == R
+    chi2 = float(((counts - R * p) ** 2 / (R * p)).sum())
+    assert chi2 < 21.0, chi2  # 3 degrees of freedom: P(chi2 > 21) ≈ 1e-4
+    tok2, _, _ = triton_sample_and_score(logits, T, torch.tensor(99, device="cuda"))
+    assert not torch.equal(tok, tok2)  # a new seed gives new draws

@@ -1,6 +1,7 @@
 """The GPU engine's strategies: SMC-SD and autoregressive decoding over G requests × N particles.
 
-Everything inside a round is tensor code on the device — drafting (exponential-race sampling),
+Everything inside a round is tensor code on the device — drafting (exponential-race sampling,
+fused with the log-sum-exp and the gather of log q(d) into one Triton kernel on CUDA),
 the verify pass, incremental weights, ESS, the resampling decision, ancestor choice and the gather
 of every particle field — so one round is one CUDA graph (``use_graphs=True``). Between rounds the
 host does the page bookkeeping (fork = page-table row copy with reference counts, copy-on-write of
@@ -14,6 +15,7 @@ Weights follow samplers/smc_sd.py (α = 1, no constraints or rewards in this sli
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,20 +34,60 @@ def sample_exponential_race(scaled_logits: Tensor) -> Tensor:
     return torch.argmax(scaled_logits.float() - e.log(), dim=-1)
 
 
+def sample_and_score_reference(logits: Tensor, temperature: float, gather: Tensor | None = None,
+                               generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """x = logits [R, V] / temperature -> (token ~ softmax(x) [R], log softmax(x)[token] [R],
+    log softmax(x)[gather] [R] or None), float32. The torch reference of the fused Triton kernel."""
+    x = logits.float() / temperature
+    lse = torch.logsumexp(x, -1)
+    e = torch.empty_like(x).exponential_(generator=generator)
+    tok = torch.argmax(x - e.log(), dim=-1)
+    lp_tok = x.gather(1, tok[:, None])[:, 0] - lse
+    lp_gather = x.gather(1, gather[:, None])[:, 0] - lse if gather is not None else None
+    return tok, lp_tok, lp_gather
+
+
+def sample_and_score(logits: Tensor, temperature: float, seed: Tensor, gather: Tensor | None = None
+                     ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Fused on CUDA (one read of the [R, V] logits; randomness keyed by the device scalar ``seed``),
+    the reference elsewhere (torch's global generator)."""
+    from .model import _use_triton
+
+    if _use_triton(logits):
+        from .kernels import triton_sample_and_score
+
+        return triton_sample_and_score(logits, temperature, seed, gather)
+    return sample_and_score_reference(logits, temperature, gather)
+
+
 @dataclass
 class EngineOutput:
     tokens: Tensor  # [G, N, max_new_tokens] long, EOS-padded (pad 0 when EOS is ignored)
     lengths: Tensor  # [G, N]
-    log_weights: Tensor  # [G, N] float64, since the last resampling
-    log_evidence: Tensor  # [G] float64
+    log_weights: Tensor  # [G, N] float64, since the last resampling (SMC-SD; zeros otherwise)
+    log_evidence: Tensor  # [G] float64 (SMC-SD; zeros otherwise)
     ess: list = field(default_factory=list)  # per round, [G] (host)
     resampled: list = field(default_factory=list)  # per round, [G] bool (host)
     rounds: int = 0
     peak_pages: int = 0
+    accepted: Tensor | None = None  # [G, N] drafted tokens accepted (speculative decoding)
+    host_s: float = 0.0  # host time between rounds (page bookkeeping, uploads, launch)
+
+
+@dataclass
+class _Graph:
+    """Static buffers of one captured round and its replay (reused across calls of one shape)."""
+
+    buffers: dict
+    step: object
 
 
 class Engine:
-    """Holds the models and their KV pools; runs SMC-SD and autoregressive decoding on them."""
+    """Holds the models and their KV pools; runs SMC-SD, exact speculative decoding and
+    autoregressive decoding on them.
+
+    CUDA graphs are captured once per round shape (rows, K, temperatures, ...) and replayed by
+    later calls through static buffers, as serving engines do; ``clear_graphs`` frees them."""
 
     def __init__(self, target: Llama, draft: Llama | None = None, *, num_pages: int, page_size: int = 16,
                  max_context: int | None = None, attention_backend: str = "auto"):
@@ -64,6 +106,19 @@ class Engine:
                                  f"({target.cfg.vocab_size}): use a draft with the target's tokenizer")
             self.kv_d = KVPool.for_model(draft.cfg, num_pages, page_size, self.dtype, self.device,
                                          attention_backend=attention_backend)
+        self._graphs: dict[tuple, _Graph] = {}
+        if max_context is not None:
+            self._ensure_rope(max_context + page_size)
+
+    def clear_graphs(self) -> None:
+        self._graphs.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _ensure_rope(self, n: int) -> None:
+        for m in (self.target, self.draft):
+            if m is not None and (m.rope_cos is None or m.rope_cos.shape[0] < n):
+                m.set_rope_cache(n)
 
     # ------------------------------------------------------------------------------------------
 
@@ -82,6 +137,7 @@ class Engine:
         if self.max_context is not None and longest > self.max_context:
             raise ValueError(f"prompt + new tokens + block need {longest} positions, more than the engine's "
                              f"max_context ({self.max_context}): raise max_context")
+        self._ensure_rope(longest + PS)
         table = PageTable(G * N, -(-(self.max_context or longest) // PS) + 1, self.num_pages, PS)
         for g, ids in enumerate(prompts):
             r = g * N
@@ -115,10 +171,39 @@ class Engine:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # NOTE: each graph gets its own memory pool (a shared graph_pool_handle tripped an allocator
-        # assertion in torch 2.11); the pool is freed with the graph, i.e. when the call returns.
+        # assertion in torch 2.11); the pool is freed with the graph (clear_graphs).
         with torch.cuda.graph(graph):
             fn()
         return graph.replay
+
+    def _draft_block(self, buf: dict, K: int, draft_temperature: float, seeds: Tensor,
+                     keep_logits: bool = False) -> None:
+        """K draft tokens for every row: the first forward covers the two tokens the draft has not
+        seen (``pending``, at positions T−1, T), then one token a step. Fills drafts/log_q (and
+        draft_logits [B, K, V] when asked)."""
+        T, pt, PS, ar = buf["seq"], buf["pt"], self.page_size, buf["ar"]
+        batch = PagedBatch.build((T - 1)[:, None] + ar[:2], pt, PS)
+        logits = self.draft(buf["pending"], self.kv_d, batch, last_only=True)[:, 0]  # [B, V]
+        for i in range(K):
+            d, lq, _ = sample_and_score(logits, draft_temperature, seeds[i])
+            buf["drafts"][:, i] = d
+            buf["log_q"][:, i] = lq
+            if keep_logits:
+                buf["draft_logits"][:, i] = logits
+            if i < K - 1:
+                batch = PagedBatch.build((T + 1 + i)[:, None], pt, PS)
+                logits = self.draft(d[:, None], self.kv_d, batch)[:, 0]
+
+    def _verify(self, buf: dict, K: int, target_temperature: float, seeds: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Target pass over [last, d_1..d_K] -> (log p(d_i) [B, K], bonus ~ p(· | d_1..d_K) [B],
+        logits [B, K+1, V])."""
+        B, ar = buf["last"].shape[0], buf["ar"]
+        feed = torch.cat([buf["last"][:, None], buf["drafts"]], dim=1)
+        batch = PagedBatch.build(buf["seq"][:, None] + ar, buf["pt"], self.page_size)
+        logits = self.target(feed, self.kv_t, batch)  # [B, K+1, V]
+        gather = torch.cat([buf["drafts"], buf["drafts"][:, :1]], dim=1).reshape(-1)
+        tok, _, lp = sample_and_score(logits.view(B * (K + 1), -1), target_temperature, seeds[K], gather)
+        return lp.view(B, K + 1)[:, :K], tok.view(B, K + 1)[:, K], logits
 
     # ------------------------------------------------------------------------------------------
 
@@ -139,104 +224,74 @@ class Engine:
         use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         torch.manual_seed(seed)
         G, N, K, dev = len(prompts), particles, block_size, self.device
-        B, PS = G * N, self.page_size
+        B = G * N
         eos = -1 if eos_token_id is None else eos_token_id
         pad = max(eos, 0)
-        resample = get_resampler(resampler)
-        table, pt = self._start(prompts, N, max_new_tokens + K + 2)
-
-        lens = np.repeat([len(p) - 1 for p in prompts], N)  # target tokens cached per row
-        seq_t = torch.tensor(lens, device=dev)
-        pending = torch.tensor([p[-2:] for p in prompts], device=dev).repeat_interleave(N, 0)  # [B, 2]
-        last = pending[:, 1].clone()
-        tokens = torch.full((B, max_new_tokens + K + 1), pad, dtype=torch.long, device=dev)
-        n_gen = torch.zeros(B, dtype=torch.long, device=dev)
-        finished = torch.zeros(B, dtype=torch.bool, device=dev)
-        log_w = torch.zeros(B, dtype=torch.float64, device=dev)
-        log_Z = torch.zeros(G, dtype=torch.float64, device=dev)
-        drafts = torch.zeros(B, K, dtype=torch.long, device=dev)
-        log_q = torch.zeros(B, K, dtype=torch.float32, device=dev)
-        index = torch.arange(B, device=dev)
-        do_buf = torch.zeros(G, dtype=torch.bool, device=dev)
-        ess_buf = torch.zeros(G, dtype=torch.float64, device=dev)
-        done_buf = torch.zeros(1, dtype=torch.bool, device=dev)
-        ar = torch.arange(K + 1, device=dev)
-        group_base = (torch.arange(G, device=dev) * N)[:, None]
-        state = (seq_t, pending, last, tokens, n_gen, finished, log_w, log_Z)
-
-        def round_() -> None:
-            T = seq_t
-            batch = PagedBatch.build((T - 1)[:, None] + ar[:2], pt, PS)
-            logits = self.draft(pending, self.kv_d, batch, last_only=True)[:, 0].float() / draft_temperature
-            for i in range(K):
-                d = sample_exponential_race(logits)
-                drafts[:, i] = d
-                log_q[:, i] = logits.gather(1, d[:, None])[:, 0] - torch.logsumexp(logits, -1)
-                if i < K - 1:
-                    batch = PagedBatch.build((T + 1 + i)[:, None], pt, PS)
-                    logits = self.draft(d[:, None], self.kv_d, batch)[:, 0].float() / draft_temperature
-            feed = torch.cat([last[:, None], drafts], dim=1)
-            batch = PagedBatch.build(T[:, None] + ar, pt, PS)
-            logits_t = self.target(feed, self.kv_t, batch).float() / target_temperature  # [B, K+1, V]
-            lse = torch.logsumexp(logits_t, dim=-1)
-            log_p = logits_t[:, :K].gather(2, drafts[:, :, None])[:, :, 0] - lse[:, :K]
-            b = sample_exponential_race(logits_t[:, K])
-
-            remaining = max_new_tokens - n_gen
-            in_budget = ar[None, :K] < remaining[:, None]
-            is_eos = (drafts == eos) & in_budget
-            first = (torch.cumsum(is_eos.long(), 1) - is_eos.long()) == 0
-            keep = first & in_budget
-            incr = torch.where(keep, log_p - log_q, 0.0).double().sum(1)
-            any_eos = is_eos.any(1)
-            n_new = torch.where(any_eos, is_eos.long().argmax(1) + 1, remaining.clamp(max=K))
-            n_new = torch.where(~any_eos & (remaining > K), K + 1, n_new)
-            active = ~finished
-            block = torch.cat([drafts, b[:, None]], dim=1)
-            block = torch.where((ar[None] < n_new[:, None]) & active[:, None], block, pad)
-            tokens.scatter_(1, n_gen[:, None] + ar, block)
-            n_gen.add_(torch.where(active, n_new, 0))
-            lw = torch.where(active, log_w + incr, log_w)
-            finished.copy_(finished | (active & (any_eos | (n_gen >= max_new_tokens))) | torch.isneginf(lw))
-            pending.copy_(torch.stack([drafts[:, -1], b], dim=1))
-            last.copy_(b)
-            seq_t.add_(K + 1)
-
-            lw = lw.view(G, N)
-            W, ess = normalise(lw)
-            live = (~finished).view(G, N).any(1)
-            do = live & (ess > 0) & ((ess < ess_threshold * N) | (ess_threshold >= 1.0))
-            A = torch.where(do[:, None], resample(W, None), torch.arange(N, device=dev)[None])
-            idx = (A + group_base).flatten()
-            log_Z.add_(torch.where(do, torch.logsumexp(lw, 1) - math.log(N), 0.0))
-            log_w.copy_(torch.where(do[:, None], 0.0, lw).flatten())
-            for t in (pending, last, tokens, n_gen, finished, log_w):
-                t.copy_(t[idx])
-            index.copy_(idx)
-            do_buf.copy_(do)
-            ess_buf.copy_(ess)
-            done_buf.copy_(finished.all()[None])
-
-        # first round's pages (copy-on-write of the shared partial prompt page) before capture
+        table, pt_start = self._start(prompts, N, max_new_tokens + K + 2)
+        cap = table.table.shape[1] * self.page_size
+        key = ("smc", G, N, K, draft_temperature, target_temperature, eos, resampler, ess_threshold,
+               table.table.shape[1], use_graphs)
         rows = np.arange(B)
-        self._upload(table, pt, table.reserve(rows, lens + K + 1, write_from=lens - 1))
-        saved = [t.clone() for t in state]
-        step = self._capture(round_, use_graphs)
-        if use_graphs:  # the warm-up run advanced the state: restore it
-            for t, s in zip(state, saved):
-                t.copy_(s)
+        lens = np.repeat([len(p) - 1 for p in prompts], N)  # target tokens cached per row
+        copies = table.reserve(rows, lens + K + 1, write_from=lens - 1)  # first round's pages
+
+        graph = self._graphs.get(key)
+        if graph is None:
+            buf = dict(
+                pt=pt_start.clone(), seq=torch.zeros(B, dtype=torch.long, device=dev),
+                pending=torch.zeros(B, 2, dtype=torch.long, device=dev),
+                last=torch.zeros(B, dtype=torch.long, device=dev),
+                tokens=torch.full((B, cap + K + 1), pad, dtype=torch.long, device=dev),
+                n_gen=torch.zeros(B, dtype=torch.long, device=dev),
+                budget=torch.zeros(B, dtype=torch.long, device=dev),
+                finished=torch.zeros(B, dtype=torch.bool, device=dev),
+                log_w=torch.zeros(B, dtype=torch.float64, device=dev),
+                log_Z=torch.zeros(G, dtype=torch.float64, device=dev),
+                drafts=torch.zeros(B, K, dtype=torch.long, device=dev),
+                log_q=torch.zeros(B, K, dtype=torch.float32, device=dev),
+                index=torch.arange(B, device=dev), do=torch.zeros(G, dtype=torch.bool, device=dev),
+                ess=torch.zeros(G, dtype=torch.float64, device=dev), done=torch.zeros(1, dtype=torch.bool, device=dev),
+                ar=torch.arange(K + 1, device=dev), group_base=(torch.arange(G, device=dev) * N)[:, None],
+            )
+            step = self._smc_round(buf, G, N, K, draft_temperature, target_temperature, eos, pad, resampler,
+                                   ess_threshold)
+            graph = None
+        else:
+            buf = graph.buffers
+        b = buf
+
+        def reset() -> None:
+            b["seq"].copy_(torch.as_tensor(lens, device=dev))
+            b["pending"].copy_(torch.tensor([p[-2:] for p in prompts], device=dev).repeat_interleave(N, 0))
+            b["last"].copy_(b["pending"][:, 1])
+            b["tokens"].fill_(pad)
+            b["n_gen"].zero_()
+            b["budget"].fill_(max_new_tokens)
+            b["finished"].zero_()
+            b["log_w"].zero_()
+            b["log_Z"].zero_()
+
+        self._upload(table, b["pt"], copies)
+        reset()
+        if graph is None:
+            graph = _Graph(b, self._capture(step, use_graphs))
+            if use_graphs:
+                self._graphs[key] = graph
+                reset()  # the warm-up run advanced the state
         # NOTE: the warm-up also wrote KV entries, but every entry a round reads at or after
         # position T-1 is written earlier in that same round, so the first replay overwrites them.
 
-        host = torch.empty(B + 2 * G + 1, dtype=torch.float64, pin_memory=self.device.type == "cuda")
-        out = EngineOutput(tokens, n_gen, log_w, log_Z)
+        pinned = self.device.type == "cuda"
+        host = torch.empty(B + 2 * G + 1, dtype=torch.float64, pin_memory=pinned)
+        out = EngineOutput(b["tokens"], b["n_gen"], b["log_w"], b["log_Z"])
         n_rounds = -(-max_new_tokens // (K + 1))
         for r in range(n_rounds):
-            step()
-            packed = torch.cat([index.double(), do_buf.double(), ess_buf, done_buf.double()])
+            graph.step()
+            packed = torch.cat([b["index"].double(), b["do"].double(), b["ess"], b["done"].double()])
             host.copy_(packed, non_blocking=True)
-            if self.device.type == "cuda":
+            if pinned:
                 torch.cuda.current_stream().synchronize()  # the round's one host sync
+            t0 = time.perf_counter()
             h = host.numpy()
             out.rounds += 1
             out.resampled.append(h[B : B + G] > 0)
@@ -247,13 +302,206 @@ class Engine:
             table.advance(rows, lens)
             table.fork(h[:B].astype(np.int64))
             if r + 1 < n_rounds:
-                self._upload(table, pt, table.reserve(rows, lens + K + 1, write_from=lens - 1))
+                self._upload(table, b["pt"], table.reserve(rows, lens + K + 1, write_from=lens - 1))
+            out.host_s += time.perf_counter() - t0
         out.peak_pages = table.peak_used
-        out.tokens = tokens[:, :max_new_tokens].reshape(G, N, -1)
-        out.lengths = n_gen.view(G, N)
-        out.log_weights = log_w.view(G, N)
-        out.log_evidence = log_Z + torch.logsumexp(log_w.view(G, N), 1) - math.log(N)
+        out.tokens = b["tokens"][:, :max_new_tokens].reshape(G, N, -1).clone()
+        out.lengths = b["n_gen"].view(G, N).clone()
+        out.log_weights = b["log_w"].view(G, N).clone()
+        out.log_evidence = b["log_Z"] + torch.logsumexp(out.log_weights, 1) - math.log(N)
         return out
+
+    def _smc_round(self, b: dict, G: int, N: int, K: int, draft_temperature: float, target_temperature: float,
+                   eos: int, pad: int, resampler: str, ess_threshold: float):
+        """The device code of one SMC-SD round over the static buffers ``b`` (captured as one graph)."""
+        resample = get_resampler(resampler)
+        dev = self.device
+        ar = b["ar"]
+        seq_t, pending, last, tokens, n_gen = b["seq"], b["pending"], b["last"], b["tokens"], b["n_gen"]
+        finished, log_w, log_Z, drafts, log_q = b["finished"], b["log_w"], b["log_Z"], b["drafts"], b["log_q"]
+
+        def round_() -> None:
+            seeds = torch.randint(0, 2**62, (K + 1,), device=dev)
+            self._draft_block(b, K, draft_temperature, seeds)
+            log_p, bonus, _ = self._verify(b, K, target_temperature, seeds)
+
+            remaining = b["budget"] - n_gen
+            in_budget = ar[None, :K] < remaining[:, None]
+            is_eos = (drafts == eos) & in_budget
+            first = (torch.cumsum(is_eos.long(), 1) - is_eos.long()) == 0
+            keep = first & in_budget
+            incr = torch.where(keep, log_p - log_q, 0.0).double().sum(1)
+            any_eos = is_eos.any(1)
+            n_new = torch.where(any_eos, is_eos.long().argmax(1) + 1, remaining.clamp(max=K))
+            n_new = torch.where(~any_eos & (remaining > K), K + 1, n_new)
+            active = ~finished
+            block = torch.cat([drafts, bonus[:, None]], dim=1)
+            block = torch.where((ar[None] < n_new[:, None]) & active[:, None], block, pad)
+            tokens.scatter_(1, n_gen[:, None] + ar, block)
+            n_gen.add_(torch.where(active, n_new, 0))
+            lw = torch.where(active, log_w + incr, log_w)
+            finished.copy_(finished | (active & (any_eos | (n_gen >= b["budget"]))) | torch.isneginf(lw))
+            pending.copy_(torch.stack([drafts[:, -1], bonus], dim=1))
+            last.copy_(bonus)
+            seq_t.add_(K + 1)
+
+            lw = lw.view(G, N)
+            W, ess = normalise(lw)
+            live = (~finished).view(G, N).any(1)
+            do = live & (ess > 0) & ((ess < ess_threshold * N) | (ess_threshold >= 1.0))
+            A = torch.where(do[:, None], resample(W, None), torch.arange(N, device=dev)[None])
+            idx = (A + b["group_base"]).flatten()
+            log_Z.add_(torch.where(do, torch.logsumexp(lw, 1) - math.log(N), 0.0))
+            log_w.copy_(torch.where(do[:, None], 0.0, lw).flatten())
+            for t in (pending, last, tokens, n_gen, finished, log_w):
+                t.copy_(t[idx])
+            b["index"].copy_(idx)
+            b["do"].copy_(do)
+            b["ess"].copy_(ess)
+            b["done"].copy_(finished.all()[None])
+
+        return round_
+
+    # ------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def speculative(self, prompts: list[list[int]], *, block_size: int, max_new_tokens: int, samples: int = 1,
+                    draft_temperature: float = 1.0, target_temperature: float = 1.0,
+                    eos_token_id: int | None = None, use_graphs: bool | None = None, seed: int = 0) -> EngineOutput:
+        """Exact speculative decoding (Leviathan et al. / Chen et al.) for G = len(prompts) requests ×
+        ``samples`` independent rows, K = block_size drafts a round, each row with its own
+        acceptance length: d_i is accepted while u_i < min(1, p(d_i)/q(d_i)); at the first rejection
+        the token is drawn from the residual (p − q)+ (normalised), after K acceptances a bonus
+        from p. Outputs are exact samples of the target at ``target_temperature``.
+
+        No per-round host work: every row's pages for the whole output are reserved up front (rows
+        never fork), and the host reads the "all finished" flag of the previous round while the
+        next one runs."""
+        if self.draft is None:
+            raise ValueError("speculative decoding needs a draft model: Engine(target, draft, ...)")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if any(len(p) < 2 for p in prompts):
+            raise ValueError("every prompt needs at least 2 tokens")
+        use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        torch.manual_seed(seed)
+        G, N, K, dev = len(prompts), samples, block_size, self.device
+        B, V = G * N, self.target.cfg.vocab_size
+        eos = -1 if eos_token_id is None else eos_token_id
+        pad = max(eos, 0)
+        table, pt_start = self._start(prompts, N, max_new_tokens + K + 2)
+        cap = table.table.shape[1] * self.page_size
+        rows = np.arange(B)
+        lens = np.repeat([len(p) - 1 for p in prompts], N)
+        copies = table.reserve(rows, lens + max_new_tokens + K + 2, write_from=lens - 1)
+        key = ("sd", G, N, K, draft_temperature, target_temperature, eos, table.table.shape[1], use_graphs)
+        graph = self._graphs.get(key)
+        if graph is None:
+            buf = dict(
+                pt=pt_start.clone(), seq=torch.zeros(B, dtype=torch.long, device=dev),
+                pending=torch.zeros(B, 2, dtype=torch.long, device=dev),
+                last=torch.zeros(B, dtype=torch.long, device=dev),
+                tokens=torch.full((B, cap + K + 1), pad, dtype=torch.long, device=dev),
+                n_gen=torch.zeros(B, dtype=torch.long, device=dev),
+                budget=torch.zeros(B, dtype=torch.long, device=dev),
+                finished=torch.zeros(B, dtype=torch.bool, device=dev),
+                accepted=torch.zeros(B, dtype=torch.long, device=dev),
+                drafts=torch.zeros(B, K, dtype=torch.long, device=dev),
+                log_q=torch.zeros(B, K, dtype=torch.float32, device=dev),
+                draft_logits=torch.zeros(B, K, V, dtype=self.dtype, device=dev),
+                done=torch.zeros(1, dtype=torch.bool, device=dev), ar=torch.arange(K + 1, device=dev),
+            )
+            step = self._sd_round(buf, K, draft_temperature, target_temperature, eos, pad)
+        else:
+            buf = graph.buffers
+        b = buf
+
+        def reset() -> None:
+            b["seq"].copy_(torch.as_tensor(lens, device=dev))
+            b["pending"].copy_(torch.tensor([p[-2:] for p in prompts], device=dev).repeat_interleave(N, 0))
+            b["last"].copy_(b["pending"][:, 1])
+            b["tokens"].fill_(pad)
+            b["n_gen"].zero_()
+            b["budget"].fill_(max_new_tokens)
+            b["finished"].zero_()
+            b["accepted"].zero_()
+
+        self._upload(table, b["pt"], copies)
+        reset()
+        if graph is None:
+            graph = _Graph(b, self._capture(step, use_graphs))
+            if use_graphs:
+                self._graphs[key] = graph
+                reset()
+
+        pinned = self.device.type == "cuda"
+        flags = [torch.zeros(1, dtype=torch.bool, pin_memory=pinned) for _ in range(2)]
+        events = [torch.cuda.Event() if pinned else None for _ in range(2)]
+        out = EngineOutput(b["tokens"], b["n_gen"], torch.zeros(G, N, dtype=torch.float64, device=dev),
+                           torch.zeros(G, dtype=torch.float64, device=dev))
+        for r in range(max_new_tokens + 1):
+            graph.step()
+            out.rounds += 1
+            flags[r % 2].copy_(b["done"], non_blocking=True)
+            if pinned:
+                events[r % 2].record()
+            if r > 0:  # the previous round's flag: one round of overshoot at most (a no-op round)
+                if pinned:
+                    events[(r - 1) % 2].synchronize()
+                if bool(flags[(r - 1) % 2]):
+                    break
+            elif not pinned and bool(flags[0]):
+                break
+        out.peak_pages = table.peak_used
+        out.tokens = b["tokens"][:, :max_new_tokens].reshape(G, N, -1).clone()
+        out.lengths = b["n_gen"].view(G, N).clone()
+        out.accepted = b["accepted"].view(G, N).clone()
+        return out
+
+    def _sd_round(self, b: dict, K: int, draft_temperature: float, target_temperature: float, eos: int, pad: int):
+        """The device code of one speculative-decoding round over the static buffers ``b``."""
+        dev = self.device
+        ar = b["ar"]
+        drafts, log_q, last, n_gen, finished = b["drafts"], b["log_q"], b["last"], b["n_gen"], b["finished"]
+        rows = torch.arange(drafts.shape[0], device=dev)
+
+        def round_() -> None:
+            seeds = torch.randint(0, 2**62, (K + 1,), device=dev)
+            self._draft_block(b, K, draft_temperature, seeds, keep_logits=True)
+            log_p, bonus, logits_t = self._verify(b, K, target_temperature, seeds)
+            u = torch.rand(drafts.shape, device=dev)
+            accept = torch.log(u) < log_p - log_q  # u < min(1, p/q)
+            n_acc = torch.cumprod(accept.long(), 1).sum(1)  # [B] leading acceptances
+            j = n_acc.clamp(max=K - 1)
+            p = torch.softmax(logits_t[rows, j].float() / target_temperature, -1)  # [B, V]
+            q = torch.softmax(b["draft_logits"][rows, j].float() / draft_temperature, -1)
+            residual = (p - q).clamp_min(0.0)
+            e = torch.empty_like(residual).exponential_()
+            c_res = torch.argmax(residual.log() - e.log(), -1)  # ∝ (p − q)+
+            c = torch.where((n_acc == K) | (residual.sum(-1) <= 0), bonus, c_res)
+            block = torch.cat([drafts, bonus[:, None]], dim=1)
+            block = torch.where(ar[None] == n_acc[:, None], c[:, None], block)
+            n_new = n_acc + 1
+            remaining = b["budget"] - n_gen
+            is_eos = (block == eos) & (ar[None] < n_new[:, None])
+            any_eos = is_eos.any(1)
+            n_new = torch.where(any_eos, is_eos.long().argmax(1) + 1, n_new)
+            hit_budget = n_new >= remaining
+            n_new = torch.minimum(n_new, remaining)
+            active = ~finished
+            write = (ar[None] < n_new[:, None]) & active[:, None]
+            b["tokens"].scatter_(1, n_gen[:, None] + ar, torch.where(write, block, pad))
+            n_gen.add_(torch.where(active, n_new, 0))
+            b["accepted"].add_(torch.where(active, torch.minimum(n_acc, n_new), 0))
+            finished.copy_(finished | (active & (any_eos | hit_budget)))
+            prev = torch.where(n_acc > 0, drafts[rows, (n_acc - 1).clamp(min=0)], last)
+            step = torch.where(active, n_acc + 1, 0)
+            b["pending"].copy_(torch.where(active[:, None], torch.stack([prev, c], 1), b["pending"]))
+            last.copy_(torch.where(active, c, last))
+            b["seq"].add_(step)
+            b["done"].copy_(finished.all()[None])
+
+        return round_
 
     @torch.inference_mode()
     def autoregressive(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
@@ -274,8 +522,8 @@ class Engine:
 
         def step_() -> None:
             batch = PagedBatch.build(seq_t[:, None], pt, PS)
-            logits = self.target(last[:, None], self.kv_t, batch)[:, 0].float() / temperature
-            b = sample_exponential_race(logits)
+            seeds = torch.randint(0, 2**62, (1,), device=dev)
+            b, _, _ = sample_and_score(self.target(last[:, None], self.kv_t, batch)[:, 0], temperature, seeds[0])
             tokens.index_copy_(1, n_gen, b[:, None])
             last.copy_(b)
             seq_t.add_(1)

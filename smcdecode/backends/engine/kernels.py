@@ -1,5 +1,10 @@
 """Triton kernels of the engine. Each has a pure-torch reference (named in its docstring) and a
-GPU test against it (tests/test_engine_kernels.py).
+GPU test against it (tests/test_engine_kernels.py); the references run the CPU tests.
+
+add + RMSNorm, SiLU·mul, RoPE + KV-page write — one launch each per layer (references in model.py).
+
+sample and score — exponential-race sampling, log-sum-exp and the gather of log q(d) over [R, V]
+logits in one read (reference: engine.sample_and_score_reference).
 
 merge of the splits — one program per output row. Reference: merge_splits_reference.
 
@@ -137,3 +142,202 @@ def _merge_splits_kernel(OP, LSE, OUT, L: tl.constexpr, G: tl.constexpr, H: tl.c
     o = tl.load(OP + ((bk * NSPLIT + s) * BLOCK_M + m)[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
     out = tl.sum(o * w[:, None], 0)
     tl.store(OUT + ((b * L + l_idx) * H + kvh * G + g_idx) * D + d, out.to(OUT.dtype.element_ty))
+
+
+# ------------------------------------------------------------------------------------------------
+# Fused elementwise kernels of a layer (one launch each instead of 5–10 small ones)
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, DELTA, W, H_OUT, Y, stride_x, stride_d, eps, DIM: tl.constexpr,
+                         BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    ok = c < DIM
+    x = tl.load(X + row * stride_x + c, mask=ok, other=0.0)
+    if HAS_DELTA:
+        x = x + tl.load(DELTA + row * stride_d + c, mask=ok, other=0.0)  # in the stream's dtype, as torch adds
+        tl.store(H_OUT + row * DIM + c, x, mask=ok)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / DIM + eps)
+    w = tl.load(W + c, mask=ok, other=0.0)
+    y = (xf * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+    tl.store(Y + row * DIM + c, y.to(Y.dtype.element_ty), mask=ok)
+
+
+def triton_add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(h, y) with h = x + delta (x when delta is None) and y = weight · h / rms(h), over the last dim.
+    x, delta [..., dim] with unit stride in the last dim (row-strided views are fine).
+    Reference: model.add_rms_norm_reference."""
+    dim = x.shape[-1]
+    shape = x.shape
+    x2 = x.reshape(-1, dim)
+    d2 = delta.reshape(-1, dim) if delta is not None else x2
+    M = x2.shape[0]
+    h = torch.empty(M, dim, device=x.device, dtype=x.dtype) if delta is not None else x2
+    y = torch.empty(M, dim, device=x.device, dtype=x.dtype)
+    block = triton.next_power_of_2(dim)
+    _add_rms_norm_kernel[(M,)](x2, d2, weight, h, y, x2.stride(0), d2.stride(0), eps, DIM=dim, BLOCK=block,
+                               HAS_DELTA=delta is not None, num_warps=max(1, min(16, block // 512)))
+    return (h.view(shape) if delta is not None else x), y.view(shape)
+
+
+@triton.jit
+def _silu_mul_kernel(GU, OUT, INTER: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < INTER
+    g = tl.load(GU + row * 2 * INTER + c, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(GU + row * 2 * INTER + INTER + c, mask=ok, other=0.0).to(tl.float32)
+    # torch: silu(gate) rounded to the dtype, then times up
+    s = (g / (1.0 + tl.exp(-g))).to(OUT.dtype.element_ty).to(tl.float32)
+    tl.store(OUT + row * INTER + c, (s * u).to(OUT.dtype.element_ty), mask=ok)
+
+
+def triton_silu_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) · up for gate_up = [gate | up] [..., 2I] (contiguous). Reference: model.silu_mul."""
+    I2 = gate_up.shape[-1]
+    gu = gate_up.reshape(-1, I2)
+    out = torch.empty(gu.shape[0], I2 // 2, device=gu.device, dtype=gu.dtype)
+    block = 1024
+    _silu_mul_kernel[(gu.shape[0], triton.cdiv(I2 // 2, block))](gu, out, INTER=I2 // 2, BLOCK=block, num_warps=4)
+    return out.view(*gate_up.shape[:-1], I2 // 2)
+
+
+@triton.jit
+def _rope_kv_write_kernel(QKV, POS, COS, SIN, PAGES, OFFS, Q_OUT, KP, VP,
+                          H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr):
+    t = tl.program_id(0)  # token (b * L + l)
+    h = tl.program_id(1)  # 0..H-1: query head, H..H+HKV-1: key/value head
+    half = tl.arange(0, D // 2)
+    pos = tl.load(POS + t)
+    cos = tl.load(COS + pos * (D // 2) + half)
+    sin = tl.load(SIN + pos * (D // 2) + half)
+    base = QKV + t * (H + 2 * HKV) * D
+    x1 = tl.load(base + h * D + half).to(tl.float32)
+    x2 = tl.load(base + h * D + D // 2 + half).to(tl.float32)
+    r1 = (x1 * cos - x2 * sin).to(Q_OUT.dtype.element_ty)
+    r2 = (x2 * cos + x1 * sin).to(Q_OUT.dtype.element_ty)
+    if h < H:
+        tl.store(Q_OUT + (t * H + h) * D + half, r1)
+        tl.store(Q_OUT + (t * H + h) * D + D // 2 + half, r2)
+    else:
+        kvh = h - H
+        page = tl.load(PAGES + t)
+        off = tl.load(OFFS + t)
+        dst = ((page * HKV + kvh) * PS + off) * D
+        tl.store(KP + dst + half, r1)
+        tl.store(KP + dst + D // 2 + half, r2)
+        v1 = tl.load(base + (H + HKV + kvh) * D + half)
+        v2 = tl.load(base + (H + HKV + kvh) * D + D // 2 + half)
+        tl.store(VP + dst + half, v1)
+        tl.store(VP + dst + D // 2 + half, v2)
+
+
+def triton_rope_kv_write(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor,
+                         pages: Tensor, offsets: Tensor, H: int, Hkv: int) -> Tensor:
+    """qkv [B, L, (H + 2Hkv)·D] (contiguous) -> q [B, L, H, D] rotated; rotated k and v written to
+    pools [num_pages, Hkv, PS, D] at (pages, offsets) [B·L]. cos/sin: tables [max_pos, D/2] (float32).
+    Reference: model.rope_kv_write_reference."""
+    B, L, _ = qkv.shape
+    _, _, PS, D = k_pool.shape
+    q = torch.empty(B, L, H, D, device=qkv.device, dtype=qkv.dtype)
+    _rope_kv_write_kernel[(B * L, H + Hkv)](qkv, positions, cos, sin, pages, offsets, q, k_pool, v_pool,
+                                             H=H, HKV=Hkv, D=D, PS=PS, num_warps=1)
+    return q
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling and scoring over [R, V] logits in one pass (two launches: splits, then a merge per row)
+
+
+@triton.jit
+def _sample_split_kernel(LOGITS, SEED, stride_r, inv_temp, PART, V: tl.constexpr, CHUNK: tl.constexpr,
+                         BLOCK: tl.constexpr, NSPLIT: tl.constexpr):
+    r = tl.program_id(0)
+    s = tl.program_id(1)
+    seed = tl.load(SEED)
+    m = tl.full([BLOCK], float("-inf"), tl.float32)  # running max of x (per lane)
+    acc = tl.zeros([BLOCK], tl.float32)  # Σ exp(x − m) per lane
+    best_key = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.zeros([BLOCK], tl.int32)
+    best_x = tl.zeros([BLOCK], tl.float32)
+    for c0 in range(s * CHUNK, s * CHUNK + CHUNK, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        ok = c < V
+        x = tl.load(LOGITS + r * stride_r + c, mask=ok, other=float("-inf")).to(tl.float32) * inv_temp
+        m_new = tl.maximum(m, x)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        acc = acc * tl.exp(m - m_safe) + tl.exp(x - m_safe)
+        m = m_new
+        u = tl.rand(seed, r * V + c)
+        key = x - tl.log(-tl.log(u))  # Gumbel-max = exponential race: x − log E, E = −log U
+        better = key > best_key
+        best_key = tl.where(better, key, best_key)
+        best_idx = tl.where(better, c, best_idx)
+        best_x = tl.where(better, x, best_x)
+    M = tl.max(m, 0)
+    M_safe = tl.where(M == float("-inf"), 0.0, M)
+    total = tl.sum(acc * tl.exp(m - M_safe), 0)
+    K = tl.max(best_key, 0)
+    j = tl.argmax(best_key, 0)
+    sel = tl.arange(0, BLOCK) == j
+    idx = tl.sum(tl.where(sel, best_idx, 0), 0)
+    xb = tl.sum(tl.where(sel, best_x, 0.0), 0)
+    out = PART + (r * NSPLIT + s) * 5
+    tl.store(out + 0, M)
+    tl.store(out + 1, total)
+    tl.store(out + 2, K)
+    tl.store(out + 3, idx.to(tl.float32))  # exact below 2**24 (vocabularies are far smaller)
+    tl.store(out + 4, xb)
+
+
+@triton.jit
+def _sample_merge_kernel(PART, LOGITS, stride_r, inv_temp, GATHER, TOK, LOGP_TOK, LOGP_GATHER,
+                         NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr, HAS_GATHER: tl.constexpr):
+    r = tl.program_id(0)
+    s = tl.arange(0, NSPLIT_P2)
+    ok = s < NSPLIT
+    base = PART + (r * NSPLIT + s) * 5
+    m = tl.load(base + 0, mask=ok, other=float("-inf"))
+    tot = tl.load(base + 1, mask=ok, other=0.0)
+    key = tl.load(base + 2, mask=ok, other=float("-inf"))
+    M = tl.max(m, 0)
+    lse = M + tl.log(tl.sum(tot * tl.exp(m - M), 0))
+    j = tl.argmax(key, 0)
+    tok = tl.load(PART + (r * NSPLIT + j) * 5 + 3).to(tl.int64)
+    xb = tl.load(PART + (r * NSPLIT + j) * 5 + 4)
+    tl.store(TOK + r, tok)
+    tl.store(LOGP_TOK + r, xb - lse)
+    if HAS_GATHER:
+        g = tl.load(GATHER + r)
+        xg = tl.load(LOGITS + r * stride_r + g).to(tl.float32) * inv_temp
+        tl.store(LOGP_GATHER + r, xg - lse)
+
+
+def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, gather: Tensor | None = None
+                            ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """For each row of ``logits`` [R, V] (unit stride in V) with x = logits / temperature:
+    token ~ softmax(x) by the exponential race (Gumbel noise from Philox, keyed by ``seed`` — a
+    device int64 scalar — and the element's index), log softmax(x)[token], and log softmax(x)[gather]
+    (when ``gather`` [R] long is given). One read of the logits; no host sync.
+    Reference: engine.sample_and_score_reference."""
+    R, V = logits.shape
+    block = 1024
+    chunk = 8 * block
+    if V < chunk:
+        block = max(16, min(block, triton.next_power_of_2(V)))
+        chunk = triton.cdiv(V, block) * block
+    nsplit = triton.cdiv(V, chunk)
+    part = torch.empty(R, nsplit, 5, device=logits.device, dtype=torch.float32)
+    _sample_split_kernel[(R, nsplit)](logits, seed, logits.stride(0), 1.0 / temperature, part, V=V, CHUNK=chunk,
+                                      BLOCK=block, NSPLIT=nsplit, num_warps=4)
+    tok = torch.empty(R, device=logits.device, dtype=torch.long)
+    logp_tok = torch.empty(R, device=logits.device, dtype=torch.float32)
+    logp_gather = torch.empty(R, device=logits.device, dtype=torch.float32) if gather is not None else None
+    _sample_merge_kernel[(R,)](part, logits, logits.stride(0), 1.0 / temperature,
+                               gather if gather is not None else tok, tok, logp_tok,
+                               logp_gather if gather is not None else logp_tok,
+                               NSPLIT=nsplit, NSPLIT_P2=max(2, triton.next_power_of_2(nsplit)),
+                               HAS_GATHER=gather is not None, num_warps=1)
+    return tok, logp_tok, logp_gather

@@ -1,7 +1,8 @@
 """Native Llama-family decoder (Llama 3.x, SmolLM2, Qwen2-style GQA) over a paged KV cache.
 
 A plain module in the gpt-fast manner: fused QKV and gate/up projections, RoPE with Llama-3
-frequency scaling, RMSNorm, SwiGLU. The KV cache lives outside the module (``kv_cache.KVPool``);
+frequency scaling, RMSNorm, SwiGLU. On CUDA the elementwise parts are Triton kernels (kernels.py):
+residual add + RMSNorm, RoPE + KV-page write, SiLU·mul; elsewhere their torch references here. The KV cache lives outside the module (``kv_cache.KVPool``);
 ``forward`` writes the new keys/values into the pages named by the page table and attends over them.
 
 Shapes: B rows (requests × particles), L new tokens per row, H query heads, Hkv key/value heads,
@@ -101,10 +102,9 @@ def rope_inv_freq(cfg: LlamaConfig) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: [B, L, h, D]; cos/sin: [B, L, 1, D]  (HF's rotate-half convention)
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    # x: [B, L, h, D]; cos/sin: [B, L, 1, D/2]  (HF's rotate-half convention)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -113,14 +113,26 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, H: int, Hkv: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Split the fused projection [B, L, (H + 2Hkv)·D] and rotate q and k."""
+def add_rms_norm_reference(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(h, rms_norm(h)) with h = x + delta (the residual stream after a block's branch)."""
+    h = x if delta is None else x + delta
+    return h, rms_norm(h, weight, eps)
+
+
+def rope_kv_write_reference(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor,
+                            v_pool: Tensor, pages: Tensor, offsets: Tensor, H: int, Hkv: int) -> Tensor:
+    """Split the fused projection [B, L, (H + 2Hkv)·D], rotate q and k (tables cos/sin [max_pos, D/2]),
+    write k and v into pools [num_pages, Hkv, PS, D] at (pages, offsets) [B·L]; return q [B, L, H, D]."""
     B, L, _ = qkv.shape
-    D = cos.shape[-1]
+    D = k_pool.shape[-1]
     q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-    q = apply_rope(q.reshape(B, L, H, D), cos, sin)
-    k = apply_rope(k.reshape(B, L, Hkv, D), cos, sin)
-    return q.contiguous(), k.contiguous(), v.reshape(B, L, Hkv, D).contiguous()
+    c, s = cos[positions][:, :, None], sin[positions][:, :, None]  # [B, L, 1, D/2]
+    q = apply_rope(q.reshape(B, L, H, D), c, s)
+    k = apply_rope(k.reshape(B, L, Hkv, D), c, s)
+    # NOTE: (page, offset) pairs must be distinct
+    k_pool[pages, :, offsets] = k.reshape(-1, Hkv, D)
+    v_pool[pages, :, offsets] = v.reshape(-1, Hkv, D)
+    return q
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:
@@ -128,32 +140,43 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-def _fused(fn):
-    """torch.compile ``fn`` (one fused kernel instead of several elementwise launches) on CUDA;
-    eager on CPU, when SMCDECODE_COMPILE=0, or if compilation fails."""
+def _use_triton(x: Tensor) -> bool:
+    """Triton kernels on CUDA when triton imports (SMCDECODE_TRITON=0 forces the torch references)."""
     import os
 
-    if os.environ.get("SMCDECODE_COMPILE", "1") == "0":
-        return fn
-    # dynamic=True: one kernel for every batch shape (static specialisation hit the recompile limit)
-    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
-    ok = [True]
-
-    def call(*args):
-        if ok[0] and args[0].is_cuda:
-            try:
-                return compiled(*args)
-            except Exception as e:  # noqa: BLE001 — fall back to eager, once, loudly
-                import warnings
-
-                warnings.warn(f"torch.compile of {fn.__name__} failed, running eager: {str(e)[:200]}", stacklevel=2)
-                ok[0] = False
-        return fn(*args)
-
-    return call
+    if not x.is_cuda or os.environ.get("SMCDECODE_TRITON", "1") == "0":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
-fused_rms_norm, fused_rope_qkv, fused_silu_mul = _fused(rms_norm), _fused(rope_qkv), _fused(silu_mul)
+def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    if _use_triton(x):
+        from .kernels import triton_add_rms_norm
+
+        return triton_add_rms_norm(x, delta, weight, eps)
+    return add_rms_norm_reference(x, delta, weight, eps)
+
+
+def rope_kv_write(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor,
+                  pages: Tensor, offsets: Tensor, H: int, Hkv: int) -> Tensor:
+    if _use_triton(qkv):
+        from .kernels import triton_rope_kv_write
+
+        return triton_rope_kv_write(qkv.contiguous(), positions.reshape(-1), cos, sin, k_pool, v_pool, pages,
+                                    offsets, H, Hkv)
+    return rope_kv_write_reference(qkv, positions, cos, sin, k_pool, v_pool, pages, offsets, H, Hkv)
+
+
+def fused_silu_mul(gate_up: Tensor) -> Tensor:
+    if _use_triton(gate_up):
+        from .kernels import triton_silu_mul
+
+        return triton_silu_mul(gate_up.contiguous())
+    return silu_mul(gate_up)
 
 
 class RMSNorm(nn.Module):
@@ -163,7 +186,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return fused_rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, None, self.weight, self.eps)[1]
 
 
 class Block(nn.Module):
@@ -178,15 +201,19 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv, batch) -> Tensor:
+    def forward(self, x: Tensor, delta: Tensor | None, rope: tuple[Tensor, Tensor], kv, batch
+                ) -> tuple[Tensor, Tensor]:
+        """Residual stream x [B, L, dim] plus the previous block's pending branch output ``delta``
+        (added here, fused with the norm) -> (stream, this block's MLP output, still to be added)."""
         cfg = self.cfg
         B, L, _ = x.shape
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        q, k, v = fused_rope_qkv(self.wqkv(self.attention_norm(x)), cos, sin, H, Hkv)
-        kv.write(self.layer, k, v, batch.slot_pages, batch.slot_offsets)
+        x, n = add_rms_norm(x, delta, self.attention_norm.weight, cfg.norm_eps)
+        q = rope_kv_write(self.wqkv(n), batch.positions, rope[0], rope[1], kv.k(self.layer), kv.v(self.layer),
+                          batch.slot_pages, batch.slot_offsets, H, Hkv)
         o = paged_attention(q, kv.k(self.layer), kv.v(self.layer), batch, backend=kv.attention_backend)
-        h = x + self.wo(o.reshape(B, L, H * D))
-        return h + self.w2(fused_silu_mul(self.w13(self.ffn_norm(h))))
+        h, n = add_rms_norm(x, self.wo(o.reshape(B, L, H * D)), self.ffn_norm.weight, cfg.norm_eps)
+        return h, self.w2(fused_silu_mul(self.w13(n)))
 
 
 class Llama(nn.Module):
@@ -200,6 +227,14 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.rope_cos = self.rope_sin = None
+
+    def set_rope_cache(self, max_positions: int) -> None:
+        """cos/sin tables [max_positions, D/2] (float32, computed in float64); forward needs every
+        position below ``max_positions`` (the Engine sizes them to its max_context)."""
+        freqs = torch.arange(max_positions, dtype=torch.float64, device=self.inv_freq.device)[:, None] \
+            * rope_inv_freq(self.cfg).double().to(self.inv_freq.device)
+        self.rope_cos, self.rope_sin = freqs.cos().float(), freqs.sin().float()
 
     def _tie(self) -> None:
         if self.cfg.tie_embeddings:
@@ -209,16 +244,17 @@ class Llama(nn.Module):
         """tokens [B, L] at positions ``batch.positions`` [B, L] -> logits [B, L, V] (or [B, 1, V]).
 
         Keys/values of the new tokens are written to the cache first; query i of row b attends to
-        cache positions <= its own position (``batch`` is an ``attention.PagedBatch``)."""
-        freqs = batch.positions[..., None].float() * self.inv_freq  # [B, L, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-        cos, sin = emb.cos(), emb.sin()
-        x = self.tok_embeddings(tokens)
+        cache positions <= its own position (``batch`` is an ``attention.PagedBatch``). Positions must
+        be below the rope tables' length (``set_rope_cache``; 4096 by default)."""
+        if self.rope_cos is None:
+            self.set_rope_cache(min(self.cfg.max_position, 4096))
+        rope = (self.rope_cos, self.rope_sin)
+        x, delta = self.tok_embeddings(tokens), None
         for layer in self.layers:
-            x = layer(x, cos, sin, kv, batch)
+            x, delta = layer(x, delta, rope, kv, batch)
         if last_only:
-            x = x[:, -1:]
-        return self.output(self.norm(x))
+            x, delta = x[:, -1:], delta[:, -1:]
+        return self.output(add_rms_norm(x, delta, self.norm.weight, self.cfg.norm_eps)[1])
 
     # ------------------------------------------------------------------------------------------
     # construction

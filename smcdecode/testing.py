@@ -43,12 +43,14 @@ chi-square test, see :func:`chi_square_pvalue`.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from .potentials.base import Potential, Product, as_target
+from .potentials.base import Potential, as_target
 from .potentials.constraint import TokenConstraint
 from .potentials.lm import LM
 
@@ -240,8 +242,7 @@ def check_logw_next_consistency(
             got = float(lw[v])
             if not _close(got, expected, atol, rtol):
                 raise AssertionError(
-                    f"{potential!r}: logw_next(x)[{v}] = {got!r} but {how} = {expected!r} for x = {x} "
-                    f"(prompt {prompt})"
+                    f"{potential!r}: logw_next(x)[{v}] = {got!r} but {how} = {expected!r} for x = {x} (prompt {prompt})"
                 )
 
 
@@ -257,7 +258,9 @@ def check_batch_consistency(
     batch = potential.batch_logw_next(seqs, prompt)
     expected_shape = (len(seqs), model.vocab_size)
     if tuple(batch.shape) != expected_shape:
-        raise AssertionError(f"{potential!r}.batch_logw_next gave shape {tuple(batch.shape)}, expected {expected_shape}")
+        raise AssertionError(
+            f"{potential!r}.batch_logw_next gave shape {tuple(batch.shape)}, expected {expected_shape}"
+        )
     for i, x in enumerate(seqs):
         one = potential.logw_next(x, prompt)
         for v in range(model.vocab_size):
@@ -292,8 +295,10 @@ def check_tensor_path(constraint: TokenConstraint, seqs: Sequence[Sequence[int]]
         for i, x in enumerate(batch):
             done = constraint.complete(x) != NEG_INF
             if bool(accepting[i]) != done:
-                raise AssertionError(f"{constraint!r}: accepting(state({x})) = {bool(accepting[i])} but complete(x) is "
-                                     f"{'finite' if done else '-inf'}")
+                raise AssertionError(
+                    f"{constraint!r}: accepting(state({x})) = {bool(accepting[i])} but complete(x) is "
+                    f"{'finite' if done else '-inf'}"
+                )
             for v in range(V):
                 ok = done if v == eos else constraint.prefix(x + [v]) != NEG_INF
                 if bool(allowed[i, v]) != ok:
@@ -470,7 +475,9 @@ def check_distribution(out, exact: ExactTarget, z_max: float = 5.0, min_prob: fl
     for g in range(out.tokens.shape[0]):
         for x, w in zip(sequences(out, g), W[g]):
             if w > 0 and x not in exact.probs:
-                raise AssertionError(f"a particle with weight {w:.3g} in group {g} is {list(x)}, outside the target's support")
+                raise AssertionError(
+                    f"a particle with weight {w:.3g} in group {g} is {list(x)}, outside the target's support"
+                )
     scores = distribution_z_scores(out, exact, min_prob)
     worst = max(scores, key=lambda c: abs(scores[c]))
     if not abs(scores[worst]) <= z_max:
@@ -484,15 +491,25 @@ def check_distribution(out, exact: ExactTarget, z_max: float = 5.0, min_prob: fl
     return abs(scores[worst])
 
 
-def chi_square_pvalue(out, exact: ExactTarget | dict, min_expected: float = 5.0) -> float:
+def chi_square_pvalue(out, exact: ExactTarget | dict, min_expected: float = 5.0, particle: int | None = None) -> float:
     """Pearson chi-square p-value of the sequences of ``out`` (every particle with positive weight,
     all groups, counted unweighted: for exact samplers) against the distribution ``exact``.
+
+    The test assumes independent samples. Autoregressive and speculative samples are; SMC
+    particles of one group after resampling are not (they share ancestors): pass ``particle=i``
+    to count only particle i of each group.
 
     Sequences whose expected count is below ``min_expected`` share one cell. A sample outside the
     support of ``exact`` gives p = 0. Needs scipy."""
     from scipy import stats
 
     probs = exact.probs if isinstance(exact, ExactTarget) else exact
+    if particle is not None:
+        out = SimpleNamespace(
+            tokens=out.tokens[:, particle : particle + 1],
+            lengths=out.lengths[:, particle : particle + 1],
+            log_weights=out.log_weights[:, particle : particle + 1],
+        )
     counts = _counts(out)
     n = sum(counts.values())
     if n == 0:

@@ -25,7 +25,8 @@ torch.set_num_threads(1)
 
 PROMPT = [0]  # the "<bos>" token
 LETTERS = ["a", "b", "c", "d"]
-REGEX_VOCAB = ["<bos>", "a", "b", "ab", "<eos>"]
+REGEX_VOCAB = ["<bos>", "a", "b", "ab", "<eos>"]  # "ab" and "a"·"b" spell the same text
+PATTERNS = [r"a+b?", r"(ab|b)*a", r"[ab]{2,3}", r"b*", r"(a|b)b(a|b)*"]
 TABLE_ROWS = 251  # a prime: hash buckets of the context
 
 
@@ -80,6 +81,13 @@ class Toy:
     temperature: float
     alpha: float
     draft_factor: float
+    description: str = ""  # how the tables were drawn, for failure reports
+
+    def __repr__(self) -> str:
+        return (
+            f"Toy(vocab={self.vocab}, max_new_tokens={self.max_new_tokens}, T={self.temperature}, "
+            f"alpha={self.alpha}, draft T factor={self.draft_factor}, {self.description})"
+        )
 
     def lm(self) -> sd.LM:
         """The target's LM potential p_T^α."""
@@ -112,8 +120,10 @@ def toys(draw, vocab=None, max_new_tokens=(3, 4), alphas=(1.0,), drafts=("noisy"
     if kind == "noisy":
         noise = draw(st.sampled_from([0.3, 0.7]))
         draft = toy_model(table + noise * toy_table(seed + 1, V, 1.0), vocab, name="toy-draft")
+        description = f"table seed {seed} scale {scale}, draft = table + {noise}·noise"
     else:
         draft = toy_model(toy_table(seed + 2, V, 0.5), vocab, markov=True, name="toy-bigram-draft")
+        description = f"table seed {seed} scale {scale}, bigram draft"
     return Toy(
         model=toy_model(table, vocab),
         draft=draft,
@@ -122,6 +132,7 @@ def toys(draw, vocab=None, max_new_tokens=(3, 4), alphas=(1.0,), drafts=("noisy"
         temperature=temperature,
         alpha=alpha,
         draft_factor=draw(st.sampled_from([1.0, 1.25])),
+        description=description,
     )
 
 

@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from conftest import PROMPT, REGEX_VOCAB, REWARDS, statistical_settings, toy_model, toy_table, toys
+from conftest import PATTERNS, PROMPT, REGEX_VOCAB, REWARDS, statistical_settings, toy_model, toy_table, toys
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -33,8 +33,6 @@ from smcdecode.testing import (
     sequences,
     total_variation,
 )
-
-PATTERNS = [r"a+b?", r"(ab|b)*a", r"[ab]{2,3}", r"b*", r"(a|b)b(a|b)*"]
 
 
 def brute_force(model, temperature, alpha, max_new_tokens, pattern=None, reward=None, beta=0.0, mode="complete"):
@@ -213,8 +211,11 @@ def test_property_checks_can_fail(toy_lm_model):
 def _output(tokens, lengths, log_weights, log_evidence):
     tokens = torch.tensor(tokens)
     return SMCOutput(
-        tokens, torch.tensor(lengths), torch.ones(tokens.shape[:2], dtype=torch.bool),
-        torch.tensor(log_weights, dtype=torch.float64), torch.tensor(log_evidence, dtype=torch.float64),
+        tokens,
+        torch.tensor(lengths),
+        torch.ones(tokens.shape[:2], dtype=torch.bool),
+        torch.tensor(log_weights, dtype=torch.float64),
+        torch.tensor(log_evidence, dtype=torch.float64),
     )
 
 
@@ -231,7 +232,10 @@ def test_output_helpers():
     assert dists[0] == {(1, 2, 3): pytest.approx(1 / 3), (1, 3): pytest.approx(2 / 3)}
     assert dists[1] == {}
     assert pooled_distribution(out) == dists[0]  # the dead group has Ẑ = 0
-    assert pooled_distribution(out, by_evidence=False) == {(1, 2, 3): pytest.approx(1 / 6), (1, 3): pytest.approx(1 / 3)}
+    assert pooled_distribution(out, by_evidence=False) == {
+        (1, 2, 3): pytest.approx(1 / 6),
+        (1, 3): pytest.approx(1 / 3),
+    }
     assert empirical_distribution(out) == {(1, 2, 3): 0.5, (1, 3): 0.5}
     assert total_variation({"a": 1.0}, {"b": 1.0}) == 1.0
     assert total_variation({"a": 0.5, "b": 0.5}, {"a": 0.25, "b": 0.75}) == pytest.approx(0.25)
@@ -257,8 +261,13 @@ def test_statistics_accept_exact_samples_and_reject_wrong_ones(toy_lm_model):
                 x = seqs[int(idx[g, i])]
                 tokens[g, i, : len(x)] = torch.tensor(x)
                 lengths[g, i] = len(x)
-        return SMCOutput(tokens, lengths, torch.ones(G, N, dtype=torch.bool),
-                         torch.zeros(G, N, dtype=torch.float64), torch.zeros(G, dtype=torch.float64))
+        return SMCOutput(
+            tokens,
+            lengths,
+            torch.ones(G, N, dtype=torch.bool),
+            torch.zeros(G, N, dtype=torch.float64),
+            torch.zeros(G, dtype=torch.float64),
+        )
 
     good, bad = draws(probs), draws(wrong)
     assert chi_square_pvalue(good, exact) > 1e-4

@@ -63,7 +63,9 @@ def test_expected_offspring_is_N_times_weight(scheme, W, seed):
             assert float(mean[i]) == pytest.approx(float(target[i]), abs=1e-6), (scheme, i)
         else:
             z = (float(mean[i]) - float(target[i])) / float(se[i])
-            assert abs(z) < 5, f"{scheme}: particle {i} has mean offspring {float(mean[i]):.4f}, N·W = {float(target[i]):.4f}, z = {z:.1f}"
+            assert abs(z) < 5, (
+                f"{scheme}: particle {i} has mean offspring {float(mean[i]):.4f}, N·W = {float(target[i]):.4f}, z = {z:.1f}"
+            )
 
 
 @pytest.mark.parametrize("scheme", LOW_VARIANCE)
@@ -78,7 +80,9 @@ def test_offspring_variance_at_most_multinomial(scheme, W, seed):
     # the multinomial reference itself is right (relative s.e. of a variance estimate ≈ 1-2%)
     assert torch.allclose(var_multinomial, theory, rtol=0.1, atol=2e-3), (var_multinomial, theory)
     excess = var - 1.1 * var_multinomial - 2e-3
-    assert bool((excess <= 0).all()), f"{scheme}: offspring variances {var.tolist()} exceed multinomial's {var_multinomial.tolist()}"
+    assert bool((excess <= 0).all()), (
+        f"{scheme}: offspring variances {var.tolist()} exceed multinomial's {var_multinomial.tolist()}"
+    )
 
 
 @statistical_settings(12)

@@ -55,7 +55,9 @@ def systematic(W: Tensor, generator: torch.Generator | None = None) -> Tensor:
 def residual(W: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """floor(N·W_i) deterministic copies, the remaining R draws multinomial on the residuals."""
     G, N = W.shape
-    Wd = W.double() / W.double().sum(dim=-1, keepdim=True)
+    total = W.double().sum(dim=-1, keepdim=True)
+    # NOTE: a group whose weights are all 0 stays 0 here (0/0 would be NaN, cast to int below)
+    Wd = torch.where(total > 0, W.double() / total.clamp(min=1e-300), 0.0)
     counts = torch.floor(N * Wd)
     R = (N - counts.sum(dim=-1, keepdim=True))  # [G, 1] remaining draws
     res = (N * Wd - counts).clamp(min=0)

@@ -81,11 +81,12 @@ class Toy:
     temperature: float
     alpha: float
     draft_factor: float
+    prompt: list[int]
     description: str = ""  # how the tables were drawn, for failure reports
 
     def __repr__(self) -> str:
         return (
-            f"Toy(vocab={self.vocab}, max_new_tokens={self.max_new_tokens}, T={self.temperature}, "
+            f"Toy(vocab={self.vocab}, prompt={self.prompt}, max_new_tokens={self.max_new_tokens}, T={self.temperature}, "
             f"alpha={self.alpha}, draft T factor={self.draft_factor}, {self.description})"
         )
 
@@ -100,10 +101,13 @@ class Toy:
 
 
 @st.composite
-def toys(draw, vocab=None, max_new_tokens=(3, 4), alphas=(1.0,), drafts=("noisy", "bigram")) -> Toy:
-    """A random target/draft pair. The draft is the target's table plus Gaussian noise (a close
-    draft), or a bigram table that ignores all but the last token (a poor draft: its importance
-    weights are heavy-tailed, fine for evidence tests, too noisy for per-sequence tests).
+def toys(draw, vocab=None, max_new_tokens=(3, 4), alphas=(1.0,), drafts=("noisy", "bigram"), noise=(0.3, 0.7)) -> Toy:
+    """A random target/draft pair. The draft is the target's table plus Gaussian noise of scale
+    ``noise`` (a close draft), or a bigram table that ignores all but the last token (a poor draft).
+    Poor drafts have heavy-tailed importance weights: fine for tests of E[Ẑ] (a mean over every
+    sequence), too noisy for per-sequence tests, which use drafts with noise ≤ 0.4: some sequence
+    of probability 0.01 proposed 50 times less often than π would want is visited too rarely for
+    a z-test over a few thousand replicates.
 
     The logits' scale is kept below 2·T/α so the target is never nearly deterministic: a sequence
     of probability 1e-5 that no replicate visits would carry more of E[Ẑ] than rounding allows."""
@@ -118,9 +122,9 @@ def toys(draw, vocab=None, max_new_tokens=(3, 4), alphas=(1.0,), drafts=("noisy"
     table = toy_table(seed, V, scale)
     kind = draw(st.sampled_from(list(drafts)))
     if kind == "noisy":
-        noise = draw(st.sampled_from([0.3, 0.7]))
-        draft = toy_model(table + noise * toy_table(seed + 1, V, 1.0), vocab, name="toy-draft")
-        description = f"table seed {seed} scale {scale}, draft = table + {noise}·noise"
+        sigma = draw(st.sampled_from(list(noise)))
+        draft = toy_model(table + sigma * toy_table(seed + 1, V, 1.0), vocab, name="toy-draft")
+        description = f"table seed {seed} scale {scale}, draft = table + {sigma}·noise"
     else:
         draft = toy_model(toy_table(seed + 2, V, 0.5), vocab, markov=True, name="toy-bigram-draft")
         description = f"table seed {seed} scale {scale}, bigram draft"
@@ -132,6 +136,7 @@ def toys(draw, vocab=None, max_new_tokens=(3, 4), alphas=(1.0,), drafts=("noisy"
         temperature=temperature,
         alpha=alpha,
         draft_factor=draw(st.sampled_from([1.0, 1.25])),
+        prompt=draw(st.sampled_from([PROMPT, [0, 1], [0, 1, 0, 1]])),  # the runners prefill prompt[:-1]
         description=description,
     )
 

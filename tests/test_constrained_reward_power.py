@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 from conftest import PATTERNS, PROMPT, REGEX_VOCAB, REWARDS, statistical_settings, toy_model, toy_table, toys
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import smcdecode as sd
@@ -38,7 +38,7 @@ def run_smc(toy, target, block, particles=8, resampler="systematic", tau=0.5, se
         resampler=resampler,
         ess_threshold=tau,
     )
-    return strategy.run_groups(PROMPT, groups, toy.max_new_tokens, seed=seed)
+    return strategy.run_groups(toy.prompt, groups, toy.max_new_tokens, seed=seed)
 
 
 # -- constraints --------------------------------------------------------------------------------
@@ -47,7 +47,7 @@ def run_smc(toy, target, block, particles=8, resampler="systematic", tau=0.5, se
 @pytest.mark.parametrize("block", ["target", 1, 2])
 @statistical_settings(4)
 @given(
-    toy=toys(vocab=REGEX_VOCAB, drafts=("noisy",), alphas=(1.0, 2.0)),
+    toy=toys(vocab=REGEX_VOCAB, drafts=("noisy",), noise=(0.2, 0.4), alphas=(1.0, 2.0)),
     pattern=st.sampled_from(PATTERNS),
     resampler=st.sampled_from(SCHEMES),
     tau=st.sampled_from([0.0, 0.5, 1.0]),
@@ -55,7 +55,7 @@ def run_smc(toy, target, block, particles=8, resampler="systematic", tau=0.5, se
 )
 def test_constrained_target_is_the_global_conditional(block, toy, pattern, resampler, tau, seed):
     target = toy.lm() * sd.Regex(pattern)
-    exact = exact_target(target, PROMPT, toy.max_new_tokens)
+    exact = exact_target(target, toy.prompt, toy.max_new_tokens)
     out = run_smc(toy, target, block, resampler=resampler, tau=tau, seed=seed)
     alive = torch.isfinite(out.log_weights)
     for g in range(0, GROUPS, 7):
@@ -65,6 +65,29 @@ def test_constrained_target_is_the_global_conditional(block, toy, pattern, resam
                 assert re.fullmatch(pattern, text), (
                     f"particle {list(x)} ({text!r}) has positive weight but fails {pattern!r}"
                 )
+    check_distribution(out, exact, z_max=5.5)
+    check_evidence_unbiased(out, exact.log_Z)
+
+
+@pytest.mark.parametrize("block", ["target", 2])
+@statistical_settings(3)
+@given(
+    toy=toys(vocab=REGEX_VOCAB, drafts=("noisy",), noise=(0.2, 0.4)),
+    pattern=st.sampled_from(PATTERNS),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_two_constraints_intersect(block, toy, pattern, seed):
+    """Ψ = 1[x ∈ A]·1[x ∈ B]: the masks intersect, on drafts and bonus tokens alike."""
+    short = r"[ab]{0,3}"  # at most three characters
+    target = toy.lm() * sd.Regex(pattern) * sd.Regex(short)
+    exact = exact_target(target, toy.prompt, toy.max_new_tokens)
+    assume(exact.probs)
+    out = run_smc(toy, target, block, seed=seed)
+    alive = torch.isfinite(out.log_weights)
+    for g in range(0, GROUPS, 7):
+        for x, ok in zip(sequences(out, g), alive[g].tolist()):
+            text = toy.model.decode(list(x))
+            assert not ok or (re.fullmatch(pattern, text) and re.fullmatch(short, text)), (list(x), text)
     check_distribution(out, exact, z_max=5.5)
     check_evidence_unbiased(out, exact.log_Z)
 
@@ -123,17 +146,22 @@ def test_every_particle_dies_when_nothing_fits_the_budget(toy_lm_model):
 @pytest.mark.parametrize("block", ["target", 1, 2])
 @statistical_settings(4)
 @given(
-    toy=toys(drafts=("noisy",)),
+    toy=toys(drafts=("noisy",), noise=(0.2, 0.4)),
     reward=st.sampled_from(REWARDS),
     beta=st.sampled_from([-1.0, 0.5, 1.0]),
+    batched=st.booleans(),
     resampler=st.sampled_from(SCHEMES),
     tau=st.sampled_from([0.0, 0.5, 1.0]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_reward_target_and_evidence(mode, block, toy, reward, beta, resampler, tau, seed):
-    """π ∝ p·exp(β·R(x)); Z = Σ p·exp(β·(R(x) − R(""))) for a prefix twist, Σ p·exp(β·R(x)) else."""
-    target = toy.lm() * sd.Reward(reward, beta=beta, mode=mode)
-    exact = exact_target(target, PROMPT, toy.max_new_tokens)
+def test_reward_target_and_evidence(mode, block, toy, reward, beta, batched, resampler, tau, seed):
+    """π ∝ p·exp(β·R(x)); Z = Σ p·exp(β·(R(x) − R(""))) for a prefix twist, Σ p·exp(β·R(x)) else.
+    ``batched=True`` rewards score a list of texts per call."""
+    if batched:
+        target = toy.lm() * sd.Reward(lambda texts: [reward(t) for t in texts], beta=beta, mode=mode, batched=True)
+    else:
+        target = toy.lm() * sd.Reward(reward, beta=beta, mode=mode)
+    exact = exact_target(target, toy.prompt, toy.max_new_tokens)
     out = run_smc(toy, target, block, resampler=resampler, tau=tau, seed=seed)
     check_distribution(out, exact, z_max=5.5)
     check_evidence_unbiased(out, exact.log_Z)
@@ -153,9 +181,9 @@ def test_reward_target_and_evidence(mode, block, toy, reward, beta, resampler, t
 )
 def test_power_target_and_evidence(alpha, block, data, resampler, tau, seed):
     """π ∝ p_T^α (global, not the token-wise p_T^α normalised per step); Z = Σ_x p_T(x)^α."""
-    toy = data.draw(toys(drafts=("noisy",), alphas=(alpha,)))
+    toy = data.draw(toys(drafts=("noisy",), noise=(0.2, 0.4), alphas=(alpha,)))
     target = toy.lm()
-    exact = exact_target(target, PROMPT, toy.max_new_tokens)
+    exact = exact_target(target, toy.prompt, toy.max_new_tokens)
     out = run_smc(toy, target, block, resampler=resampler, tau=tau, seed=seed)
     check_distribution(out, exact, z_max=5.5)
     check_evidence_unbiased(out, exact.log_Z)
@@ -167,7 +195,7 @@ def test_power_target_and_evidence(alpha, block, data, resampler, tau, seed):
 @pytest.mark.parametrize("block", ["target", 2])
 @statistical_settings(4)
 @given(
-    toy=toys(vocab=REGEX_VOCAB, drafts=("noisy",), alphas=(0.5, 1.0, 2.0)),
+    toy=toys(vocab=REGEX_VOCAB, drafts=("noisy",), noise=(0.2, 0.4), alphas=(0.5, 1.0, 2.0)),
     pattern=st.sampled_from(PATTERNS),
     reward=st.sampled_from(REWARDS),
     beta=st.sampled_from([-1.0, 0.5]),
@@ -176,7 +204,7 @@ def test_power_target_and_evidence(alpha, block, data, resampler, tau, seed):
 )
 def test_power_constraint_and_reward_together(block, toy, pattern, reward, beta, mode, seed):
     target = toy.lm() * sd.Regex(pattern) * sd.Reward(reward, beta=beta, mode=mode)
-    exact = exact_target(target, PROMPT, toy.max_new_tokens)
+    exact = exact_target(target, toy.prompt, toy.max_new_tokens)
     out = run_smc(toy, target, block, seed=seed)
     check_distribution(out, exact, z_max=5.5)
     check_evidence_unbiased(out, exact.log_Z)

@@ -35,7 +35,9 @@ from smcdecode.testing import (
 )
 
 
-def brute_force(model, temperature, alpha, max_new_tokens, pattern=None, reward=None, beta=0.0, mode="complete"):
+def brute_force(
+    model, prompt, temperature, alpha, max_new_tokens, pattern=None, reward=None, beta=0.0, mode="complete"
+):
     """γ(x) for every complete sequence straight from the model function, in float64, with
     Python's ``re`` for the constraint: independent of the potentials' code."""
     eos, V = model.eos_token_id, model.vocab_size
@@ -48,7 +50,7 @@ def brute_force(model, temperature, alpha, max_new_tokens, pattern=None, reward=
             for x in seqs:
                 logp = 0.0
                 for i, v in enumerate(x):
-                    ctx = torch.tensor([PROMPT + list(x[:i])])
+                    ctx = torch.tensor([list(prompt) + list(x[:i])])
                     logits = torch.as_tensor(model.fn(ctx)).double()[0]
                     logp += float(torch.log_softmax(logits / temperature, -1)[v])
                 text = model.decode(list(x))
@@ -78,8 +80,8 @@ def test_exact_target_matches_brute_force(toy, pattern, reward, beta, mode):
     if reward is not None:
         target = target * sd.Reward(reward, beta=beta, mode=mode)
     M = toy.max_new_tokens
-    exact = exact_target(target, PROMPT, M)
-    probs, log_Z = brute_force(toy.model, toy.temperature, toy.alpha, M, pattern, reward, beta, mode)
+    exact = exact_target(target, toy.prompt, M)
+    probs, log_Z = brute_force(toy.model, toy.prompt, toy.temperature, toy.alpha, M, pattern, reward, beta, mode)
     assert set(exact.probs) == set(probs)
     assert math.isclose(sum(exact.probs.values()), 1.0, abs_tol=1e-12)
     assert exact.log_Z == pytest.approx(log_Z, abs=1e-4)
@@ -153,7 +155,7 @@ def _potentials(toy, pattern, reward, beta):
 def test_potentials_next_token_weights_agree_with_scores(toy, pattern, reward, beta):
     seqs = enumerate_prefixes(toy.model, 2)
     for potential in _potentials(toy, pattern, reward, beta):
-        check_logw_next_consistency(potential, PROMPT, seqs)
+        check_logw_next_consistency(potential, toy.prompt, seqs)
 
 
 @statistical_settings(6)
@@ -167,8 +169,8 @@ def test_potentials_batched_equals_unbatched(toy, pattern, reward, beta):
     equal = [s for s in enumerate_prefixes(toy.model, 2) if len(s) == 2]
     mixed = enumerate_prefixes(toy.model, 2)
     for potential in _potentials(toy, pattern, reward, beta):
-        check_batch_consistency(potential, PROMPT, equal)
-        check_batch_consistency(potential, PROMPT, mixed)
+        check_batch_consistency(potential, toy.prompt, equal)
+        check_batch_consistency(potential, toy.prompt, mixed)
         check_batch_consistency(potential, [0, 1, 2], mixed[:7])  # a longer prompt
 
 

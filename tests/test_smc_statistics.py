@@ -64,8 +64,8 @@ def test_evidence_is_unbiased(resampler, block, tau, alpha, data, seed):
     """E[Ẑ] = Z for a power target p_T^α (α ≠ 1: the bonus token's normaliser Σ_v p^α matters)."""
     toy = data.draw(toys(alphas=(alpha,)), label="toy")
     target = toy.lm()
-    exact = exact_target(target, PROMPT, toy.max_new_tokens)
-    out = smc(toy, target, block, 4, resampler, tau).run_groups(PROMPT, GROUPS, toy.max_new_tokens, seed=seed)
+    exact = exact_target(target, toy.prompt, toy.max_new_tokens)
+    out = smc(toy, target, block, 4, resampler, tau).run_groups(toy.prompt, GROUPS, toy.max_new_tokens, seed=seed)
     check_wellformed(out, toy.model.eos_token_id, toy.max_new_tokens)
     check_evidence_unbiased(out, exact.log_Z)
 
@@ -77,21 +77,21 @@ def test_evidence_is_unbiased(resampler, block, tau, alpha, data, seed):
 def test_evidence_is_unbiased_plain_lm(resampler, block, toy, tau, seed):
     """Z = 1 for the LM alone; Ẑ varies through the draft/target ratios (poor bigram drafts too)."""
     target = toy.lm()
-    exact = exact_target(target, PROMPT, toy.max_new_tokens)
+    exact = exact_target(target, toy.prompt, toy.max_new_tokens)
     assert abs(exact.log_Z) < 1e-5
-    out = smc(toy, target, block, 4, resampler, tau).run_groups(PROMPT, GROUPS, toy.max_new_tokens, seed=seed)
+    out = smc(toy, target, block, 4, resampler, tau).run_groups(toy.prompt, GROUPS, toy.max_new_tokens, seed=seed)
     check_evidence_unbiased(out, exact.log_Z)
 
 
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("resampler", SCHEMES)
 @statistical_settings(3)
-@given(toy=toys(drafts=("noisy",)), tau=st.sampled_from(THRESHOLDS), seed=st.integers(0, 2**31 - 1))
+@given(toy=toys(drafts=("noisy",), noise=(0.2, 0.4)), tau=st.sampled_from(THRESHOLDS), seed=st.integers(0, 2**31 - 1))
 def test_weighted_particles_target_pi(resampler, block, toy, tau, seed):
     """E[(Ẑ/Z)·π̂_N(x)] = π(x) for every sequence x, at N = 8 (no large-N limit needed)."""
     target = toy.lm()
-    exact = exact_target(target, PROMPT, toy.max_new_tokens)
-    out = smc(toy, target, block, 8, resampler, tau).run_groups(PROMPT, GROUPS, toy.max_new_tokens, seed=seed)
+    exact = exact_target(target, toy.prompt, toy.max_new_tokens)
+    out = smc(toy, target, block, 8, resampler, tau).run_groups(toy.prompt, GROUPS, toy.max_new_tokens, seed=seed)
     check_wellformed(out, toy.model.eos_token_id, toy.max_new_tokens)
     check_distribution(out, exact, z_max=5.5)
 
@@ -99,18 +99,20 @@ def test_weighted_particles_target_pi(resampler, block, toy, tau, seed):
 @pytest.mark.parametrize("block", ["target", 1])
 @statistical_settings(3)
 @given(
-    toy=toys(vocab=["<bos>", "a", "<eos>"], max_new_tokens=(3,), drafts=("noisy",), alphas=(1.0, 2.0)),
+    toy=toys(
+        vocab=["<bos>", "a", "<eos>"], max_new_tokens=(3,), drafts=("noisy",), noise=(0.2, 0.4), alphas=(1.0, 2.0)
+    ),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_total_variation_falls_as_particles_grow(block, toy, seed):
     """Per-replicate TV(π̂_N, π) falls with N (2 → 8 → 32), and so does the O(1/N) bias of the
     plain average of π̂_N (down to the noise floor of 12,800 particles, about 0.03)."""
     target = toy.lm()
-    exact = exact_target(target, PROMPT, toy.max_new_tokens)
+    exact = exact_target(target, toy.prompt, toy.max_new_tokens)
     tv, bias = {}, {}
     for N in (2, 8, 32):
         out = smc(toy, target, block, N, "systematic", 0.5).run_groups(
-            PROMPT, 12_800 // N, toy.max_new_tokens, seed=seed
+            toy.prompt, 12_800 // N, toy.max_new_tokens, seed=seed
         )
         dists = particle_distributions(out)
         tv[N] = sum(total_variation(d, exact.probs) for d in dists) / len(dists)
@@ -130,13 +132,13 @@ def test_perfect_proposal_gives_exact_samples(resampler, block, toy, seed):
     shuffles them and their model state. A chi-square test on one particle per group (particles
     of a group share ancestors, so they are not independent)."""
     target = toy.lm()
-    exact = exact_target(target, PROMPT, toy.max_new_tokens)
+    exact = exact_target(target, toy.prompt, toy.max_new_tokens)
     if block == "target":
         strategy = sd.SMC(target, "target", particles=8, resampler=resampler, ess_threshold=1.0)
     else:
         proposal = sd.Draft(toy.model, toy.temperature)
         strategy = sd.SMC(target, proposal, particles=8, block_size=block, resampler=resampler, ess_threshold=1.0)
-    out = strategy.run_groups(PROMPT, 2000, toy.max_new_tokens, seed=seed)
+    out = strategy.run_groups(toy.prompt, 2000, toy.max_new_tokens, seed=seed)
     assert torch.allclose(out.log_evidence, torch.zeros(2000, dtype=torch.float64), atol=1e-5)
     assert chi_square_pvalue(out, exact, particle=5) > 1e-4
 

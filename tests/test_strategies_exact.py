@@ -23,9 +23,9 @@ def test_speculative_decoding_samples_p(block, toy, seed):
     """Accept d with probability min(1, p/q), else draw from (p − q)+: the output is p_T, whatever
     the draft (close or bigram) and its temperature."""
     target = toy.lm()
-    exact = exact_target(target, PROMPT, toy.max_new_tokens)
+    exact = exact_target(target, toy.prompt, toy.max_new_tokens)
     strategy = sd.SpeculativeDecoding(target, toy.proposal(), block_size=block, samples=10)
-    out = strategy.run_groups(PROMPT, 300, toy.max_new_tokens, seed=seed)
+    out = strategy.run_groups(toy.prompt, 300, toy.max_new_tokens, seed=seed)
     assert bool(torch.isfinite(out.log_weights).all())
     assert 0 <= out.accepted_tokens <= out.draft_tokens
     assert chi_square_pvalue(out, exact) > P_MIN
@@ -42,8 +42,8 @@ def test_speculative_decoding_with_the_target_as_draft_accepts_everything(toy_lm
 @given(toy=toys(), seed=st.integers(0, 2**31 - 1))
 def test_autoregressive_samples_p(toy, seed):
     target = toy.lm()
-    exact = exact_target(target, PROMPT, toy.max_new_tokens)
-    out = sd.Autoregressive(target, samples=4).run_groups(PROMPT, 1500, toy.max_new_tokens, seed=seed)
+    exact = exact_target(target, toy.prompt, toy.max_new_tokens)
+    out = sd.Autoregressive(target, samples=4).run_groups(toy.prompt, 1500, toy.max_new_tokens, seed=seed)
     assert chi_square_pvalue(out, exact) > P_MIN
 
 
@@ -57,8 +57,8 @@ def test_autoregressive_samples_the_locally_normalised_target(toy, pattern, seed
     """Each token ∝ p_T(v | h)^α·1[valid]: locally masked decoding, conditioned on success
     (failed sequences get weight 0)."""
     target = toy.lm() if pattern is None else toy.lm() * sd.Regex(pattern)
-    local = exact_autoregressive(target, PROMPT, toy.max_new_tokens)
-    out = sd.Autoregressive(target, samples=4).run_groups(PROMPT, 1500, toy.max_new_tokens, seed=seed)
+    local = exact_autoregressive(target, toy.prompt, toy.max_new_tokens)
+    out = sd.Autoregressive(target, samples=4).run_groups(toy.prompt, 1500, toy.max_new_tokens, seed=seed)
     assert chi_square_pvalue(out, local) > P_MIN
 
 

@@ -435,6 +435,7 @@ def distill(
     config: DistillConfig | None = None,
     *,
     fresh: bool = False,
+    init_draft: str | Path | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> dict:
@@ -443,7 +444,9 @@ def distill(
     1. keep prompts of at most ``max_prompt_tokens`` tokens; hold ``holdout`` of them out;
     2. sample ``samples_per_prompt`` responses per training prompt (one per held-out prompt) from
        the target at the first training temperature (saved in ``corpus.pt``, reused on resume);
-    3. build the draft (:func:`smcdecode.drafts.build_draft`) and train it (:func:`train_draft`);
+    3. build the draft (:func:`smcdecode.drafts.build_draft`), or start from the saved draft
+       ``init_draft`` (a warm start: more data or steps for an existing draft), and train it
+       (:func:`train_draft`);
     4. save it (``draft.json`` + ``draft.safetensors``), reload the saved file, and evaluate the
        reloaded draft on the held-out responses at each temperature (``eval.json``).
 
@@ -481,7 +484,18 @@ def distill(
         torch.save(corpus, corpus_file)
         n_tok = sum(len(r) for _, r in train)
         log(f"generated {len(train)} training sequences ({n_tok} response tokens) in {gen_seconds:.0f} s")
-    draft = build_draft(target, config.layers, config.init_layers)
+    warm = None
+    if init_draft is not None:
+        draft = load_draft(target, init_draft)
+        warm = draft.hf.smcdecode_draft["config"]
+        if config.layers != warm["num_layers"] or (config.init_layers not in (None, warm["init_layers"])):
+            raise SMCDecodeError(
+                f"--init-draft {str(init_draft)!r} has {warm['num_layers']} layers initialised from "
+                f"{warm['init_layers']}; pass --layers {warm['num_layers']} (and no other --init-layers)"
+            )
+        log(f"warm start from {init_draft} ({warm.get('training', {}).get('steps')} steps)")
+    else:
+        draft = build_draft(target, config.layers, config.init_layers)
     trained = train_draft(target, draft, corpus["train"], config, checkpoint=ckpt, progress=progress, log=log)
     recipe = {
         "config": dataclasses.asdict(config),
@@ -494,6 +508,8 @@ def distill(
                                         if target.device.type == "cuda" else ""),
         "final_train_kl": trained["history"][-1]["kl"] if trained["history"] else None,
     }
+    if warm is not None:
+        recipe["warm_start"] = {"from": str(init_draft), "training": warm.get("training"), "eval": warm.get("eval")}
     save_draft(draft, out, weights=config.weights, metadata={"training": recipe})
     reloaded = load_draft(target, out)  # evaluate what was saved (int8 weights included)
     figures = [evaluate_draft(target, reloaded, corpus["heldout"], temperature=t) for t in config.temperatures] \
@@ -553,6 +569,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed, help="seed for the split, the samples and the batches")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--fresh", action="store_true", help="ignore an existing corpus and checkpoint in --out")
+    p.add_argument("--init-draft", metavar="DIR", help="start from this saved draft instead of target layers")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     return p
 
@@ -583,7 +600,8 @@ def main(argv: list[str] | None = None) -> int:
         if device.startswith("cuda"):
             torch.backends.cuda.matmul.allow_tf32 = True
         target = load_model(args.target, device=device)
-        report = distill(target, prompts, args.out, config, fresh=args.fresh, progress=not args.no_progress,
+        report = distill(target, prompts, args.out, config, fresh=args.fresh, init_draft=args.init_draft,
+                         progress=not args.no_progress,
                          log=lambda s: print(s, file=sys.stderr))
     except SMCDecodeError as e:
         print(f"smcdecode distill: error: {e}", file=sys.stderr)

@@ -130,6 +130,14 @@ def test_distill_end_to_end_then_resume(tmp_path):
         "w3 w4", max_new_tokens=5, seed=0, progress=False)
     assert isinstance(result.text, str)
 
+    # a warm start from the saved draft, into another directory
+    config.steps = 2
+    warm = distill(target, prompts, tmp_path / "warm", config, init_draft=tmp_path, progress=False, log=logs.append)
+    assert warm["training"]["warm_start"]["training"]["steps"] == 9 and warm["training"]["steps"] == 2
+    config.layers = 2
+    with pytest.raises(SMCDecodeError, match="pass --layers 1"):
+        distill(target, prompts, tmp_path / "bad", config, init_draft=tmp_path, progress=False, log=logs.append)
+
 
 @pytest.mark.parametrize("weights, tol", [("float32", 0.0), ("bfloat16", 5e-2), ("int8", 5e-2)])
 def test_saved_draft_round_trips(target, tmp_path, weights, tol):

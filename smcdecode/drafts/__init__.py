@@ -157,7 +157,7 @@ def check_target(saved: dict, target: HFModel, where: str = "draft") -> None:
             f"{where} vocabulary ({saved.get('vocab_size')}) differs from target vocabulary ({now['vocab_size']}): "
             "use a draft distilled from this target (python -m smcdecode.distill --target ...)"
         )
-    for key in ("model_type", "hidden_size", "eos_token_id"):
+    for key in ("model_type", "hidden_size"):  # NOTE: not eos_token_id: the draft shares the target's tokenizer
         if saved.get(key) != now[key]:
             raise SMCDecodeError(
                 f"{where} was distilled for a target with {key}={saved.get(key)!r}, but this target has "

@@ -132,3 +132,15 @@ def test_function_model_bad_output_shape():
     bad = sd.FunctionModel(lambda ctx: torch.zeros(ctx.shape[0], 3), vocab=VOCAB)
     with pytest.raises(ValueError, match=r"must return next-token log-probabilities of shape"):
         sd.Autoregressive(sd.LM(bad)).run([0], max_new_tokens=2, progress=False)
+
+
+def test_custom_potential_without_tensor_path_is_refused():
+    class ForbidB(sd.Potential):
+        def prefix(self, tokens, prompt=()):
+            return float("-inf") if 2 in tokens else 0.0
+
+        def complete(self, tokens, prompt=()):
+            return self.prefix(tokens, prompt)
+
+    with pytest.raises(sd.SMCDecodeError, match="the samplers cannot use potential .*ForbidB"):
+        sd.SMC(sd.LM(_toy()) * ForbidB(), "target")

@@ -166,4 +166,15 @@ def as_target(target: Potential) -> Product:
             f"target must be a potential such as LM(model) or LM(model) * Regex(...), got {type(target).__name__}"
         )
     prod.lm  # noqa: B018 - validates that there is exactly one LM
+    from .constraint import TokenConstraint
+    from .lm import LM
+    from .reward import Reward
+
+    for f in prod.factors:
+        if not isinstance(f, (LM, TokenConstraint, Reward)):
+            raise SMCDecodeError(
+                f"the samplers cannot use potential {f!r} ({type(f).__name__}): it is not an LM, a "
+                "TokenConstraint (implement start/allowed/advance/accepting) or a Reward; wrap a "
+                "sequence-level score as Reward(fn, mode='complete') or a constraint as a TokenConstraint"
+            )
     return prod

@@ -220,6 +220,9 @@ def main() -> None:
     ap.add_argument("--smollm2-gguf", default=None, help="SmolLM2-135M-Instruct GGUF: also run the real model")
     ap.add_argument("--prompts-json", default="../shared/data/eval/sharegpt_500.json")
     ap.add_argument("--skip-profile", action="store_true")
+    ap.add_argument("--skip-ar", action="store_true")
+    ap.add_argument("--skip-smc", action="store_true")
+    ap.add_argument("--append", action="store_true", help="add to --out-dir/benchmarks.json instead of starting anew")
     args = ap.parse_args()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -231,12 +234,14 @@ def main() -> None:
                             "prompt_len": args.prompt_len, "out_len": args.out_len, "page_size": 16,
                             "weights": "random (normal 0, 0.02)", "eos": "ignored (fixed-length outputs)"},
                  "repeats": args.repeats, "runs": [], "errors": []}
+    if args.append and (out_dir / "benchmarks.json").exists():
+        res = json.loads((out_dir / "benchmarks.json").read_text())
 
     def save():
         (out_dir / "benchmarks.json").write_text(json.dumps(res, indent=1, default=float))
 
     bw = copy_bandwidth()
-    res["copy_bandwidth_TBps"] = bw / 1e12
+    res.setdefault("copy_bandwidth_TBps", bw / 1e12)
     print(f"device {dev.name}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     G_max = max(int(g) for g in args.requests.split(","))
     prompts = torch.randint(0, 128000, (G_max, args.prompt_len))
@@ -266,7 +271,7 @@ def main() -> None:
     P = [p.tolist() for p in prompts]
 
     # --- our autoregressive decoding
-    for G in requests:
+    for G in ([] if args.skip_ar else requests):
         try:
             engine.autoregressive(P[:G], max_new_tokens=8)  # compile kernels, warm up
             torch.cuda.reset_peak_memory_stats()
@@ -285,7 +290,7 @@ def main() -> None:
         save()
 
     # --- SMC-SD
-    for G in requests:
+    for G in ([] if args.skip_smc else requests):
         for nk in args.configs.split(","):
             N, K = (int(x) for x in nk.split("x"))
             try:
@@ -327,7 +332,7 @@ def main() -> None:
     # --- exact speculative decoding (random weights: acceptance ~0, so also the tok/s a measured
     # round time gives at acceptance rates α: E[tokens a round] = (1 − α^(K+1)) / (1 − α))
     for G in requests:
-        for K in (int(k) for k in args.sd_blocks.split(",")):
+        for K in (int(k) for k in args.sd_blocks.split(",") if k):
             try:
                 t0 = time.perf_counter()
                 engine.speculative(P[:G], block_size=K, max_new_tokens=2 * (K + 1))

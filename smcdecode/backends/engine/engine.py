@@ -80,6 +80,7 @@ class _Graph:
 
     buffers: dict
     step: object
+    fn: object = None  # the captured closure: keeps every tensor it references alive with the graph
 
 
 class Engine:
@@ -107,7 +108,7 @@ class Engine:
             self.kv_d = KVPool.for_model(draft.cfg, num_pages, page_size, self.dtype, self.device,
                                          attention_backend=attention_backend)
         self._graphs: dict[tuple, _Graph] = {}
-        if max_context is not None:
+        if max_context is not None:  # (before any graph exists)
             self._ensure_rope(max_context + page_size)
 
     def clear_graphs(self) -> None:
@@ -118,6 +119,7 @@ class Engine:
     def _ensure_rope(self, n: int) -> None:
         for m in (self.target, self.draft):
             if m is not None and (m.rope_cos is None or m.rope_cos.shape[0] < n):
+                self._graphs.clear()  # NOTE: captured graphs read the old tables
                 m.set_rope_cache(n)
 
     # ------------------------------------------------------------------------------------------
@@ -274,7 +276,7 @@ class Engine:
         self._upload(table, b["pt"], copies)
         reset()
         if graph is None:
-            graph = _Graph(b, self._capture(step, use_graphs))
+            graph = _Graph(b, self._capture(step, use_graphs), step)
             if use_graphs:
                 self._graphs[key] = graph
                 reset()  # the warm-up run advanced the state
@@ -410,6 +412,7 @@ class Engine:
                 log_q=torch.zeros(B, K, dtype=torch.float32, device=dev),
                 draft_logits=torch.zeros(B, K, V, dtype=self.dtype, device=dev),
                 done=torch.zeros(1, dtype=torch.bool, device=dev), ar=torch.arange(K + 1, device=dev),
+                rows=torch.arange(B, device=dev),
             )
             step = self._sd_round(buf, K, draft_temperature, target_temperature, eos, pad)
         else:
@@ -429,7 +432,7 @@ class Engine:
         self._upload(table, b["pt"], copies)
         reset()
         if graph is None:
-            graph = _Graph(b, self._capture(step, use_graphs))
+            graph = _Graph(b, self._capture(step, use_graphs), step)
             if use_graphs:
                 self._graphs[key] = graph
                 reset()
@@ -463,7 +466,7 @@ class Engine:
         dev = self.device
         ar = b["ar"]
         drafts, log_q, last, n_gen, finished = b["drafts"], b["log_q"], b["last"], b["n_gen"], b["finished"]
-        rows = torch.arange(drafts.shape[0], device=dev)
+        rows = b["rows"]  # NOTE: every tensor a captured graph reads must outlive the call (static buffers)
 
         def round_() -> None:
             seeds = torch.randint(0, 2**62, (K + 1,), device=dev)

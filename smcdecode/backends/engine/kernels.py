@@ -270,7 +270,10 @@ def _sample_split_kernel(LOGITS, SEED, stride_r, inv_temp, PART, V: tl.constexpr
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         acc = acc * tl.exp(m - m_safe) + tl.exp(x - m_safe)
         m = m_new
-        u = tl.rand(seed, r * V + c)
+        # U in (0, 1) strictly, on a 2^-23 grid (tl.rand can round up to exactly 1.0, which would
+        # give E = 0 and an infinite key whatever the logit)
+        bits = tl.randint(seed, r * V + c).to(tl.uint32, bitcast=True) >> 9
+        u = bits.to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
         key = x - tl.log(-tl.log(u))  # Gumbel-max = exponential race: x − log E, E = −log U
         better = key > best_key
         best_key = tl.where(better, key, best_key)

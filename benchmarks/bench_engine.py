@@ -135,6 +135,9 @@ def hf_generate(prompts: torch.Tensor, out_len: int, repeats: int) -> dict:
         times = cuda_time(lambda: hf.generate(ids, **kw), repeats)  # noqa: F821 (deleted below)
     mem = torch.cuda.max_memory_allocated()
     del hf
+    import gc
+
+    gc.collect()  # the compiled generate keeps references until collected
     torch.cuda.empty_cache()
     t = statistics.median(times)
     return {"system": "HF generate (static cache, compiled)", "requests": 1, "tok_s_per_request": out_len / t,
@@ -256,147 +259,149 @@ def main() -> None:
             print(res["errors"][-1], flush=True)
         save()
 
-    target = Llama.random(PRESETS["llama-3.1-8b"], device="cuda", seed=1)
-    draft = Llama.random(PRESETS["llama-3.2-1b"], device="cuda", seed=2)
-    tb, db = weight_bytes(target), weight_bytes(draft)
-    res["weight_bytes"] = {"target": tb, "draft": db}
-    max_ctx = args.prompt_len + args.out_len + 16
-    num_pages = 8 * 12 * (-(-(args.out_len + 16) // 16) + 1) + 8 * (-(-args.prompt_len // 16)) + 64
-    engine = Engine(target, draft, num_pages=num_pages, page_size=16, max_context=max_ctx)
-    page_bytes = engine.kv_t.bytes_per_page + engine.kv_d.bytes_per_page
-    res["kv"] = {"num_pages": num_pages, "bytes_per_page_target_plus_draft": page_bytes,
-                 "pool_gib": num_pages * page_bytes / 2**30}
-    print(f"weights: target {tb / 2**30:.2f} GiB, draft {db / 2**30:.2f} GiB; KV pool {num_pages} pages", flush=True)
-    requests = [int(g) for g in args.requests.split(",")]
-    P = [p.tolist() for p in prompts]
+    need_engine = not (args.skip_ar and args.skip_smc and not args.sd_blocks and args.skip_profile)
+    if need_engine:  # the random-weight 8B/1B runs (skipped when only the real model runs)
+        target = Llama.random(PRESETS["llama-3.1-8b"], device="cuda", seed=1)
+        draft = Llama.random(PRESETS["llama-3.2-1b"], device="cuda", seed=2)
+        tb, db = weight_bytes(target), weight_bytes(draft)
+        res["weight_bytes"] = {"target": tb, "draft": db}
+        max_ctx = args.prompt_len + args.out_len + 16
+        num_pages = 8 * 12 * (-(-(args.out_len + 16) // 16) + 1) + 8 * (-(-args.prompt_len // 16)) + 64
+        engine = Engine(target, draft, num_pages=num_pages, page_size=16, max_context=max_ctx)
+        page_bytes = engine.kv_t.bytes_per_page + engine.kv_d.bytes_per_page
+        res["kv"] = {"num_pages": num_pages, "bytes_per_page_target_plus_draft": page_bytes,
+                     "pool_gib": num_pages * page_bytes / 2**30}
+        print(f"weights: target {tb / 2**30:.2f} GiB, draft {db / 2**30:.2f} GiB; KV pool {num_pages} pages", flush=True)
+        requests = [int(g) for g in args.requests.split(",")]
+        P = [p.tolist() for p in prompts]
 
-    # --- our autoregressive decoding
-    for G in ([] if args.skip_ar else requests):
+        # --- our autoregressive decoding
+        for G in ([] if args.skip_ar else requests):
+            try:
+                engine.autoregressive(P[:G], max_new_tokens=8)  # compile kernels, warm up
+                torch.cuda.reset_peak_memory_stats()
+                times = cuda_time(lambda: engine.autoregressive(P[:G], max_new_tokens=args.out_len), args.repeats)
+                t = statistics.median(times)
+                floor = gemm_graph_time(target, [G]) * args.out_len
+                r = {"system": "engine AR", "requests": G, "tok_s_per_request": args.out_len / t,
+                     "tok_s_total": G * args.out_len / t, "seconds": times, "gemm_floor_s": floor,
+                     "gemm_floor_tok_s_total": G * args.out_len / floor, "frac_of_gemm_floor": floor / t,
+                     "roofline_tok_s_per_request": bw / tb, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+                res["runs"].append(r)
+                print({k: v for k, v in r.items() if k != "seconds"}, flush=True)
+            except Exception:
+                res["errors"].append(f"ar G={G}: " + traceback.format_exc()[-2000:])
+                print(res["errors"][-1], flush=True)
+            save()
+
+        # --- SMC-SD
+        for G in ([] if args.skip_smc else requests):
+            for nk in args.configs.split(","):
+                N, K = (int(x) for x in nk.split("x"))
+                try:
+                    kw = dict(particles=N, block_size=K)
+                    t0 = time.perf_counter()
+                    engine.smc_sd(P[:G], max_new_tokens=3 * (K + 1), **kw)  # compile kernels, capture the graph
+                    torch.cuda.synchronize()
+                    capture_call = time.perf_counter() - t0
+                    torch.cuda.reset_peak_memory_stats()
+                    outs = []
+                    times = cuda_time(lambda: outs.append(engine.smc_sd(P[:G], max_new_tokens=args.out_len, **kw)),
+                                      args.repeats)
+                    t = statistics.median(times)
+                    o = outs[-1]
+                    rounds = o.rounds
+                    B = G * N
+                    round_floor = gemm_graph_time(draft, [2 * B] + [B] * (K - 1)) + gemm_graph_time(target, [B * (K + 1)])
+                    floor = round_floor * rounds
+                    roofline_round = (K * db + tb) / bw
+                    ess = torch.tensor([e.mean() for e in o.ess])
+                    r = {"system": f"engine SMC-SD N={N} K={K}", "N": N, "K": K, "requests": G,
+                         "tok_s_per_request": args.out_len / t, "tok_s_total": G * args.out_len / t,
+                         "seconds": times, "rounds": rounds, "ms_per_round": 1e3 * t / rounds,
+                         "gemm_floor_ms_per_round": 1e3 * round_floor, "gemm_floor_tok_s_total": G * args.out_len / floor,
+                         "frac_of_gemm_floor": floor / t,
+                         "roofline_tok_s_per_request": (K + 1) / roofline_round,
+                         "mean_ess": float(ess.mean()), "resample_rate": float(sum(x.mean() for x in o.resampled) / rounds),
+                         "peak_kv_pages": o.peak_pages, "peak_kv_gib": o.peak_pages * page_bytes / 2**30,
+                         "host_ms_per_round": 1e3 * o.host_s / rounds, "first_call_s": capture_call,
+                         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+                    res["runs"].append(r)
+                    print({k: v for k, v in r.items() if k != "seconds"}, flush=True)
+                except Exception:
+                    res["errors"].append(f"smc {nk} G={G}: " + traceback.format_exc()[-2000:])
+                    print(res["errors"][-1], flush=True)
+                engine.clear_graphs()
+                save()
+
+        # --- exact speculative decoding (random weights: acceptance ~0, so also the tok/s a measured
+        # round time gives at acceptance rates α: E[tokens a round] = (1 − α^(K+1)) / (1 − α))
+        for G in requests:
+            for K in (int(k) for k in args.sd_blocks.split(",") if k):
+                try:
+                    t0 = time.perf_counter()
+                    engine.speculative(P[:G], block_size=K, max_new_tokens=2 * (K + 1))
+                    torch.cuda.synchronize()
+                    capture_call = time.perf_counter() - t0
+                    torch.cuda.reset_peak_memory_stats()
+                    outs = []
+                    L = args.sd_out_len
+                    times = cuda_time(lambda: outs.append(engine.speculative(P[:G], block_size=K, max_new_tokens=L)),
+                                      args.repeats)
+                    t = statistics.median(times)
+                    o = outs[-1]
+                    B = G
+                    round_floor = gemm_graph_time(draft, [2 * B] + [B] * (K - 1)) + gemm_graph_time(target, [B * (K + 1)])
+                    ms_round = 1e3 * t / o.rounds
+                    r = {"system": f"engine exact SD K={K}", "K": K, "requests": G, "out_len": L,
+                         "tok_s_per_request": L / t, "tok_s_total": G * L / t, "seconds": times, "rounds": o.rounds,
+                         "ms_per_round": ms_round, "gemm_floor_ms_per_round": 1e3 * round_floor,
+                         "frac_of_gemm_floor": 1e-3 * round_floor * o.rounds / t,
+                         "gemm_floor_tok_s_total": G * L / (round_floor * o.rounds),
+                         "acceptance": accepted_per_round(o),
+                         "tok_s_per_request_at_alpha": {a: (1 - a ** (K + 1)) / (1 - a) / (ms_round / 1e3)
+                                                        for a in (0.6, 0.8, 0.9)},
+                         "first_call_s": capture_call, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+                    res["runs"].append(r)
+                    print({k: v for k, v in r.items() if k != "seconds"}, flush=True)
+                except Exception:
+                    res["errors"].append(f"sd K={K} G={G}: " + traceback.format_exc()[-2000:])
+                    print(res["errors"][-1], flush=True)
+                engine.clear_graphs()
+                save()
+
+        # memory per extra particle: KV pages used at N=12 vs N=8 (K=8, one request)
+        by = {(r.get("N"), r.get("K"), r["requests"]): r for r in res["runs"] if "N" in r}
+        if (8, 8, 1) in by and (12, 8, 1) in by:
+            d = by[(12, 8, 1)]["peak_kv_pages"] - by[(8, 8, 1)]["peak_kv_pages"]
+            res["kv_bytes_per_extra_particle"] = d * page_bytes / 4
+            res["kv_bytes_per_token_per_particle"] = page_bytes / 16
+            save()
+
+        # --- profile: where a round's time goes (eager, so kernels are attributed; and graph replay)
         try:
-            engine.autoregressive(P[:G], max_new_tokens=8)  # compile kernels, warm up
-            torch.cuda.reset_peak_memory_stats()
-            times = cuda_time(lambda: engine.autoregressive(P[:G], max_new_tokens=args.out_len), args.repeats)
-            t = statistics.median(times)
-            floor = gemm_graph_time(target, [G]) * args.out_len
-            r = {"system": "engine AR", "requests": G, "tok_s_per_request": args.out_len / t,
-                 "tok_s_total": G * args.out_len / t, "seconds": times, "gemm_floor_s": floor,
-                 "gemm_floor_tok_s_total": G * args.out_len / floor, "frac_of_gemm_floor": floor / t,
-                 "roofline_tok_s_per_request": bw / tb, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
-            res["runs"].append(r)
-            print({k: v for k, v in r.items() if k != "seconds"}, flush=True)
+            if args.skip_profile:
+                raise RuntimeError("profile skipped (--skip-profile)")
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                engine.smc_sd(P[:1], particles=8, block_size=8, max_new_tokens=4 * 9, use_graphs=False)
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof2:
+                engine.smc_sd(P[:1], particles=8, block_size=8, max_new_tokens=20 * 9)
+                torch.cuda.synchronize()
+            table2 = prof2.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+            (out_dir / "profile.txt").write_text("EAGER (4 rounds, N=8 K=8, 1 request)\n" + table
+                                                 + "\n\nGRAPHS (20 rounds + capture)\n" + table2)
+            res["profile_top_eager"] = [(e.key, e.device_time_total / 1e3) for e in sorted(
+                prof.key_averages(), key=lambda e: -e.device_time_total)[:15]]
+            res["profile_top_graph"] = [(e.key, e.device_time_total / 1e3) for e in sorted(
+                prof2.key_averages(), key=lambda e: -e.device_time_total)[:15]]
         except Exception:
-            res["errors"].append(f"ar G={G}: " + traceback.format_exc()[-2000:])
-            print(res["errors"][-1], flush=True)
+            res["errors"].append("profile: " + traceback.format_exc()[-2000:])
         save()
-
-    # --- SMC-SD
-    for G in ([] if args.skip_smc else requests):
-        for nk in args.configs.split(","):
-            N, K = (int(x) for x in nk.split("x"))
-            try:
-                kw = dict(particles=N, block_size=K)
-                t0 = time.perf_counter()
-                engine.smc_sd(P[:G], max_new_tokens=3 * (K + 1), **kw)  # compile kernels, capture the graph
-                torch.cuda.synchronize()
-                capture_call = time.perf_counter() - t0
-                torch.cuda.reset_peak_memory_stats()
-                outs = []
-                times = cuda_time(lambda: outs.append(engine.smc_sd(P[:G], max_new_tokens=args.out_len, **kw)),
-                                  args.repeats)
-                t = statistics.median(times)
-                o = outs[-1]
-                rounds = o.rounds
-                B = G * N
-                round_floor = gemm_graph_time(draft, [2 * B] + [B] * (K - 1)) + gemm_graph_time(target, [B * (K + 1)])
-                floor = round_floor * rounds
-                roofline_round = (K * db + tb) / bw
-                ess = torch.tensor([e.mean() for e in o.ess])
-                r = {"system": f"engine SMC-SD N={N} K={K}", "N": N, "K": K, "requests": G,
-                     "tok_s_per_request": args.out_len / t, "tok_s_total": G * args.out_len / t,
-                     "seconds": times, "rounds": rounds, "ms_per_round": 1e3 * t / rounds,
-                     "gemm_floor_ms_per_round": 1e3 * round_floor, "gemm_floor_tok_s_total": G * args.out_len / floor,
-                     "frac_of_gemm_floor": floor / t,
-                     "roofline_tok_s_per_request": (K + 1) / roofline_round,
-                     "mean_ess": float(ess.mean()), "resample_rate": float(sum(x.mean() for x in o.resampled) / rounds),
-                     "peak_kv_pages": o.peak_pages, "peak_kv_gib": o.peak_pages * page_bytes / 2**30,
-                     "host_ms_per_round": 1e3 * o.host_s / rounds, "first_call_s": capture_call,
-                     "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
-                res["runs"].append(r)
-                print({k: v for k, v in r.items() if k != "seconds"}, flush=True)
-            except Exception:
-                res["errors"].append(f"smc {nk} G={G}: " + traceback.format_exc()[-2000:])
-                print(res["errors"][-1], flush=True)
-            engine.clear_graphs()
-            save()
-
-    # --- exact speculative decoding (random weights: acceptance ~0, so also the tok/s a measured
-    # round time gives at acceptance rates α: E[tokens a round] = (1 − α^(K+1)) / (1 − α))
-    for G in requests:
-        for K in (int(k) for k in args.sd_blocks.split(",") if k):
-            try:
-                t0 = time.perf_counter()
-                engine.speculative(P[:G], block_size=K, max_new_tokens=2 * (K + 1))
-                torch.cuda.synchronize()
-                capture_call = time.perf_counter() - t0
-                torch.cuda.reset_peak_memory_stats()
-                outs = []
-                L = args.sd_out_len
-                times = cuda_time(lambda: outs.append(engine.speculative(P[:G], block_size=K, max_new_tokens=L)),
-                                  args.repeats)
-                t = statistics.median(times)
-                o = outs[-1]
-                B = G
-                round_floor = gemm_graph_time(draft, [2 * B] + [B] * (K - 1)) + gemm_graph_time(target, [B * (K + 1)])
-                ms_round = 1e3 * t / o.rounds
-                r = {"system": f"engine exact SD K={K}", "K": K, "requests": G, "out_len": L,
-                     "tok_s_per_request": L / t, "tok_s_total": G * L / t, "seconds": times, "rounds": o.rounds,
-                     "ms_per_round": ms_round, "gemm_floor_ms_per_round": 1e3 * round_floor,
-                     "frac_of_gemm_floor": 1e-3 * round_floor * o.rounds / t,
-                     "gemm_floor_tok_s_total": G * L / (round_floor * o.rounds),
-                     "acceptance": accepted_per_round(o),
-                     "tok_s_per_request_at_alpha": {a: (1 - a ** (K + 1)) / (1 - a) / (ms_round / 1e3)
-                                                    for a in (0.6, 0.8, 0.9)},
-                     "first_call_s": capture_call, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
-                res["runs"].append(r)
-                print({k: v for k, v in r.items() if k != "seconds"}, flush=True)
-            except Exception:
-                res["errors"].append(f"sd K={K} G={G}: " + traceback.format_exc()[-2000:])
-                print(res["errors"][-1], flush=True)
-            engine.clear_graphs()
-            save()
-
-    # memory per extra particle: KV pages used at N=12 vs N=8 (K=8, one request)
-    by = {(r.get("N"), r.get("K"), r["requests"]): r for r in res["runs"] if "N" in r}
-    if (8, 8, 1) in by and (12, 8, 1) in by:
-        d = by[(12, 8, 1)]["peak_kv_pages"] - by[(8, 8, 1)]["peak_kv_pages"]
-        res["kv_bytes_per_extra_particle"] = d * page_bytes / 4
-        res["kv_bytes_per_token_per_particle"] = page_bytes / 16
-        save()
-
-    # --- profile: where a round's time goes (eager, so kernels are attributed; and graph replay)
-    try:
-        if args.skip_profile:
-            raise RuntimeError("profile skipped (--skip-profile)")
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            engine.smc_sd(P[:1], particles=8, block_size=8, max_new_tokens=4 * 9, use_graphs=False)
-            torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof2:
-            engine.smc_sd(P[:1], particles=8, block_size=8, max_new_tokens=20 * 9)
-            torch.cuda.synchronize()
-        table2 = prof2.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-        (out_dir / "profile.txt").write_text("EAGER (4 rounds, N=8 K=8, 1 request)\n" + table
-                                             + "\n\nGRAPHS (20 rounds + capture)\n" + table2)
-        res["profile_top_eager"] = [(e.key, e.device_time_total / 1e3) for e in sorted(
-            prof.key_averages(), key=lambda e: -e.device_time_total)[:15]]
-        res["profile_top_graph"] = [(e.key, e.device_time_total / 1e3) for e in sorted(
-            prof2.key_averages(), key=lambda e: -e.device_time_total)[:15]]
-    except Exception:
-        res["errors"].append("profile: " + traceback.format_exc()[-2000:])
-    save()
-    engine = target = draft = None  # free the 8B/1B before the real-model runs
+        engine = target = draft = None  # free the 8B/1B before the real-model runs
     torch.cuda.empty_cache()
     if args.smollm2_gguf:
         try:
@@ -419,7 +424,9 @@ def write_markdown(res: dict, path: Path) -> None:
         f"Measured {res['date']} on **{res['device']}** ({res['sms']} SMs), torch {res['torch']}, by "
         f"`benchmarks/bench_engine.py`. Target {s['target']}, draft {s['draft']}, {s['dtype']}, random weights, "
         f"prompt {s['prompt_len']} tokens, output {s['out_len']} tokens (EOS ignored), KV page {s['page_size']} tokens. "
-        f"Median of {res['repeats']} runs, each end to end (prefill, CUDA-graph capture and decoding).",
+        f"Median of {res['repeats']} runs, each end to end (prefill and decoding). The engine captures a round's "
+        f"CUDA graph once per shape, in a first, short call ('first call s': capture and any Triton compilation "
+        f"included), and later calls replay it; for HF generate 'first call s' is its compiling first call.",
         f"Copy bandwidth measured in the same run: {res['copy_bandwidth_TBps']:.2f} TB/s (read + write).", "",
         "| system | requests | tok/s per request | tok/s total | GEMM floor tok/s total | of GEMM floor | "
         "weight-BW roofline tok/s per request | ms/round | host ms/round | first call s | mean ESS | resample rate | "

@@ -167,7 +167,7 @@ def smollm2_runs(args) -> list[dict]:
     for item in data:
         text = item["conversations"][0]["value"]
         ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         if 16 <= len(ids) <= 256:
             prompts.append(ids)
         if len(prompts) == 8:

@@ -50,7 +50,10 @@ from .models import HFModel
 class DistillConfig:
     """The recipe. ``steps`` optimiser steps of ``batch_size`` sequences; with ``time_budget_s``
     training also stops when that much time has passed, and the learning-rate schedule runs on
-    progress = max(step / steps, elapsed / time_budget_s)."""
+    progress = max(step / steps, elapsed / time_budget_s). With ``eval_every`` > 0,
+    ``validation_prompts`` training prompts are set aside (one target sample each), the validation
+    KL is measured every ``eval_every`` steps, and the draft with the lowest one is kept: a small
+    corpus is memorised quickly (train KL falls while held-out KL rises)."""
 
     layers: int = 4
     init_layers: list[int] | None = None
@@ -70,10 +73,12 @@ class DistillConfig:
     checkpoint_every: int = 200
     generation_batch_size: int = 256
     weights: str = "int8"
+    eval_every: int = 0
+    validation_prompts: int = 64
 
     def check(self) -> None:
         for name in ("layers", "samples_per_prompt", "max_prompt_tokens", "max_new_tokens", "steps", "batch_size",
-                     "checkpoint_every", "generation_batch_size"):
+                     "checkpoint_every", "generation_batch_size", "validation_prompts"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise SMCDecodeError(f"{name} must be a positive integer, got {v!r}")
@@ -83,6 +88,8 @@ class DistillConfig:
             raise SMCDecodeError(f"lr must be a finite number > 0, got {self.lr!r}")
         if self.holdout < 0:
             raise SMCDecodeError(f"holdout must be >= 0, got {self.holdout!r}")
+        if self.eval_every < 0:
+            raise SMCDecodeError(f"eval_every must be >= 0 (0: no validation), got {self.eval_every!r}")
         if self.time_budget_s is not None and not self.time_budget_s > 0:
             raise SMCDecodeError(f"time_budget_s must be > 0 seconds, got {self.time_budget_s!r}")
 
@@ -327,12 +334,15 @@ def train_draft(
     config: DistillConfig,
     *,
     checkpoint: str | Path | None = None,
+    validation: Sequence[tuple[list[int], list[int]]] = (),
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Minimise KL(p_T || q_T) over ``corpus`` by AdamW on the draft's own parameters (the target
     is frozen). With ``checkpoint``, state is saved there every ``checkpoint_every`` steps and at the
-    end, and a compatible checkpoint found there is resumed. Returns {"steps", "seconds", "history"}."""
+    end, and a compatible checkpoint found there is resumed. With ``validation`` sequences and
+    ``config.eval_every``, the draft with the lowest validation KL is the one left at the end.
+    Returns {"steps", "seconds", "history", "best"}."""
     config.check()
     if not corpus:
         raise SMCDecodeError("the training corpus is empty")
@@ -344,6 +354,8 @@ def train_draft(
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
     step, elapsed, history = 0, 0.0, []
+    best: dict = {"kl": math.inf, "step": None, "state": None}
+    validate = bool(config.eval_every and validation)
     ckpt = Path(checkpoint) if checkpoint is not None else None
     if ckpt is not None and ckpt.exists():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
@@ -358,6 +370,7 @@ def train_draft(
         load_own_state(draft, state["draft"])
         opt.load_state_dict(state["optimizer"])
         step, elapsed, history = state["step"], state["elapsed"], state["history"]
+        best = state.get("best") or best
         log(f"resuming from {ckpt} at step {step} ({elapsed:.0f} s trained)")
 
     def progress_of(step: int, elapsed: float) -> float:
@@ -372,8 +385,20 @@ def train_draft(
         tmp = ckpt.with_suffix(".tmp")
         torch.save({"step": step, "elapsed": elapsed, "history": history, "config": dataclasses.asdict(config),
                     "draft": {k: v.detach().cpu() for k, v in own_state(draft).items()},
-                    "optimizer": opt.state_dict()}, tmp)
+                    "optimizer": opt.state_dict(), "best": best}, tmp)
         tmp.replace(ckpt)
+
+    def check_validation() -> None:
+        draft.hf.eval()
+        fig = evaluate_draft(target, draft, validation, temperature=config.temperatures[0])
+        draft.hf.train()
+        history.append({"step": step, "seconds": round(elapsed, 1), "validation_kl": fig["kl"],
+                        "validation_acceptance": fig["acceptance"]})
+        if fig["kl"] < best["kl"]:
+            best.update(kl=fig["kl"], step=step,
+                        state={k: v.detach().cpu().clone() for k, v in own_state(draft).items()})
+        log(f"step {step}: validation KL {fig['kl']:.4f}, acceptance {fig['acceptance']:.3f} "
+            f"(best KL {best['kl']:.4f} at step {best['step']})")
 
     use_bf16 = device.type == "cuda"
     nb = len(_epoch_batches(corpus, config.batch_size, config.seed, 0))
@@ -412,6 +437,8 @@ def train_draft(
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(kl=f"{float(loss.detach()):.3f}")
+            if validate and (step % config.eval_every == 0 or progress_of(step, elapsed) >= 1.0):
+                check_validation()
             if step % config.checkpoint_every == 0:
                 save()
     finally:
@@ -419,9 +446,13 @@ def train_draft(
             bar.close()
         draft.hf.eval()
     save()
+    if validate and best["state"] is not None and best["step"] != step:
+        load_own_state(draft, best["state"])
+        log(f"keeping the draft of step {best['step']} (lowest validation KL {best['kl']:.4f})")
     for p in params:
         p.requires_grad_(False)
-    return {"steps": step, "seconds": round(elapsed, 1), "history": history}
+    return {"steps": step, "seconds": round(elapsed, 1), "history": history,
+            "best": {"step": best["step"], "validation_kl": best["kl"]} if validate else None}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -468,8 +499,11 @@ def distill(
     else:
         usable = chat_prompts(target, prompts, config.max_prompt_tokens)
         train_p, held_p = split_prompts(usable, config.holdout, config.seed)
+        val_p: list = []
+        if config.eval_every:  # validation prompts come out of the training prompts, not the held-out ones
+            train_p, val_p = split_prompts(train_p, min(config.validation_prompts, len(train_p) - 1), config.seed + 1)
         log(f"{len(usable)} of {len(prompts)} prompts fit in {config.max_prompt_tokens} tokens: "
-            f"{len(train_p)} for training, {len(held_p)} held out")
+            f"{len(train_p)} for training, {len(val_p)} for validation, {len(held_p)} held out")
         t = time.perf_counter()
         temp = config.temperatures[0]
         train = generate_corpus(target, [ids for _, ids in train_p], samples=config.samples_per_prompt,
@@ -478,9 +512,12 @@ def distill(
         held = generate_corpus(target, [ids for _, ids in held_p], samples=1, max_new_tokens=config.max_new_tokens,
                                temperature=temp, batch_size=config.generation_batch_size, seed=config.seed + 1,
                                progress=progress) if held_p else []
+        val = generate_corpus(target, [ids for _, ids in val_p], samples=1, max_new_tokens=config.max_new_tokens,
+                              temperature=temp, batch_size=config.generation_batch_size, seed=config.seed + 2,
+                              progress=progress) if val_p else []
         gen_seconds = time.perf_counter() - t
         corpus = {"train": train, "heldout": held, "heldout_prompts": [text for text, _ in held_p],
-                  "generation_seconds": gen_seconds}
+                  "validation": val, "generation_seconds": gen_seconds}
         torch.save(corpus, corpus_file)
         n_tok = sum(len(r) for _, r in train)
         log(f"generated {len(train)} training sequences ({n_tok} response tokens) in {gen_seconds:.0f} s")
@@ -496,7 +533,10 @@ def distill(
         log(f"warm start from {init_draft} ({warm.get('training', {}).get('steps')} steps)")
     else:
         draft = build_draft(target, config.layers, config.init_layers)
-    trained = train_draft(target, draft, corpus["train"], config, checkpoint=ckpt, progress=progress, log=log)
+    if config.eval_every and not corpus.get("validation"):
+        log("no validation sequences in the corpus (made without --eval-every): training without model selection")
+    trained = train_draft(target, draft, corpus["train"], config, checkpoint=ckpt,
+                          validation=corpus.get("validation", []), progress=progress, log=log)
     recipe = {
         "config": dataclasses.asdict(config),
         "train_sequences": len(corpus["train"]),
@@ -506,7 +546,8 @@ def distill(
         "generation_seconds": round(float(corpus.get("generation_seconds", gen_seconds)), 1),
         "device": str(target.device) + (f" ({torch.cuda.get_device_name(target.device)})"
                                         if target.device.type == "cuda" else ""),
-        "final_train_kl": trained["history"][-1]["kl"] if trained["history"] else None,
+        "final_train_kl": next((h["kl"] for h in reversed(trained["history"]) if "kl" in h), None),
+        "kept": trained["best"],
     }
     if warm is not None:
         recipe["warm_start"] = {"from": str(init_draft), "training": warm.get("training"), "eval": warm.get("eval")}
@@ -566,6 +607,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--generation-batch-size", type=int, default=d.generation_batch_size, help="sequences per generate() call")
     p.add_argument("--weights", choices=["int8", "bfloat16", "float32"], default=d.weights,
                    help="storage of the saved layers (int8: per-row scales, half the size of bfloat16)")
+    p.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="measure the KL on validation prompts every N steps and keep the best draft (0: off)")
+    p.add_argument("--validation-prompts", type=int, default=d.validation_prompts,
+                   help="training prompts set aside for --eval-every")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for the split, the samples and the batches")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--fresh", action="store_true", help="ignore an existing corpus and checkpoint in --out")
@@ -591,6 +636,7 @@ def main(argv: list[str] | None = None) -> int:
             time_budget_s=args.time_budget, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
             seed=args.seed, checkpoint_every=args.checkpoint_every,
             generation_batch_size=args.generation_batch_size, weights=args.weights,
+            eval_every=args.eval_every, validation_prompts=args.validation_prompts,
         )
         config.check()
         prompts = load_prompts(args.prompts)

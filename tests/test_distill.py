@@ -224,3 +224,21 @@ def test_distill_on_cuda(tmp_path):
     assert draft.device.type == "cuda"
     result = SMC(LM(target, 0.7), Draft(draft, 0.7), particles=4, block_size=3).run("w1 w2", 9, seed=0, progress=False)
     assert isinstance(result.text, str)
+
+
+def test_validation_keeps_the_draft_with_the_lowest_validation_kl(tmp_path):
+    target = tiny_target(tokenizer=True)
+    prompts = [" ".join(f"w{(3 * i + j) % 46}" for j in range(2 + i % 4)) for i in range(30)]
+    config = DistillConfig(layers=1, samples_per_prompt=1, max_new_tokens=8, holdout=4, steps=30, batch_size=4,
+                           lr=5e-2, warmup_steps=1, eval_every=5, validation_prompts=5, weights="float32")
+    logs: list[str] = []
+    report = distill(target, prompts, tmp_path, config, progress=False, log=logs.append)
+    checks = [h for h in report["history"] if "validation_kl" in h]
+    assert [h["step"] for h in checks] == [5, 10, 15, 20, 25, 30]
+    kept = report["training"]["kept"]
+    best = min(checks, key=lambda h: h["validation_kl"])
+    assert kept == {"step": best["step"], "validation_kl": best["validation_kl"]}
+    corpus = torch.load(tmp_path / "corpus.pt", weights_only=True)
+    assert len(corpus["validation"]) == 5 and len(corpus["train"]) == 30 - 4 - 5
+    again = evaluate_draft(target, load_draft(target, tmp_path), corpus["validation"])
+    assert again["kl"] == pytest.approx(best["validation_kl"], rel=1e-4)

@@ -126,6 +126,13 @@ def _done(results_dir: Path) -> set[tuple[int, str]]:
     return done
 
 
+def _distinct2(text: str) -> float:
+    """Distinct word bigrams / bigrams of a text (1: no repetition; degenerate loops score low)."""
+    words = text.split()
+    pairs = list(zip(words, words[1:]))
+    return len(set(pairs)) / len(pairs) if pairs else 1.0
+
+
 def _mean_ci(xs: list[float]) -> tuple[float, float]:
     n = len(xs)
     m = sum(xs) / n
@@ -164,6 +171,7 @@ def aggregate(results_dir: Path, particles: int) -> dict:
                 d, dci = _mean_ci(diffs)
                 base = abs(sum(recs[(p, "target")][key] for p in complete) / len(complete))
                 entry[key].update(diff_vs_target=d, diff_ci95=dci, rel_diff_pct=100 * d / base)
+        entry["distinct2"] = sum(_distinct2(r["text"]) for r in rows) / len(rows)
         entry["mean_tokens"] = sum(r["tokens"] for r in rows) / len(rows)
         entry["finished_frac"] = sum(r["finished"] for r in rows) / len(rows)
         entry["mean_seconds"] = sum(r["seconds"] for r in rows) / len(rows)
@@ -185,8 +193,8 @@ def aggregate(results_dir: Path, particles: int) -> dict:
 def markdown(report: dict) -> str:
     lines = [
         "| method | prompts | mean log p (T=1) ± 95% CI | Δ vs target [95% CI] | rel. Δ | mean log p_T (T=0.7) | "
-        "Δ vs target [95% CI] | mean ESS / round | rounds ESS ≥ N/2 | resample rate | SD acceptance |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "Δ vs target [95% CI] | distinct-2 | mean ESS / round | rounds ESS ≥ N/2 | resample rate | SD acceptance |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m, e in report["methods"].items():
         a, b = e["ll_t1"], e["ll_t"]
@@ -203,7 +211,8 @@ def markdown(report: dict) -> str:
         rr = f"{e['resample_rate']:.2f}" if "resample_rate" in e else "—"
         acc = f"{e['acceptance_rate']:.3f}" if "acceptance_rate" in e else "—"
         lines.append(f"| {m} | {e['prompts']} | {a['mean']:.3f} ± {a['ci95']:.3f} | {delta(a)} | {rel} | "
-                     f"{b['mean']:.3f} ± {b['ci95']:.3f} | {delta(b)} | {ess} | {half} | {rr} | {acc} |")
+                     f"{b['mean']:.3f} ± {b['ci95']:.3f} | {delta(b)} | {e.get('distinct2', math.nan):.2f} | {ess} | "
+                     f"{half} | {rr} | {acc} |")
     return "\n".join(lines)
 
 
@@ -227,6 +236,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=None, metavar="SECONDS", help="start no new prompt after this")
     p.add_argument("--results-dir", default="fidelity-results")
     p.add_argument("--out", default="fidelity.json")
+    p.add_argument("--aggregate-only", action="store_true", help="only pool the runs already in --results-dir")
     args = p.parse_args(argv)
 
     start = time.time()
@@ -237,6 +247,13 @@ def main(argv=None) -> int:
 
     from smcdecode import load_model
 
+    if args.aggregate_only:
+        report = aggregate(results, args.particles)
+        old = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+        report.update({k: old[k] for k in ("date", "device", "seconds", "settings") if k in old})
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(markdown(report))
+        return 0
     target = load_model(args.target, device="cpu")  # tokenizer only, for the held-out split
     prompts = heldout_prompts(args, target)
     del target

@@ -5,6 +5,7 @@ draft LM or the target itself; SMC-SD reweights and resamples particles. See doc
 """
 
 from .api import SMC, Autoregressive, SpeculativeDecoding
+from .drafts import load_default_draft, load_draft
 from .errors import RewardError, SMCDecodeError
 from .models import FunctionModel, HFModel, Model, load_model, truncated_draft
 from .potentials import LM, Potential, Product, Regex, Reward, TokenConstraint
@@ -30,6 +31,8 @@ __all__ = [
     "SMCDecodeError",
     "SpeculativeDecoding",
     "TokenConstraint",
+    "load_default_draft",
+    "load_draft",
     "load_model",
     "truncated_draft",
 ]

@@ -19,6 +19,8 @@ def _parser() -> argparse.ArgumentParser:
         "constrained and reward-weighted generation.",
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("distill", add_help=False,
+                   help="distil a small draft from a target model (smcdecode distill --help)")
     g = sub.add_parser(
         "generate",
         help="generate text with SMC-SD, exact speculative decoding or autoregressive sampling",
@@ -175,6 +177,11 @@ def _as_json(r) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["distill"]:
+        from .distill import main as distill_main
+
+        return distill_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -254,6 +254,11 @@ def _load_gguf(
             except OSError:
                 pass  # a read-only home: loading still works, just slower next time
     hf = hf.to(dtype)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else None
+    if im_end is not None and tok.eos_token_id != im_end and "<|im_end|>" in str(tok.chat_template or ""):
+        # NOTE: some transformers versions read a chat GGUF's EOS as <|im_start|>; a ChatML model's
+        # turns end with <|im_end|>, which is the EOS generation must stop at.
+        tok.eos_token = "<|im_end|>"
     return HFModel(hf.to(device), tok, name=name or path.stem)
 
 

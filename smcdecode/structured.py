@@ -50,6 +50,7 @@ class StructuredResult:
     text: str | None
     result: Result
     constraint: JSONSchema
+    prompt_ids: list[int]  # the prompt as run (with the schema message when one was added)
 
     @property
     def ok(self) -> bool:
@@ -115,7 +116,8 @@ def generate_json(
         runner = SMC(target, proposal, particles=particles, block_size=block_size, ess_threshold=ess_threshold)
     else:
         runner = Autoregressive(target, samples=1)
-    result = runner.run(prompt, max_new_tokens=max_new_tokens, seed=seed, progress=progress)
+    ids = model.prompt_ids(prompt)
+    result = runner.run(ids, max_new_tokens=max_new_tokens, seed=seed, progress=progress)
     values: list[Any] = []
     for text, w in zip(result.texts, result.weights.tolist()):
         values.append(_parse_or_none(constraint, text) if w > 0 else None)
@@ -125,7 +127,7 @@ def generate_json(
             f"internal error: the sampled output does not validate against its schema: {result.text[:120]!r}"
         )
     value = None if result.sample_index is None else values[result.sample_index]
-    return StructuredResult(value, values, result.weights, result.text, result, constraint)
+    return StructuredResult(value, values, result.weights, result.text, result, constraint, ids)
 
 
 def _parse_or_none(constraint: JSONSchema, text: str):

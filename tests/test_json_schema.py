@@ -251,6 +251,7 @@ def test_generated_documents_are_accepted(data, schema):
     jsonschema.Draft202012Validator.check_schema(schema)
     value = data.draw(from_schema(schema))
     text = json.dumps(in_schema_order(value, schema), ensure_ascii=False, separators=(", ", ": "))
+    text = text.replace("\x7f", "\\u007f")  # the generated layout escapes DEL like other control characters
     assume(_encodable(text))
     model = char_model(text)
     c = JSONSchema(schema).bind(model)

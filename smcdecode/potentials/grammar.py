@@ -117,11 +117,7 @@ class MatcherBatch:
 
     def take(self) -> list:
         """The matchers, marking this batch spent (its states are about to change)."""
-        if self.spent:
-            raise SMCDecodeError(
-                "a grammar constraint state was used after it was advanced or forked: constraint states "
-                "are consumed by advance()/fork(); keep the returned state instead"
-            )
+        self.check()
         self.spent = True
         return self.matchers
 

@@ -15,6 +15,8 @@ unconstrained output.
 Generated documents list object properties in the order the schema declares them (any additional
 properties after), and use one fixed layout: ``whitespace="compact"`` gives ``{"a": 1, "b": [2, 3]}``
 (the layout of Python's ``json.dumps``); ``"flexible"`` lets the model choose any JSON whitespace.
+Strings hold other characters raw, except control characters (U+0000–U+001F and U+007F), which
+are escaped.
 """
 
 from __future__ import annotations

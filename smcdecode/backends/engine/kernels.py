@@ -262,8 +262,8 @@ def _sample_split_kernel(LOGITS, SEED, stride_r, inv_temp, PART, V: tl.constexpr
     best_key = tl.full([BLOCK], float("-inf"), tl.float32)
     best_idx = tl.zeros([BLOCK], tl.int32)
     best_x = tl.zeros([BLOCK], tl.float32)
-    for c0 in range(s * CHUNK, s * CHUNK + CHUNK, BLOCK):
-        c = c0 + tl.arange(0, BLOCK)
+    for c0 in range(0, CHUNK, BLOCK):
+        c = s * CHUNK + c0 + tl.arange(0, BLOCK)
         ok = c < V
         x = tl.load(LOGITS + r * stride_r + c, mask=ok, other=float("-inf")).to(tl.float32) * inv_temp
         m_new = tl.maximum(m, x)

@@ -206,9 +206,9 @@ def test_smollm2_arithmetic_expression_parses():
     parser = lark_parser()
     model = sd.load_model()
     target = sd.LM(model, temperature=0.7) * Grammar(ARITH)
-    result = sd.SMC(target, particles=4).run(
-        [{"role": "user", "content": "Write a sum of ones and twos, like 1+2."}],
-        max_new_tokens=12,
+    result = sd.SMC(target, particles=8).run(
+        [{"role": "user", "content": "What is one plus two? Write it as a sum like 1+2."}],
+        max_new_tokens=16,
         seed=0,
         progress=False,
     )

@@ -8,9 +8,10 @@ from .api import SMC, Autoregressive, SpeculativeDecoding
 from .drafts import load_default_draft, load_draft
 from .errors import RewardError, SMCDecodeError
 from .models import FunctionModel, HFModel, Model, load_model, truncated_draft
-from .potentials import LM, Potential, Product, Regex, Reward, TokenConstraint
+from .potentials import LM, Grammar, JSONSchema, LMReward, Potential, Product, Regex, Reward, TokenConstraint
 from .result import Result
 from .samplers.proposals import Draft
+from .structured import StructuredResult, generate_json
 
 __version__ = "0.1.0"
 
@@ -20,7 +21,10 @@ __all__ = [
     "Autoregressive",
     "Draft",
     "FunctionModel",
+    "Grammar",
     "HFModel",
+    "JSONSchema",
+    "LMReward",
     "Model",
     "Potential",
     "Product",
@@ -30,7 +34,9 @@ __all__ = [
     "RewardError",
     "SMCDecodeError",
     "SpeculativeDecoding",
+    "StructuredResult",
     "TokenConstraint",
+    "generate_json",
     "load_default_draft",
     "load_draft",
     "load_model",

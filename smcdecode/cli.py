@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 DEFAULT_CHAT = "What is the capital of France?"
 
@@ -49,6 +50,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--ess-threshold", type=float, default=0.5,
                    help="resample when ESS < τ·N; 0 never resamples, 1 resamples every round")
     g.add_argument("--regex", help="constrain the generated text to fully match this regular expression")
+    g.add_argument("--json-schema", help="constrain the output to a JSON Schema: a .json file or inline JSON")
+    g.add_argument("--grammar", help="constrain the output to a context-free grammar file (Lark or GBNF syntax)")
+    g.add_argument("--grammar-syntax", default="lark", choices=["lark", "gbnf"], help="syntax of --grammar")
+    g.add_argument("--reward-prompt",
+                   help="also weight by exp(beta * log p(output | this chat message)): prompt intersection")
+    g.add_argument("--reward-beta", type=float, default=1.0, help="beta of --reward-prompt")
     g.add_argument("--max-new-tokens", type=int, default=64, help="maximum generated tokens per sequence")
     g.add_argument("--seed", type=int, default=0, help="random seed (runs are reproducible)")
     g.add_argument("--device", default="cpu", help="torch device for the models, e.g. cpu or cuda")
@@ -118,10 +125,23 @@ def _generate(args) -> int:
     if args.prompt is not None and not args.prompt:
         raise UsageError("--prompt is empty: give some text")
     regex = sd.Regex(args.regex) if args.regex is not None else None
+    schema = grammar = None
+    if args.json_schema is not None:
+        path = Path(args.json_schema)
+        schema = sd.JSONSchema(path.read_text() if path.is_file() else args.json_schema)
+    if args.grammar is not None:
+        path = Path(args.grammar)
+        if not path.is_file():
+            raise UsageError(f"--grammar {args.grammar!r}: no such file (give a Lark or GBNF grammar file)")
+        grammar = sd.Grammar(path.read_text(), syntax=args.grammar_syntax)
     model = sd.load_model(args.model, device=args.device)
     target = sd.LM(model, temperature=args.temperature) ** args.alpha
-    if regex is not None:
-        target = target * regex
+    for constraint in (regex, schema, grammar):
+        if constraint is not None:
+            target = target * constraint
+    if args.reward_prompt is not None:
+        ids = model.prompt_ids([{"role": "user", "content": args.reward_prompt}])
+        target = target * sd.LMReward(model, ids, beta=args.reward_beta)
     if args.prompt is not None:
         prompt = args.prompt
     else:

@@ -42,3 +42,16 @@ def test_unknown_choice_is_argparse_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--resampler", "bogus"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--json-schema", "{not json"], "JSON"),
+        (["--grammar", "/nonexistent.lark"], "--grammar '/nonexistent.lark': no such file"),
+    ],
+)
+def test_bad_constraints_exit_2(argv, message, capsys):
+    code = main(["generate", "--no-progress", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and message in err, err

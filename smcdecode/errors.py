@@ -18,18 +18,19 @@ class RewardError(SMCDecodeError):
     """A user reward function raised or returned a non-finite value."""
 
 
-def check_positive_int(name: str, value: Any, fix: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+def _check_int(name: str, value: Any, minimum: int, kind: str, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         hint = f": {fix}" if fix else ""
-        raise SMCDecodeError(f"{name} must be a positive integer, got {value!r}{hint}")
+        raise SMCDecodeError(f"{name} must be a {kind} integer, got {value!r}{hint}")
     return value
+
+
+def check_positive_int(name: str, value: Any, fix: str = "") -> int:
+    return _check_int(name, value, 1, "positive", fix)
 
 
 def check_nonneg_int(name: str, value: Any, fix: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        hint = f": {fix}" if fix else ""
-        raise SMCDecodeError(f"{name} must be a non-negative integer, got {value!r}{hint}")
-    return value
+    return _check_int(name, value, 0, "non-negative", fix)
 
 
 def check_temperature(name: str, value: Any) -> float:

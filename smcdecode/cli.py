@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 class UsageError(Exception):
-    pass
+    """A bad command-line argument, reported in one line with exit status 2."""
 
 
 def _draft(spec: str, target_model, args):

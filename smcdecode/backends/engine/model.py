@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ...errors import SMCDecodeError
 from .attention import paged_attention
 
 
@@ -90,7 +91,10 @@ def rope_inv_freq(cfg: LlamaConfig) -> Tensor:
     if kind == "linear":
         return (inv_freq / s["factor"]).float()
     if kind != "llama3":
-        raise NotImplementedError(f"rope scaling {kind!r} is not supported by the engine yet (llama3, linear)")
+        raise SMCDecodeError(
+            f"rope scaling {kind!r} is not supported by the engine (it supports 'llama3' and 'linear'): "
+            "run this model on the reference backend"
+        )
     factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old = s["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq

@@ -75,6 +75,7 @@ class DistillConfig:
     weights: str = "int8"
     eval_every: int = 0
     validation_prompts: int = 64
+    generation_time_budget_s: float | None = None
 
     def check(self) -> None:
         for name in ("layers", "samples_per_prompt", "max_prompt_tokens", "max_new_tokens", "steps", "batch_size",
@@ -90,8 +91,10 @@ class DistillConfig:
             raise SMCDecodeError(f"holdout must be >= 0, got {self.holdout!r}")
         if self.eval_every < 0:
             raise SMCDecodeError(f"eval_every must be >= 0 (0: no validation), got {self.eval_every!r}")
-        if self.time_budget_s is not None and not self.time_budget_s > 0:
-            raise SMCDecodeError(f"time_budget_s must be > 0 seconds, got {self.time_budget_s!r}")
+        for name in ("time_budget_s", "generation_time_budget_s"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and v > 0):
+                raise SMCDecodeError(f"{name} must be > 0 seconds, got {v!r}")
 
     # fields that change what is trained; a checkpoint made with other values is not resumed
     # (steps and time_budget_s may change: run again with more steps to train longer)
@@ -106,7 +109,7 @@ class DistillConfig:
 def load_prompts(paths: Sequence[str | Path]) -> list[str]:
     """User prompts from JSON / JSONL files: plain strings, ShareGPT (``conversations``: first human
     turn), AlpacaEval (``instruction`` [+ ``input``]), Spec-Bench (``turns``), or ``prompt`` /
-    ``question`` / ``text`` fields. Duplicates and empty prompts are dropped; order is kept."""
+    ``question`` / ``problem`` / ``text`` fields. Duplicates and empty prompts are dropped; order is kept."""
     prompts: list[str] = []
     for path in paths:
         path = Path(path)
@@ -148,7 +151,7 @@ def _prompt_of(item) -> str | None:
         return item["instruction"] + (f"\n\n{extra}" if isinstance(extra, str) and extra.strip() else "")
     if isinstance(item.get("turns"), list) and item["turns"]:
         return item["turns"][0] if isinstance(item["turns"][0], str) else None
-    for key in ("prompt", "question", "text"):
+    for key in ("prompt", "question", "problem", "text"):
         if isinstance(item.get(key), str):
             return item[key]
     return None
@@ -189,17 +192,33 @@ def generate_corpus(
     batch_size: int = 256,
     seed: int = 0,
     progress: bool = True,
+    time_budget_s: float | None = None,
+    log: Callable[[str], None] = print,
 ) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, response ids) for ``samples`` target samples per prompt at ``temperature``
-    (plain ancestral sampling: no top-k / top-p), each response cut after its first EOS."""
+    (plain ancestral sampling: no top-k / top-p), each response cut after its first EOS.
+
+    Jobs run in a seeded random order (lengths sorted only within windows of 4 batches, to limit
+    padding), so with ``time_budget_s`` — no batch after the first starts after that many seconds — the
+    sequences that were generated are a random subset of the prompts, not the shortest ones.
+    On CUDA the KV cache is static (preallocated), which avoids regrowing it every step."""
     hf, eos = target.hf, target.eos_token_id
     device = target.device
     jobs = [list(p) for p in prompt_ids for _ in range(samples)]
-    order = sorted(range(len(jobs)), key=lambda i: len(jobs[i]))  # similar lengths share a batch
-    responses: list[list[int]] = [[] for _ in jobs]
+    rng = random.Random(seed)
+    order = list(range(len(jobs)))
+    rng.shuffle(order)
+    window = 4 * batch_size
+    order = [i for s in range(0, len(order), window) for i in sorted(order[s : s + window], key=lambda i: len(jobs[i]))]
+    responses: list[list[int] | None] = [None] * len(jobs)
     torch.manual_seed(seed)
+    extra = {"cache_implementation": "static"} if device.type == "cuda" else {}
     bar = _bar(progress, len(jobs), "generating", "seq")
+    t0 = time.perf_counter()
     for start in range(0, len(order), batch_size):
+        if start and time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
+            log(f"generation time budget ({time_budget_s:.0f} s) spent: {start} of {len(jobs)} sequences generated")
+            break
         rows = order[start : start + batch_size]
         width = max(len(jobs[i]) for i in rows)
         ids = torch.full((len(rows), width), eos, dtype=torch.long)
@@ -209,7 +228,7 @@ def generate_corpus(
             mask[r, width - len(jobs[i]) :] = 1
         out = hf.generate(
             input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=temperature,
-            top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=eos, eos_token_id=eos,
+            top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=eos, eos_token_id=eos, **extra,
         )
         for r, i in enumerate(rows):
             gen = out[r, width:].tolist()
@@ -467,12 +486,14 @@ def distill(
     *,
     fresh: bool = False,
     init_draft: str | Path | None = None,
+    extra_prompts: Sequence[str] = (),
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Distil a draft for ``target`` from ``prompts`` (user chat messages) into ``out_dir``.
 
-    1. keep prompts of at most ``max_prompt_tokens`` tokens; hold ``holdout`` of them out;
+    1. keep prompts of at most ``max_prompt_tokens`` tokens; hold ``holdout`` of them out
+       (``extra_prompts`` only ever train: the held-out set depends on ``prompts`` alone);
     2. sample ``samples_per_prompt`` responses per training prompt (one per held-out prompt) from
        the target at the first training temperature (saved in ``corpus.pt``, reused on resume);
     3. build the draft (:func:`smcdecode.drafts.build_draft`), or start from the saved draft
@@ -502,19 +523,28 @@ def distill(
         val_p: list = []
         if config.eval_every:  # validation prompts come out of the training prompts, not the held-out ones
             train_p, val_p = split_prompts(train_p, min(config.validation_prompts, len(train_p) - 1), config.seed + 1)
+        extra_p = chat_prompts(target, extra_prompts, config.max_prompt_tokens) if extra_prompts else []
+        seen = {text for text, _ in held_p + val_p + train_p}
+        extra_p = [(text, ids) for text, ids in extra_p if text not in seen]  # never train on a held-out prompt
         log(f"{len(usable)} of {len(prompts)} prompts fit in {config.max_prompt_tokens} tokens: "
-            f"{len(train_p)} for training, {len(val_p)} for validation, {len(held_p)} held out")
+            f"{len(train_p)} for training, {len(val_p)} for validation, {len(held_p)} held out"
+            + (f"; {len(extra_p)} of {len(extra_prompts)} extra prompts for training" if extra_prompts else ""))
         t = time.perf_counter()
         temp = config.temperatures[0]
-        train = generate_corpus(target, [ids for _, ids in train_p], samples=config.samples_per_prompt,
-                                max_new_tokens=config.max_new_tokens, temperature=temp,
-                                batch_size=config.generation_batch_size, seed=config.seed, progress=progress)
+        # held-out and validation answers first: a generation time budget only shortens training text
         held = generate_corpus(target, [ids for _, ids in held_p], samples=1, max_new_tokens=config.max_new_tokens,
                                temperature=temp, batch_size=config.generation_batch_size, seed=config.seed + 1,
-                               progress=progress) if held_p else []
+                               progress=progress, log=log) if held_p else []
         val = generate_corpus(target, [ids for _, ids in val_p], samples=1, max_new_tokens=config.max_new_tokens,
                               temperature=temp, batch_size=config.generation_batch_size, seed=config.seed + 2,
-                              progress=progress) if val_p else []
+                              progress=progress, log=log) if val_p else []
+        budget = config.generation_time_budget_s
+        if budget is not None:
+            budget = max(1.0, budget - (time.perf_counter() - t))
+        train = generate_corpus(target, [ids for _, ids in train_p + extra_p], samples=config.samples_per_prompt,
+                                max_new_tokens=config.max_new_tokens, temperature=temp,
+                                batch_size=config.generation_batch_size, seed=config.seed, progress=progress,
+                                time_budget_s=budget, log=log)
         gen_seconds = time.perf_counter() - t
         corpus = {"train": train, "heldout": held, "heldout_prompts": [text for text, _ in held_p],
                   "validation": val, "generation_seconds": gen_seconds}
@@ -540,6 +570,7 @@ def distill(
     recipe = {
         "config": dataclasses.asdict(config),
         "train_sequences": len(corpus["train"]),
+        "extra_prompts": len(extra_prompts),
         "train_response_tokens": sum(len(r) for _, r in corpus["train"]),
         "steps": trained["steps"],
         "train_seconds": trained["seconds"],
@@ -588,6 +619,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="smollm2", help="target: 'smollm2', a Hugging Face directory, or a .gguf file")
     p.add_argument("--prompts", nargs="+", required=True, metavar="FILE",
                    help="JSON/JSONL prompt files (ShareGPT, AlpacaEval, Spec-Bench, or a list of strings)")
+    p.add_argument("--extra-prompts", nargs="+", default=[], metavar="FILE",
+                   help="more prompt files used for training only (never held out; e.g. GSM8K, MATH500)")
     p.add_argument("--out", required=True, help="output directory (draft, corpus, checkpoint, eval.json)")
     p.add_argument("--layers", type=int, default=d.layers, help="decoder layers of the draft")
     p.add_argument("--init-layers", help="comma-separated target layers to initialise from (default: evenly spaced)")
@@ -604,6 +637,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate")
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warm-up steps")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints")
+    p.add_argument("--generation-time-budget", type=float, default=None, metavar="SECONDS",
+                   help="stop starting new generation batches after this many seconds (a random subset of "
+                   "the training prompts' samples is kept)")
     p.add_argument("--generation-batch-size", type=int, default=d.generation_batch_size, help="sequences per generate() call")
     p.add_argument("--weights", choices=["int8", "bfloat16", "float32"], default=d.weights,
                    help="storage of the saved layers (int8: per-row scales, half the size of bfloat16)")
@@ -637,9 +673,11 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed, checkpoint_every=args.checkpoint_every,
             generation_batch_size=args.generation_batch_size, weights=args.weights,
             eval_every=args.eval_every, validation_prompts=args.validation_prompts,
+            generation_time_budget_s=args.generation_time_budget,
         )
         config.check()
         prompts = load_prompts(args.prompts)
+        extra = load_prompts(args.extra_prompts) if args.extra_prompts else []
         from .models import load_model
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -647,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.backends.cuda.matmul.allow_tf32 = True
         target = load_model(args.target, device=device)
         report = distill(target, prompts, args.out, config, fresh=args.fresh, init_draft=args.init_draft,
-                         progress=not args.no_progress,
+                         extra_prompts=extra, progress=not args.no_progress,
                          log=lambda s: print(s, file=sys.stderr))
     except SMCDecodeError as e:
         print(f"smcdecode distill: error: {e}", file=sys.stderr)

@@ -139,6 +139,31 @@ def test_distill_end_to_end_then_resume(tmp_path):
         distill(target, prompts, tmp_path / "bad", config, init_draft=tmp_path, progress=False, log=logs.append)
 
 
+def test_extra_prompts_only_train_and_generation_budget_keeps_a_random_subset(tmp_path):
+    target = tiny_target(tokenizer=True)
+    prompts = [" ".join(f"w{(7 * i + j) % 46}" for j in range(2 + i % 4)) for i in range(20)]
+    extra = [f"w{i} w{i} w{i + 1}" for i in range(10)] + [prompts[0]]
+    config = DistillConfig(layers=1, samples_per_prompt=2, max_new_tokens=6, holdout=4, steps=1, batch_size=4,
+                           weights="bfloat16")
+    base = distill(target, prompts, tmp_path / "a", config, progress=False, log=lambda s: None)
+    logs: list[str] = []
+    more = distill(target, prompts, tmp_path / "b", config, extra_prompts=extra, progress=False, log=logs.append)
+    held_a = torch.load(tmp_path / "a" / "corpus.pt", weights_only=True)
+    held_b = torch.load(tmp_path / "b" / "corpus.pt", weights_only=True)
+    assert held_a["heldout_prompts"] == held_b["heldout_prompts"]  # extra prompts never change the held-out set
+    assert held_a["heldout"] == held_b["heldout"]
+    # 16 training prompts + 10 new extra ones (the repeated prompts[0] is dropped), 2 samples each
+    assert base["training"]["train_sequences"] == 32 and more["training"]["train_sequences"] == 52
+    assert any("10 of 11 extra prompts" in line for line in logs)
+
+    # a time budget stops generation after the first batch: a random subset, not the shortest prompts
+    jobs = [[2] * n for n in range(1, 41)]
+    few = generate_corpus(target, jobs, samples=1, max_new_tokens=2, batch_size=8, seed=3, progress=False,
+                          time_budget_s=1e-9, log=logs.append)
+    assert len(few) == 8 and sorted(len(p) for p, _ in few) != list(range(1, 9))
+    assert any("generation time budget" in line for line in logs)
+
+
 @pytest.mark.parametrize("weights, tol", [("float32", 0.0), ("bfloat16", 5e-2), ("int8", 5e-2)])
 def test_saved_draft_round_trips(target, tmp_path, weights, tol):
     draft = build_draft(target, 2, [0, 2])

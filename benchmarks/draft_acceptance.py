@@ -3,7 +3,7 @@
 Compares a distilled draft (smcdecode.drafts) with truncated drafts (the target's first L layers)
 on the held-out target samples that `python -m smcdecode.distill` saved in its corpus.pt.
 
-    python benchmarks/draft_acceptance.py --target smollm2 --draft DIR --corpus DIR/corpus.pt \\
+    python benchmarks/draft_acceptance.py --target smollm2 --draft DIR [DIR ...] --corpus DIR/corpus.pt \\
         --truncated 6 10 15 20 25 --temperature 0.7 --device cuda --out acceptance.json
 """
 
@@ -23,7 +23,8 @@ from smcdecode.drafts import load_default_draft, load_draft
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2")
-    p.add_argument("--draft", default="default", help="a draft directory, or 'default' (the shipped draft)")
+    p.add_argument("--draft", nargs="+", default=["default"],
+                   help="draft directories, or 'default' (the shipped draft)")
     p.add_argument("--corpus", required=True, help="corpus.pt written by smcdecode.distill (its 'heldout' part is used)")
     p.add_argument("--truncated", type=int, nargs="*", default=[6, 10, 15, 20, 25])
     p.add_argument("--temperature", type=float, nargs="+", default=[0.7])
@@ -34,7 +35,10 @@ def main(argv=None) -> int:
 
     target = load_model(args.target, device=args.device)
     held = torch.load(args.corpus, weights_only=True)["heldout"][: args.limit]
-    drafts = {"distilled": load_default_draft(target) if args.draft == "default" else load_draft(target, args.draft)}
+    drafts = {}
+    for d in args.draft:
+        drafts["distilled" if d == "default" else f"distilled:{d}"] = \
+            load_default_draft(target) if d == "default" else load_draft(target, d)
     for L in args.truncated:
         drafts[f"truncated-{L}"] = truncated_draft(target, L)
     rows = []
@@ -44,7 +48,7 @@ def main(argv=None) -> int:
             r = evaluate_draft(target, draft, held, temperature=t)
             r.update(draft=name, seconds=round(time.perf_counter() - start, 1))
             rows.append(r)
-            print(f"{name:14s} T={t:g}: acceptance {r['acceptance']:.3f}  χ² mean {r['chi2_mean']:.3g}  "
+            print(f"{name:20s} T={t:g}: acceptance {r['acceptance']:.3f}  χ² mean {r['chi2_mean']:.3g}  "
                   f"median {r['chi2_median']:.3g}  E log(1+χ²) {r['log1p_chi2_mean']:.3f}  KL {r['kl']:.3f}  "
                   f"({r['positions']} positions, {r['sequences']} sequences)", flush=True)
     device = str(target.device) + (f" ({torch.cuda.get_device_name()})" if target.device.type == "cuda" else "")

@@ -1,80 +1,82 @@
 #!/usr/bin/env bash
 # Makes the shipped default draft (smcdecode/drafts/smollm2-135m-instruct), its held-out acceptance
-# table and the SMC-SD fidelity study, on one CUDA GPU, inside one device call (TOTAL_BUDGET s).
+# table and the SMC-SD fidelity study on one CUDA GPU. Three stages, each fits one 10-minute device
+# call (STAGE=corpus, then train, then eval; STAGE=all runs them in a row):
 #
-#   GGUF=.../SmolLM2-135M-Instruct.Q4_1.gguf DATA=.../data/eval W=/tmp/w OUT=out \
+#   GGUF=.../SmolLM2-135M-Instruct.Q4_1.gguf DATA=.../data/eval W=/tmp/w OUT=out STAGE=all \
 #       bash benchmarks/make_default_draft.sh
 #
-# 1. `smcdecode.distill --steps 1`: the target samples its corpus (SAMPLES answers per training
-#    prompt, 1 per held-out prompt, T=0.7, 256 tokens) and trains one step, so the time left is known;
-# 2. the same command again resumes and trains for the rest of the budget less RESERVE seconds;
-#    meanwhile (PHASE1=alongside) benchmarks/draft_fidelity.py runs the methods that need no
-#    distilled draft (target samples, SMC-SD with the truncated draft) on the held-out prompts;
-#    PHASE1=after runs them with the others after training (training alone runs ~4x faster);
-#    INIT_DRAFT=DIR warm-starts from a saved draft;
-# 3. benchmarks/draft_acceptance.py (distilled vs truncated drafts on the held-out samples) and
-#    draft_fidelity.py for the distilled-draft methods (SMC-SD K=4, K=8; exact SD K=4), which then
-#    pools both halves over the prompts that every method completed.
+# corpus  `smcdecode.distill --steps 1`: the target samples SAMPLES answers (T=0.7, <= 256 tokens)
+#         per training prompt — ShareGPT + AlpacaEval (200 held out, 64 for validation) and, for
+#         training only, GSM8K, MATH500 and Spec-Bench questions — for at most GEN_BUDGET seconds.
+# train   for each L in LAYERS, concurrently: the same command on a copy of that corpus, resumed
+#         with --steps large and --time-budget TRAIN_BUDGET, --eval-every 250 (the draft with the
+#         lowest validation KL is kept), then the held-out evaluation of the saved (int8) draft.
+# eval    benchmarks/draft_acceptance.py (distilled drafts vs truncated ones on the held-out
+#         answers) and benchmarks/draft_fidelity.py (SMC-SD K=4/8 and exact SD with the draft DRAFT;
+#         PHASE1_RESULTS=DIR reuses the target / truncated-draft answers of an earlier run on the
+#         same held-out prompts, else they run here too).
 set -euo pipefail
-: "${GGUF:?path of the target GGUF}" "${DATA:?folder with sharegpt_500.json and alpaca_eval_instructions.json}"
+: "${GGUF:?path of the target GGUF}" "${DATA:?folder with the eval prompt files}"
 W=${W:-/tmp/w}
 OUT=${OUT:-out}
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}
-TOTAL=${TOTAL_BUDGET:-570}
+STAGE=${STAGE:-all}
+LAYERS=${LAYERS:-4 6}
 export SMCDECODE_CACHE=${SMCDECODE_CACHE:-$W/cache} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$W" "$OUT"
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
-PROMPTS=("$DATA/sharegpt_500.json" "$DATA/alpaca_eval_instructions.json")
-RECIPE=(--target "$GGUF" --prompts "${PROMPTS[@]}" --out "$W/draft" --device "$DEVICE" --no-progress
-        --layers "${LAYERS:-4}" --samples-per-prompt "${SAMPLES:-4}" --generation-batch-size "${GEN_BATCH:-1024}"
-        --batch-size "${BATCH:-32}" --lr "${LR:-5e-4}" --warmup-steps "${WARMUP:-100}" --checkpoint-every 500
-        ${INIT_DRAFT:+--init-draft "$INIT_DRAFT"} ${DISTILL_ARGS:-})
-FID=(--target "$GGUF" --prompts "${PROMPTS[@]}" --device "$DEVICE" --results-dir "$W/fid"
-     --max-new-tokens "${FID_TOKENS:-64}" ${FIDELITY_ARGS:-})
+PROMPTS=(--prompts "$DATA/sharegpt_500.json" "$DATA/alpaca_eval_instructions.json"
+         --extra-prompts "$DATA/gsm8k_test.jsonl" "$DATA/math500.jsonl" "$DATA/spec_bench_questions.jsonl")
+COMMON=(--target "$GGUF" "${PROMPTS[@]}" --device "$DEVICE" --no-progress --samples-per-prompt "${SAMPLES:-8}"
+        --generation-batch-size "${GEN_BATCH:-1024}" --generation-time-budget "${GEN_BUDGET:-420}"
+        --eval-every "${EVAL_EVERY:-250}" --batch-size "${BATCH:-64}" --lr "${LR:-5e-4}"
+        --warmup-steps "${WARMUP:-100}" --checkpoint-every 500 ${DISTILL_ARGS:-})
 
-"$PY" -m smcdecode.distill "${RECIPE[@]}" --steps 1
-LEFT=$(( TOTAL - $(elapsed) - ${RESERVE:-270} ))
-if (( LEFT < 10 )); then LEFT=10; fi
-echo "== training for $LEFT s, fidelity (target, truncated) alongside (elapsed $(elapsed) s)"
-PHASE2_METHODS=(smc_k4 smc_k8 sd_k4)
-if [[ -n "${PHASE1_RESULTS:-}" ]]; then  # target / truncated-draft runs of an earlier call: they need no draft
-    mkdir -p "$W/fid" && cp "$PHASE1_RESULTS"/worker*-target-smc_trunc_k4.jsonl "$W/fid/"
-    P1=""
-elif [[ "${PHASE1:-alongside}" == after ]]; then  # all methods after training (training runs alone, faster)
-    PHASE2_METHODS=(target smc_k4 smc_k8 sd_k4 smc_trunc_k4)
-    P1=""
-else
-    "$PY" benchmarks/draft_fidelity.py "${FID[@]}" --methods target smc_trunc_k4 --workers "${WORKERS1:-6}" \
-        --budget "$LEFT" --out "$W/fidelity_phase1.json" > "$W/fidelity_phase1.log" 2>&1 &
-    P1=$!
+if [[ $STAGE == corpus || $STAGE == all ]]; then
+    "$PY" -m smcdecode.distill "${COMMON[@]}" --layers 4 --out "$W/corpus" --steps 1
+    echo "== corpus done (elapsed $(elapsed) s)"
 fi
-"$PY" -m smcdecode.distill "${RECIPE[@]}" --steps 1000000 --time-budget "$LEFT"
-cp "$W/draft/draft.json" "$W/draft/draft.safetensors" "$W/draft/eval.json" "$OUT/"
-"$PY" -c "import torch, sys; c = torch.load(sys.argv[1], weights_only=True); \
-torch.save({k: c[k] for k in ('heldout', 'heldout_prompts')}, sys.argv[2])" \
-    "$W/draft/corpus.pt" "$OUT/heldout_corpus.pt" || echo "held-out corpus copy failed"
-P2=""
-if [[ "${ACCEPTANCE:-1}" == 1 ]]; then
-    echo "== acceptance table alongside the distilled-draft fidelity runs (elapsed $(elapsed) s)"
-    "$PY" benchmarks/draft_acceptance.py --target "$GGUF" --draft "$W/draft" --corpus "$W/draft/corpus.pt" \
+
+if [[ $STAGE == train || $STAGE == all ]]; then
+    PIDS=()
+    for L in $LAYERS; do
+        mkdir -p "$W/d$L" && cp "$W/corpus/corpus.pt" "$W/d$L/"
+        "$PY" -m smcdecode.distill "${COMMON[@]}" --layers "$L" --out "$W/d$L" --steps 1000000 \
+            --time-budget "${TRAIN_BUDGET:-420}" > "$W/train_L$L.log" 2>&1 &
+        PIDS+=($!)
+    done
+    for p in "${PIDS[@]}"; do wait "$p" || echo "a training run failed"; done
+    for L in $LAYERS; do
+        echo "== $L layers"; grep -v -i warn "$W/train_L$L.log" | tail -n 25
+        mkdir -p "$OUT/d$L" && cp "$W/d$L/draft.json" "$W/d$L/draft.safetensors" "$W/d$L/eval.json" "$OUT/d$L/"
+        cp "$W/train_L$L.log" "$OUT/"
+    done
+    echo "== training done (elapsed $(elapsed) s)"
+fi
+
+if [[ $STAGE == eval || $STAGE == all ]]; then
+    : "${DRAFT:=$W/d4}"
+    DRAFTS=()
+    for L in $LAYERS; do DRAFTS+=("$W/d$L"); done
+    "$PY" benchmarks/draft_acceptance.py --target "$GGUF" --draft "${DRAFTS[@]}" --corpus "$W/corpus/corpus.pt" \
         --device "$DEVICE" --temperature 0.7 1.0 --out "$OUT/acceptance.json" ${ACCEPTANCE_ARGS:-} \
         > "$W/acceptance.log" 2>&1 &
-    P2=$!
-fi
-if [[ -n "$P1" ]]; then
-    wait $P1 || echo "fidelity phase 1 failed"
-    tail -n 12 "$W/fidelity_phase1.log"
-fi
-LEFT2=$(( TOTAL - $(elapsed) - ${TAIL_RESERVE:-25} ))
-if (( LEFT2 < 10 )); then LEFT2=10; fi
-echo "== fidelity (distilled draft) for $LEFT2 s (elapsed $(elapsed) s)"
-"$PY" benchmarks/draft_fidelity.py "${FID[@]}" --draft "$W/draft" --methods "${PHASE2_METHODS[@]}" \
-    --workers "${WORKERS2:-12}" --budget "$LEFT2" --out "$OUT/fidelity.json" || echo "fidelity phase 2 failed"
-if [[ -n "$P2" ]]; then
-    wait $P2 || echo "acceptance table failed"
+    PA=$!
+    FID=(--target "$GGUF" --prompts "$DATA/sharegpt_500.json" "$DATA/alpaca_eval_instructions.json"
+         --device "$DEVICE" --results-dir "$W/fid" --max-new-tokens "${FID_TOKENS:-64}" ${FIDELITY_ARGS:-})
+    METHODS=(smc_k4 smc_k8 sd_k4)
+    if [[ -n "${PHASE1_RESULTS:-}" ]]; then
+        mkdir -p "$W/fid" && cp "$PHASE1_RESULTS"/worker*-target-smc_trunc_k4.jsonl "$W/fid/"
+    else
+        METHODS=(target smc_k4 smc_k8 sd_k4 smc_trunc_k4)
+    fi
+    "$PY" benchmarks/draft_fidelity.py "${FID[@]}" --draft "$DRAFT" --methods "${METHODS[@]}" \
+        --workers "${WORKERS:-12}" --budget "${FID_BUDGET:-480}" --out "$OUT/fidelity.json" || echo "fidelity failed"
+    wait $PA || echo "acceptance table failed"
     grep -v -i warn "$W/acceptance.log" || true
+    tar czf "$OUT/fidelity_runs.tar.gz" -C "$W" fid
+    echo "== eval done (elapsed $(elapsed) s)"
 fi
-tar czf "$OUT/fidelity_runs.tar.gz" -C "$W" fid
-echo "== done in $(elapsed) s"

@@ -28,8 +28,8 @@ export SMCDECODE_CACHE=${SMCDECODE_CACHE:-$W/cache} PYTHONUNBUFFERED=1 TOKENIZER
 mkdir -p "$W" "$OUT"
 T0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - T0 )); }
-PROMPTS=(--prompts "$DATA/sharegpt_500.json" "$DATA/alpaca_eval_instructions.json"
-         --extra-prompts "$DATA/gsm8k_test.jsonl" "$DATA/math500.jsonl" "$DATA/spec_bench_questions.jsonl")
+EXTRA=${EXTRA:-"$DATA/gsm8k_test.jsonl $DATA/math500.jsonl $DATA/spec_bench_questions.jsonl"}
+PROMPTS=(--prompts "$DATA/sharegpt_500.json" "$DATA/alpaca_eval_instructions.json" --extra-prompts $EXTRA)
 COMMON=(--target "$GGUF" "${PROMPTS[@]}" --device "$DEVICE" --no-progress --samples-per-prompt "${SAMPLES:-8}"
         --generation-batch-size "${GEN_BATCH:-1024}" --generation-time-budget "${GEN_BUDGET:-420}"
         --eval-every "${EVAL_EVERY:-250}" --batch-size "${BATCH:-64}" --lr "${LR:-5e-4}"

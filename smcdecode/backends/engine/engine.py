@@ -22,10 +22,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ...errors import SMCDecodeError
 from ...samplers.resampling import get_resampler, normalise
 from .attention import PagedBatch
 from .kv_cache import KVPool, PageTable
 from .model import Llama
+from .smc import EngineTarget
 
 
 def sample_exponential_race(scaled_logits: Tensor) -> Tensor:
@@ -71,7 +73,10 @@ class EngineOutput:
     rounds: int = 0
     peak_pages: int = 0
     accepted: Tensor | None = None  # [G, N] drafted tokens accepted (speculative decoding)
-    host_s: float = 0.0  # host time between rounds (page bookkeeping, uploads, launch)
+    host_s: float = 0.0  # host time between rounds (page bookkeeping, uploads, rewards, host masks)
+    finished: Tensor | None = None  # [G, N] bool: ended by EOS, budget, or weight 0 (SMC-SD)
+    weights: list = field(default_factory=list)  # per round, normalised [G, N] (record_weights=True)
+    particles: list | None = None  # N_g per request (rows j >= N_g of request g are padding)
 
 
 @dataclass
@@ -210,20 +215,35 @@ class Engine:
     # ------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def smc_sd(self, prompts: list[list[int]], *, particles: int, block_size: int, max_new_tokens: int,
-               draft_temperature: float = 1.0, target_temperature: float = 1.0, eos_token_id: int | None = None,
+    def smc_sd(self, prompts: list[list[int]], *, particles, block_size, max_new_tokens,
+               draft_temperature=1.0, target_temperature=1.0, eos_token_id: int | None = None,
                resampler: str = "systematic", ess_threshold: float = 0.5, use_graphs: bool | None = None,
-               seed: int = 0) -> EngineOutput:
+               seed: int = 0, target: EngineTarget | None = None, record_weights: bool = False) -> EngineOutput:
         """SMC-SD for G = len(prompts) requests × N particles, K = block_size drafted tokens a round.
 
-        eos_token_id None ignores EOS (fixed-length outputs, as in the benchmark)."""
+        ``particles``, ``block_size``, ``max_new_tokens`` and the temperatures are one value or one
+        per prompt. ``target`` (an :class:`~smcdecode.backends.engine.smc.EngineTarget`, e.g.
+        ``EngineTarget.of(LM(model) ** 2 * Regex(...) * Reward(...))``) adds a power α,
+        constraints and rewards. The plain uniform case runs the fused round below; anything else
+        runs ``smc.run`` (per-row settings, masks, rewards). eos_token_id None ignores EOS
+        (fixed-length outputs, as in the benchmark)."""
+        from . import smc
+
         if self.draft is None:
-            raise ValueError("SMC-SD needs a draft model: Engine(target, draft, ...)")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if any(len(p) < 2 for p in prompts):
-            raise ValueError("every prompt needs at least 2 tokens")
+            raise SMCDecodeError("SMC-SD needs a draft model: Engine(target, draft, ...)")
+        if not prompts or any(len(p) < 2 for p in prompts):
+            raise SMCDecodeError("prompts must be a non-empty list of prompts of at least 2 tokens each")
+        settings = smc.Settings.of(len(prompts), particles, block_size, max_new_tokens, draft_temperature,
+                                   target_temperature)
         use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        plain = target is None or (target.alpha == 1.0 and not target.constraints and not target.rewards)
+        if not (plain and settings.uniform) or record_weights:
+            return smc.run(self, prompts, settings, target or smc.EngineTarget(), eos_token_id=eos_token_id,
+                           resampler=resampler, ess_threshold=ess_threshold, use_graphs=use_graphs, seed=seed,
+                           record_weights=record_weights)
+        particles, block_size, max_new_tokens = (settings.particles[0], settings.block_size[0],
+                                                 settings.max_new_tokens[0])
+        draft_temperature, target_temperature = settings.draft_temperature[0], settings.target_temperature[0]
         torch.manual_seed(seed)
         G, N, K, dev = len(prompts), particles, block_size, self.device
         B = G * N
@@ -311,6 +331,8 @@ class Engine:
         out.lengths = b["n_gen"].view(G, N).clone()
         out.log_weights = b["log_w"].view(G, N).clone()
         out.log_evidence = b["log_Z"] + torch.logsumexp(out.log_weights, 1) - math.log(N)
+        out.finished = b["finished"].view(G, N).clone()
+        out.particles = [N] * G
         return out
 
     def _smc_round(self, b: dict, G: int, N: int, K: int, draft_temperature: float, target_temperature: float,
@@ -342,7 +364,8 @@ class Engine:
             tokens.scatter_(1, n_gen[:, None] + ar, block)
             n_gen.add_(torch.where(active, n_new, 0))
             lw = torch.where(active, log_w + incr, log_w)
-            finished.copy_(finished | (active & (any_eos | (n_gen >= b["budget"]))) | torch.isneginf(lw))
+            hit_eos = any_eos | ((bonus == eos) & (n_new == K + 1))
+            finished.copy_(finished | (active & (hit_eos | (n_gen >= b["budget"]))) | torch.isneginf(lw))
             pending.copy_(torch.stack([drafts[:, -1], bonus], dim=1))
             last.copy_(bonus)
             seq_t.add_(K + 1)

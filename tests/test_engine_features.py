@@ -1,0 +1,233 @@
+"""The engine's SMC-SD beyond the plain case, against exact enumeration on a tiny random Llama
+(vocab 8, float32): constrained targets (regex automata on the device, and host masks — the
+llguidance path), power targets p^α, reward tilts, and per-request N, K, temperatures and budgets in
+one call. E[Ẑ · Σ_i W_i 1{x_i = s}] = π(s)·Z and E[Ẑ] = Z are checked cell by cell with
+``smcdecode.testing`` (z-scores, threshold 5); the exact π comes from the library's enumerator over
+a FunctionModel that runs the same transformers model in float64. On the CPU (torch reference
+path) and, marked ``gpu``, on CUDA (Triton kernels, CUDA graphs)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import smcdecode as sd
+from smcdecode.backends.engine import Engine, Llama
+from smcdecode.backends.engine.smc import EngineTarget, segment_resample
+from smcdecode.testing import check_distribution, check_evidence_unbiased, exact_target, sequences
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = ["<bos>", "a", "b", "ab", "ba", "c", "bb", "<eos>"]
+V, EOS = len(VOCAB), len(VOCAB) - 1
+PROMPT = [0, 1, 2]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
+def _tiny_hf(seed: int):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   rope_theta=10000.0, tie_word_embeddings=False)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.normal_(0.0, 0.15)  # logits of about a nat
+    return hf
+
+
+_CACHE: dict = {}
+
+
+def _setup(device: str):
+    """(Engine over target + nearby draft, FunctionModel running the target in float64)."""
+    if device not in _CACHE:
+        target_hf = _tiny_hf(0)
+        draft_hf = copy.deepcopy(target_hf)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(1)
+            draft_hf.lm_head.weight.add_(torch.randn(draft_hf.lm_head.weight.shape, generator=g) * 0.03)
+        exact_hf = copy.deepcopy(target_hf).double()
+
+        def fn(ctx):
+            with torch.no_grad():
+                return exact_hf(ctx).logits[:, -1]
+
+        model = sd.FunctionModel(fn, vocab=VOCAB, eos="<eos>", name="tiny-llama")
+        engine = Engine(Llama.from_hf(target_hf, dtype=torch.float32, device=device),
+                        Llama.from_hf(draft_hf, dtype=torch.float32, device=device),
+                        num_pages=30000, page_size=4, max_context=32)
+        _CACHE[device] = (engine, model)
+    return _CACHE[device]
+
+
+def _output(out, groups=slice(None), particles: int | None = None, n: int | None = None):
+    """The engine output (or some of its requests) as the samplers' [G, N, ...] tensors on the CPU."""
+    N = particles or out.log_weights.shape[1]
+    tokens = out.tokens[groups, :N].cpu()
+    return SimpleNamespace(tokens=tokens[..., :n] if n else tokens, lengths=out.lengths[groups, :N].cpu(),
+                           log_weights=out.log_weights[groups, :N].cpu(), log_evidence=out.log_evidence[groups].cpu())
+
+
+def _run(engine, target, *, G=1500, N=4, K=2, n=3, T=1.0, Td=1.0, tau=0.5, resampler="systematic", seed=0,
+         host_masks=False):
+    prog = EngineTarget.of(target, host_masks=host_masks)
+    kw = dict(particles=N, block_size=K, max_new_tokens=n, draft_temperature=Td, target_temperature=T,
+              eos_token_id=EOS, ess_threshold=tau, resampler=resampler, target=prog)
+    # a first, shorter call captures the round graph(s); the measured call replays them
+    engine.smc_sd([PROMPT] * 4, **{**kw, "max_new_tokens": 1}, seed=seed + 1000)
+    return engine.smc_sd([PROMPT] * G, **kw, seed=seed)
+
+
+def _check_constraint(out, pattern: str, model) -> None:
+    alive = torch.isfinite(out.log_weights)
+    for g in range(0, out.tokens.shape[0], 5):
+        for x, ok in zip(sequences(out, g), alive[g].tolist()):
+            if ok:
+                text = model.decode(list(x))
+                assert re.fullmatch(pattern, text), f"particle {list(x)} ({text!r}) has weight > 0 but fails {pattern!r}"
+
+
+PATTERNS = [r"[ab]{2,4}", r"(ab|b)*a"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_regex_constrained_smc_sd_is_the_global_conditional(device, pattern):
+    engine, model = _setup(device)
+    target = sd.LM(model) * sd.Regex(pattern)
+    exact = exact_target(target, PROMPT, 3)
+    out = _output(_run(engine, target, K=2, resampler="stratified", seed=7))
+    _check_constraint(out, pattern, model)
+    check_distribution(out, exact, z_max=5.0)
+    check_evidence_unbiased(out, exact.log_Z, z_max=5.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_host_masks_match_the_device_automaton_path(device):
+    """The host-mask path (what llguidance constraints use) on the same regex: same exact target."""
+    engine, model = _setup(device)
+    pattern = PATTERNS[0]
+    target = sd.LM(model) * sd.Regex(pattern)
+    exact = exact_target(target, PROMPT, 3)
+    out = _output(_run(engine, target, G=1000, K=1, tau=1.0, seed=3, host_masks=True))
+    _check_constraint(out, pattern, model)
+    check_distribution(out, exact, z_max=5.0)
+    check_evidence_unbiased(out, exact.log_Z, z_max=5.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grammar_constraint_runs_with_host_masks(device):
+    """An llguidance grammar (masks computed on the host every draft step), exact target."""
+    pytest.importorskip("llguidance")
+    engine, model = _setup(device)
+    target = sd.LM(model) * sd.Grammar('start: ("a" | "b")+ "a"')  # = (a|b)+a
+    exact = exact_target(target, PROMPT, 3)
+    out = _output(_run(engine, target, G=1000, K=2, seed=5))
+    _check_constraint(out, r"[ab]+a", model)
+    check_distribution(out, exact, z_max=5.0)
+    check_evidence_unbiased(out, exact.log_Z, z_max=5.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("alpha", [0.5, 2.0])
+def test_power_target(device, alpha):
+    """π ∝ p^α (global), with the bonus normaliser log Σ_v p^α; Z = Σ_x p(x)^α."""
+    engine, model = _setup(device)
+    target = sd.LM(model) ** alpha
+    exact = exact_target(target, PROMPT, 3)
+    out = _output(_run(engine, target, K=2, Td=1.0 / min(alpha, 1.0), resampler="residual", seed=11))
+    check_distribution(out, exact, z_max=5.0)
+    check_evidence_unbiased(out, exact.log_Z, z_max=5.0)
+
+
+def _reward(text: str) -> float:
+    return text.count("a") - 0.5 * text.count("b") + 0.3 * math.sin(len(text))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["prefix", "complete"])
+def test_reward_target(device, mode):
+    """π ∝ p·exp(β·R(x)): prefix twists (Z relative to R("")) and terminal rewards; a batched reward,
+    a power and a constraint at once for the prefix mode."""
+    engine, model = _setup(device)
+    if mode == "prefix":
+        reward = sd.Reward(lambda texts: [_reward(t) for t in texts], beta=0.8, mode=mode, batched=True)
+        target = sd.LM(model) ** 2.0 * sd.Regex(r"[abc]*") * reward
+        Td = 1.0
+    else:
+        target = sd.LM(model) * sd.Reward(_reward, beta=-1.0, mode=mode)
+        Td = 1.0
+    exact = exact_target(target, PROMPT, 3)
+    out = _output(_run(engine, target, G=1000, K=1, Td=Td, tau=1.0, resampler="multinomial", seed=13))
+    check_distribution(out, exact, z_max=5.0)
+    check_evidence_unbiased(out, exact.log_Z, z_max=5.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_per_request_settings_in_one_call(device):
+    """Requests with different N, K, temperatures and budgets in one call: each request follows its
+    own exact target (rows are padded to N_max; padding rows never count)."""
+    engine, model = _setup(device)
+    pattern = PATTERNS[1]
+    a = dict(N=4, K=1, n=3, T=1.0, Td=1.0)
+    b = dict(N=3, K=3, n=2, T=0.8, Td=1.0)
+    G = 1200
+    reqs = [a if g % 2 == 0 else b for g in range(G)]
+    prog = EngineTarget.of(sd.LM(model) * sd.Regex(pattern))
+    out = engine.smc_sd([PROMPT] * G, particles=[r["N"] for r in reqs], block_size=[r["K"] for r in reqs],
+                        max_new_tokens=[r["n"] for r in reqs], target_temperature=[r["T"] for r in reqs],
+                        draft_temperature=[r["Td"] for r in reqs], eos_token_id=EOS, ess_threshold=0.5,
+                        target=prog, seed=17)
+    assert out.particles == [r["N"] for r in reqs]
+    assert bool(torch.isneginf(out.log_weights[1::2, 3]).all()) and int(out.lengths[1::2, 3].max()) == 0
+    for sl, r in ((slice(0, G, 2), a), (slice(1, G, 2), b)):
+        target = sd.LM(model, temperature=r["T"]) * sd.Regex(pattern)
+        exact = exact_target(target, PROMPT, r["n"])
+        o = _output(out, sl, particles=r["N"], n=r["n"])
+        assert int(o.lengths.max()) <= r["n"]
+        _check_constraint(o, pattern, model)
+        check_distribution(o, exact, z_max=5.0)
+        check_evidence_unbiased(o, exact.log_Z, z_max=5.0)
+
+
+@pytest.mark.parametrize("scheme", ["systematic", "stratified", "multinomial", "residual"])
+def test_segment_resample_offspring(scheme):
+    """E[#children of i] = n_g·W_i over each group's first n_g rows; padding rows keep themselves."""
+    torch.manual_seed(0)
+    n = torch.tensor([5, 3, 1, 2])
+    M = 5
+    lw = torch.randn(4, M, dtype=torch.float64)
+    lw[torch.arange(M)[None] >= n[:, None]] = -math.inf
+    lw[1, 0] = -math.inf  # a zero-weight particle is never chosen
+    W = torch.softmax(lw, -1)
+    reps = 4000
+    counts = torch.zeros(4, M, dtype=torch.float64)
+    for _ in range(reps):
+        A = segment_resample(W, n, scheme, torch.ones(4, dtype=torch.bool))
+        for g in range(4):
+            assert torch.equal(A[g, n[g]:], torch.arange(n[g], M))
+            counts[g] += torch.bincount(A[g, : n[g]], minlength=M).double()
+    assert counts[1, 0] == 0
+    expected = n[:, None] * W * reps
+    sd_ = torch.sqrt(n[:, None] * W * (1 - W) * reps).clamp(min=1.0)
+    assert ((counts - expected).abs() / sd_).max() < 5, (counts / reps, expected / reps)
+
+
+def test_engine_refuses_what_it_cannot_run():
+    engine, model = _setup("cpu")
+    prog = EngineTarget.of(sd.LM(model) * sd.Regex("a+"), host_masks=True)
+    with pytest.raises(sd.SMCDecodeError, match="one block_size"):
+        engine.smc_sd([PROMPT] * 2, particles=2, block_size=[1, 2], max_new_tokens=3, eos_token_id=EOS, target=prog)
+    with pytest.raises(sd.SMCDecodeError, match="eos_token_id"):
+        engine.smc_sd([PROMPT], particles=2, block_size=1, max_new_tokens=3, target=EngineTarget.of(
+            sd.LM(model) * sd.Regex("a+")))
+    with pytest.raises(sd.SMCDecodeError, match="particles lists 3 values for 2 prompts"):
+        engine.smc_sd([PROMPT] * 2, particles=[1, 2, 3], block_size=1, max_new_tokens=3)
+    with pytest.raises(sd.SMCDecodeError, match="block_size must be an integer >= 1"):
+        engine.smc_sd([PROMPT], particles=2, block_size=0, max_new_tokens=3)

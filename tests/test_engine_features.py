@@ -231,3 +231,20 @@ def test_engine_refuses_what_it_cannot_run():
         engine.smc_sd([PROMPT] * 2, particles=[1, 2, 3], block_size=1, max_new_tokens=3)
     with pytest.raises(sd.SMCDecodeError, match="block_size must be an integer >= 1"):
         engine.smc_sd([PROMPT], particles=2, block_size=0, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_plain_fused_round_with_eos(device):
+    """The plain uniform case (the fused round in engine.py) with EOS: a drafted or bonus EOS ends
+    the particle (absorbing), and the output follows p exactly (Z = 1)."""
+    engine, model = _setup(device)
+    target = sd.LM(model)
+    exact = exact_target(target, PROMPT, 3)
+    kw = dict(particles=4, block_size=1, max_new_tokens=3, eos_token_id=EOS, ess_threshold=0.5)
+    engine.smc_sd([PROMPT] * 4, **{**kw, "max_new_tokens": 1}, seed=1)
+    out = _output(engine.smc_sd([PROMPT] * 1500, **kw, seed=2))
+    for g in range(0, 1500, 7):
+        for x in sequences(out, g):
+            assert EOS not in x[:-1], x  # nothing after an EOS
+    check_distribution(out, exact, z_max=5.0)
+    check_evidence_unbiased(out, exact.log_Z, z_max=5.0)

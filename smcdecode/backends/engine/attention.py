@@ -10,6 +10,7 @@ split-KV kernel in ``kernels.py``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -17,22 +18,33 @@ from torch import Tensor
 
 @dataclass
 class PagedBatch:
-    """Where the L new tokens of each of B rows go and what they attend to (all device tensors)."""
+    """Where the L new tokens of each of B rows go and what they attend to (device tensors).
 
-    positions: Tensor  # [B, L] long: position of each new token
-    seq_lens: Tensor  # [B] int32: cached tokens per row after the write
+    The Triton kernels read only ``positions`` and ``page_table`` (pages, offsets and lengths are
+    computed in the kernels); the derived fields below are computed on first use, for the torch
+    references."""
+
+    positions: Tensor  # [B, L] long: position of each new token (consecutive within a row)
     page_table: Tensor  # [B, P] int32: page ids of each row, in order
-    slot_pages: Tensor  # [B*L] long: page of each new token
-    slot_offsets: Tensor  # [B*L] long: offset in that page
+    page_size: int
 
     @classmethod
     def build(cls, positions: Tensor, page_table: Tensor, page_size: int) -> PagedBatch:
-        """From positions [B, L] and the page table; no host sync (capturable in a CUDA graph)."""
-        B, L = positions.shape
-        page_idx = torch.div(positions, page_size, rounding_mode="floor")
-        pages = page_table.long().gather(1, page_idx)
-        return cls(positions, (positions[:, -1] + 1).to(torch.int32), page_table,
-                   pages.reshape(-1), (positions % page_size).reshape(-1))
+        """From positions [B, L] and the page table; no host sync, no device work (capturable)."""
+        return cls(positions, page_table, page_size)
+
+    @cached_property
+    def seq_lens(self) -> Tensor:  # [B] int32: cached tokens per row after the write
+        return (self.positions[:, -1] + 1).to(torch.int32)
+
+    @cached_property
+    def slot_pages(self) -> Tensor:  # [B*L] long: page of each new token
+        page_idx = torch.div(self.positions, self.page_size, rounding_mode="floor")
+        return self.page_table.long().gather(1, page_idx).reshape(-1)
+
+    @cached_property
+    def slot_offsets(self) -> Tensor:  # [B*L] long: offset in that page
+        return (self.positions % self.page_size).reshape(-1)
 
 
 def reference_paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, batch: PagedBatch) -> Tensor:
@@ -57,14 +69,17 @@ def reference_paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, batch: 
 
 def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, batch: PagedBatch, backend: str = "auto") -> Tensor:
     """Dispatch: ``"triton"`` (CUDA), ``"torch"`` (reference), ``"auto"`` (triton when on CUDA)."""
-    if backend == "auto":  # the kernel holds all L·G query rows of a kv head in one tile
-        small = q.shape[1] * (q.shape[2] // k_pool.shape[1]) <= 128
-        backend = "triton" if q.is_cuda and small and _triton_available() else "torch"
-    if backend == "triton":
+    if _backend(q, backend) == "triton":
         from .kernels import triton_paged_attention
 
         return triton_paged_attention(q, k_pool, v_pool, batch)
     return reference_paged_attention(q, k_pool, v_pool, batch)
+
+
+def _backend(q: Tensor, backend: str) -> str:
+    if backend == "auto":
+        return "triton" if q.is_cuda and _triton_available() else "torch"
+    return backend
 
 
 def _triton_available() -> bool:

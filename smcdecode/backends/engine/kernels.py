@@ -1,23 +1,31 @@
 """Triton kernels of the engine. Each has a pure-torch reference (named in its docstring) and a
-GPU test against it (tests/test_engine_kernels.py); the references run the CPU tests.
+test against it: on the GPU (tests/test_engine_kernels.py) and on the CPU in Triton's interpreter
+(tests/test_engine_ops.py, where triton is installed); the references run the CPU tests.
 
-add + RMSNorm, SiLU·mul, RoPE + KV-page write — one launch each per layer (references in model.py).
+add + RMSNorm, SiLU·mul, RoPE + KV-page write — one launch each (references in model.py); the
+separate RoPE + KV-page write is used only for long extensions (prefill).
+
+paged attention — split-KV ("flash-decoding") over a paged cache. One program per (row, kv head,
+KV split, query tile) holds up to 64 (token, query head) rows of one kv head as a [BLOCK_M, D] tile,
+so each key/value page is read once per kv head and tile, not once per query head. Pages, offsets
+and the row length are computed in the kernel from the positions and the page table; each split's
+share of the context is computed from the row's length, so the launch shape depends only on the
+batch shape (CUDA graphs). For decode/verify (L <= 16 new tokens a row) one kernel also applies
+RoPE to q and the new keys and writes the new keys/values to their pages. The splits are merged by
+the last split to finish (an atomic counter per tile) or by ``_merge_splits_kernel``. References:
+attention.reference_paged_attention, model.rope_kv_write_reference, merge_splits_reference.
+
+skinny products — x · Wᵀ for few rows (draft decode), optionally with SiLU·mul in the epilogue
+(reference: torch's linear and model.silu_mul).
 
 sample and score — exponential-race sampling, log-sum-exp and the gather of log q(d) over [R, V]
 logits in one read (reference: engine.sample_and_score_reference).
-
-merge of the splits — one program per output row. Reference: merge_splits_reference.
-
-paged attention — split-KV ("flash-decoding") over a paged cache, for L <= 16 queries per row
-(decode: 1–2, SMC-SD verify: K+1). One program per (row, kv head, KV split) holds all L·G query
-rows of its kv head (GQA group G = H / Hkv) as one [BLOCK_M, D] tile, so each key/value page is
-read once per kv head, not once per query head. Partial results (unnormalised by the other splits)
-are merged with their log-sum-exps in torch. Reference: attention.reference_paged_attention.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -26,54 +34,167 @@ from torch import Tensor
 
 
 @triton.jit
-def _paged_attn_split_kernel(
-    Q, KP, VP, PT, SL, O, LSE,  # noqa: E741
-    sm_scale, stride_pt,
+def _attend_cached(q, q1, q2, KP, VP, PT, b, kvh, stride_pt, n0, end, qpos, sm_scale, m_i, l_i, acc,
+                   HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr):
+    """One block of BLOCK_N cached keys/values (positions n0.., masked at ``end`` and causally) folded
+    into the online softmax (m_i, l_i, acc) of a query tile."""
+    HALF: tl.constexpr = D // 2
+    dh = tl.arange(0, HALF)
+    d = tl.arange(0, D)
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_valid = n < end
+    page = tl.load(PT + b * stride_pt + n // PS, mask=n_valid, other=0)
+    kv_row = ((page * HKV + kvh) * PS + n % PS) * D
+    if ROPE:
+        k1 = tl.load(KP + kv_row[:, None] + dh[None, :], mask=n_valid[:, None], other=0.0)
+        k2 = tl.load(KP + kv_row[:, None] + HALF + dh[None, :], mask=n_valid[:, None], other=0.0)
+        s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
+    else:
+        k = tl.load(KP + kv_row[:, None] + d[None, :], mask=n_valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k))
+    s = s * sm_scale  # [BLOCK_M, BLOCK_N] fp32
+    v = tl.load(VP + kv_row[:, None] + d[None, :], mask=n_valid[:, None], other=0.0)
+    ok = (n[None, :] <= qpos[:, None]) & n_valid[None, :]
+    s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_attn_kernel(
+    Q, KP, VP, PT, POS, O, OP, LSE, CNT, COS, SIN,  # noqa: E741
+    sm_scale, stride_qt, stride_pt,
     L: tl.constexpr, G: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    PS: tl.constexpr, NSPLIT: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PS: tl.constexpr, NSPLIT: tl.constexpr, MT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    ROPE: tl.constexpr, MERGE: tl.constexpr, DYN_LOOP: tl.constexpr, MAX_IT: tl.constexpr,
 ):
+    """One program per (row b, kv head, KV split, query tile). Query rows of a tile are the (l, g)
+    pairs m = l·G + g of the row's L tokens × the G query heads of the kv head.
+
+    ROPE: Q is the fused projection [B·L, (H + 2·HKV)·D]; q and the L new keys are rotated here, the
+    new keys/values are attended to from registers and written to their pages by one program (the
+    split that holds the end of the cached context), so only positions < seq_len − L are read from
+    the cache. Otherwise Q is [B·L, H·D] (already rotated) and all positions < seq_len come from the
+    cache. MERGE: 0 — one split, the output is written directly; 1 — partials (o, lse) only, merged by
+    ``_merge_splits_kernel``; 2 — partials, then the last split to finish (an atomic counter per
+    (b, kv head, tile), reset by that program) merges them."""
     pid = tl.program_id(0)  # b * HKV + kvh
     sid = tl.program_id(1)
+    mt = tl.program_id(2)
     b = pid // HKV
     kvh = pid % HKV
-    seq_len = tl.load(SL + b)
-    m = tl.arange(0, BLOCK_M)
-    l_idx = m // G
-    g_idx = m % G
+    HALF: tl.constexpr = D // 2
+    m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
     m_valid = m < L * G
+    l_idx = tl.where(m_valid, m // G, L - 1)
+    g_idx = m % G
+    qpos = tl.load(POS + b * L + l_idx)  # [BLOCK_M] position of each query row
+    seq_len = tl.load(POS + b * L + L - 1) + 1
+    dh = tl.arange(0, HALF)
     d = tl.arange(0, D)
-    q_ptrs = Q + (((b * L + l_idx) * H + kvh * G + g_idx) * D)[:, None] + d[None, :]
-    q = tl.load(q_ptrs, mask=m_valid[:, None], other=0.0)
-    qpos = seq_len - L + l_idx  # [BLOCK_M]
+    # with ROPE, q and k in two halves (rotate-half RoPE pairs element i with i + D/2):
+    # s = q1·k1ᵀ + q2·k2ᵀ (needs D >= 32: each half is a dot's inner dimension)
+    q_row = Q + (b * L + l_idx) * stride_qt + (kvh * G + g_idx) * D
+    if ROPE:
+        q1 = tl.load(q_row[:, None] + dh[None, :], mask=m_valid[:, None], other=0.0)
+        q2 = tl.load(q_row[:, None] + HALF + dh[None, :], mask=m_valid[:, None], other=0.0)
+        c = tl.load(COS + qpos[:, None] * HALF + dh[None, :])
+        s_ = tl.load(SIN + qpos[:, None] * HALF + dh[None, :])
+        q1f = q1.to(tl.float32)
+        q2f = q2.to(tl.float32)
+        q1 = (q1f * c - q2f * s_).to(KP.dtype.element_ty)
+        q2 = (q2f * c + q1f * s_).to(KP.dtype.element_ty)
+        q = q1
+        ctx = seq_len - L  # cached positions; the L new ones come from registers
+    else:
+        q = tl.load(q_row[:, None] + d[None, :], mask=m_valid[:, None], other=0.0)
+        q1 = q
+        q2 = q
+        ctx = seq_len
+    # this split's share of [0, ctx), in whole key blocks (computed from the length: the launch shape
+    # depends only on the batch shape, so graphs replay at any length)
+    per = tl.maximum(((ctx + NSPLIT - 1) // NSPLIT + BLOCK_N - 1) // BLOCK_N * BLOCK_N, BLOCK_N)
+    start = sid * per
+    q_last = tl.load(POS + b * L + tl.minimum(mt * BLOCK_M + BLOCK_M - 1, L * G - 1) // G)  # tile's last query
+    end = tl.minimum(tl.minimum(start + per, ctx), q_last + 1)
 
-    start = sid * CHUNK
-    end = tl.minimum(start + CHUNK, seq_len)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_valid = n < end
-        page = tl.load(PT + b * stride_pt + n // PS, mask=n_valid, other=0)
-        kv_off = (((page * HKV + kvh) * PS + n % PS) * D)[:, None] + d[None, :]
-        k = tl.load(KP + kv_off, mask=n_valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_M, BLOCK_N] fp32
-        ok = (n[None, :] <= qpos[:, None]) & n_valid[None, :]
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VP + kv_off, mask=n_valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    if DYN_LOOP:
+        for n0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _attend_cached(q, q1, q2, KP, VP, PT, b, kvh, stride_pt, n0, end, qpos, sm_scale,
+                                           m_i, l_i, acc, HKV, D, PS, BLOCK_N, ROPE)
+    else:  # Triton's interpreter needs constant loop bounds: a fixed count of (masked) blocks
+        for it in range(0, MAX_IT):
+            m_i, l_i, acc = _attend_cached(q, q1, q2, KP, VP, PT, b, kvh, stride_pt, start + it * BLOCK_N, end, qpos,
+                                           sm_scale, m_i, l_i, acc, HKV, D, PS, BLOCK_N, ROPE)
+    if ROPE:
+        if sid == tl.minimum(ctx // per, NSPLIT - 1):  # the new tokens' keys/values, from registers
+            j = tl.arange(0, BLOCK_L)
+            j_valid = j < L
+            jj = tl.where(j_valid, j, L - 1)
+            kpos = tl.load(POS + b * L + jj)
+            ck = tl.load(COS + kpos[:, None] * HALF + dh[None, :])
+            sk = tl.load(SIN + kpos[:, None] * HALF + dh[None, :])
+            k_row = Q + (b * L + jj) * stride_qt + (H + kvh) * D
+            k1f = tl.load(k_row[:, None] + dh[None, :]).to(tl.float32)
+            k2f = tl.load(k_row[:, None] + HALF + dh[None, :]).to(tl.float32)
+            k1 = (k1f * ck - k2f * sk).to(KP.dtype.element_ty)
+            k2 = (k2f * ck + k1f * sk).to(KP.dtype.element_ty)
+            v = tl.load(Q + (b * L + jj)[:, None] * stride_qt + (H + HKV + kvh) * D + d[None, :])
+            s = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * sm_scale  # [BLOCK_M, BLOCK_L]
+            ok = (kpos[None, :] <= qpos[:, None]) & j_valid[None, :]
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v.to(KP.dtype.element_ty))
+            m_i = m_new
+            if mt == 0:  # write the new keys/values into their pages (no other program reads them)
+                kpage = tl.load(PT + b * stride_pt + kpos // PS)
+                dst = ((kpage * HKV + kvh) * PS + kpos % PS) * D
+                tl.store(KP + dst[:, None] + dh[None, :], k1, mask=j_valid[:, None])
+                tl.store(KP + dst[:, None] + HALF + dh[None, :], k2, mask=j_valid[:, None])
+                tl.store(VP + dst[:, None] + d[None, :], v.to(VP.dtype.element_ty), mask=j_valid[:, None])
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-    base = (pid * NSPLIT + sid) * BLOCK_M
-    tl.store(O + (base + m)[:, None] * D + d[None, :], out, mask=m_valid[:, None])
-    tl.store(LSE + base + m, lse, mask=m_valid)
+    o_rows = ((b * L + l_idx) * H + kvh * G + g_idx) * D
+    if MERGE == 0:
+        tl.store(O + o_rows[:, None] + d[None, :], out.to(O.dtype.element_ty), mask=m_valid[:, None])
+    else:
+        lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tile = pid * MT + mt
+        base = (tile * NSPLIT + sid) * BLOCK_M
+        tl.store(OP + (base + m - mt * BLOCK_M)[:, None] * D + d[None, :], out)
+        tl.store(LSE + base + m - mt * BLOCK_M, lse)
+        if MERGE == 2:
+            tl.debug_barrier()  # every thread's partials are stored before the release below
+            done = tl.atomic_add(CNT + tile, 1, sem="acq_rel")
+            if done == NSPLIT - 1:  # the last split of this tile: merge all of them
+                r = tl.arange(0, BLOCK_M)
+                mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                for sp in tl.static_range(NSPLIT):
+                    mx = tl.maximum(mx, tl.load(LSE + (tile * NSPLIT + sp) * BLOCK_M + r, cache_modifier=".cg"))
+                mx = tl.where(mx == float("-inf"), 0.0, mx)
+                tot = tl.zeros([BLOCK_M], tl.float32)
+                res = tl.zeros([BLOCK_M, D], tl.float32)
+                for sp in tl.static_range(NSPLIT):
+                    w = tl.exp(tl.load(LSE + (tile * NSPLIT + sp) * BLOCK_M + r, cache_modifier=".cg") - mx)
+                    o_s = tl.load(OP + ((tile * NSPLIT + sp) * BLOCK_M + r)[:, None] * D + d[None, :],
+                                  cache_modifier=".cg")
+                    tot += w
+                    res += o_s * w[:, None]
+                res = res / tl.where(tot > 0, tot, 1.0)[:, None]
+                tl.store(O + o_rows[:, None] + d[None, :], res.to(O.dtype.element_ty), mask=m_valid[:, None])
+                tl.store(CNT + tile, 0)  # ready for the next launch (every split of this tile has counted)
 
 
 @functools.cache
@@ -81,65 +202,133 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def triton_paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, batch, block_n: int = 64) -> Tensor:
-    """q [B, L, H, D] (contiguous), pools [num_pages, Hkv, PS, D] -> [B, L, H, D].
+_COUNTERS: dict = {}
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-    The KV split size depends only on the page-table width (the row capacity), never on the
-    current lengths, so the launch shape is static and the call can be captured in a CUDA graph."""
-    q = q.contiguous()
-    B, L, H, D = q.shape
-    _, Hkv, PS, _ = k_pool.shape
+
+def _split_counters(device: torch.device, n: int) -> Tensor | None:
+    """A zeroed int32 buffer of >= n counters, kept for the process (each merging program resets its
+    counter, so it stays zero between launches). None when it would have to be allocated inside a
+    CUDA-graph capture (the caller then merges with a separate kernel)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def _attention_config(B: int, L: int, G: int, Hkv: int, capacity: int, device: torch.device):
+    """(BLOCK_M, query tiles, BLOCK_N, KV splits, merge mode) for a launch; depends on shapes only.
+    SMCDECODE_ATTN_PROGRAMS_PER_SM sets the splits (about that many programs per SM), and
+    SMCDECODE_ATTN_MERGE=kernel merges them with a separate kernel instead of the last split."""
+    block_m = max(16, min(64, triton.next_power_of_2(L * G)))
+    mt = triton.cdiv(L * G, block_m)
+    block_n = 64
+    progs = B * Hkv * mt
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
+    per_sm = float(os.environ.get("SMCDECODE_ATTN_PROGRAMS_PER_SM", "4"))
+    nsplit = max(1, min(32, triton.cdiv(capacity, block_n), int(per_sm * sms) // progs))
+    merge = 0 if nsplit == 1 else (2 if os.environ.get("SMCDECODE_ATTN_MERGE", "fused") == "fused" else 1)
+    return block_m, mt, block_n, nsplit, merge
+
+
+def _launch_attention(src: Tensor, stride_qt: int, B: int, L: int, H: int, k_pool: Tensor, v_pool: Tensor,
+                      batch, cos: Tensor | None, sin: Tensor | None, out_dtype) -> Tensor:
+    _, Hkv, PS, D = k_pool.shape
     G = H // Hkv
     P = batch.page_table.shape[1]
-    capacity = P * PS
-    block_m = max(16, triton.next_power_of_2(L * G))
-    n_blocks = triton.cdiv(capacity, block_n)
-    nsplit = max(1, min(n_blocks, triton.cdiv(2 * _num_sms(q.device.index or 0), B * Hkv)))
-    chunk = triton.cdiv(n_blocks, nsplit) * block_n
-    nsplit = triton.cdiv(capacity, chunk)
-    o_part = torch.empty(B * Hkv, nsplit, block_m, D, device=q.device, dtype=torch.float32)
-    lse = torch.empty(B * Hkv, nsplit, block_m, device=q.device, dtype=torch.float32)
-    _paged_attn_split_kernel[(B * Hkv, nsplit)](
-        q, k_pool, v_pool, batch.page_table, batch.seq_lens, o_part, lse,
-        D**-0.5, batch.page_table.stride(0),
-        L=L, G=G, H=H, HKV=Hkv, D=D, PS=PS, NSPLIT=nsplit, CHUNK=chunk,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=2,
+    pos = batch.positions
+    if pos.dtype != torch.long or not pos.is_contiguous():
+        pos = pos.long().contiguous()
+    block_m, mt, block_n, nsplit, merge = _attention_config(B, L, G, Hkv, P * PS, src.device)
+    dev = src.device
+    out = torch.empty(B, L, H, D, device=dev, dtype=out_dtype)
+    cnt = _split_counters(dev, B * Hkv * mt) if merge == 2 else None
+    if merge == 2 and cnt is None:
+        merge = 1
+    if merge:
+        o_part = torch.empty(B * Hkv * mt, nsplit, block_m, D, device=dev, dtype=torch.float32)
+        lse = torch.empty(B * Hkv * mt, nsplit, block_m, device=dev, dtype=torch.float32)
+    else:
+        o_part = lse = out
+    rope = cos is not None
+    _paged_attn_kernel[(B * Hkv, nsplit, mt)](
+        src, k_pool, v_pool, batch.page_table, pos, out, o_part, lse, cnt if cnt is not None else pos,
+        cos if rope else o_part, sin if rope else o_part,
+        D**-0.5, stride_qt, batch.page_table.stride(0),
+        L=L, G=G, H=H, HKV=Hkv, D=D, PS=PS, NSPLIT=nsplit, MT=mt,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_L=max(16, triton.next_power_of_2(L)),
+        ROPE=rope, MERGE=merge, DYN_LOOP=not _INTERPRET,
+        MAX_IT=max(1, triton.cdiv(triton.cdiv(P * PS, nsplit), block_n)) if _INTERPRET else 1,
+        num_warps=4, num_stages=2,
     )
-    out = torch.empty_like(q)
-    _merge_splits_kernel[(B * Hkv * L * G,)](
-        o_part, lse, out, L=L, G=G, H=H, HKV=Hkv, D=D, NSPLIT=nsplit,
-        NSPLIT_P2=triton.next_power_of_2(nsplit), BLOCK_M=block_m, num_warps=1,
-    )
+    if merge == 1:
+        _merge_splits_kernel[(B * Hkv * L * G,)](
+            o_part, lse, out, L=L, G=G, H=H, HKV=Hkv, D=D, NSPLIT=nsplit,
+            NSPLIT_P2=max(2, triton.next_power_of_2(nsplit)), BLOCK_M=block_m, num_warps=1,
+        )
     return out
 
 
-def merge_splits_reference(o_part: Tensor, lse: Tensor, B: int, L: int, H: int, dtype) -> Tensor:
-    """Torch reference of ``_merge_splits_kernel``: o_part [B*Hkv, S, BLOCK_M, D], lse [B*Hkv, S, BLOCK_M]
-    -> out [B, L, H, D] = Σ_s softmax_s(lse) · o_s (splits past a row's length have lse = -inf)."""
-    Hkv = o_part.shape[0] // B
-    G, D = H // Hkv, o_part.shape[-1]
-    w = torch.softmax(lse[:, :, : L * G], dim=1)
-    out = (o_part[:, :, : L * G] * w[..., None]).sum(dim=1)  # [B*Hkv, L*G, D], rows ordered (l, g)
-    return out.view(B, Hkv, L, G, D).permute(0, 2, 1, 3, 4).reshape(B, L, H, D).to(dtype)
+def triton_paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, batch) -> Tensor:
+    """q [B, L, H, D] (already rotated; its keys/values already in the pools), pools
+    [num_pages, Hkv, PS, D] -> [B, L, H, D]. Any L: query rows are tiled (64 a program).
+
+    The launch shape depends only on B, L and the page-table width, never on the current lengths
+    (each split's share of the context is computed in the kernel), so the call can be captured in
+    a CUDA graph. Reference: attention.reference_paged_attention."""
+    q = q.contiguous()
+    B, L, H, D = q.shape
+    return _launch_attention(q, H * D, B, L, H, k_pool, v_pool, batch, None, None, q.dtype)
+
+
+def triton_rope_paged_attention(qkv: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor, batch,
+                                H: int) -> Tensor:
+    """RoPE + KV-page write + paged attention in one kernel: qkv [B, L, (H + 2Hkv)·D] (the fused
+    projection, contiguous), cos/sin tables [max_pos, D/2] (float32) -> [B, L, H, D]; the rotated
+    keys and the values of the L new tokens are written to the pools at their positions (pages from
+    the page table). For decode/verify shapes (L <= 16). Reference: model.rope_kv_write_reference
+    followed by attention.reference_paged_attention."""
+    qkv = qkv.contiguous()
+    B, L, W = qkv.shape
+    return _launch_attention(qkv, W, B, L, H, k_pool, v_pool, batch, cos, sin, qkv.dtype)
+
+
+def merge_splits_reference(o_part: Tensor, lse: Tensor, B: int, L: int, H: int, Hkv: int, dtype) -> Tensor:
+    """Torch reference of ``_merge_splits_kernel``: o_part [B·Hkv·MT, S, BLOCK_M, D], lse [B·Hkv·MT, S,
+    BLOCK_M] (query rows m = l·G + g, G = H / Hkv, in MT tiles of BLOCK_M) -> out [B, L, H, D] =
+    Σ_s softmax_s(lse) · o_s (splits with no keys for a row have lse = -inf)."""
+    S, BM, D = o_part.shape[1:]
+    G = H // Hkv
+    w = torch.softmax(lse, dim=1)
+    out = (o_part * w[..., None]).sum(dim=1)  # [B·Hkv·MT, BM, D]
+    out = out.reshape(B, Hkv, -1, D)[:, :, : L * G]  # rows ordered (l, g)
+    return out.reshape(B, Hkv, L, G, D).permute(0, 2, 1, 3, 4).reshape(B, L, H, D).to(dtype)
 
 
 @triton.jit
 def _merge_splits_kernel(OP, LSE, OUT, L: tl.constexpr, G: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr,
                          D: tl.constexpr, NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr, BLOCK_M: tl.constexpr):
     pid = tl.program_id(0)  # ((b * HKV + kvh) * L + l) * G + g
-    m = pid % (L * G)
+    mg = pid % (L * G)
     bk = pid // (L * G)
     b = bk // HKV
     kvh = bk % HKV
-    l_idx = m // G
-    g_idx = m % G
+    l_idx = mg // G
+    g_idx = mg % G
+    MT: tl.constexpr = (L * G + BLOCK_M - 1) // BLOCK_M
+    tile = bk * MT + mg // BLOCK_M
+    m = mg % BLOCK_M
     s = tl.arange(0, NSPLIT_P2)
     s_ok = s < NSPLIT
-    lse = tl.load(LSE + (bk * NSPLIT + s) * BLOCK_M + m, mask=s_ok, other=float("-inf"))
-    w = tl.exp(lse - tl.max(lse, 0))
+    lse = tl.load(LSE + (tile * NSPLIT + s) * BLOCK_M + m, mask=s_ok, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    w = tl.exp(lse - tl.where(mx == float("-inf"), 0.0, mx))
     w = w / tl.sum(w, 0)
     d = tl.arange(0, D)
-    o = tl.load(OP + ((bk * NSPLIT + s) * BLOCK_M + m)[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
+    o = tl.load(OP + ((tile * NSPLIT + s) * BLOCK_M + m)[:, None] * D + d[None, :], mask=s_ok[:, None], other=0.0)
     out = tl.sum(o * w[:, None], 0)
     tl.store(OUT + ((b * L + l_idx) * H + kvh * G + g_idx) * D + d, out.to(OUT.dtype.element_ty))
 
@@ -344,3 +533,70 @@ def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, ga
                                NSPLIT=nsplit, NSPLIT_P2=max(2, triton.next_power_of_2(nsplit)),
                                HAS_GATHER=gather is not None, num_warps=1)
     return tok, logp_tok, logp_gather
+
+
+# ------------------------------------------------------------------------------------------------
+# Skinny matrix products (few rows: the draft's decode steps), optionally with SiLU·mul fused
+
+
+@triton.jit
+def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr):
+    """Y[M, N] = X[M, K] · W[N, K]ᵀ, one program per BLOCK_N output columns × BLOCK_M rows, streaming
+    its W rows once. SILU: W is [2N, K] = [gate; up] and Y = silu(X·gateᵀ) · (X·upᵀ), rounded as the
+    unfused path rounds (the product to Y's dtype, silu to Y's dtype, then the product)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + rk) < K
+        x = tl.load(X + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(W + rn[:, None] * K + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+        if SILU:
+            wu = tl.load(W + (N + rn)[:, None] * K + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                         other=0.0)
+            acc_u += tl.dot(x, tl.trans(wu))
+    if SILU:
+        g = acc.to(Y.dtype.element_ty).to(tl.float32)
+        u = acc_u.to(Y.dtype.element_ty).to(tl.float32)
+        sg = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
+        acc = sg * u
+    tl.store(Y + rm[:, None] * N + rn[None, :], acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def skinny_config(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): enough programs to cover the SMs about
+    twice, each streaming whole rows of W in BLOCK_K-wide tiles."""
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
+    block_m = max(16, min(64, triton.next_power_of_2(M)))
+    block_n = 64
+    while block_n > 16 and triton.cdiv(N, block_n) < 2 * sms:
+        block_n //= 2
+    block_k = max(16, min(256 if block_n <= 32 else 128, triton.next_power_of_2(K)))
+    return block_m, block_n, block_k, 4, 4
+
+
+def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=None) -> Tensor:
+    """x [..., K] (unit stride in K) · weight [N, K]ᵀ -> [..., N]; with ``silu`` the weight is [gate; up]
+    ([2N, K]) and the result silu(x·gateᵀ)·(x·upᵀ) [..., N]. For few rows (decode), where cuBLAS's
+    kernels leave bandwidth unused on small matrices. References: torch.nn.functional.linear, and
+    model.silu_mul of it."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    N = weight.shape[0] // 2 if silu else weight.shape[0]
+    bm, bn, bk, warps, stages = config or skinny_config(M, N, K, x.device)
+    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    _skinny_linear_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
+        x2, weight, y, M, x2.stride(0), N=N, K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SILU=silu,
+        num_warps=warps, num_stages=stages)
+    return y.view(*x.shape[:-1], N)

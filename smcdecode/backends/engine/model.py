@@ -175,12 +175,64 @@ def rope_kv_write(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, k_po
     return rope_kv_write_reference(qkv, positions, cos, sin, k_pool, v_pool, pages, offsets, H, Hkv)
 
 
+def rope_attention(qkv: Tensor, batch, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor, H: int, Hkv: int,
+                   backend: str = "auto") -> Tensor:
+    """RoPE on the fused projection qkv [B, L, (H + 2Hkv)·D], the new keys/values written to the
+    pools, and paged attention of the L new queries of each row -> [B, L, H, D].
+
+    On CUDA with Triton, for L <= 16 (decode and verify) and D >= 32, one kernel does all three
+    (``kernels.triton_rope_paged_attention``; SMCDECODE_FUSED_ROPE=0 disables it); otherwise the
+    RoPE + KV-write step and the attention run separately (reference: rope_kv_write_reference, then
+    attention.reference_paged_attention)."""
+    import os
+
+    from .attention import _backend
+
+    L, D = qkv.shape[1], k_pool.shape[-1]
+    if (L <= 16 and D >= 32 and _use_triton(qkv) and _backend(qkv, backend) == "triton"
+            and os.environ.get("SMCDECODE_FUSED_ROPE", "1") != "0"):
+        from .kernels import triton_rope_paged_attention
+
+        return triton_rope_paged_attention(qkv, cos, sin, k_pool, v_pool, batch, H)
+    q = rope_kv_write(qkv, batch.positions, cos, sin, k_pool, v_pool, batch.slot_pages, batch.slot_offsets, H, Hkv)
+    return paged_attention(q, k_pool, v_pool, batch, backend=backend)
+
+
 def fused_silu_mul(gate_up: Tensor) -> Tensor:
     if _use_triton(gate_up):
         from .kernels import triton_silu_mul
 
         return triton_silu_mul(gate_up.contiguous())
     return silu_mul(gate_up)
+
+
+def _use_skinny(x: Tensor, weight: Tensor) -> bool:
+    """The Triton skinny product for few rows (SMCDECODE_SKINNY_MAX_M rows at most, 0 disables it) and
+    weights of at most SMCDECODE_SKINNY_MAX_MB megabytes; cuBLAS (torch) otherwise."""
+    import os
+
+    if not _use_triton(x) or x.dtype != weight.dtype or weight.dtype not in (torch.bfloat16, torch.float16):
+        return False  # (float32 stays on cuBLAS: tl.dot would round its inputs to tf32)
+    max_m = int(os.environ.get("SMCDECODE_SKINNY_MAX_M", "16"))
+    max_mb = float(os.environ.get("SMCDECODE_SKINNY_MAX_MB", "1e9"))
+    return x.numel() // x.shape[-1] <= max_m and weight.numel() * weight.element_size() <= max_mb * 1e6
+
+
+def linear(x: Tensor, layer: nn.Linear) -> Tensor:
+    if layer.bias is None and _use_skinny(x, layer.weight):
+        from .kernels import triton_skinny_linear
+
+        return triton_skinny_linear(x, layer.weight)
+    return layer(x)
+
+
+def linear_silu_mul(x: Tensor, layer: nn.Linear) -> Tensor:
+    """silu(x·gateᵀ) · (x·upᵀ) for the fused [gate; up] projection ``layer`` (no bias)."""
+    if _use_skinny(x, layer.weight):
+        from .kernels import triton_skinny_linear
+
+        return triton_skinny_linear(x, layer.weight, silu=True)
+    return fused_silu_mul(layer(x))
 
 
 class RMSNorm(nn.Module):
@@ -213,11 +265,10 @@ class Block(nn.Module):
         B, L, _ = x.shape
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         x, n = add_rms_norm(x, delta, self.attention_norm.weight, cfg.norm_eps)
-        q = rope_kv_write(self.wqkv(n), batch.positions, rope[0], rope[1], kv.k(self.layer), kv.v(self.layer),
-                          batch.slot_pages, batch.slot_offsets, H, Hkv)
-        o = paged_attention(q, kv.k(self.layer), kv.v(self.layer), batch, backend=kv.attention_backend)
-        h, n = add_rms_norm(x, self.wo(o.reshape(B, L, H * D)), self.ffn_norm.weight, cfg.norm_eps)
-        return h, self.w2(fused_silu_mul(self.w13(n)))
+        o = rope_attention(linear(n, self.wqkv), batch, rope[0], rope[1], kv.k(self.layer), kv.v(self.layer), H,
+                           Hkv, backend=kv.attention_backend)
+        h, n = add_rms_norm(x, linear(o.reshape(B, L, H * D), self.wo), self.ffn_norm.weight, cfg.norm_eps)
+        return h, linear(linear_silu_mul(n, self.w13), self.w2)
 
 
 class Llama(nn.Module):
@@ -258,7 +309,7 @@ class Llama(nn.Module):
             x, delta = layer(x, delta, rope, kv, batch)
         if last_only:
             x, delta = x[:, -1:], delta[:, -1:]
-        return self.output(add_rms_norm(x, delta, self.norm.weight, self.cfg.norm_eps)[1])
+        return linear(add_rms_norm(x, delta, self.norm.weight, self.cfg.norm_eps)[1], self.output)
 
     # ------------------------------------------------------------------------------------------
     # construction

@@ -1,0 +1,270 @@
+"""Development measurements for the engine's kernels on one GPU (not the published benchmark:
+that is bench_engine.py). Times, in one process:
+
+1. the weight products of whole forwards (every layer's own weights, so nothing stays in L2),
+   cuBLAS through torch against the Triton skinny product (kernels.triton_skinny_linear) at the
+   row counts the strategies use, with a few block configurations at the draft's decode shape;
+2. SMC-SD / AR end to end under kernel variants switched by environment flags
+   (SMCDECODE_FUSED_ROPE, SMCDECODE_ATTN_MERGE, SMCDECODE_ATTN_PROGRAMS_PER_SM,
+   SMCDECODE_SKINNY_MAX_M), each after a fresh graph capture;
+3. a torch.profiler table of a graph-replayed SMC-SD call (per-round device time by kernel).
+
+    PYTHONPATH=$PWD python benchmarks/engine_variants.py --out /tmp/variants
+
+Writes variants.json and profile_*.txt into --out and prints compact tables.
+"""
+
+# ruff: noqa: B023  (the closures run before their loop advances)
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from smcdecode.backends.engine import PRESETS, Engine, Llama, kernels
+from smcdecode.backends.engine.model import silu_mul
+
+
+def graph_time(fn, reps: int = 15) -> float:
+    """Median seconds of one replay of fn captured in a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    del g
+    return statistics.median(ts)
+
+
+def gemm_section(target: Llama, draft: Llama, res: dict) -> None:
+    rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    alt = [(16, bn, bk, 4, 4) for bn in (16, 32, 64) for bk in (128, 256, 512)] + [(16, bn, 512, 8, 3) for bn in (16, 32, 64)]
+    for name, model, Ms in (("draft", draft, (8, 16, 64, 128)), ("target", target, (1, 8, 72))):
+        cfg = model.cfg
+        for M in Ms:
+            x = torch.randn(M, cfg.dim, device="cuda", dtype=torch.bfloat16)
+            xo = torch.randn(M, cfg.n_heads * cfg.head_dim, device="cuda", dtype=torch.bfloat16)
+            xi = torch.randn(M, cfg.intermediate_size, device="cuda", dtype=torch.bfloat16)
+            classes = {
+                "wqkv": ([b.wqkv.weight for b in model.layers], x, False),
+                "wo": ([b.wo.weight for b in model.layers], xo, False),
+                "w13": ([b.w13.weight for b in model.layers], x, False),
+                "w13+silu": ([b.w13.weight for b in model.layers], x, True),
+                "w2": ([b.w2.weight for b in model.layers], xi, False),
+                "head": ([model.output.weight], x, False),
+            }
+            for cls, (ws, inp, silu) in classes.items():
+                try:
+                    def cub():
+                        for w in ws:
+                            y = F.linear(inp, w)
+                            if silu:
+                                silu_mul(y)
+
+                    t_cub = graph_time(cub)
+                    configs = [None] + (alt if (name == "draft" and M == 8 and cls != "head") else [])
+                    best = None
+                    for c in configs:
+                        def sk():
+                            for w in ws:
+                                kernels.triton_skinny_linear(inp, w, silu=silu, config=c)
+                        try:
+                            t = graph_time(sk)
+                        except Exception as e:  # a configuration that does not compile
+                            print("config", c, "failed:", repr(e)[:200], flush=True)
+                            continue
+                        if c is None:
+                            t_default = t
+                        if best is None or t < best[0]:
+                            best = (t, c)
+                    nbytes = sum(w.numel() * 2 for w in ws)
+                    dflt = kernels.skinny_config(M, ws[0].shape[0] // (2 if silu else 1), ws[0].shape[1],
+                                                 torch.device("cuda"))
+                    row = {"model": name, "M": M, "class": cls, "cublas_us": 1e6 * t_cub,
+                           "skinny_default_us": 1e6 * t_default, "default_cfg": dflt,
+                           "skinny_best_us": 1e6 * best[0], "best_cfg": best[1] or dflt,
+                           "cublas_TBps": nbytes / t_cub / 1e12, "skinny_best_TBps": nbytes / best[0] / 1e12}
+                    rows.append(row)
+                    print(f"{name:6s} M={M:4d} {cls:9s} cublas {row['cublas_us']:8.1f} us ({row['cublas_TBps']:.2f} TB/s)"
+                          f"  skinny {row['skinny_default_us']:8.1f} us  best {row['skinny_best_us']:8.1f} us "
+                          f"({row['skinny_best_TBps']:.2f} TB/s) {row['best_cfg']}", flush=True)
+                except Exception:
+                    print(traceback.format_exc()[-1500:], flush=True)
+    res["gemm"] = rows
+    res["sms"] = sms
+
+
+def run_variant(engine: Engine, env: dict, fn, repeats: int) -> float:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        engine.clear_graphs()
+        fn(short=True)  # capture (and compile) outside the timing
+        ts = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn(short=False)
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        engine.clear_graphs()
+
+
+def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: int, repeats: int) -> None:
+    variants = [
+        ("default", {}),
+        ("no fused rope", {"SMCDECODE_FUSED_ROPE": "0"}),
+        ("merge kernel", {"SMCDECODE_ATTN_MERGE": "kernel"}),
+        ("attn per_sm=2", {"SMCDECODE_ATTN_PROGRAMS_PER_SM": "2"}),
+        ("attn per_sm=8", {"SMCDECODE_ATTN_PROGRAMS_PER_SM": "8"}),
+        ("attn per_sm=16", {"SMCDECODE_ATTN_PROGRAMS_PER_SM": "16"}),
+        ("no skinny", {"SMCDECODE_SKINNY_MAX_M": "0"}),
+        ("skinny <=128 rows", {"SMCDECODE_SKINNY_MAX_M": "128"}),
+    ]
+    rows = []
+    for G, N, K, names in ((1, 8, 8, None), (8, 8, 8, ("default", "attn per_sm=2", "attn per_sm=8", "attn per_sm=16",
+                                                          "no skinny", "skinny <=128 rows", "merge kernel"))):
+        for name, env in variants:
+            if names is not None and name not in names:
+                continue
+            if G == 1 and name == "skinny <=128 rows":
+                continue
+            P = prompts[:G]
+
+            def fn(short: bool):
+                engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=3 * (K + 1) if short else out_len)
+
+            try:
+                t = run_variant(engine, env, fn, repeats)
+                r = {"strategy": f"SMC-SD {G}x N={N} K={K}", "variant": name, "env": env, "s": t,
+                     "tok_s_total": G * out_len / t, "ms_per_round": 1e3 * t / -(-out_len // (K + 1))}
+            except Exception:
+                r = {"strategy": f"SMC-SD {G}x N={N} K={K}", "variant": name, "error": traceback.format_exc()[-1500:]}
+            rows.append(r)
+            print(r, flush=True)
+    for G in (1, 8):
+        for name, env in (("default", {}), ("no skinny", {"SMCDECODE_SKINNY_MAX_M": "0"}),
+                          ("no fused rope", {"SMCDECODE_FUSED_ROPE": "0"}), ("merge kernel", {"SMCDECODE_ATTN_MERGE": "kernel"})):
+            P = prompts[:G]
+
+            def fn(short: bool):
+                engine.autoregressive(P, max_new_tokens=8 if short else out_len // 2)
+
+            try:
+                t = run_variant(engine, env, fn, repeats)
+                r = {"strategy": f"AR {G}x", "variant": name, "env": env, "s": t, "tok_s_total": G * (out_len // 2) / t,
+                     "ms_per_step": 1e3 * t / (out_len // 2)}
+            except Exception:
+                r = {"strategy": f"AR {G}x", "variant": name, "error": traceback.format_exc()[-1500:]}
+            rows.append(r)
+            print(r, flush=True)
+    res["e2e"] = rows
+
+
+def profile_section(engine: Engine, prompts: list[list[int]], out: Path, res: dict) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    for G in (1, 8):
+        P = prompts[:G]
+        engine.smc_sd(P, particles=8, block_size=8, max_new_tokens=27)  # capture
+        rounds = 20
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.smc_sd(P, particles=8, block_size=8, max_new_tokens=rounds * 9)
+            torch.cuda.synchronize()
+        ev = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+        lines = [f"SMC-SD {G} request(s) N=8 K=8, {rounds} graph rounds (+ prefill): device time per round",
+                 f"{'kernel':90s} {'ms/round':>9s} {'calls/round':>11s} {'us/call':>8s}"]
+        total = 0.0
+        for e in ev:
+            if e.device_time_total <= 0:
+                continue
+            total += e.device_time_total
+        for e in ev[:40]:
+            if e.device_time_total <= 0:
+                continue
+            lines.append(f"{e.key[:90]:90s} {e.device_time_total / 1e3 / rounds:9.3f} {e.count / rounds:11.1f} "
+                         f"{e.device_time_total / max(e.count, 1):8.2f}")
+        lines.append(f"{'total device time':90s} {total / 1e3 / rounds:9.3f}")
+        (out / f"profile_smc_{G}.txt").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines[:30]), flush=True)
+        res[f"profile_smc_{G}"] = lines
+        engine.clear_graphs()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/variants")
+    ap.add_argument("--out-len", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--sections", default="gemm,e2e,profile")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res: dict = {"device": torch.cuda.get_device_name(0)}
+    target = Llama.random(PRESETS["llama-3.1-8b"], device="cuda", seed=1)
+    draft = Llama.random(PRESETS["llama-3.2-1b"], device="cuda", seed=2)
+    secs = args.sections.split(",")
+    t0 = time.perf_counter()
+    if "gemm" in secs:
+        try:
+            gemm_section(target, draft, res)
+        except Exception:
+            print(traceback.format_exc(), flush=True)
+        (out / "variants.json").write_text(json.dumps(res, indent=1, default=str))
+        print(f"[gemm section done at {time.perf_counter() - t0:.0f} s]", flush=True)
+    torch.manual_seed(0)
+    prompts = [p.tolist() for p in torch.randint(0, 128000, (8, 256))]
+    max_ctx = 256 + 1024 + 16
+    num_pages = 8 * 12 * (-(-(1024 + 16) // 16) + 1) + 8 * 16 + 64
+    engine = Engine(target, draft, num_pages=num_pages, page_size=16, max_context=max_ctx)
+    if "e2e" in secs:
+        try:
+            e2e_section(engine, prompts, res, args.out_len, args.repeats)
+        except Exception:
+            print(traceback.format_exc(), flush=True)
+        (out / "variants.json").write_text(json.dumps(res, indent=1, default=str))
+        print(f"[e2e section done at {time.perf_counter() - t0:.0f} s]", flush=True)
+    if "profile" in secs:
+        try:
+            profile_section(engine, prompts, out, res)
+        except Exception:
+            print(traceback.format_exc(), flush=True)
+        (out / "variants.json").write_text(json.dumps(res, indent=1, default=str))
+    print("\nSUMMARY")
+    for r in res.get("e2e", []):
+        if "error" in r:
+            print(r["strategy"], r["variant"], "ERROR", r["error"][-300:])
+        else:
+            print(f"{r['strategy']:22s} {r['variant']:20s} {r['tok_s_total']:8.1f} tok/s "
+                  f"{r.get('ms_per_round', r.get('ms_per_step')):7.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -49,10 +49,26 @@ def _progress(enabled: bool, total: int, desc: str):
 
 class _Strategy:
     name = "strategy"
+    backend = "reference"
+    engine_options: dict = {}
 
     def __init__(self, target):
         self.target = as_target(target)
         self.model = self.target.lm.model
+
+    def _set_backend(self, backend: str, engine_options: dict | None) -> None:
+        """``"reference"`` (eager, any model) or ``"engine"`` (the GPU engine; Llama-family HF models)."""
+        from .backends import BACKENDS
+
+        if backend not in BACKENDS:
+            raise SMCDecodeError(f"unknown backend {backend!r}: choose one of {sorted(BACKENDS)}")
+        self.backend = backend
+        if backend == "engine":
+            from .backends.engine.bridge import check_options
+
+            self.engine_options = check_options(engine_options)
+        elif engine_options:
+            raise SMCDecodeError("engine_options apply to backend='engine' only: drop them or pass backend='engine'")
 
     def _prepare(self, prompt, max_new_tokens: int) -> list[int]:
         check_positive_int("max_new_tokens", max_new_tokens)
@@ -134,6 +150,9 @@ class SMC(_Strategy):
     for a plain particle filter proposing one token per round from the locally normalised target.
     ``block_size`` K: draft tokens per round (a round adds K+1 tokens: the drafts and a bonus).
     ``ess_threshold`` τ: resample when ESS < τ·N; 0 never (sequential importance sampling), 1 every round.
+    ``backend="engine"`` runs the same program on the GPU engine (paged KV cache, CUDA graphs, Triton;
+    its torch reference path on the CPU); ``engine_options``: dtype, device, page_size, num_pages,
+    use_graphs.
     """
 
     name = "smc"
@@ -147,8 +166,11 @@ class SMC(_Strategy):
         block_size: int = 4,
         resampler: str = "systematic",
         ess_threshold: float = 0.5,
+        backend: str = "reference",
+        engine_options: dict | None = None,
     ):
         super().__init__(target)
+        self._set_backend(backend, engine_options)
         self.particles = check_positive_int("particles", particles, "use at least 1 particle")
         self.block_size = check_positive_int("block_size", block_size, "draft at least 1 token per round")
         if resampler not in RESAMPLERS:
@@ -160,6 +182,10 @@ class SMC(_Strategy):
             self.block_size = 0
 
     def _run(self, ids, groups, max_new_tokens, g, bar):
+        if self.backend == "engine":
+            from .backends.engine.bridge import run_smc
+
+            return run_smc(self, ids, groups, max_new_tokens, g, self.engine_options)
         return smc_sd(
             self.target, self.proposal, ids, groups=groups, particles=self.particles,
             block_size=self.block_size, max_new_tokens=max_new_tokens, resampler=self.resampler,
@@ -173,8 +199,10 @@ class SpeculativeDecoding(_Strategy):
 
     name = "speculative"
 
-    def __init__(self, target, proposal, *, block_size: int = 4, samples: int = 1):
+    def __init__(self, target, proposal, *, block_size: int = 4, samples: int = 1, backend: str = "reference",
+                 engine_options: dict | None = None):
         super().__init__(target)
+        self._set_backend(backend, engine_options)
         if self.target.lm.alpha != 1 or self.target.constraints or self.target.rewards:
             raise SMCDecodeError(
                 f"exact speculative decoding samples the LM alone; target {self.target!r} has a power, "
@@ -190,6 +218,10 @@ class SpeculativeDecoding(_Strategy):
         return self.samples
 
     def _run(self, ids, groups, max_new_tokens, g, bar):
+        if self.backend == "engine":
+            from .backends.engine.bridge import run_speculative
+
+            return run_speculative(self, ids, groups, max_new_tokens, g, self.engine_options)
         out = speculative(
             self.target, self.proposal, ids, batch=groups * self.samples, block_size=self.block_size,
             max_new_tokens=max_new_tokens, generator=g, progress=bar,

@@ -73,6 +73,7 @@ class EngineOutput:
     rounds: int = 0
     peak_pages: int = 0
     accepted: Tensor | None = None  # [G, N] drafted tokens accepted (speculative decoding)
+    drafted: Tensor | None = None  # [G, N] tokens drafted while the row was unfinished (speculative decoding)
     host_s: float = 0.0  # host time between rounds (page bookkeeping, uploads, rewards, host masks)
     finished: Tensor | None = None  # [G, N] bool: ended by EOS, budget, or weight 0 (SMC-SD)
     weights: list = field(default_factory=list)  # per round, normalised [G, N] (record_weights=True)
@@ -431,6 +432,7 @@ class Engine:
                 budget=torch.zeros(B, dtype=torch.long, device=dev),
                 finished=torch.zeros(B, dtype=torch.bool, device=dev),
                 accepted=torch.zeros(B, dtype=torch.long, device=dev),
+                drafted=torch.zeros(B, dtype=torch.long, device=dev),
                 drafts=torch.zeros(B, K, dtype=torch.long, device=dev),
                 log_q=torch.zeros(B, K, dtype=torch.float32, device=dev),
                 draft_logits=torch.zeros(B, K, V, dtype=self.dtype, device=dev),
@@ -451,6 +453,7 @@ class Engine:
             b["budget"].fill_(max_new_tokens)
             b["finished"].zero_()
             b["accepted"].zero_()
+            b["drafted"].zero_()
 
         self._upload(table, b["pt"], copies)
         reset()
@@ -482,6 +485,7 @@ class Engine:
         out.tokens = b["tokens"][:, :max_new_tokens].reshape(G, N, -1).clone()
         out.lengths = b["n_gen"].view(G, N).clone()
         out.accepted = b["accepted"].view(G, N).clone()
+        out.drafted = b["drafted"].view(G, N).clone()
         return out
 
     def _sd_round(self, b: dict, K: int, draft_temperature: float, target_temperature: float, eos: int, pad: int):
@@ -519,6 +523,7 @@ class Engine:
             b["tokens"].scatter_(1, n_gen[:, None] + ar, torch.where(write, block, pad))
             n_gen.add_(torch.where(active, n_new, 0))
             b["accepted"].add_(torch.where(active, torch.minimum(n_acc, n_new), 0))
+            b["drafted"].add_(torch.where(active, K, 0))
             finished.copy_(finished | (active & (any_eos | hit_budget)))
             prev = torch.where(n_acc > 0, drafts[rows, (n_acc - 1).clamp(min=0)], last)
             step = torch.where(active, n_acc + 1, 0)

@@ -1,0 +1,150 @@
+"""The public API on the engine: ``SMC(..., backend="engine")`` and
+``SpeculativeDecoding(..., backend="engine")`` run here.
+
+Models convert once to the engine's :class:`Llama` (``Llama.from_hf``; a GGUF file loaded with
+``load_model`` is an HFModel like any other) and are cached per model object, as are the engines
+(KV pools, captured graphs) per (target, draft) pair. A draft that shares the target's embedding
+or head modules (the distilled drafts in ``smcdecode/drafts``, ``truncated_draft``) shares them in
+the engine too.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+from ...errors import SMCDecodeError
+from ...samplers.smc_sd import SMCOutput
+
+_LLAMAS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Model -> {(dtype, device): Llama}
+_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target Model -> {key: Engine}
+
+SUPPORTED = ("llama",)
+OPTIONS = ("dtype", "device", "page_size", "num_pages", "use_graphs")
+
+
+def check_options(options: dict | None) -> dict:
+    options = dict(options or {})
+    bad = sorted(set(options) - set(OPTIONS))
+    if bad:
+        raise SMCDecodeError(f"unknown engine option(s) {bad}: engine_options takes {list(OPTIONS)}")
+    return options
+
+
+def to_llama(model, role: str, dtype=None, device=None):
+    """The engine's Llama for a smcdecode Model (cached per model, dtype and device)."""
+    from ...models import HFModel
+    from .model import Llama
+
+    if not isinstance(model, HFModel):
+        raise SMCDecodeError(
+            f"the engine runs Hugging Face Llama-family models (load_model(...)); the {role} {model.name!r} is a "
+            f"{type(model).__name__}: use backend='reference' for it")
+    kind = getattr(model.hf.config, "model_type", None)
+    if kind not in SUPPORTED:
+        raise SMCDecodeError(
+            f"the engine runs Llama-family models (model_type {list(SUPPORTED)}); the {role} {model.name!r} is "
+            f"{kind!r}: use backend='reference' for it")
+    p = next(model.hf.parameters())
+    dtype = p.dtype if dtype is None else (getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    device = torch.device(device) if device is not None else p.device
+    cache = _LLAMAS.setdefault(model, {})
+    key = (dtype, str(device))
+    if key not in cache:
+        try:
+            cache[key] = Llama.from_hf(model.hf, dtype=dtype, device=device)
+        except KeyError as e:
+            raise SMCDecodeError(
+                f"the {role} {model.name!r} lacks a weight the engine's Llama needs ({e}): use backend='reference'"
+            ) from None
+    return cache[key]
+
+
+def _share_modules(target_hf, draft_hf, target, draft) -> None:
+    """Draft embeddings / head that are the target's modules in HF become the target's in the engine."""
+    with torch.no_grad():
+        if draft_hf.get_input_embeddings() is target_hf.get_input_embeddings():
+            draft.tok_embeddings = target.tok_embeddings
+        if draft_hf.get_output_embeddings() is target_hf.get_output_embeddings():
+            draft.output = target.output
+
+
+def engine_for(target_model, draft_model, rows: int, context: int, options: dict):
+    """An Engine over the two models with room for ``rows`` sequences of ``context`` positions
+    (reused across calls when it fits)."""
+    from .engine import Engine
+
+    target = to_llama(target_model, "target", options.get("dtype"), options.get("device"))
+    draft = to_llama(draft_model, "draft", options.get("dtype"), options.get("device")) if draft_model else None
+    if draft is not None and draft_model is not target_model:
+        _share_modules(target_model.hf, draft_model.hf, target, draft)
+    page_size = int(options.get("page_size", 16))
+    context = max(64, 1 << (context - 1).bit_length())  # a power of two: few distinct graph shapes
+    pages = int(options.get("num_pages", rows * (context // page_size + 2) + 16))
+    key = (id(draft_model), page_size, pages, context, target.tok_embeddings.weight.dtype,
+           str(target.tok_embeddings.weight.device))
+    engines = _ENGINES.setdefault(target_model, {})
+    engine = engines.get(key)
+    if engine is None:
+        engines.clear()  # one engine (KV pools) per target at a time
+        engine = Engine(target, draft, num_pages=pages, page_size=page_size, max_context=context)
+        engines[key] = engine
+    return engine
+
+
+def _seed(generator: torch.Generator) -> int:
+    return int(torch.randint(0, 2**62, (1,), generator=generator))
+
+
+def run_smc(strategy, ids: list[int], groups: int, max_new_tokens: int, generator, options: dict) -> SMCOutput:
+    """``SMC.run`` / ``run_groups`` on the engine: ``groups`` requests of one prompt × N particles."""
+    from .smc import EngineTarget
+
+    if strategy.proposal is None:
+        raise SMCDecodeError(
+            "the engine's SMC-SD needs a draft: pass proposal=Draft(draft_model, temperature), or use "
+            "backend='reference' for proposal='target'")
+    if len(ids) < 2:
+        raise SMCDecodeError("the engine needs a prompt of at least 2 tokens: add a token (e.g. BOS) in front")
+    model = strategy.model
+    K, N = strategy.block_size, strategy.particles
+    engine = engine_for(model, strategy.proposal.model, groups * N, len(ids) + max_new_tokens + K + 2, options)
+    out = engine.smc_sd(
+        [ids] * groups, particles=N, block_size=K, max_new_tokens=max_new_tokens,
+        draft_temperature=strategy.proposal.temperature, target_temperature=strategy.target.lm.temperature,
+        eos_token_id=model.eos_token_id, resampler=strategy.resampler, ess_threshold=strategy.ess_threshold,
+        use_graphs=options.get("use_graphs"), seed=_seed(generator),
+        target=EngineTarget.of(strategy.target), record_weights=True)
+    result = SMCOutput(out.tokens.cpu(), out.lengths.cpu(), out.finished.cpu(), out.log_weights.cpu(),
+                       out.log_evidence.cpu())
+    result.ess = [torch.as_tensor(e) for e in out.ess]
+    result.resampled = [torch.as_tensor(r) for r in out.resampled]
+    result.weights = [w.cpu() for w in out.weights]
+    result.rounds = out.rounds
+    return result
+
+
+def run_speculative(strategy, ids: list[int], groups: int, max_new_tokens: int, generator,
+                    options: dict) -> SMCOutput:
+    """``SpeculativeDecoding`` on the engine: ``groups`` × ``samples`` independent rows."""
+    if len(ids) < 2:
+        raise SMCDecodeError("the engine needs a prompt of at least 2 tokens: add a token (e.g. BOS) in front")
+    model = strategy.model
+    K, S = strategy.block_size, strategy.samples
+    engine = engine_for(model, strategy.proposal.model, groups * S, len(ids) + 2 * max_new_tokens + K + 2,
+                        options)
+    out = engine.speculative(
+        [ids] * groups, block_size=K, max_new_tokens=max_new_tokens, samples=S,
+        draft_temperature=strategy.proposal.temperature, target_temperature=strategy.target.lm.temperature,
+        eos_token_id=model.eos_token_id, use_graphs=options.get("use_graphs"), seed=_seed(generator))
+    lengths = out.lengths.cpu()
+    finished = torch.ones_like(lengths, dtype=torch.bool)
+    result = SMCOutput(out.tokens.cpu(), lengths, finished, torch.zeros(groups, S, dtype=torch.float64),
+                       torch.full((groups,), math.nan, dtype=torch.float64))
+    result.rounds = out.rounds
+    accepted = int(out.accepted.sum())
+    result.accepted_tokens = accepted
+    result.draft_tokens = int(out.drafted.sum())
+    return result

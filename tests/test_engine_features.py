@@ -248,3 +248,45 @@ def test_plain_fused_round_with_eos(device):
             assert EOS not in x[:-1], x  # nothing after an EOS
     check_distribution(out, exact, z_max=5.0)
     check_evidence_unbiased(out, exact.log_Z, z_max=5.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_requests_join_and_leave_between_rounds(device):
+    """Continuous batching: more requests than slots, with different N, K, temperatures and budgets;
+    each joins when a slot frees up and leaves when finished. Every request still follows its own
+    exact target (regex-constrained, so finished requests leave at different rounds)."""
+    from smcdecode.backends.engine.scheduler import Request, Scheduler
+
+    engine, model = _setup(device)
+    pattern = PATTERNS[1]
+    a = dict(particles=4, block_size=1, max_new_tokens=3, target_temperature=1.0)
+    b = dict(particles=3, block_size=2, max_new_tokens=2, target_temperature=0.8)
+    reqs = [Request(PROMPT, **(a if i % 2 == 0 else b), id=i) for i in range(1200)]
+    sched = Scheduler(engine, slots=96, max_particles=4, max_block_size=2, eos_token_id=EOS,
+                      target=EngineTarget.of(sd.LM(model) * sd.Regex(pattern)), ess_threshold=1.0, seed=23)
+    for r in reqs[:600]:
+        sched.submit(r)
+    done, joined = [], set()
+    while sched.busy:
+        if sched.round == 3:  # later arrivals
+            for r in reqs[600:]:
+                sched.submit(r)
+        done.extend(sched.step())
+        joined.add(sched.round)
+    assert len(done) == len(reqs) and len({f.request.id for f in done}) == len(reqs)
+    assert len({f.joined_round for f in done}) > 5  # requests joined at many different rounds
+    by_id = {f.request.id: f for f in done}
+    for parity, s in ((0, a), (1, b)):
+        fs = [by_id[i] for i in range(parity, len(reqs), 2)]
+        out = SimpleNamespace(tokens=torch.stack([f.tokens for f in fs]), lengths=torch.stack([f.lengths for f in fs]),
+                              log_weights=torch.stack([f.log_weights for f in fs]),
+                              log_evidence=torch.tensor([f.log_evidence for f in fs], dtype=torch.float64))
+        assert out.tokens.shape == (len(fs), s["particles"], s["max_new_tokens"])
+        exact = exact_target(sd.LM(model, temperature=s["target_temperature"]) * sd.Regex(pattern), PROMPT,
+                             s["max_new_tokens"])
+        _check_constraint(out, pattern, model)
+        check_distribution(out, exact, z_max=5.0)
+        check_evidence_unbiased(out, exact.log_Z, z_max=5.0)
+    # the engine's batch call on the same requests (all at once) returns them in request order
+    served = engine.serve(reqs[:8], slots=3, eos_token_id=EOS, target=EngineTarget.of(sd.LM(model) * sd.Regex(pattern)))
+    assert [f.request.id for f in served] == list(range(8))

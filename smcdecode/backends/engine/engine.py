@@ -336,6 +336,27 @@ class Engine:
         out.particles = [N] * G
         return out
 
+    @torch.inference_mode()
+    def serve(self, requests: list, *, slots: int | None = None, target: EngineTarget | None = None,
+              eos_token_id: int | None = None, resampler: str = "systematic", ess_threshold: float = 0.5,
+              use_graphs: bool | None = None, seed: int = 0) -> list:
+        """SMC-SD of ``requests`` (:class:`~smcdecode.backends.engine.scheduler.Request`, each with its
+        own N, K, temperatures and budget) with continuous batching: at most ``slots`` run at once
+        (default: all), a request joins when a slot frees up and leaves when its particles have all
+        finished. Returns :class:`~smcdecode.backends.engine.scheduler.Finished` in request order."""
+        from .scheduler import Scheduler
+
+        if not requests:
+            return []
+        sched = Scheduler(self, slots=slots or len(requests), max_particles=max(r.particles for r in requests),
+                          max_block_size=max(r.block_size for r in requests), target=target,
+                          eos_token_id=eos_token_id, resampler=resampler, ess_threshold=ess_threshold,
+                          use_graphs=use_graphs, seed=seed)
+        for r in requests:
+            sched.submit(r)
+        done = {id(f.request): f for f in sched.run()}
+        return [done[id(r)] for r in requests]
+
     def _smc_round(self, b: dict, G: int, N: int, K: int, draft_temperature: float, target_temperature: float,
                    eos: int, pad: int, resampler: str, ess_threshold: float):
         """The device code of one SMC-SD round over the static buffers ``b`` (captured as one graph)."""

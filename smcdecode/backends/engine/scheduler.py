@@ -1,0 +1,308 @@
+"""Continuous batching for SMC-SD: requests join between rounds, finished requests leave.
+
+A :class:`Scheduler` owns ``slots`` request slots of ``max_particles`` rows each (rows of slot g:
+g·N_max … g·N_max + N_max − 1) in the static buffers of :mod:`smc`. Between rounds it admits queued
+requests into free slots (lowest first: prefill the prompt once, share its pages with the request's
+rows, write the request's per-row settings into the buffers) and releases requests whose particles
+have all finished (their pages are freed, the rows become dead padding). Each round runs over the
+first ``bucket`` slots only, ``bucket`` the smallest power of two covering every occupied slot:
+one captured graph per bucket, each over views of the same buffers, so the slots past the last
+occupied one cost nothing.
+
+    sched = Scheduler(engine, slots=8, max_particles=8, max_block_size=4, eos_token_id=eos)
+    sched.submit(Request(prompt_ids, particles=8, block_size=4, max_new_tokens=64))
+    while sched.busy:
+        for done in sched.step():   # one round; the requests that finished in it
+            ...
+
+Every request shares the scheduler's target program (power, token-automaton constraints, rewards);
+constraints whose masks come from the host (llguidance) need lockstep rows and run through
+``Engine.smc_sd`` instead.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ...errors import SMCDecodeError
+from .smc import NEG_INF, DeviceAutomaton, EngineTarget, Settings, _build, _capture, _host_terms
+
+
+@dataclass
+class Request:
+    """One SMC-SD request: a prompt (token ids, at least 2) and its own settings."""
+
+    prompt: list[int]
+    particles: int
+    block_size: int
+    max_new_tokens: int
+    draft_temperature: float = 1.0
+    target_temperature: float = 1.0
+    id: object = None
+
+
+@dataclass
+class Finished:
+    """A finished request: its particles ([N, max_new_tokens] EOS-padded tokens), weights, log Ẑ and
+    per-round ESS / resampling flags (of the rounds it was in)."""
+
+    request: Request
+    tokens: Tensor
+    lengths: Tensor
+    log_weights: Tensor
+    log_evidence: float
+    ess: list = field(default_factory=list)
+    resampled: list = field(default_factory=list)
+    rounds: int = 0
+    joined_round: int = 0
+
+
+def _bucket(n: int, slots: int) -> int:
+    return min(slots, 1 << max(0, (n - 1).bit_length()))
+
+
+class Scheduler:
+    """Requests join between rounds and leave when finished (see the module docstring)."""
+
+    @torch.inference_mode()
+    def __init__(self, engine, *, slots: int, max_particles: int, max_block_size: int,
+                 target: EngineTarget | None = None, eos_token_id: int | None = None,
+                 resampler: str = "systematic", ess_threshold: float = 0.5, use_graphs: bool | None = None,
+                 seed: int = 0):
+        if engine.draft is None:
+            raise SMCDecodeError("SMC-SD needs a draft model: Engine(target, draft, ...)")
+        if engine.max_context is None:
+            raise SMCDecodeError("a Scheduler needs an engine with a fixed max_context: Engine(..., max_context=...)")
+        for name, v in (("slots", slots), ("max_particles", max_particles), ("max_block_size", max_block_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SMCDecodeError(f"{name} must be an integer >= 1, got {v!r}")
+        self.engine, self.slots, self.Nmax, self.Kmax = engine, slots, max_particles, max_block_size
+        self.target = target or EngineTarget()
+        self.target.check()
+        dev = engine.device
+        self.automata = []
+        for c in self.target.constraints:
+            a = DeviceAutomaton.of(c, dev)
+            if a is None or self.target.host_masks:
+                raise SMCDecodeError(
+                    f"constraint {c!r} computes its masks on the host, which needs every row in lockstep: run it "
+                    "through Engine.smc_sd (one call per batch of requests) instead of a Scheduler")
+            self.automata.append(a)
+        if self.automata and eos_token_id is None:
+            raise SMCDecodeError("constraints allow EOS only in accepting states: pass eos_token_id")
+        self.eos = -1 if eos_token_id is None else eos_token_id
+        self.pad = max(self.eos, 0)
+        self.use_graphs = dev.type == "cuda" if use_graphs is None else use_graphs
+        self.resampler, self.tau = resampler, ess_threshold
+        B = slots * max_particles
+        from .kv_cache import PageTable
+
+        PS = engine.page_size
+        engine._ensure_rope(engine.max_context + PS)
+        self.table = PageTable(B, -(-engine.max_context // PS) + 1, engine.num_pages, PS)
+        pt = torch.from_numpy(self.table.table).to(dev)
+        self.cap = self.table.table.shape[1] * PS
+        self.full = _build(engine, slots, max_particles, max_block_size, self.cap, pt, self.automata, self.eos,
+                           self.pad, resampler, ess_threshold, None)
+        b = self.full.buffers
+        b["finished"].fill_(True)
+        b["log_w"].fill_(NEG_INF)
+        b["n"].fill_(1)
+        b["seq"].fill_(1)
+        self.lens = np.ones(B, dtype=np.int64)  # target tokens cached per row (dead rows: 1)
+        self.rounds: dict[int, object] = {}  # bucket -> _Round over views of the buffers
+        self.queue: deque[Request] = deque()
+        self.requests: list[Request | None] = [None] * slots
+        self.history: list[dict] = [{} for _ in range(slots)]
+        from ...samplers.common import RewardTracker
+
+        self.rewards = RewardTracker(self.target.rewards, self.target.decoder, B) if self.target.rewards else None
+        self.round = 0
+        self.host_s = 0.0
+        torch.manual_seed(seed)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def submit(self, request: Request) -> None:
+        """Queue a request; it joins at the start of a round when a slot is free."""
+        s = Settings.of(1, request.particles, request.block_size, request.max_new_tokens,
+                        request.draft_temperature, request.target_temperature)
+        if request.particles > self.Nmax:
+            raise SMCDecodeError(f"particles ({request.particles}) exceeds the scheduler's max_particles "
+                                 f"({self.Nmax}): raise max_particles")
+        if request.block_size > self.Kmax:
+            raise SMCDecodeError(f"block_size ({request.block_size}) exceeds the scheduler's max_block_size "
+                                 f"({self.Kmax}): raise max_block_size")
+        need = len(request.prompt) + s.max_new_tokens[0] + self.Kmax + 2
+        if len(request.prompt) < 2 or need > self.engine.max_context:
+            raise SMCDecodeError(f"prompt ({len(request.prompt)} tokens) must have at least 2 tokens and, with "
+                                 f"max_new_tokens and a block, fit the engine's max_context "
+                                 f"({self.engine.max_context}; needs {need})")
+        self.queue.append(request)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue) or any(r is not None for r in self.requests)
+
+    def _admit(self, g: int, req: Request) -> None:
+        e, b, N, dev = self.engine, self.full.buffers, self.Nmax, self.engine.device
+        rows = np.arange(g * N, (g + 1) * N)
+        n = req.particles
+        ids = list(req.prompt)
+        self.table.free_rows(rows)
+        self.table.reserve(rows[:1], np.array([len(ids) - 1]))
+        self.table.advance(rows[:1], np.array([len(ids) - 1]))
+        b["pt"].copy_(torch.from_numpy(self.table.table))
+        e._prefill(e.target, e.kv_t, b["pt"], int(rows[0]), ids[:-1])
+        e._prefill(e.draft, e.kv_d, b["pt"], int(rows[0]), ids[:-2])
+        self.table.share_prefix(rows.tolist(), int(rows[0]))
+        self.lens[rows] = len(ids) - 1
+        r = slice(int(rows[0]), int(rows[-1]) + 1)
+        valid = torch.arange(N, device=dev) < n
+        b["seq"][r] = len(ids) - 1
+        b["pending"][r] = torch.tensor(ids[-2:], device=dev)
+        b["last"][r] = ids[-1]
+        b["tokens"][r] = self.pad
+        b["n_gen"][r] = 0
+        b["budget"][r] = req.max_new_tokens
+        b["K_row"][r] = req.block_size
+        b["T_draft"][r] = float(req.draft_temperature)
+        b["T_target"][r] = float(req.target_temperature)
+        b["alpha"][r] = self.target.alpha
+        b["valid"][r] = valid
+        b["finished"][r] = ~valid
+        b["log_w"][r] = torch.where(valid, 0.0, NEG_INF).double()
+        b["n"][g] = n
+        b["log_Z"][g] = 0.0
+        for s, a in zip(b["states"], self.automata):
+            s[r] = a.initial
+        if self.rewards is not None:
+            from ...samplers.common import _reward_scores
+
+            for i, rw in enumerate(self.rewards.rewards):
+                if rw.mode == "prefix":
+                    self.rewards.prev[i][torch.from_numpy(rows)] = _reward_scores(rw, [""], [[]])
+        self.requests[g] = req
+        self.history[g] = {"ess": [], "resampled": [], "joined": self.round}
+
+    def _release(self, g: int) -> Finished:
+        b, N = self.full.buffers, self.Nmax
+        req = self.requests[g]
+        n = req.particles
+        r = slice(g * N, g * N + n)
+        lw = b["log_w"][r].cpu().clone()  # (copies: the rows are reused)
+        out = Finished(req, b["tokens"][r, : req.max_new_tokens].cpu().clone(), b["n_gen"][r].cpu().clone(), lw,
+                       float(b["log_Z"][g].cpu() + torch.logsumexp(lw, 0) - math.log(n)),
+                       self.history[g]["ess"], self.history[g]["resampled"],
+                       self.round - self.history[g]["joined"], self.history[g]["joined"])
+        rows = np.arange(g * N, (g + 1) * N)
+        self.table.free_rows(rows)
+        self.lens[rows] = 1
+        full = slice(g * N, (g + 1) * N)
+        b["valid"][full] = False
+        b["finished"][full] = True
+        b["log_w"][full] = NEG_INF
+        b["seq"][full] = 1
+        b["n"][g] = 1
+        self.requests[g] = None
+        return out
+
+    # -- rounds --------------------------------------------------------------------------------
+
+    def _round(self, bucket: int):
+        rnd = self.rounds.get(bucket)
+        if rnd is not None:
+            return rnd
+        from .smc import _Round, _round_code
+
+        R = bucket * self.Nmax
+        full = self.full.buffers
+        view = {}
+        for k, v in full.items():
+            if k == "states":
+                view[k] = [s[:R] for s in v]
+            elif k in ("n", "log_Z", "do", "ess", "W", "group_base"):
+                view[k] = v[:bucket]
+            elif k in ("ar", "done"):
+                view[k] = v
+            else:
+                view[k] = v[:R]
+        rnd = _Round(view, None, None, keep=list(self.full.keep))
+        rnd.propose_code, rnd.finish_code = _round_code(self.engine, view, self.automata, self.eos, self.pad,
+                                                         self.resampler, self.tau)
+        # NOTE: capturing runs the round once (warm-up); save and restore every buffer around it
+        saved = {k: (v.clone() if isinstance(v, Tensor) else [s.clone() for s in v]) for k, v in full.items()}
+        _capture(self.engine, rnd, self.use_graphs, split=self.rewards is not None)
+        for k, v in full.items():
+            if isinstance(v, Tensor):
+                v.copy_(saved[k])
+            else:
+                for s, o in zip(v, saved[k]):
+                    s.copy_(o)
+        self.rounds[bucket] = rnd
+        return rnd
+
+    @torch.inference_mode()
+    def step(self) -> list[Finished]:
+        """Admit queued requests into free slots, run one round over the occupied bucket, release
+        the requests that finished. Returns those requests."""
+        t0 = time.perf_counter()
+        for g in range(self.slots):
+            if not self.queue:
+                break
+            if self.requests[g] is None:
+                self._admit(g, self.queue.popleft())
+        occupied = [g for g, r in enumerate(self.requests) if r is not None]
+        if not occupied:
+            return []
+        bucket = _bucket(max(occupied) + 1, self.slots)
+        R = bucket * self.Nmax
+        b = self.full.buffers
+        rows = np.arange(R)
+        copies = self.table.reserve(rows, self.lens[:R] + self.Kmax + 1, write_from=self.lens[:R] - 1)
+        self.engine._upload(self.table, b["pt"], copies)
+        rnd = self._round(bucket)
+        self.host_s += time.perf_counter() - t0
+        rnd.propose()
+        if self.rewards is not None:
+            t1 = time.perf_counter()
+            _host_terms(rnd.buffers, self.rewards, None, self.cap)
+            self.host_s += time.perf_counter() - t1
+        rnd.finish()
+        packed = torch.cat([b["index"][:R].double(), b["seq"][:R].double(), b["finished"][:R].double(),
+                            b["do"][:bucket].double(), b["ess"][:bucket]]).cpu()  # the round's one sync
+        t1 = time.perf_counter()
+        h = packed.numpy()
+        self.round += 1
+        index = np.arange(self.slots * self.Nmax)
+        index[:R] = h[:R].astype(np.int64)
+        self.lens[:R] = h[R : 2 * R].astype(np.int64)
+        finished = h[2 * R : 3 * R].reshape(bucket, self.Nmax) > 0
+        do, ess = h[3 * R : 3 * R + bucket] > 0, h[3 * R + bucket :]
+        self.table.fork(index)
+        self.table.advance(rows, self.lens[:R])
+        if self.rewards is not None and not np.array_equal(index[:R], rows):
+            self.rewards.fork(torch.from_numpy(index))
+        done = []
+        for g in occupied:
+            self.history[g]["ess"].append(float(ess[g]))
+            self.history[g]["resampled"].append(bool(do[g]))
+            if finished[g].all():
+                done.append(self._release(g))
+        self.host_s += time.perf_counter() - t1
+        return done
+
+    def run(self) -> list[Finished]:
+        """Step until every submitted request has finished; results in completion order."""
+        out = []
+        while self.busy:
+            out.extend(self.step())
+        return out

@@ -79,9 +79,12 @@ def _run(engine, target, *, G=1500, N=4, K=2, n=3, T=1.0, Td=1.0, tau=0.5, resam
     prog = EngineTarget.of(target, host_masks=host_masks)
     kw = dict(particles=N, block_size=K, max_new_tokens=n, draft_temperature=Td, target_temperature=T,
               eos_token_id=EOS, ess_threshold=tau, resampler=resampler, target=prog)
-    # a first, shorter call captures the round graph(s); the measured call replays them
-    engine.smc_sd([PROMPT] * 4, **{**kw, "max_new_tokens": 1}, seed=seed + 1000)
-    return engine.smc_sd([PROMPT] * G, **kw, seed=seed)
+    # a first, shorter call captures the round graph(s); the measured call (same shape) replays them
+    engine.smc_sd([PROMPT] * G, **{**kw, "max_new_tokens": 1}, seed=seed + 1000)
+    n_graphs = len(engine._graphs)
+    out = engine.smc_sd([PROMPT] * G, **kw, seed=seed)
+    assert len(engine._graphs) == n_graphs  # nothing captured anew
+    return out
 
 
 def _check_constraint(out, pattern: str, model) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -40,6 +41,7 @@ from ...samplers.resampling import RESAMPLERS, _inverse_cdf, counts_to_ancestors
 from .attention import PagedBatch
 
 NEG_INF = float("-inf")
+_AUTOMATA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Regex -> {device: DeviceAutomaton}
 
 
 # -- the target program on the device ----------------------------------------------------------
@@ -57,13 +59,18 @@ class DeviceAutomaton:
 
     @classmethod
     def of(cls, constraint, device) -> DeviceAutomaton | None:
-        """The automaton of a :class:`~smcdecode.potentials.regex.Regex` (None for other constraints)."""
+        """The automaton of a :class:`~smcdecode.potentials.regex.Regex` (None for other constraints),
+        cached per constraint and device (captured graphs are keyed by the table they read)."""
         from ...potentials.regex import Regex
 
         if not isinstance(constraint, Regex):
             return None
-        return cls(constraint.table.to(device=device, dtype=torch.int32).contiguous(),
-                   constraint._accepting.to(device), int(constraint._initial), int(constraint._dead))
+        cache = _AUTOMATA.setdefault(constraint, {})
+        key = str(torch.device(device))
+        if key not in cache:
+            cache[key] = cls(constraint.table.to(device=device, dtype=torch.int32).contiguous(),
+                             constraint._accepting.to(device), int(constraint._initial), int(constraint._dead))
+        return cache[key]
 
     def allowed(self, state: Tensor) -> Tensor:
         return self.table[state] != self.dead  # [B, V]

@@ -96,6 +96,7 @@ def test_truncated_draft_converts_and_shares_the_targets_modules():
     out = sd.SMC(sd.LM(target_model), sd.Draft(draft), particles=3, block_size=2, backend="engine").run(
         PROMPT, max_new_tokens=5, seed=0, progress=False)
     assert len(out.tokens) == 3 and all(1 <= len(t) <= 5 for t in out.tokens)
+    assert len(out.weight_history) == len(out.ess) >= 1  # the fused plain round records them too
 
 
 def test_what_the_engine_cannot_run_is_refused():

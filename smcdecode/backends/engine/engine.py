@@ -238,7 +238,7 @@ class Engine:
                                    target_temperature)
         use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         plain = target is None or (target.alpha == 1.0 and not target.constraints and not target.rewards)
-        if not (plain and settings.uniform) or record_weights:
+        if not (plain and settings.uniform):
             return smc.run(self, prompts, settings, target or smc.EngineTarget(), eos_token_id=eos_token_id,
                            resampler=resampler, ess_threshold=ess_threshold, use_graphs=use_graphs, seed=seed,
                            record_weights=record_weights)
@@ -275,6 +275,7 @@ class Engine:
                 index=torch.arange(B, device=dev), do=torch.zeros(G, dtype=torch.bool, device=dev),
                 ess=torch.zeros(G, dtype=torch.float64, device=dev), done=torch.zeros(1, dtype=torch.bool, device=dev),
                 ar=torch.arange(K + 1, device=dev), group_base=(torch.arange(G, device=dev) * N)[:, None],
+                W=torch.zeros(G, N, dtype=torch.float64, device=dev),
             )
             step = self._smc_round(buf, G, N, K, draft_temperature, target_temperature, eos, pad, resampler,
                                    ess_threshold)
@@ -310,6 +311,8 @@ class Engine:
         n_rounds = -(-max_new_tokens // (K + 1))
         for r in range(n_rounds):
             graph.step()
+            if record_weights:
+                out.weights.append(b["W"].clone())
             packed = torch.cat([b["index"].double(), b["do"].double(), b["ess"], b["done"].double()])
             host.copy_(packed, non_blocking=True)
             if pinned:
@@ -405,6 +408,7 @@ class Engine:
             b["index"].copy_(idx)
             b["do"].copy_(do)
             b["ess"].copy_(ess)
+            b["W"].copy_(W)
             b["done"].copy_(finished.all()[None])
 
         return round_

@@ -164,6 +164,29 @@ def test_extra_prompts_only_train_and_generation_budget_keeps_a_random_subset(tm
     assert any("generation time budget" in line for line in logs)
 
 
+def test_engine_generator_samples_the_target(target):
+    """The engine-generated corpus follows p_T: first-token counts against softmax(logits / T)
+    (chi-square, false-alarm rate 1e-6), and every response is cut after its first EOS."""
+    from scipy.stats import chisquare
+
+    prompt, T, n = [5, 9, 13], 0.7, 3000
+    corpus = generate_corpus(target, [prompt], samples=n, max_new_tokens=3, temperature=T, batch_size=1000,
+                             seed=4, progress=False, generator="engine")
+    assert len(corpus) == n
+    for _prompt, response in corpus:
+        assert 1 <= len(response) <= 3 and target.eos_token_id not in response[:-1]
+    with torch.no_grad():
+        logits = target.hf(input_ids=torch.tensor([prompt])).logits[0, -1].double()
+    p = torch.softmax(logits / T, -1)
+    counts = torch.bincount(torch.tensor([r[0] for _, r in corpus]), minlength=p.numel()).double()
+    keep = p * n >= 5  # pool the rare cells
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    exp = torch.cat([p[keep], p[~keep].sum()[None]]) * n
+    assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-6
+    with pytest.raises(SMCDecodeError, match="generator must be"):
+        generate_corpus(target, [prompt], generator="vllm", progress=False)
+
+
 @pytest.mark.parametrize("weights, tol", [("float32", 0.0), ("bfloat16", 5e-2), ("int8", 5e-2)])
 def test_saved_draft_round_trips(target, tmp_path, weights, tol):
     draft = build_draft(target, 2, [0, 2])

@@ -12,6 +12,8 @@
 # train   for each L in LAYERS, concurrently: the same command on a copy of that corpus, resumed
 #         with --steps large and --time-budget TRAIN_BUDGET, --eval-every 250 (the draft with the
 #         lowest validation KL is kept), then the held-out evaluation of the saved (int8) draft.
+# single  corpus and training of one draft in one command (GENERATOR=engine makes the corpus
+#         many times faster on the GPU: smcdecode's own engine instead of transformers' generate).
 # eval    benchmarks/draft_acceptance.py (distilled drafts vs truncated ones on the held-out
 #         answers) and benchmarks/draft_fidelity.py (SMC-SD K=4/8 and exact SD with the draft DRAFT;
 #         PHASE1_RESULTS=DIR reuses the target / truncated-draft answers of an earlier run on the
@@ -31,6 +33,7 @@ elapsed() { echo $(( $(date +%s) - T0 )); }
 EXTRA=${EXTRA:-"$DATA/gsm8k_test.jsonl $DATA/math500.jsonl $DATA/spec_bench_questions.jsonl"}
 PROMPTS=(--prompts "$DATA/sharegpt_500.json" "$DATA/alpaca_eval_instructions.json" --extra-prompts $EXTRA)
 COMMON=(--target "$GGUF" "${PROMPTS[@]}" --device "$DEVICE" --no-progress --samples-per-prompt "${SAMPLES:-8}"
+        --generator "${GENERATOR:-hf}"
         --generation-batch-size "${GEN_BATCH:-1024}" --generation-time-budget "${GEN_BUDGET:-420}"
         --eval-every "${EVAL_EVERY:-250}" --batch-size "${BATCH:-64}" --lr "${LR:-5e-4}"
         --warmup-steps "${WARMUP:-100}" --checkpoint-every 500 ${DISTILL_ARGS:-})
@@ -38,6 +41,15 @@ COMMON=(--target "$GGUF" "${PROMPTS[@]}" --device "$DEVICE" --no-progress --samp
 if [[ $STAGE == corpus || $STAGE == all ]]; then
     "$PY" -m smcdecode.distill "${COMMON[@]}" --layers 4 --out "$W/corpus" --steps 1
     echo "== corpus done (elapsed $(elapsed) s)"
+fi
+
+if [[ $STAGE == single ]]; then  # corpus and training of one draft (the first of LAYERS) in one command
+    L=${LAYERS%% *}
+    "$PY" -m smcdecode.distill "${COMMON[@]}" --layers "$L" --out "$W/d$L" --steps 1000000 \
+        --time-budget "${TRAIN_BUDGET:-420}" 2>&1 | grep -v -i warn | tee "$W/train_L$L.log" | tail -n 40
+    mkdir -p "$W/corpus" && cp "$W/d$L/corpus.pt" "$W/corpus/"
+    mkdir -p "$OUT/d$L" && cp "$W/d$L/draft.json" "$W/d$L/eval.json" "$W/train_L$L.log" "$OUT/d$L/"
+    echo "== corpus and training done (elapsed $(elapsed) s)"
 fi
 
 if [[ $STAGE == train || $STAGE == all ]]; then

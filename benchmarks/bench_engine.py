@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import time
 import traceback
@@ -236,7 +237,8 @@ def main() -> None:
                  "shapes": {"target": "llama-3.1-8b", "draft": "llama-3.2-1b", "dtype": "bfloat16",
                             "prompt_len": args.prompt_len, "out_len": args.out_len, "page_size": 16,
                             "weights": "random (normal 0, 0.02)", "eos": "ignored (fixed-length outputs)"},
-                 "repeats": args.repeats, "runs": [], "errors": []}
+                 "repeats": args.repeats, "runs": [], "errors": [],
+                 "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SMCDECODE_")}}
     if args.append and (out_dir / "benchmarks.json").exists():
         res = json.loads((out_dir / "benchmarks.json").read_text())
 
@@ -378,26 +380,35 @@ def main() -> None:
             res["kv_bytes_per_token_per_particle"] = page_bytes / 16
             save()
 
-        # --- profile: where a round's time goes (eager, so kernels are attributed; and graph replay)
+        # --- profile: where a round's device time goes (graph replay; the round graph is captured by
+        # a short call first, so the profiled call is prefill + replayed rounds, late in the output)
         try:
             if args.skip_profile:
                 raise RuntimeError("profile skipped (--skip-profile)")
             from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-                engine.smc_sd(P[:1], particles=8, block_size=8, max_new_tokens=4 * 9, use_graphs=False)
-                torch.cuda.synchronize()
-            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof2:
-                engine.smc_sd(P[:1], particles=8, block_size=8, max_new_tokens=20 * 9)
-                torch.cuda.synchronize()
-            table2 = prof2.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-            (out_dir / "profile.txt").write_text("EAGER (4 rounds, N=8 K=8, 1 request)\n" + table
-                                                 + "\n\nGRAPHS (20 rounds + capture)\n" + table2)
-            res["profile_top_eager"] = [(e.key, e.device_time_total / 1e3) for e in sorted(
-                prof.key_averages(), key=lambda e: -e.device_time_total)[:15]]
-            res["profile_top_graph"] = [(e.key, e.device_time_total / 1e3) for e in sorted(
-                prof2.key_averages(), key=lambda e: -e.device_time_total)[:15]]
+            texts = []
+            for G in (1, max(requests)):
+                rounds = 20
+                engine.smc_sd(P[:G], particles=8, block_size=8, max_new_tokens=27)  # capture
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    engine.smc_sd(P[:G], particles=8, block_size=8, max_new_tokens=rounds * 9)
+                    torch.cuda.synchronize()
+                ev = [e for e in prof.key_averages() if e.device_time_total > 0]
+                ev.sort(key=lambda e: -e.device_time_total)
+                total = sum(e.device_time_total for e in ev)
+                rows = [(e.key, e.device_time_total / 1e3 / rounds, e.count / rounds,
+                         e.device_time_total / max(e.count, 1)) for e in ev]
+                res[f"profile_per_round_G{G}"] = {"rounds": rounds, "total_ms_per_round": total / 1e3 / rounds,
+                                                  "kernels": rows[:30]}
+                lines = [f"SMC-SD N=8 K=8, {G} request(s): device time per round over {rounds} replayed rounds "
+                         f"(the call's prefill included), total {total / 1e3 / rounds:.2f} ms",
+                         f"{'kernel':100s} {'ms/round':>9s} {'calls/round':>11s} {'us/call':>8s}"]
+                lines += [f"{k[:100]:100s} {a:9.3f} {c:11.1f} {u:8.2f}" for k, a, c, u in rows[:40]]
+                texts.append("\n".join(lines))
+                engine.clear_graphs()
+            (out_dir / "profile.txt").write_text("\n\n".join(texts) + "\n")
+            print(texts[0], flush=True)
         except Exception:
             res["errors"].append("profile: " + traceback.format_exc()[-2000:])
         save()
@@ -427,7 +438,9 @@ def write_markdown(res: dict, path: Path) -> None:
         f"Median of {res['repeats']} runs, each end to end (prefill and decoding). The engine captures a round's "
         f"CUDA graph once per shape, in a first, short call ('first call s': capture and any Triton compilation "
         f"included), and later calls replay it; for HF generate 'first call s' is its compiling first call.",
-        f"Copy bandwidth measured in the same run: {res['copy_bandwidth_TBps']:.2f} TB/s (read + write).", "",
+        f"Copy bandwidth measured in the same run: {res['copy_bandwidth_TBps']:.2f} TB/s (read + write)."
+        + (f" Engine settings: {', '.join(f'{k}={v}' for k, v in res['env'].items())}." if res.get("env") else ""),
+        "",
         "| system | requests | tok/s per request | tok/s total | GEMM floor tok/s total | of GEMM floor | "
         "weight-BW roofline tok/s per request | ms/round | host ms/round | first call s | mean ESS | resample rate | "
         "peak KV GiB | peak GPU mem GiB |",

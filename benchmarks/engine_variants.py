@@ -99,7 +99,7 @@ def gemm_section(target: Llama, draft: Llama, res: dict) -> None:
                             best = (t, c)
                     nbytes = sum(w.numel() * 2 for w in ws)
                     dflt = kernels.skinny_config(M, ws[0].shape[0] // (2 if silu else 1), ws[0].shape[1],
-                                                 torch.device("cuda"))
+                                                 torch.device("cuda"), silu)
                     row = {"model": name, "M": M, "class": cls, "cublas_us": 1e6 * t_cub,
                            "skinny_default_us": 1e6 * t_default, "default_cfg": dflt,
                            "skinny_best_us": 1e6 * best[0], "best_cfg": best[1] or dflt,
@@ -188,6 +188,33 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
     res["e2e"] = rows
 
 
+def sweep_section(engine: Engine, prompts: list[list[int]], res: dict, out: Path) -> None:
+    """Attention split settings on SMC-SD (1 request, N=8, K=8, 1024 tokens) and AR (1 request, 512
+    tokens); writes the SMC-SD winner's environment to best_env.txt (KEY=VALUE lines)."""
+    variants = [{"SMCDECODE_ATTN_PROGRAMS_PER_SM": "0.4"}]
+    for per_sm in ("1", "2"):
+        for merge in ("fused", "kernel"):
+            variants.append({"SMCDECODE_ATTN_PROGRAMS_PER_SM": per_sm, "SMCDECODE_ATTN_MERGE": merge})
+    rows = []
+    for env in variants:
+        r = {"env": env}
+        try:
+            r["smc_s"] = run_variant(engine, env, lambda short: engine.smc_sd(
+                prompts[:1], particles=8, block_size=8, max_new_tokens=27 if short else 1024), 1)
+            r["ar_s"] = run_variant(engine, env, lambda short: engine.autoregressive(
+                prompts[:1], max_new_tokens=8 if short else 512), 1)
+            r["smc_tok_s"], r["ar_tok_s"] = 1024 / r["smc_s"], 512 / r["ar_s"]
+        except Exception:
+            r["error"] = traceback.format_exc()[-1500:]
+        rows.append(r)
+        print(r, flush=True)
+    res["sweep"] = rows
+    ok = [r for r in rows if "smc_s" in r]
+    best = min(ok, key=lambda r: r["smc_s"])
+    (out / "best_env.txt").write_text("".join(f"{k}={v}\n" for k, v in best["env"].items()))
+    print("best", best, flush=True)
+
+
 def profile_section(engine: Engine, prompts: list[list[int]], out: Path, res: dict) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -251,6 +278,12 @@ def main() -> None:
             print(traceback.format_exc(), flush=True)
         (out / "variants.json").write_text(json.dumps(res, indent=1, default=str))
         print(f"[e2e section done at {time.perf_counter() - t0:.0f} s]", flush=True)
+    if "sweep" in secs:
+        try:
+            sweep_section(engine, prompts, res, out)
+        except Exception:
+            print(traceback.format_exc(), flush=True)
+        (out / "variants.json").write_text(json.dumps(res, indent=1, default=str))
     if "profile" in secs:
         try:
             profile_section(engine, prompts, out, res)

@@ -199,7 +199,7 @@ def test_interpreted_model_forward_matches_reference_path(monkeypatch):
 
     def run(force: bool):
         monkeypatch.setattr(M, "_use_triton", lambda x: force)
-        monkeypatch.setattr(M, "_use_skinny", lambda x, w: force)
+        monkeypatch.setattr(M, "_use_skinny", lambda x, w, silu=False: force)
         monkeypatch.setattr(A, "_backend", lambda q, b: "triton" if force else "torch")
         torch.manual_seed(1)
         PS = 4

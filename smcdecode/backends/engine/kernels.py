@@ -127,16 +127,9 @@ def _paged_attn_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    if DYN_LOOP:
-        for n0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _attend_cached(q, q1, q2, KP, VP, PT, b, kvh, stride_pt, n0, end, qpos, sm_scale,
-                                           m_i, l_i, acc, HKV, D, PS, BLOCK_N, ROPE)
-    else:  # Triton's interpreter needs constant loop bounds: a fixed count of (masked) blocks
-        for it in range(0, MAX_IT):
-            m_i, l_i, acc = _attend_cached(q, q1, q2, KP, VP, PT, b, kvh, stride_pt, start + it * BLOCK_N, end, qpos,
-                                           sm_scale, m_i, l_i, acc, HKV, D, PS, BLOCK_N, ROPE)
     if ROPE:
         if sid == tl.minimum(ctx // per, NSPLIT - 1):  # the new tokens' keys/values, from registers
+            # (first: their loads do not wait for the page-table loads of the cached part)
             j = tl.arange(0, BLOCK_L)
             j_valid = j < L
             jj = tl.where(j_valid, j, L - 1)
@@ -165,6 +158,14 @@ def _paged_attn_kernel(
                 tl.store(KP + dst[:, None] + dh[None, :], k1, mask=j_valid[:, None])
                 tl.store(KP + dst[:, None] + HALF + dh[None, :], k2, mask=j_valid[:, None])
                 tl.store(VP + dst[:, None] + d[None, :], v.to(VP.dtype.element_ty), mask=j_valid[:, None])
+    if DYN_LOOP:
+        for n0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _attend_cached(q, q1, q2, KP, VP, PT, b, kvh, stride_pt, n0, end, qpos, sm_scale,
+                                           m_i, l_i, acc, HKV, D, PS, BLOCK_N, ROPE)
+    else:  # Triton's interpreter needs constant loop bounds: a fixed count of (masked) blocks
+        for it in range(0, MAX_IT):
+            m_i, l_i, acc = _attend_cached(q, q1, q2, KP, VP, PT, b, kvh, stride_pt, start + it * BLOCK_N, end, qpos,
+                                           sm_scale, m_i, l_i, acc, HKV, D, PS, BLOCK_N, ROPE)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = ((b * L + l_idx) * H + kvh * G + g_idx) * D
     if MERGE == 0:
@@ -180,18 +181,22 @@ def _paged_attn_kernel(
             done = tl.atomic_add(CNT + tile, 1, sem="acq_rel")
             if done == NSPLIT - 1:  # the last split of this tile: merge all of them
                 r = tl.arange(0, BLOCK_M)
+                r_ok = m_valid
                 mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                for sp in tl.static_range(NSPLIT):
-                    mx = tl.maximum(mx, tl.load(LSE + (tile * NSPLIT + sp) * BLOCK_M + r, cache_modifier=".cg"))
-                mx = tl.where(mx == float("-inf"), 0.0, mx)
                 tot = tl.zeros([BLOCK_M], tl.float32)
                 res = tl.zeros([BLOCK_M, D], tl.float32)
-                for sp in tl.static_range(NSPLIT):
-                    w = tl.exp(tl.load(LSE + (tile * NSPLIT + sp) * BLOCK_M + r, cache_modifier=".cg") - mx)
+                for sp in tl.static_range(NSPLIT):  # online: rescale when the running max grows
+                    ls = tl.load(LSE + (tile * NSPLIT + sp) * BLOCK_M + r, mask=r_ok, other=float("-inf"),
+                                 cache_modifier=".cg")
                     o_s = tl.load(OP + ((tile * NSPLIT + sp) * BLOCK_M + r)[:, None] * D + d[None, :],
-                                  cache_modifier=".cg")
-                    tot += w
-                    res += o_s * w[:, None]
+                                  mask=r_ok[:, None], other=0.0, cache_modifier=".cg")
+                    mx_new = tl.maximum(mx, ls)
+                    mx_safe = tl.where(mx_new == float("-inf"), 0.0, mx_new)
+                    a = tl.exp(mx - mx_safe)
+                    w = tl.exp(ls - mx_safe)
+                    tot = tot * a + w
+                    res = res * a[:, None] + o_s * w[:, None]
+                    mx = mx_new
                 res = res / tl.where(tot > 0, tot, 1.0)[:, None]
                 tl.store(O + o_rows[:, None] + d[None, :], res.to(O.dtype.element_ty), mask=m_valid[:, None])
                 tl.store(CNT + tile, 0)  # ready for the next launch (every split of this tile has counted)
@@ -571,16 +576,38 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexp
     tl.store(Y + rm[:, None] * N + rn[None, :], acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def skinny_config(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): enough programs to cover the SMs about
-    twice, each streaming whole rows of W in BLOCK_K-wide tiles."""
-    sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
+def skinny_config(M: int, N: int, K: int, device: torch.device, silu: bool = False
+                  ) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). The fixed choices are the fastest of a
+    sweep on an H200 (benchmarks/engine_variants.py, 16 Llama-3.2-1B layers at 8 rows: w13 + SiLU·mul
+    BLOCK_N 32 × BLOCK_K 128; the square wo BLOCK_N 16 × BLOCK_K 256; the head BLOCK_N 64 × BLOCK_K
+    128); otherwise enough programs to cover the SMs about twice."""
     block_m = max(16, min(64, triton.next_power_of_2(M)))
+    if silu:
+        return block_m, 32, 128, 4, 4
+    if N == K:
+        return block_m, 16, 256, 4, 4
+    if N >= 16 * K:
+        return block_m, 64, 128, 4, 4
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
     block_n = 64
     while block_n > 16 and triton.cdiv(N, block_n) < 2 * sms:
         block_n //= 2
     block_k = max(16, min(256 if block_n <= 32 else 128, triton.next_power_of_2(K)))
     return block_m, block_n, block_k, 4, 4
+
+
+def skinny_wins(M: int, N: int, K: int, nbytes: int, silu: bool) -> bool:
+    """Where the skinny product beat cuBLAS (+ the SiLU·mul kernel) in that sweep (H200, random data,
+    every layer's own weights): at most 16 rows, and w13 + SiLU·mul up to 100 MB of weights (1B:
+    290 vs 315 µs for 16 layers; the 8B's 235 MB w13 stays on cuBLAS), square products (wo: 1B
+    96.5 vs 99.1 µs, 8B 407 vs 418 µs) and vocabulary heads (1B 123 vs 126 µs, 8B 233 vs 240 µs).
+    wqkv and w2 stay on cuBLAS (equal or slower here)."""
+    if M > 16:
+        return False
+    if silu:
+        return nbytes <= 100e6
+    return N == K or N >= 16 * K
 
 
 def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=None) -> Tensor:
@@ -594,7 +621,7 @@ def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=N
         x2 = x2.contiguous()
     M = x2.shape[0]
     N = weight.shape[0] // 2 if silu else weight.shape[0]
-    bm, bn, bk, warps, stages = config or skinny_config(M, N, K, x.device)
+    bm, bn, bk, warps, stages = config or skinny_config(M, N, K, x.device, silu)
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     _skinny_linear_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
         x2, weight, y, M, x2.stride(0), N=N, K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SILU=silu,

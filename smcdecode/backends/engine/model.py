@@ -206,16 +206,19 @@ def fused_silu_mul(gate_up: Tensor) -> Tensor:
     return silu_mul(gate_up)
 
 
-def _use_skinny(x: Tensor, weight: Tensor) -> bool:
-    """The Triton skinny product for few rows (SMCDECODE_SKINNY_MAX_M rows at most, 0 disables it) and
-    weights of at most SMCDECODE_SKINNY_MAX_MB megabytes; cuBLAS (torch) otherwise."""
+def _use_skinny(x: Tensor, weight: Tensor, silu: bool = False) -> bool:
+    """The Triton skinny product (kernels.triton_skinny_linear) where it measured faster than cuBLAS
+    (kernels.skinny_wins: few rows, some shapes); SMCDECODE_SKINNY=0 disables it."""
     import os
 
     if not _use_triton(x) or x.dtype != weight.dtype or weight.dtype not in (torch.bfloat16, torch.float16):
         return False  # (float32 stays on cuBLAS: tl.dot would round its inputs to tf32)
-    max_m = int(os.environ.get("SMCDECODE_SKINNY_MAX_M", "16"))
-    max_mb = float(os.environ.get("SMCDECODE_SKINNY_MAX_MB", "1e9"))
-    return x.numel() // x.shape[-1] <= max_m and weight.numel() * weight.element_size() <= max_mb * 1e6
+    if os.environ.get("SMCDECODE_SKINNY", "1") == "0":
+        return False
+    from .kernels import skinny_wins
+
+    N, K = weight.shape
+    return skinny_wins(x.numel() // K, N // 2 if silu else N, K, weight.numel() * weight.element_size(), silu)
 
 
 def linear(x: Tensor, layer: nn.Linear) -> Tensor:
@@ -228,7 +231,7 @@ def linear(x: Tensor, layer: nn.Linear) -> Tensor:
 
 def linear_silu_mul(x: Tensor, layer: nn.Linear) -> Tensor:
     """silu(x·gateᵀ) · (x·upᵀ) for the fused [gate; up] projection ``layer`` (no bias)."""
-    if _use_skinny(x, layer.weight):
+    if _use_skinny(x, layer.weight, silu=True):
         from .kernels import triton_skinny_linear
 
         return triton_skinny_linear(x, layer.weight, silu=True)

@@ -58,8 +58,10 @@ def test_smc_on_the_engine_matches_the_exact_target(device):
     target_model, draft_model = _models(device)
     pattern = r"[ab]{2,4}"
     target = sd.LM(target_model, temperature=0.9) * sd.Regex(pattern)
-    exact = exact_target(target, PROMPT, 3)
-    smc = sd.SMC(target, sd.Draft(draft_model, 1.0), particles=4, block_size=2, backend="engine")
+    # the exact target from the CPU copy (the same weights): the potentials' scalar scoring path
+    # mixes the LM's device with the regex's CPU tensors
+    exact = exact_target(sd.LM(_models("cpu")[0], temperature=0.9) * sd.Regex(pattern), PROMPT, 3)
+    smc = sd.SMC(target, sd.Draft(draft_model, 1.1), particles=4, block_size=2, backend="engine")
     out = smc.run_groups(PROMPT, 1200, 3, seed=0)
     assert out.tokens.shape == (1200, 4, 3) and out.log_evidence.shape == (1200,)
     check_distribution(out, exact, z_max=5.0)
@@ -76,7 +78,7 @@ def test_smc_on_the_engine_matches_the_exact_target(device):
 def test_speculative_decoding_on_the_engine_samples_the_target(device):
     target_model, draft_model = _models(device)
     lm = sd.LM(target_model, temperature=1.0)
-    exact = exact_target(lm, PROMPT, 2)
+    exact = exact_target(sd.LM(_models("cpu")[0], temperature=1.0), PROMPT, 2)
     strategy = sd.SpeculativeDecoding(lm, sd.Draft(draft_model, 1.0), block_size=2, samples=4, backend="engine")
     out = strategy.run_groups(PROMPT, 1000, 2, seed=0)
     assert chi_square_pvalue(out, exact) > 1e-4

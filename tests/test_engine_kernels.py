@@ -236,3 +236,48 @@ def test_triton_skinny_linear_matches_torch(M, N, K):
     out2 = triton_skinny_linear(x[None], w2, silu=True)  # leading dims kept
     assert out2.shape == (1, M, N)
     assert ((out2[0].double() - ref2).norm() / ref2.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("gs,L,D,B,per_sm,merge", [(8, 1, 64, 8, "2", "fused"), (8, 1, 64, 12, "2", "kernel"),
+                                                   (8, 2, 64, 16, "2", "fused"), (4, 1, 128, 8, "0.01", "fused"),
+                                                   (8, 1, 128, 64, "2", "fused")])
+def test_triton_grouped_attention_matches_reference(gs, L, D, B, per_sm, merge, monkeypatch):
+    """Rows grouped per program (particles sharing a prefix of pages; the rest private, unequal
+    lengths): plain and RoPE-fused attention against the references."""
+    pytest.importorskip("triton")
+    from smcdecode.backends.engine.kernels import triton_paged_attention, triton_rope_paged_attention
+    from smcdecode.backends.engine.model import rope_kv_write_reference
+
+    monkeypatch.setenv("SMCDECODE_ATTN_GROUP", str(gs))
+    monkeypatch.setenv("SMCDECODE_ATTN_PROGRAMS_PER_SM", per_sm)
+    monkeypatch.setenv("SMCDECODE_ATTN_MERGE", merge)
+    torch.manual_seed(gs * 100 + B + D)
+    H, Hkv, PS, P = 32, 8, 16, 96
+    num_pages = B * P + 1
+    pool_k = torch.randn(num_pages, Hkv, PS, D, device="cuda", dtype=torch.bfloat16)
+    pool_v = torch.randn(num_pages, Hkv, PS, D, device="cuda", dtype=torch.bfloat16)
+    pt = (torch.randperm(num_pages - 1, device="cuda")[: B * P].view(B, P) + 1).to(torch.int32)
+    lengths = torch.randint(600, 1300, (B,), device="cuda")
+    lengths[: B // 2] = 1000  # half the rows of equal length
+    shared = int(lengths.min() - L) // PS  # pages shared by every row (never written by this call)
+    pt[:, :shared] = pt[0, :shared]
+    s2 = int(lengths[B // 2 :].min() - L) // PS
+    pt[B // 2 :, shared:s2] = pt[B // 2, shared:s2]  # a second family sharing more (not its written pages)
+    positions = lengths[:, None] - L + torch.arange(L, device="cuda")
+    batch = PagedBatch.build(positions, pt, PS)
+    q = torch.randn(B, L, H, D, device="cuda", dtype=torch.bfloat16)
+    ref = reference_paged_attention(q.double(), pool_k.double(), pool_v.double(), batch)
+    out = triton_paged_attention(q, pool_k, pool_v, batch)
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
+    freqs = torch.arange(2048, device="cuda", dtype=torch.float64)[:, None] * (
+        1.0 / 10000 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float64) / D))
+    cos, sin = freqs.cos().float(), freqs.sin().float()
+    qkv = torch.randn(B, L, (H + 2 * Hkv) * D, device="cuda", dtype=torch.bfloat16)
+    k_ref, v_ref = pool_k.clone(), pool_v.clone()
+    q_ref = rope_kv_write_reference(qkv, positions, cos, sin, k_ref, v_ref, batch.slot_pages, batch.slot_offsets,
+                                    H, Hkv)
+    ref = reference_paged_attention(q_ref.double(), k_ref.double(), v_ref.double(), batch)
+    k_out, v_out = pool_k.clone(), pool_v.clone()
+    out = triton_rope_paged_attention(qkv, cos, sin, k_out, v_out, batch, H)
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
+    assert (k_out.float() - k_ref.float()).abs().max() < 2e-2 and torch.equal(v_out, v_ref)

@@ -215,3 +215,74 @@ def test_interpreted_model_forward_matches_reference_path(monkeypatch):
 
     for x, y in zip(run(True), run(False)):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def _shared_case(seed, B, L, Hkv, D, PS, P, lengths, shared_pages):
+    """Rows whose first ``shared_pages`` page ids are the same (particles of one request sharing a
+    prefix), the rest private."""
+    from smcdecode.backends.engine.attention import PagedBatch
+
+    g = torch.Generator().manual_seed(seed)
+    num_pages = B * P + 1
+    pools = [torch.randn(num_pages, Hkv, PS, D, generator=g) for _ in range(2)]
+    pt = (torch.randperm(num_pages - 1, generator=g)[: B * P].view(B, P) + 1).to(torch.int32)
+    pt[:, :shared_pages] = pt[0, :shared_pages]
+    positions = torch.tensor(lengths)[:, None] - L + torch.arange(L)
+    return pools, pt, PagedBatch.build(positions, pt, PS), g
+
+
+def test_interpreted_grouped_attention_matches_reference(monkeypatch):
+    """Rows grouped per program (SMCDECODE_ATTN_GROUP): shared blocks read once, diverging blocks
+    per row; unequal lengths in a group, a last group with fewer rows; with and without RoPE."""
+    kernels = _interpreted_kernels()
+    from smcdecode.backends.engine.attention import reference_paged_attention
+
+    H, Hkv, D, PS = 4, 2, 32, 4
+    cfg = LlamaConfig(vocab_size=10, dim=H * D, n_layers=1, n_heads=H, n_kv_heads=Hkv, intermediate_size=8,
+                      rope_theta=100.0)
+    freqs = torch.arange(64, dtype=torch.float64)[:, None] * rope_inv_freq(cfg).double()
+    cos, sin = freqs.cos().float(), freqs.sin().float()
+    cases = [(4, 1, [30, 30, 30, 30, 29], "1", "fused", 16), (2, 2, [20, 27, 9], "0.01", "fused", 64),
+             (4, 1, [33, 12, 33, 40], "1", "kernel", 16), (8, 1, [25] * 3, "2", "fused", 16),
+             (4, 2, [41, 41, 41, 41], "0.01", "fused", 16)]
+    for gs, L, lengths, per_sm, merge, block_n in cases:  # (16-token blocks: shared and diverging blocks)
+        monkeypatch.setenv("SMCDECODE_ATTN_BLOCK_N", str(block_n))
+        monkeypatch.setenv("SMCDECODE_ATTN_GROUP", str(gs))
+        monkeypatch.setenv("SMCDECODE_ATTN_PROGRAMS_PER_SM", per_sm)
+        monkeypatch.setenv("SMCDECODE_ATTN_MERGE", merge)
+        # (shared pages end before any row's new tokens: a page that is written is never shared)
+        (kp, vp), pt, batch, g = _shared_case(gs + L, len(lengths), L, Hkv, D, PS, 12, lengths,
+                                              shared_pages=(min(lengths) - L) // PS)
+        q = torch.randn(len(lengths), L, H, D, generator=g)
+        ref = reference_paged_attention(q.double(), kp.double(), vp.double(), batch)
+        out = kernels.triton_paged_attention(q, kp, vp, batch)
+        assert float((out.double() - ref).norm() / ref.norm()) < 1e-5, (gs, L)
+        qkv = torch.randn(len(lengths), L, (H + 2 * Hkv) * D, generator=g)
+        kp_ref, vp_ref = kp.clone(), vp.clone()
+        q_ref = rope_kv_write_reference(qkv, batch.positions, cos, sin, kp_ref, vp_ref, batch.slot_pages,
+                                        batch.slot_offsets, H, Hkv)
+        ref = reference_paged_attention(q_ref.double(), kp_ref.double(), vp_ref.double(), batch)
+        k_out, v_out = kp.clone(), vp.clone()
+        out = kernels.triton_rope_paged_attention(qkv, cos, sin, k_out, v_out, batch, H)
+        assert float((out.double() - ref).norm() / ref.norm()) < 1e-5, (gs, L, "rope")
+        torch.testing.assert_close(k_out, kp_ref)
+        torch.testing.assert_close(v_out, vp_ref)
+    assert int(kernels._split_counters(q.device, 1).abs().sum()) == 0
+
+
+def test_interpreted_grouped_merge_kernel_matches_reference():
+    kernels = _interpreted_kernels()
+    for B, L, H, Hkv, S, GS in [(5, 1, 8, 2, 3, 4), (3, 2, 4, 2, 2, 2)]:
+        g = torch.Generator().manual_seed(B + S)
+        G, D = H // Hkv, 16
+        block_m = max(16, 1 << (GS * L * G - 1).bit_length())
+        tiles = -(-B // GS) * Hkv
+        o_part = torch.randn(tiles, S, block_m, D, generator=g)
+        lse = torch.randn(tiles, S, block_m, generator=g) * 3
+        lse[:, S // 2 + 1 :] = float("-inf")
+        out = torch.full((B, L, H, D), float("nan"))
+        kernels._merge_splits_kernel[(B * Hkv * L * G,)](o_part, lse, out, L=L, G=G, H=H, HKV=Hkv, D=D, NSPLIT=S,
+                                                         NSPLIT_P2=max(2, 1 << (S - 1).bit_length()),
+                                                         BLOCK_M=block_m, GS=GS)
+        ref = kernels.merge_splits_reference(o_part.double(), lse.double(), B, L, H, Hkv, torch.float64, GS=GS)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)

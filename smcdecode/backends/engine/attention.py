@@ -27,11 +27,14 @@ class PagedBatch:
     positions: Tensor  # [B, L] long: position of each new token (consecutive within a row)
     page_table: Tensor  # [B, P] int32: page ids of each row, in order
     page_size: int
+    group: int = 1  # hint: consecutive rows in groups of this size share most pages (a request's particles)
 
     @classmethod
-    def build(cls, positions: Tensor, page_table: Tensor, page_size: int) -> PagedBatch:
-        """From positions [B, L] and the page table; no host sync, no device work (capturable)."""
-        return cls(positions, page_table, page_size)
+    def build(cls, positions: Tensor, page_table: Tensor, page_size: int, group: int = 1) -> PagedBatch:
+        """From positions [B, L] and the page table; no host sync, no device work (capturable).
+        ``group`` only steers the attention kernel's layout (decode reads pages that all rows of a
+        group share once for the group); results do not depend on it."""
+        return cls(positions, page_table, page_size, group)
 
     @cached_property
     def seq_lens(self) -> Tensor:  # [B] int32: cached tokens per row after the write

@@ -190,7 +190,9 @@ class Engine:
         seen (``pending``, at positions T−1, T), then one token a step. Fills drafts/log_q (and
         draft_logits [B, K, V] when asked)."""
         T, pt, PS, ar = buf["seq"], buf["pt"], self.page_size, buf["ar"]
-        batch = PagedBatch.build((T - 1)[:, None] + ar[:2], pt, PS)
+        # particles of a request (SMC-SD: N consecutive rows) share most pages: a hint for attention
+        grp = T.shape[0] // buf["group_base"].shape[0] if "group_base" in buf else 1
+        batch = PagedBatch.build((T - 1)[:, None] + ar[:2], pt, PS, group=grp)
         logits = self.draft(buf["pending"], self.kv_d, batch, last_only=True)[:, 0]  # [B, V]
         for i in range(K):
             d, lq, _ = sample_and_score(logits, draft_temperature, seeds[i])
@@ -199,7 +201,7 @@ class Engine:
             if keep_logits:
                 buf["draft_logits"][:, i] = logits
             if i < K - 1:
-                batch = PagedBatch.build((T + 1 + i)[:, None], pt, PS)
+                batch = PagedBatch.build((T + 1 + i)[:, None], pt, PS, group=grp)
                 logits = self.draft(d[:, None], self.kv_d, batch)[:, 0]
 
     def _verify(self, buf: dict, K: int, target_temperature: float, seeds: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -450,7 +450,7 @@ def _round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, t
     G, Nmax = b["W"].shape
     B, Kmax = b["drafts"].shape
     ar, PS = b["ar"], engine.page_size
-    draft, target = engine.draft, engine.target
+    draft = engine.draft
     tokens, n_gen, finished, log_w = b["tokens"], b["n_gen"], b["finished"], b["log_w"]
     drafts, log_q, K_row, alpha, T = b["drafts"], b["log_q"], b["K_row"], b["alpha"], b["seq"]
 

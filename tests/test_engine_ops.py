@@ -286,3 +286,22 @@ def test_interpreted_grouped_merge_kernel_matches_reference():
                                                          BLOCK_M=block_m, GS=GS)
         ref = kernels.merge_splits_reference(o_part.double(), lse.double(), B, L, H, Hkv, torch.float64, GS=GS)
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_interpreted_sample_and_score_scores_exactly_and_draws_only_where_asked():
+    kernels = _interpreted_kernels()
+    g = torch.Generator().manual_seed(3)
+    R, V, T = 12, 300, 0.9
+    logits = torch.randn(R, V, generator=g) * 2
+    gather = torch.randint(0, V, (R,), generator=g)
+    logp = torch.log_softmax(logits / T, -1)
+    tok_all = None
+    for every in (1, 3):
+        tok, lp_tok, lp_g = kernels.triton_sample_and_score(logits, T, torch.tensor(7), gather, sample_every=every)
+        torch.testing.assert_close(lp_g, logp.gather(1, gather[:, None])[:, 0], rtol=1e-5, atol=1e-5)
+        drawn = torch.arange(R) % every == every - 1
+        assert ((tok[drawn] >= 0) & (tok[drawn] < V)).all()
+        torch.testing.assert_close(lp_tok[drawn], logp[drawn].gather(1, tok[drawn, None])[:, 0], rtol=1e-5, atol=1e-5)
+        if tok_all is not None:  # the same draws as with every row drawn (noise keyed by the element index)
+            torch.testing.assert_close(tok[drawn], tok_all[drawn])
+        tok_all = tok

@@ -508,7 +508,7 @@ def triton_rope_kv_write(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tenso
 
 @triton.jit
 def _sample_split_kernel(LOGITS, SEED, stride_r, inv_temp, PART, V: tl.constexpr, CHUNK: tl.constexpr,
-                         BLOCK: tl.constexpr, NSPLIT: tl.constexpr):
+                         BLOCK: tl.constexpr, NSPLIT: tl.constexpr, SAMPLE_EVERY: tl.constexpr = 1):
     r = tl.program_id(0)
     s = tl.program_id(1)
     seed = tl.load(SEED)
@@ -525,15 +525,16 @@ def _sample_split_kernel(LOGITS, SEED, stride_r, inv_temp, PART, V: tl.constexpr
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         acc = acc * tl.exp(m - m_safe) + tl.exp(x - m_safe)
         m = m_new
-        # U in (0, 1) strictly, on a 2^-23 grid (tl.rand can round up to exactly 1.0, which would
-        # give E = 0 and an infinite key whatever the logit)
-        bits = tl.randint(seed, r * V + c).to(tl.uint32, bitcast=True) >> 9
-        u = bits.to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
-        key = x - tl.log(-tl.log(u))  # Gumbel-max = exponential race: x − log E, E = −log U
-        better = key > best_key
-        best_key = tl.where(better, key, best_key)
-        best_idx = tl.where(better, c, best_idx)
-        best_x = tl.where(better, x, best_x)
+        if r % SAMPLE_EVERY == SAMPLE_EVERY - 1:  # (rows whose draw is used; every row when 1)
+            # U in (0, 1) strictly, on a 2^-23 grid (tl.rand can round up to exactly 1.0, which would
+            # give E = 0 and an infinite key whatever the logit)
+            bits = tl.randint(seed, r * V + c).to(tl.uint32, bitcast=True) >> 9
+            u = bits.to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
+            key = x - tl.log(-tl.log(u))  # Gumbel-max = exponential race: x − log E, E = −log U
+            better = key > best_key
+            best_key = tl.where(better, key, best_key)
+            best_idx = tl.where(better, c, best_idx)
+            best_x = tl.where(better, x, best_x)
     M = tl.max(m, 0)
     M_safe = tl.where(M == float("-inf"), 0.0, M)
     total = tl.sum(acc * tl.exp(m - M_safe), 0)
@@ -573,23 +574,28 @@ def _sample_merge_kernel(PART, LOGITS, stride_r, inv_temp, GATHER, TOK, LOGP_TOK
         tl.store(LOGP_GATHER + r, xg - lse)
 
 
-def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, gather: Tensor | None = None
-                            ) -> tuple[Tensor, Tensor, Tensor | None]:
+def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, gather: Tensor | None = None,
+                            sample_every: int = 1) -> tuple[Tensor, Tensor, Tensor | None]:
     """For each row of ``logits`` [R, V] (unit stride in V) with x = logits / temperature:
     token ~ softmax(x) by the exponential race (Gumbel noise from Philox, keyed by ``seed`` — a
     device int64 scalar — and the element's index), log softmax(x)[token], and log softmax(x)[gather]
-    (when ``gather`` [R] long is given). One read of the logits; no host sync.
-    Reference: engine.sample_and_score_reference."""
+    (when ``gather`` [R] long is given). One read of the logits; no host sync. With ``sample_every``
+    n > 1 only rows r with r % n == n − 1 draw a token (the others' token and its score are
+    meaningless; their log softmax at ``gather`` is exact). Reference: engine.sample_and_score_reference."""
     R, V = logits.shape
     block = 1024
+    # splits of the vocabulary: 8 blocks each, or down to 2 when there are few rows (more programs
+    # in flight); the random stream is keyed by the element index, so it does not depend on them
     chunk = 8 * block
+    if R * triton.cdiv(V, chunk) < 4 * (_num_sms(logits.device.index or 0) if logits.is_cuda else 132):
+        chunk = 2 * block
     if V < chunk:
         block = max(16, min(block, triton.next_power_of_2(V)))
         chunk = triton.cdiv(V, block) * block
     nsplit = triton.cdiv(V, chunk)
     part = torch.empty(R, nsplit, 5, device=logits.device, dtype=torch.float32)
     _sample_split_kernel[(R, nsplit)](logits, seed, logits.stride(0), 1.0 / temperature, part, V=V, CHUNK=chunk,
-                                      BLOCK=block, NSPLIT=nsplit, num_warps=4)
+                                      BLOCK=block, NSPLIT=nsplit, SAMPLE_EVERY=sample_every, num_warps=4)
     tok = torch.empty(R, device=logits.device, dtype=torch.long)
     logp_tok = torch.empty(R, device=logits.device, dtype=torch.float32)
     logp_gather = torch.empty(R, device=logits.device, dtype=torch.float32) if gather is not None else None

@@ -49,17 +49,16 @@ def sample_and_score_reference(logits: Tensor, temperature: float, gather: Tenso
     return tok, lp_tok, lp_gather
 
 
-def sample_and_score(logits: Tensor, temperature: float, seed: Tensor, gather: Tensor | None = None,
-                     sample_every: int = 1) -> tuple[Tensor, Tensor, Tensor | None]:
+def sample_and_score(logits: Tensor, temperature: float, seed: Tensor, gather: Tensor | None = None
+                     ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Fused on CUDA (one read of the [R, V] logits; randomness keyed by the device scalar ``seed``),
-    the reference elsewhere (torch's global generator). ``sample_every`` n: only the tokens of rows
-    r % n == n − 1 are used (the kernel draws no noise for the others)."""
+    the reference elsewhere (torch's global generator)."""
     from .model import _use_triton
 
     if _use_triton(logits):
         from .kernels import triton_sample_and_score
 
-        return triton_sample_and_score(logits, temperature, seed, gather, sample_every)
+        return triton_sample_and_score(logits, temperature, seed, gather)
     return sample_and_score_reference(logits, temperature, gather)
 
 
@@ -213,8 +212,7 @@ class Engine:
         batch = PagedBatch.build(buf["seq"][:, None] + ar, buf["pt"], self.page_size)
         logits = self.target(feed, self.kv_t, batch)  # [B, K+1, V]
         gather = torch.cat([buf["drafts"], buf["drafts"][:, :1]], dim=1).reshape(-1)
-        tok, _, lp = sample_and_score(logits.view(B * (K + 1), -1), target_temperature, seeds[K], gather,
-                                      sample_every=K + 1)  # (only the bonus, at position K, is drawn)
+        tok, _, lp = sample_and_score(logits.view(B * (K + 1), -1), target_temperature, seeds[K], gather)
         return lp.view(B, K + 1)[:, :K], tok.view(B, K + 1)[:, K], logits
 
     # ------------------------------------------------------------------------------------------

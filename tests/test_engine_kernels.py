@@ -282,24 +282,3 @@ def test_triton_grouped_attention_matches_reference(gs, L, D, B, per_sm, merge, 
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
     assert (k_out.float() - k_ref.float()).abs().max() < 2e-2 and torch.equal(v_out, v_ref)
 
-
-def test_triton_sample_every_nth_row_draws_the_softmax_and_scores_all_rows():
-    pytest.importorskip("triton")
-    from smcdecode.backends.engine.kernels import triton_sample_and_score
-
-    torch.manual_seed(11)
-    R, V, T, n = 9 * 500, 128_256, 0.8, 9
-    support = torch.tensor([0, V // 3, V // 2 + 1, V - 1], device="cuda")
-    values = torch.tensor([0.0, 1.0, -0.5, 1.5], device="cuda")
-    logits = torch.full((R, V), -1e4, device="cuda", dtype=torch.bfloat16)
-    logits[:, support] = values.to(torch.bfloat16)
-    gather = support[torch.randint(0, 4, (R,), device="cuda")]
-    tok, _, lp_gather = triton_sample_and_score(logits, T, torch.tensor(5, device="cuda"), gather, sample_every=n)
-    logp = torch.log_softmax(logits.float() / T, -1)
-    assert torch.allclose(lp_gather, logp.gather(1, gather[:, None])[:, 0], atol=1e-4)
-    drawn = tok[n - 1 :: n]
-    p = torch.softmax(values / T, 0).double()
-    counts = torch.stack([(drawn == s).sum() for s in support]).double()
-    assert int(counts.sum()) == R // n
-    chi2 = float(((counts - R // n * p) ** 2 / (R // n * p)).sum())
-    assert chi2 < 21.0, chi2

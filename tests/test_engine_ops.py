@@ -269,39 +269,3 @@ def test_interpreted_grouped_attention_matches_reference(monkeypatch):
         torch.testing.assert_close(v_out, vp_ref)
     assert int(kernels._split_counters(q.device, 1).abs().sum()) == 0
 
-
-def test_interpreted_grouped_merge_kernel_matches_reference():
-    kernels = _interpreted_kernels()
-    for B, L, H, Hkv, S, GS in [(5, 1, 8, 2, 3, 4), (3, 2, 4, 2, 2, 2)]:
-        g = torch.Generator().manual_seed(B + S)
-        G, D = H // Hkv, 16
-        block_m = max(16, 1 << (GS * L * G - 1).bit_length())
-        tiles = -(-B // GS) * Hkv
-        o_part = torch.randn(tiles, S, block_m, D, generator=g)
-        lse = torch.randn(tiles, S, block_m, generator=g) * 3
-        lse[:, S // 2 + 1 :] = float("-inf")
-        out = torch.full((B, L, H, D), float("nan"))
-        kernels._merge_splits_kernel[(B * Hkv * L * G,)](o_part, lse, out, L=L, G=G, H=H, HKV=Hkv, D=D, NSPLIT=S,
-                                                         NSPLIT_P2=max(2, 1 << (S - 1).bit_length()),
-                                                         BLOCK_M=block_m, GS=GS)
-        ref = kernels.merge_splits_reference(o_part.double(), lse.double(), B, L, H, Hkv, torch.float64, GS=GS)
-        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
-
-
-def test_interpreted_sample_and_score_scores_exactly_and_draws_only_where_asked():
-    kernels = _interpreted_kernels()
-    g = torch.Generator().manual_seed(3)
-    R, V, T = 12, 300, 0.9
-    logits = torch.randn(R, V, generator=g) * 2
-    gather = torch.randint(0, V, (R,), generator=g)
-    logp = torch.log_softmax(logits / T, -1)
-    tok_all = None
-    for every in (1, 3):
-        tok, lp_tok, lp_g = kernels.triton_sample_and_score(logits, T, torch.tensor(7), gather, sample_every=every)
-        torch.testing.assert_close(lp_g, logp.gather(1, gather[:, None])[:, 0], rtol=1e-5, atol=1e-5)
-        drawn = torch.arange(R) % every == every - 1
-        assert ((tok[drawn] >= 0) & (tok[drawn] < V)).all()
-        torch.testing.assert_close(lp_tok[drawn], logp[drawn].gather(1, tok[drawn, None])[:, 0], rtol=1e-5, atol=1e-5)
-        if tok_all is not None:  # the same draws as with every row drawn (noise keyed by the element index)
-            torch.testing.assert_close(tok[drawn], tok_all[drawn])
-        tok_all = tok

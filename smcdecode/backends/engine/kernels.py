@@ -34,7 +34,176 @@ from torch import Tensor
 
 
 @triton.jit
-def _attend_tile(q, q1, q2, KP, VP, page, n, n_valid, kvh, qpos, ctx_q, rows_ok, sm_scale, m_i, l_i, acc,
+def _attend_cached(q, q1, q2, KP, VP, PT, b, kvh, stride_pt, n0, end, qpos, sm_scale, m_i, l_i, acc,
+                   HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr):
+    """One block of BLOCK_N cached keys/values (positions n0.., masked at ``end`` and causally) folded
+    into the online softmax (m_i, l_i, acc) of a query tile."""
+    HALF: tl.constexpr = D // 2
+    dh = tl.arange(0, HALF)
+    d = tl.arange(0, D)
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_valid = n < end
+    page = tl.load(PT + b * stride_pt + n // PS, mask=n_valid, other=0)
+    kv_row = ((page * HKV + kvh) * PS + n % PS) * D
+    if ROPE:
+        k1 = tl.load(KP + kv_row[:, None] + dh[None, :], mask=n_valid[:, None], other=0.0)
+        k2 = tl.load(KP + kv_row[:, None] + HALF + dh[None, :], mask=n_valid[:, None], other=0.0)
+        s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
+    else:
+        k = tl.load(KP + kv_row[:, None] + d[None, :], mask=n_valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k))
+    s = s * sm_scale  # [BLOCK_M, BLOCK_N] fp32
+    v = tl.load(VP + kv_row[:, None] + d[None, :], mask=n_valid[:, None], other=0.0)
+    ok = (n[None, :] <= qpos[:, None]) & n_valid[None, :]
+    s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_attn_kernel(
+    Q, KP, VP, PT, POS, O, OP, LSE, CNT, COS, SIN,  # noqa: E741
+    sm_scale, stride_qt, stride_pt,
+    L: tl.constexpr, G: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+    PS: tl.constexpr, NSPLIT: tl.constexpr, MT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    ROPE: tl.constexpr, MERGE: tl.constexpr, DYN_LOOP: tl.constexpr, MAX_IT: tl.constexpr,
+):
+    """One program per (row b, kv head, KV split, query tile). Query rows of a tile are the (l, g)
+    pairs m = l·G + g of the row's L tokens × the G query heads of the kv head.
+
+    ROPE: Q is the fused projection [B·L, (H + 2·HKV)·D]; q and the L new keys are rotated here, the
+    new keys/values are attended to from registers and written to their pages by one program (the
+    split that holds the end of the cached context), so only positions < seq_len − L are read from
+    the cache. Otherwise Q is [B·L, H·D] (already rotated) and all positions < seq_len come from the
+    cache. MERGE: 0 — one split, the output is written directly; 1 — partials (o, lse) only, merged by
+    ``_merge_splits_kernel``; 2 — partials, then the last split to finish (an atomic counter per
+    (b, kv head, tile), reset by that program) merges them."""
+    pid = tl.program_id(0)  # b * HKV + kvh
+    sid = tl.program_id(1)
+    mt = tl.program_id(2)
+    b = pid // HKV
+    kvh = pid % HKV
+    HALF: tl.constexpr = D // 2
+    m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_valid = m < L * G
+    l_idx = tl.where(m_valid, m // G, L - 1)
+    g_idx = m % G
+    qpos = tl.load(POS + b * L + l_idx)  # [BLOCK_M] position of each query row
+    seq_len = tl.load(POS + b * L + L - 1) + 1
+    dh = tl.arange(0, HALF)
+    d = tl.arange(0, D)
+    # with ROPE, q and k in two halves (rotate-half RoPE pairs element i with i + D/2):
+    # s = q1·k1ᵀ + q2·k2ᵀ (needs D >= 32: each half is a dot's inner dimension)
+    q_row = Q + (b * L + l_idx) * stride_qt + (kvh * G + g_idx) * D
+    if ROPE:
+        q1 = tl.load(q_row[:, None] + dh[None, :], mask=m_valid[:, None], other=0.0)
+        q2 = tl.load(q_row[:, None] + HALF + dh[None, :], mask=m_valid[:, None], other=0.0)
+        c = tl.load(COS + qpos[:, None] * HALF + dh[None, :])
+        s_ = tl.load(SIN + qpos[:, None] * HALF + dh[None, :])
+        q1f = q1.to(tl.float32)
+        q2f = q2.to(tl.float32)
+        q1 = (q1f * c - q2f * s_).to(KP.dtype.element_ty)
+        q2 = (q2f * c + q1f * s_).to(KP.dtype.element_ty)
+        q = q1
+        ctx = seq_len - L  # cached positions; the L new ones come from registers
+    else:
+        q = tl.load(q_row[:, None] + d[None, :], mask=m_valid[:, None], other=0.0)
+        q1 = q
+        q2 = q
+        ctx = seq_len
+    # this split's share of [0, ctx), in whole key blocks (computed from the length: the launch shape
+    # depends only on the batch shape, so graphs replay at any length)
+    per = tl.maximum(((ctx + NSPLIT - 1) // NSPLIT + BLOCK_N - 1) // BLOCK_N * BLOCK_N, BLOCK_N)
+    start = sid * per
+    q_last = tl.load(POS + b * L + tl.minimum(mt * BLOCK_M + BLOCK_M - 1, L * G - 1) // G)  # tile's last query
+    end = tl.minimum(tl.minimum(start + per, ctx), q_last + 1)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    if ROPE:
+        if sid == tl.minimum(ctx // per, NSPLIT - 1):  # the new tokens' keys/values, from registers
+            # (first: their loads do not wait for the page-table loads of the cached part)
+            j = tl.arange(0, BLOCK_L)
+            j_valid = j < L
+            jj = tl.where(j_valid, j, L - 1)
+            kpos = tl.load(POS + b * L + jj)
+            ck = tl.load(COS + kpos[:, None] * HALF + dh[None, :])
+            sk = tl.load(SIN + kpos[:, None] * HALF + dh[None, :])
+            k_row = Q + (b * L + jj) * stride_qt + (H + kvh) * D
+            k1f = tl.load(k_row[:, None] + dh[None, :]).to(tl.float32)
+            k2f = tl.load(k_row[:, None] + HALF + dh[None, :]).to(tl.float32)
+            k1 = (k1f * ck - k2f * sk).to(KP.dtype.element_ty)
+            k2 = (k2f * ck + k1f * sk).to(KP.dtype.element_ty)
+            v = tl.load(Q + (b * L + jj)[:, None] * stride_qt + (H + HKV + kvh) * D + d[None, :])
+            s = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * sm_scale  # [BLOCK_M, BLOCK_L]
+            ok = (kpos[None, :] <= qpos[:, None]) & j_valid[None, :]
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v.to(KP.dtype.element_ty))
+            m_i = m_new
+            if mt == 0:  # write the new keys/values into their pages (no other program reads them)
+                kpage = tl.load(PT + b * stride_pt + kpos // PS)
+                dst = ((kpage * HKV + kvh) * PS + kpos % PS) * D
+                tl.store(KP + dst[:, None] + dh[None, :], k1, mask=j_valid[:, None])
+                tl.store(KP + dst[:, None] + HALF + dh[None, :], k2, mask=j_valid[:, None])
+                tl.store(VP + dst[:, None] + d[None, :], v.to(VP.dtype.element_ty), mask=j_valid[:, None])
+    if DYN_LOOP:
+        for n0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _attend_cached(q, q1, q2, KP, VP, PT, b, kvh, stride_pt, n0, end, qpos, sm_scale,
+                                           m_i, l_i, acc, HKV, D, PS, BLOCK_N, ROPE)
+    else:  # Triton's interpreter needs constant loop bounds: a fixed count of (masked) blocks
+        for it in range(0, MAX_IT):
+            m_i, l_i, acc = _attend_cached(q, q1, q2, KP, VP, PT, b, kvh, stride_pt, start + it * BLOCK_N, end, qpos,
+                                           sm_scale, m_i, l_i, acc, HKV, D, PS, BLOCK_N, ROPE)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_rows = ((b * L + l_idx) * H + kvh * G + g_idx) * D
+    if MERGE == 0:
+        tl.store(O + o_rows[:, None] + d[None, :], out.to(O.dtype.element_ty), mask=m_valid[:, None])
+    else:
+        lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tile = pid * MT + mt
+        base = (tile * NSPLIT + sid) * BLOCK_M
+        tl.store(OP + (base + m - mt * BLOCK_M)[:, None] * D + d[None, :], out)
+        tl.store(LSE + base + m - mt * BLOCK_M, lse)
+        if MERGE == 2:
+            tl.debug_barrier()  # every thread's partials are stored before the release below
+            done = tl.atomic_add(CNT + tile, 1, sem="acq_rel")
+            if done == NSPLIT - 1:  # the last split of this tile: merge all of them
+                r = tl.arange(0, BLOCK_M)
+                r_ok = m_valid
+                mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                tot = tl.zeros([BLOCK_M], tl.float32)
+                res = tl.zeros([BLOCK_M, D], tl.float32)
+                for sp in tl.static_range(NSPLIT):  # online: rescale when the running max grows
+                    ls = tl.load(LSE + (tile * NSPLIT + sp) * BLOCK_M + r, mask=r_ok, other=float("-inf"),
+                                 cache_modifier=".cg")
+                    o_s = tl.load(OP + ((tile * NSPLIT + sp) * BLOCK_M + r)[:, None] * D + d[None, :],
+                                  mask=r_ok[:, None], other=0.0, cache_modifier=".cg")
+                    mx_new = tl.maximum(mx, ls)
+                    mx_safe = tl.where(mx_new == float("-inf"), 0.0, mx_new)
+                    a = tl.exp(mx - mx_safe)
+                    w = tl.exp(ls - mx_safe)
+                    tot = tot * a + w
+                    res = res * a[:, None] + o_s * w[:, None]
+                    mx = mx_new
+                res = res / tl.where(tot > 0, tot, 1.0)[:, None]
+                tl.store(O + o_rows[:, None] + d[None, :], res.to(O.dtype.element_ty), mask=m_valid[:, None])
+                tl.store(CNT + tile, 0)  # ready for the next launch (every split of this tile has counted)
+
+
+@triton.jit
+def _grouped_attend_tile(q, q1, q2, KP, VP, page, n, n_valid, kvh, qpos, ctx_q, rows_ok, sm_scale, m_i, l_i, acc,
                  HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, ROPE: tl.constexpr):
     """Keys/values at positions n (pages ``page``) folded into the online softmax (m_i, l_i, acc) of the
     query rows with ``rows_ok``; each query row sees positions <= its own and < its row's cached
@@ -64,7 +233,7 @@ def _attend_tile(q, q1, q2, KP, VP, page, n, n_valid, kvh, qpos, ctx_q, rows_ok,
 
 
 @triton.jit
-def _attend_cached(q, q1, q2, KP, VP, PT, b0, B, kvh, stride_pt, n0, end, qpos, ctx_q, qrow, sm_scale, m_i, l_i, acc,
+def _grouped_attend_cached(q, q1, q2, KP, VP, PT, b0, B, kvh, stride_pt, n0, end, qpos, ctx_q, qrow, sm_scale, m_i, l_i, acc,
                    HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
                    GS: tl.constexpr, GS_P2: tl.constexpr):
     """One block of BLOCK_N cached positions n0.. (< end) for the program's GS rows b0..: when every
@@ -74,7 +243,7 @@ def _attend_cached(q, q1, q2, KP, VP, PT, b0, B, kvh, stride_pt, n0, end, qpos, 
     n_valid = n < end
     p0 = tl.load(PT + b0 * stride_pt + n // PS, mask=n_valid, other=0)
     if GS == 1:
-        m_i, l_i, acc = _attend_tile(q, q1, q2, KP, VP, p0, n, n_valid, kvh, qpos, ctx_q, qrow >= 0, sm_scale,
+        m_i, l_i, acc = _grouped_attend_tile(q, q1, q2, KP, VP, p0, n, n_valid, kvh, qpos, ctx_q, qrow >= 0, sm_scale,
                                      m_i, l_i, acc, HKV, D, PS, ROPE)
     else:
         rr = tl.arange(0, GS_P2)
@@ -83,18 +252,18 @@ def _attend_cached(q, q1, q2, KP, VP, PT, b0, B, kvh, stride_pt, n0, end, qpos, 
                         mask=r_ok[:, None] & n_valid[None, :], other=0)  # [GS_P2, BLOCK_N]
         differ = tl.sum(tl.sum(tl.where(r_ok[:, None] & (pages != p0[None, :]), 1, 0), 1), 0)
         if differ == 0:
-            m_i, l_i, acc = _attend_tile(q, q1, q2, KP, VP, p0, n, n_valid, kvh, qpos, ctx_q, qrow >= 0, sm_scale,
+            m_i, l_i, acc = _grouped_attend_tile(q, q1, q2, KP, VP, p0, n, n_valid, kvh, qpos, ctx_q, qrow >= 0, sm_scale,
                                          m_i, l_i, acc, HKV, D, PS, ROPE)
         else:
             for r in tl.static_range(GS):
                 pr = tl.sum(tl.where(rr[:, None] == r, pages, 0), 0)
-                m_i, l_i, acc = _attend_tile(q, q1, q2, KP, VP, pr, n, n_valid, kvh, qpos, ctx_q, qrow == r,
+                m_i, l_i, acc = _grouped_attend_tile(q, q1, q2, KP, VP, pr, n, n_valid, kvh, qpos, ctx_q, qrow == r,
                                              sm_scale, m_i, l_i, acc, HKV, D, PS, ROPE)
     return m_i, l_i, acc
 
 
 @triton.jit
-def _paged_attn_kernel(
+def _paged_attn_grouped_kernel(
     Q, KP, VP, PT, POS, O, OP, LSE, CNT, COS, SIN,  # noqa: E741
     sm_scale, stride_qt, stride_pt, B,
     L: tl.constexpr, G: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
@@ -102,7 +271,11 @@ def _paged_attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     ROPE: tl.constexpr, MERGE: tl.constexpr, DYN_LOOP: tl.constexpr, MAX_IT: tl.constexpr,
 ):
-    """One program per (group of GS consecutive rows, kv head, KV split, query tile). Query rows of a
+    """Opt-in (SMCDECODE_ATTN_GROUP; not yet run on a GPU): the paged-attention kernel with GS
+    consecutive rows per program (particles of one request): a block of positions whose pages all
+    rows of the group share is read once for the group, a diverging block once per row.
+
+    One program per (group of GS consecutive rows, kv head, KV split, query tile). Query rows of a
     tile are m = (r·L + l)·G + g over the group's rows r, tokens l and the G query heads of the kv
     head (GS > 1 only when they fit one tile).
 
@@ -194,11 +367,11 @@ def _paged_attn_kernel(
                 tl.store(VP + dst[:, None] + d[None, :], v.to(VP.dtype.element_ty), mask=j_valid[:, None])
     if DYN_LOOP:
         for n0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _attend_cached(q, q1, q2, KP, VP, PT, b0, B, kvh, stride_pt, n0, end, qpos, ctx_q, qrow,
+            m_i, l_i, acc = _grouped_attend_cached(q, q1, q2, KP, VP, PT, b0, B, kvh, stride_pt, n0, end, qpos, ctx_q, qrow,
                                            sm_scale, m_i, l_i, acc, HKV, D, PS, BLOCK_N, ROPE, GS, GS_P2)
     else:  # Triton's interpreter needs constant loop bounds: a fixed count of (masked) blocks
         for it in range(0, MAX_IT):
-            m_i, l_i, acc = _attend_cached(q, q1, q2, KP, VP, PT, b0, B, kvh, stride_pt, start + it * BLOCK_N, end,
+            m_i, l_i, acc = _grouped_attend_cached(q, q1, q2, KP, VP, PT, b0, B, kvh, stride_pt, start + it * BLOCK_N, end,
                                            qpos, ctx_q, qrow, sm_scale, m_i, l_i, acc, HKV, D, PS, BLOCK_N, ROPE,
                                            GS, GS_P2)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -259,31 +432,19 @@ def _split_counters(device: torch.device, n: int) -> Tensor | None:
     return buf
 
 
-def _attention_config(B: int, L: int, G: int, Hkv: int, capacity: int, device: torch.device, group: int = 1):
-    """(GS, BLOCK_M, query tiles, BLOCK_N, KV splits, merge mode, warps, stages) for a launch;
-    depends on shapes only. ``group``: the batch's hint (PagedBatch.group) of how many consecutive
-    rows share pages (the particles of one request). Settings (environment): SMCDECODE_ATTN_GROUP —
-    rows per program (GS; "auto", the default, takes the hint; used where GS·L·G <= 64: decode;
-    a block of positions whose pages all rows of the group share is then read once for the group);
-    SMCDECODE_ATTN_PROGRAMS_PER_SM — about that many
-    programs per SM (sets the KV splits); SMCDECODE_ATTN_MERGE=kernel — merge the splits with a
-    separate kernel instead of the last split; SMCDECODE_ATTN_BLOCK_N, _WARPS, _STAGES."""
-    env = os.environ.get
-    gs = env("SMCDECODE_ATTN_GROUP", "auto")
-    gs = group if gs == "auto" else int(gs)
-    if gs < 2 or gs * L * G > 64 or B < 2:
-        gs = 1
-    gs = min(gs, B)
-    block_m = max(16, min(64, triton.next_power_of_2(gs * L * G)))
-    mt = triton.cdiv(gs * L * G, block_m)
-    block_n = int(env("SMCDECODE_ATTN_BLOCK_N", "64"))
-    progs = triton.cdiv(B, gs) * Hkv * mt
+def _attention_config(B: int, L: int, G: int, Hkv: int, capacity: int, device: torch.device):
+    """(BLOCK_M, query tiles, BLOCK_N, KV splits, merge mode) for a launch; depends on shapes only.
+    SMCDECODE_ATTN_PROGRAMS_PER_SM sets the splits (about that many programs per SM), and
+    SMCDECODE_ATTN_MERGE=kernel merges them with a separate kernel instead of the last split."""
+    block_m = max(16, min(64, triton.next_power_of_2(L * G)))
+    mt = triton.cdiv(L * G, block_m)
+    block_n = 64
+    progs = B * Hkv * mt
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
-    per_sm = float(env("SMCDECODE_ATTN_PROGRAMS_PER_SM", "2"))
+    per_sm = float(os.environ.get("SMCDECODE_ATTN_PROGRAMS_PER_SM", "2"))
     nsplit = max(1, min(32, triton.cdiv(capacity, block_n), int(per_sm * sms) // progs))
-    merge = 0 if nsplit == 1 else (2 if env("SMCDECODE_ATTN_MERGE", "fused") == "fused" else 1)
-    return (gs, block_m, mt, block_n, nsplit, merge, int(env("SMCDECODE_ATTN_WARPS", "4")),
-            int(env("SMCDECODE_ATTN_STAGES", "2")))
+    merge = 0 if nsplit == 1 else (2 if os.environ.get("SMCDECODE_ATTN_MERGE", "fused") == "fused" else 1)
+    return block_m, mt, block_n, nsplit, merge
 
 
 def _launch_attention(src: Tensor, stride_qt: int, B: int, L: int, H: int, k_pool: Tensor, v_pool: Tensor,
@@ -294,35 +455,85 @@ def _launch_attention(src: Tensor, stride_qt: int, B: int, L: int, H: int, k_poo
     pos = batch.positions
     if pos.dtype != torch.long or not pos.is_contiguous():
         pos = pos.long().contiguous()
-    gs, block_m, mt, block_n, nsplit, merge, warps, stages = _attention_config(B, L, G, Hkv, P * PS, src.device,
-                                                                               getattr(batch, "group", 1))
+    gs = _attention_group(B, L, G, getattr(batch, "group", 1))
+    if gs > 1:
+        out = _launch_grouped_attention(src, stride_qt, B, L, H, k_pool, v_pool, batch, pos, cos, sin, out_dtype, gs)
+        if out is not None:
+            return out
+    block_m, mt, block_n, nsplit, merge = _attention_config(B, L, G, Hkv, P * PS, src.device)
     dev = src.device
     out = torch.empty(B, L, H, D, device=dev, dtype=out_dtype)
-    tiles = triton.cdiv(B, gs) * Hkv * mt
-    cnt = _split_counters(dev, tiles) if merge == 2 else None
+    cnt = _split_counters(dev, B * Hkv * mt) if merge == 2 else None
     if merge == 2 and cnt is None:
         merge = 1
     if merge:
-        o_part = torch.empty(tiles, nsplit, block_m, D, device=dev, dtype=torch.float32)
-        lse = torch.empty(tiles, nsplit, block_m, device=dev, dtype=torch.float32)
+        o_part = torch.empty(B * Hkv * mt, nsplit, block_m, D, device=dev, dtype=torch.float32)
+        lse = torch.empty(B * Hkv * mt, nsplit, block_m, device=dev, dtype=torch.float32)
     else:
         o_part = lse = out
     rope = cos is not None
-    _paged_attn_kernel[(triton.cdiv(B, gs) * Hkv, nsplit, mt)](
+    _paged_attn_kernel[(B * Hkv, nsplit, mt)](
         src, k_pool, v_pool, batch.page_table, pos, out, o_part, lse, cnt if cnt is not None else pos,
         cos if rope else o_part, sin if rope else o_part,
-        D**-0.5, stride_qt, batch.page_table.stride(0), B,
-        L=L, G=G, H=H, HKV=Hkv, D=D, PS=PS, NSPLIT=nsplit, MT=mt, GS=gs, GS_P2=max(2, triton.next_power_of_2(gs)),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_L=max(16, triton.next_power_of_2(gs * L)),
+        D**-0.5, stride_qt, batch.page_table.stride(0),
+        L=L, G=G, H=H, HKV=Hkv, D=D, PS=PS, NSPLIT=nsplit, MT=mt,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_L=max(16, triton.next_power_of_2(L)),
         ROPE=rope, MERGE=merge, DYN_LOOP=not _INTERPRET,
         MAX_IT=max(1, triton.cdiv(triton.cdiv(P * PS, nsplit), block_n)) if _INTERPRET else 1,
-        num_warps=warps, num_stages=stages,
+        num_warps=4, num_stages=2,
     )
     if merge == 1:
         _merge_splits_kernel[(B * Hkv * L * G,)](
             o_part, lse, out, L=L, G=G, H=H, HKV=Hkv, D=D, NSPLIT=nsplit,
-            NSPLIT_P2=max(2, triton.next_power_of_2(nsplit)), BLOCK_M=block_m, GS=gs, num_warps=1,
+            NSPLIT_P2=max(2, triton.next_power_of_2(nsplit)), BLOCK_M=block_m, num_warps=1,
         )
+    return out
+
+
+def _attention_group(B: int, L: int, G: int, hint: int) -> int:
+    """Rows per program for the opt-in grouped kernel: SMCDECODE_ATTN_GROUP = 1 (default: off),
+    "auto" (the batch's hint, PagedBatch.group: SMC-SD's draft steps pass N) or a number; used only
+    where GS·L·G <= 64 query rows fit one tile (decode)."""
+    v = os.environ.get("SMCDECODE_ATTN_GROUP", "1")
+    gs = min(hint if v == "auto" else int(v), B)
+    return gs if gs >= 2 and gs * L * G <= 64 else 1
+
+
+def _launch_grouped_attention(src, stride_qt, B, L, H, k_pool, v_pool, batch, pos, cos, sin, out_dtype, gs):
+    """Launch of ``_paged_attn_grouped_kernel`` (splits merged by the last split only); None when its
+    split counters would have to be allocated inside a graph capture (the caller falls back)."""
+    _, Hkv, PS, D = k_pool.shape
+    G = H // Hkv
+    P = batch.page_table.shape[1]
+    dev = src.device
+    block_m = max(16, triton.next_power_of_2(gs * L * G))
+    block_n = 64
+    groups = triton.cdiv(B, gs)
+    sms = _num_sms(dev.index or 0) if dev.type == "cuda" else 132
+    per_sm = float(os.environ.get("SMCDECODE_ATTN_PROGRAMS_PER_SM", "2"))
+    block_n = int(os.environ.get("SMCDECODE_ATTN_BLOCK_N", str(block_n)))
+    nsplit = max(1, min(32, triton.cdiv(P * PS, block_n), int(per_sm * sms) // (groups * Hkv)))
+    merge = 0 if nsplit == 1 else 2
+    cnt = _split_counters(dev, groups * Hkv) if merge == 2 else None
+    if merge == 2 and cnt is None:
+        return None
+    out = torch.empty(B, L, H, D, device=dev, dtype=out_dtype)
+    if merge:
+        o_part = torch.empty(groups * Hkv, nsplit, block_m, D, device=dev, dtype=torch.float32)
+        lse = torch.empty(groups * Hkv, nsplit, block_m, device=dev, dtype=torch.float32)
+    else:
+        o_part = lse = out
+    rope = cos is not None
+    _paged_attn_grouped_kernel[(groups * Hkv, nsplit, 1)](
+        src, k_pool, v_pool, batch.page_table, pos, out, o_part, lse, cnt if cnt is not None else pos,
+        cos if rope else o_part, sin if rope else o_part,
+        D**-0.5, stride_qt, batch.page_table.stride(0), B,
+        L=L, G=G, H=H, HKV=Hkv, D=D, PS=PS, NSPLIT=nsplit, MT=1, GS=gs, GS_P2=max(2, triton.next_power_of_2(gs)),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_L=max(16, triton.next_power_of_2(gs * L)),
+        ROPE=rope, MERGE=merge, DYN_LOOP=not _INTERPRET,
+        MAX_IT=max(1, triton.cdiv(triton.cdiv(P * PS, nsplit), block_n)) if _INTERPRET else 1,
+        num_warps=4, num_stages=2,
+    )
     return out
 
 
@@ -350,29 +561,21 @@ def triton_rope_paged_attention(qkv: Tensor, cos: Tensor, sin: Tensor, k_pool: T
     return _launch_attention(qkv, W, B, L, H, k_pool, v_pool, batch, cos, sin, qkv.dtype)
 
 
-def merge_splits_reference(o_part: Tensor, lse: Tensor, B: int, L: int, H: int, Hkv: int, dtype, GS: int = 1
-                           ) -> Tensor:
-    """Torch reference of ``_merge_splits_kernel``: o_part [tiles, S, BLOCK_M, D], lse [tiles, S,
-    BLOCK_M] -> out [B, L, H, D] = Σ_s softmax_s(lse) · o_s (splits with no keys for a row have
-    lse = -inf). Tiles: (b, kv head, query tile) with rows m = l·G + g (GS = 1), or (group of GS rows,
-    kv head) with rows m = (r·L + l)·G + g (one tile)."""
+def merge_splits_reference(o_part: Tensor, lse: Tensor, B: int, L: int, H: int, Hkv: int, dtype) -> Tensor:
+    """Torch reference of ``_merge_splits_kernel``: o_part [B·Hkv·MT, S, BLOCK_M, D], lse [B·Hkv·MT, S,
+    BLOCK_M] (query rows m = l·G + g, G = H / Hkv, in MT tiles of BLOCK_M) -> out [B, L, H, D] =
+    Σ_s softmax_s(lse) · o_s (splits with no keys for a row have lse = -inf)."""
     S, BM, D = o_part.shape[1:]
     G = H // Hkv
     w = torch.softmax(lse, dim=1)
-    out = (o_part * w[..., None]).sum(dim=1)  # [tiles, BM, D]
-    if GS == 1:
-        out = out.reshape(B, Hkv, -1, D)[:, :, : L * G]  # rows ordered (l, g)
-        return out.reshape(B, Hkv, L, G, D).permute(0, 2, 1, 3, 4).reshape(B, L, H, D).to(dtype)
-    groups = -(-B // GS)
-    out = out.reshape(groups, Hkv, BM, D)[:, :, : GS * L * G].reshape(groups, Hkv, GS, L, G, D)
-    out = out.permute(0, 2, 3, 1, 4, 5).reshape(groups * GS, L, H, D)[:B]
-    return out.to(dtype)
+    out = (o_part * w[..., None]).sum(dim=1)  # [B·Hkv·MT, BM, D]
+    out = out.reshape(B, Hkv, -1, D)[:, :, : L * G]  # rows ordered (l, g)
+    return out.reshape(B, Hkv, L, G, D).permute(0, 2, 1, 3, 4).reshape(B, L, H, D).to(dtype)
 
 
 @triton.jit
 def _merge_splits_kernel(OP, LSE, OUT, L: tl.constexpr, G: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr,
-                         D: tl.constexpr, NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-                         GS: tl.constexpr = 1):
+                         D: tl.constexpr, NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr, BLOCK_M: tl.constexpr):
     pid = tl.program_id(0)  # ((b * HKV + kvh) * L + l) * G + g
     mg = pid % (L * G)
     bk = pid // (L * G)
@@ -380,13 +583,9 @@ def _merge_splits_kernel(OP, LSE, OUT, L: tl.constexpr, G: tl.constexpr, H: tl.c
     kvh = bk % HKV
     l_idx = mg // G
     g_idx = mg % G
-    MT: tl.constexpr = (GS * L * G + BLOCK_M - 1) // BLOCK_M
-    if GS == 1:
-        tile = bk * MT + mg // BLOCK_M
-        m = mg % BLOCK_M
-    else:
-        tile = (b // GS) * HKV + kvh
-        m = (b % GS) * (L * G) + mg
+    MT: tl.constexpr = (L * G + BLOCK_M - 1) // BLOCK_M
+    tile = bk * MT + mg // BLOCK_M
+    m = mg % BLOCK_M
     s = tl.arange(0, NSPLIT_P2)
     s_ok = s < NSPLIT
     lse = tl.load(LSE + (tile * NSPLIT + s) * BLOCK_M + m, mask=s_ok, other=float("-inf"))
@@ -508,7 +707,7 @@ def triton_rope_kv_write(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tenso
 
 @triton.jit
 def _sample_split_kernel(LOGITS, SEED, stride_r, inv_temp, PART, V: tl.constexpr, CHUNK: tl.constexpr,
-                         BLOCK: tl.constexpr, NSPLIT: tl.constexpr, SAMPLE_EVERY: tl.constexpr = 1):
+                         BLOCK: tl.constexpr, NSPLIT: tl.constexpr):
     r = tl.program_id(0)
     s = tl.program_id(1)
     seed = tl.load(SEED)
@@ -525,16 +724,15 @@ def _sample_split_kernel(LOGITS, SEED, stride_r, inv_temp, PART, V: tl.constexpr
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         acc = acc * tl.exp(m - m_safe) + tl.exp(x - m_safe)
         m = m_new
-        if r % SAMPLE_EVERY == SAMPLE_EVERY - 1:  # (rows whose draw is used; every row when 1)
-            # U in (0, 1) strictly, on a 2^-23 grid (tl.rand can round up to exactly 1.0, which would
-            # give E = 0 and an infinite key whatever the logit)
-            bits = tl.randint(seed, r * V + c).to(tl.uint32, bitcast=True) >> 9
-            u = bits.to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
-            key = x - tl.log(-tl.log(u))  # Gumbel-max = exponential race: x − log E, E = −log U
-            better = key > best_key
-            best_key = tl.where(better, key, best_key)
-            best_idx = tl.where(better, c, best_idx)
-            best_x = tl.where(better, x, best_x)
+        # U in (0, 1) strictly, on a 2^-23 grid (tl.rand can round up to exactly 1.0, which would
+        # give E = 0 and an infinite key whatever the logit)
+        bits = tl.randint(seed, r * V + c).to(tl.uint32, bitcast=True) >> 9
+        u = bits.to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
+        key = x - tl.log(-tl.log(u))  # Gumbel-max = exponential race: x − log E, E = −log U
+        better = key > best_key
+        best_key = tl.where(better, key, best_key)
+        best_idx = tl.where(better, c, best_idx)
+        best_x = tl.where(better, x, best_x)
     M = tl.max(m, 0)
     M_safe = tl.where(M == float("-inf"), 0.0, M)
     total = tl.sum(acc * tl.exp(m - M_safe), 0)
@@ -574,28 +772,23 @@ def _sample_merge_kernel(PART, LOGITS, stride_r, inv_temp, GATHER, TOK, LOGP_TOK
         tl.store(LOGP_GATHER + r, xg - lse)
 
 
-def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, gather: Tensor | None = None,
-                            sample_every: int = 1) -> tuple[Tensor, Tensor, Tensor | None]:
+def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, gather: Tensor | None = None
+                            ) -> tuple[Tensor, Tensor, Tensor | None]:
     """For each row of ``logits`` [R, V] (unit stride in V) with x = logits / temperature:
     token ~ softmax(x) by the exponential race (Gumbel noise from Philox, keyed by ``seed`` — a
     device int64 scalar — and the element's index), log softmax(x)[token], and log softmax(x)[gather]
-    (when ``gather`` [R] long is given). One read of the logits; no host sync. With ``sample_every``
-    n > 1 only rows r with r % n == n − 1 draw a token (the others' token and its score are
-    meaningless; their log softmax at ``gather`` is exact). Reference: engine.sample_and_score_reference."""
+    (when ``gather`` [R] long is given). One read of the logits; no host sync.
+    Reference: engine.sample_and_score_reference."""
     R, V = logits.shape
     block = 1024
-    # splits of the vocabulary: 8 blocks each, or down to 2 when there are few rows (more programs
-    # in flight); the random stream is keyed by the element index, so it does not depend on them
     chunk = 8 * block
-    if R * triton.cdiv(V, chunk) < 4 * (_num_sms(logits.device.index or 0) if logits.is_cuda else 132):
-        chunk = 2 * block
     if V < chunk:
         block = max(16, min(block, triton.next_power_of_2(V)))
         chunk = triton.cdiv(V, block) * block
     nsplit = triton.cdiv(V, chunk)
     part = torch.empty(R, nsplit, 5, device=logits.device, dtype=torch.float32)
     _sample_split_kernel[(R, nsplit)](logits, seed, logits.stride(0), 1.0 / temperature, part, V=V, CHUNK=chunk,
-                                      BLOCK=block, NSPLIT=nsplit, SAMPLE_EVERY=sample_every, num_warps=4)
+                                      BLOCK=block, NSPLIT=nsplit, num_warps=4)
     tok = torch.empty(R, device=logits.device, dtype=torch.long)
     logp_tok = torch.empty(R, device=logits.device, dtype=torch.float32)
     logp_gather = torch.empty(R, device=logits.device, dtype=torch.float32) if gather is not None else None

@@ -6,7 +6,8 @@ that is bench_engine.py). Times, in one process:
    row counts the strategies use, with a few block configurations at the draft's decode shape;
 2. SMC-SD / AR end to end under kernel variants switched by environment flags
    (SMCDECODE_FUSED_ROPE, SMCDECODE_ATTN_MERGE, SMCDECODE_ATTN_PROGRAMS_PER_SM,
-   SMCDECODE_SKINNY_MAX_M), each after a fresh graph capture;
+   SMCDECODE_ATTN_GROUP, SMCDECODE_SKINNY), each after a fresh graph capture ("--sections sweep":
+   each attention setting alone, then the ones that helped together; the best goes to best_env.txt);
 3. a torch.profiler table of a graph-replayed SMC-SD call (per-round device time by kernel).
 
     PYTHONPATH=$PWD python benchmarks/engine_variants.py --out /tmp/variants
@@ -145,16 +146,14 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
         ("attn per_sm=2", {"SMCDECODE_ATTN_PROGRAMS_PER_SM": "2"}),
         ("attn per_sm=8", {"SMCDECODE_ATTN_PROGRAMS_PER_SM": "8"}),
         ("attn per_sm=16", {"SMCDECODE_ATTN_PROGRAMS_PER_SM": "16"}),
-        ("no skinny", {"SMCDECODE_SKINNY_MAX_M": "0"}),
-        ("skinny <=128 rows", {"SMCDECODE_SKINNY_MAX_M": "128"}),
+        ("no skinny", {"SMCDECODE_SKINNY": "0"}),
+        ("grouped attention", {"SMCDECODE_ATTN_GROUP": "auto"}),
     ]
     rows = []
     for G, N, K, names in ((1, 8, 8, None), (8, 8, 8, ("default", "attn per_sm=2", "attn per_sm=8", "attn per_sm=16",
-                                                          "no skinny", "skinny <=128 rows", "merge kernel"))):
+                                                          "no skinny", "grouped attention", "merge kernel"))):
         for name, env in variants:
             if names is not None and name not in names:
-                continue
-            if G == 1 and name == "skinny <=128 rows":
                 continue
             P = prompts[:G]
 
@@ -170,7 +169,7 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
             rows.append(r)
             print(r, flush=True)
     for G in (1, 8):
-        for name, env in (("default", {}), ("no skinny", {"SMCDECODE_SKINNY_MAX_M": "0"}),
+        for name, env in (("default", {}), ("no skinny", {"SMCDECODE_SKINNY": "0"}),
                           ("no fused rope", {"SMCDECODE_FUSED_ROPE": "0"}), ("merge kernel", {"SMCDECODE_ATTN_MERGE": "kernel"})):
             P = prompts[:G]
 
@@ -193,9 +192,9 @@ def sweep_section(engine: Engine, prompts: list[list[int]], res: dict, out: Path
     (1 request, 256 tokens): each knob alone against the defaults, then all knobs that helped
     together; writes the best setting's environment (the defaults when none helps) to best_env.txt."""
     A = "SMCDECODE_ATTN_"
-    base = {A + "GROUP": "1"} if no_group else {}
-    singles = [{A + "GROUP": "1"}, {A + "BLOCK_N": "32"}, {A + "BLOCK_N": "128"}, {A + "STAGES": "3"},
-               {A + "WARPS": "8"}, {A + "PROGRAMS_PER_SM": "1"}, {A + "PROGRAMS_PER_SM": "4"}]
+    base = {}
+    singles = [{A + "GROUP": "auto"}, {A + "PROGRAMS_PER_SM": "1"}, {A + "PROGRAMS_PER_SM": "4"},
+               {A + "MERGE": "kernel"}]
     if no_group:
         singles = singles[1:]
 
@@ -271,7 +270,7 @@ def main() -> None:
     ap.add_argument("--out-len", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--sections", default="gemm,e2e,profile")
-    ap.add_argument("--no-group", action="store_true", help="sweep without grouped attention (SMCDECODE_ATTN_GROUP=1)")
+    ap.add_argument("--no-group", action="store_true", help="leave the opt-in grouped attention out of the sweep")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

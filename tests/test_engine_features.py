@@ -299,3 +299,29 @@ def test_requests_join_and_leave_between_rounds(device, reward):
     # the engine's batch call on the same requests (all at once) returns them in request order
     served = engine.serve(reqs[:8], slots=3, eos_token_id=EOS, target=EngineTarget.of(sd.LM(model) * sd.Regex(pattern)))
     assert [f.request.id for f in served] == list(range(8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_per_request_targets_in_one_call(device):
+    """Each prompt with its own program in one call (one captured round): a regex, a power target
+    without constraints, two intersected regexes, a reward tilt. Every request follows its own
+    exact target; the automata share one device table."""
+    engine, model = _setup(device)
+    lm = sd.LM(model)
+    programs = [
+        lm * sd.Regex(r"[ab]+"),
+        lm**2.0,
+        lm * sd.Regex(r"[ab]{2,4}") * sd.Regex(r"a.*"),
+        lm * sd.Reward(_reward, beta=-0.7, mode="complete"),
+    ]
+    G = 2400
+    targets = [EngineTarget.of(programs[g % 4]) for g in range(4)]
+    out = engine.smc_sd([PROMPT] * G, particles=4, block_size=2, max_new_tokens=3, draft_temperature=1.2,
+                        eos_token_id=EOS, ess_threshold=0.5, target=[targets[g % 4] for g in range(G)], seed=29)
+    for i, program in enumerate(programs):
+        o = _output(out, slice(i, G, 4))
+        exact = exact_target(program, PROMPT, 3)
+        if i in (0, 2):
+            _check_constraint(o, r"[ab]+" if i == 0 else r"a[ab]{1,3}", model)
+        check_distribution(o, exact, z_max=5.0)
+        check_evidence_unbiased(o, exact.log_Z, z_max=5.0)

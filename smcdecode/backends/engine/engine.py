@@ -221,13 +221,14 @@ class Engine:
     def smc_sd(self, prompts: list[list[int]], *, particles, block_size, max_new_tokens,
                draft_temperature=1.0, target_temperature=1.0, eos_token_id: int | None = None,
                resampler: str = "systematic", ess_threshold: float = 0.5, use_graphs: bool | None = None,
-               seed: int = 0, target: EngineTarget | None = None, record_weights: bool = False) -> EngineOutput:
+               seed: int = 0, target: EngineTarget | list | None = None, record_weights: bool = False
+               ) -> EngineOutput:
         """SMC-SD for G = len(prompts) requests × N particles, K = block_size drafted tokens a round.
 
         ``particles``, ``block_size``, ``max_new_tokens`` and the temperatures are one value or one
         per prompt. ``target`` (an :class:`~smcdecode.backends.engine.smc.EngineTarget`, e.g.
-        ``EngineTarget.of(LM(model) ** 2 * Regex(...) * Reward(...))``) adds a power α,
-        constraints and rewards. The plain uniform case runs the fused round below; anything else
+        ``EngineTarget.of(LM(model) ** 2 * Regex(...) * Reward(...))``, or one per prompt) adds a
+        power α, constraints and rewards. The plain uniform case runs the fused round below; anything else
         runs ``smc.run`` (per-row settings, masks, rewards). eos_token_id None ignores EOS
         (fixed-length outputs, as in the benchmark)."""
         from . import smc
@@ -239,9 +240,13 @@ class Engine:
         settings = smc.Settings.of(len(prompts), particles, block_size, max_new_tokens, draft_temperature,
                                    target_temperature)
         use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        plain = target is None or (target.alpha == 1.0 and not target.constraints and not target.rewards)
+        programs = target if isinstance(target, (list, tuple)) else [target]
+        plain = all(t is None or (t.alpha == 1.0 and not t.constraints and not t.rewards) for t in programs)
         if not (plain and settings.uniform):
-            return smc.run(self, prompts, settings, target or smc.EngineTarget(), eos_token_id=eos_token_id,
+            if target is None or (isinstance(target, (list, tuple)) and any(t is None for t in target)):
+                target = [t or smc.EngineTarget() for t in programs] if isinstance(target, (list, tuple)) \
+                    else smc.EngineTarget()
+            return smc.run(self, prompts, settings, target, eos_token_id=eos_token_id,
                            resampler=resampler, ess_threshold=ess_threshold, use_graphs=use_graphs, seed=seed,
                            record_weights=record_weights)
         particles, block_size, max_new_tokens = (settings.particles[0], settings.block_size[0],

@@ -274,7 +274,7 @@ class Scheduler:
         rnd.propose()
         if self.rewards is not None:
             t1 = time.perf_counter()
-            _host_terms(rnd.buffers, self.rewards, None, self.cap)
+            _host_terms(rnd.buffers, [(self.rewards, None)], None, self.cap)
             self.host_s += time.perf_counter() - t1
         rnd.finish()
         packed = torch.cat([b["index"][:R].double(), b["seq"][:R].double(), b["finished"][:R].double(),

@@ -79,6 +79,50 @@ class DeviceAutomaton:
         return self.table[state, tokens].long()
 
 
+class CombinedAutomaton(DeviceAutomaton):
+    """Several requests' automata in one device table, so one captured round serves per-request
+    constraints: state 0 is the free automaton (every token, always accepting: a request with fewer
+    constraints than the others), then each automaton's live states at an offset; every dead state
+    is the one shared dead state (the last row)."""
+
+    offsets: dict
+
+    @classmethod
+    def of(cls, automata: list, device) -> CombinedAutomaton:
+        distinct = list({id(a): a for a in automata}.values())
+        key = (tuple(id(a) for a in distinct), str(torch.device(device)))
+        hit = _COMBINED.get(key)
+        if hit is not None:
+            return hit
+        V = distinct[0].table.shape[1]
+        total = 1 + sum(a.dead for a in distinct)  # live states (each automaton's dead state is its last row)
+        table = torch.zeros(total + 1, V, dtype=torch.int32, device=device)
+        accepting = torch.zeros(total + 1, dtype=torch.bool, device=device)
+        accepting[0] = True
+        table[total] = total
+        offsets, at = {}, 1
+        for a in distinct:
+            S = a.dead
+            live = a.table[:S].long()
+            table[at : at + S] = torch.where(live == a.dead, total, live + at).to(torch.int32)
+            accepting[at : at + S] = a.accepting[:S]
+            offsets[id(a)] = at
+            at += S
+        out = cls(table, accepting, 0, total)
+        out.offsets = offsets
+        out.parts = distinct  # (keeps the ids in `key` alive)
+        if len(_COMBINED) >= 16:
+            _COMBINED.pop(next(iter(_COMBINED)))
+        _COMBINED[key] = out
+        return out
+
+    def initial_of(self, automaton: DeviceAutomaton) -> int:
+        return self.offsets[id(automaton)] + automaton.initial if automaton.initial != automaton.dead else self.dead
+
+
+_COMBINED: dict = {}  # (automata ids, device) -> CombinedAutomaton (a few, most recent)
+
+
 @dataclass
 class EngineTarget:
     """What the engine needs of a target ``LM(model, T) ** α * constraints * rewards``:
@@ -267,23 +311,39 @@ def run(engine, prompts: list[list[int]], settings: Settings, target: EngineTarg
 
     if resampler not in RESAMPLERS:
         raise SMCDecodeError(f"unknown resampler {resampler!r}: choose one of {sorted(RESAMPLERS)}")
-    target.check()
     dev = engine.device
     G = len(prompts)
+    targets = list(target) if isinstance(target, (list, tuple)) else [target] * G
+    if len(targets) != G:
+        raise SMCDecodeError(f"target lists {len(targets)} programs for {G} prompts: give one or one per prompt")
+    for t in targets:
+        if not isinstance(t, EngineTarget):
+            raise SMCDecodeError(f"target must be an EngineTarget (EngineTarget.of(LM(model) * ...)), got "
+                                 f"{type(t).__name__}")
+        t.check()
     Nmax, Kmax = max(settings.particles), max(settings.block_size)
     B = G * Nmax
     V = engine.target.cfg.vocab_size
     eos = -1 if eos_token_id is None else eos_token_id
     pad = max(eos, 0)
     longest_new = max(settings.max_new_tokens)
-    automata, host_constraints = [], []
-    for c in target.constraints:
-        if c.model.vocab_size != V:
-            raise SMCDecodeError(f"constraint {c!r} is over a vocabulary of {c.model.vocab_size} tokens, the engine's "
-                                 f"model has {V}: bind it to the model the engine runs")
-        a = None if target.host_masks else DeviceAutomaton.of(c, dev)
-        (automata.append(a) if a is not None else host_constraints.append(c))
-    if (automata or host_constraints) and eos_token_id is None:
+    per_request, hosts = [], []  # each request's device automata and host-mask constraints
+    for t in targets:
+        own, host = [], []
+        for c in t.constraints:
+            if c.model.vocab_size != V:
+                raise SMCDecodeError(f"constraint {c!r} is over a vocabulary of {c.model.vocab_size} tokens, the "
+                                     f"engine's model has {V}: bind it to the model the engine runs")
+            a = None if t.host_masks else DeviceAutomaton.of(c, dev)
+            (own.append(a) if a is not None else host.append(c))
+        per_request.append(own)
+        hosts.append(host)
+    host_constraints = hosts[0]
+    if any(len(h) != len(host_constraints) or any(x is not y for x, y in zip(h, host_constraints)) for h in hosts):
+        raise SMCDecodeError(
+            "constraints whose masks come from the host (llguidance) must be the same objects for every prompt of "
+            "a call: split the call by target")
+    if (host_constraints or any(per_request)) and eos_token_id is None:
         raise SMCDecodeError("constraints allow EOS only in accepting states: pass eos_token_id")
     if host_constraints and (len(set(settings.block_size)) > 1 or len(set(settings.max_new_tokens)) > 1):
         raise SMCDecodeError(
@@ -291,6 +351,12 @@ def run(engine, prompts: list[list[int]], settings: Settings, target: EngineTarg
             "max_new_tokens for all prompts in a call: split the call by those settings")
     eager = bool(host_constraints)
     graphs = use_graphs and not eager
+    # every request's automata in one device table; request g's c-th constraint is state slot c
+    slots = max(len(a) for a in per_request)
+    combined = CombinedAutomaton.of([a for own in per_request for a in own], dev) if slots else None
+    automata = [combined] * slots
+    initial = [[combined.initial_of(own[c]) if c < len(own) else 0 for own in per_request] for c in range(slots)]
+    with_rewards = [t for t in {id(t): t for t in targets}.values() if t.rewards]
 
     table, pt_start = engine._start(prompts, Nmax, longest_new + Kmax + 2)
     cap = table.table.shape[1] * engine.page_size
@@ -298,7 +364,7 @@ def run(engine, prompts: list[list[int]], settings: Settings, target: EngineTarg
     lens = np.repeat([len(p) - 1 for p in prompts], Nmax)
     copies = table.reserve(rows, lens + Kmax + 1, write_from=lens - 1)
     key = ("smc-general", G, Nmax, Kmax, eos, resampler, ess_threshold, table.table.shape[1], graphs,
-           tuple(id(a.table) for a in automata), bool(target.rewards))
+           slots, id(combined.table) if combined else None, bool(with_rewards))
     rnd = engine._graphs.get(key) if graphs else None
     hosted = _HostMasks(host_constraints, B, dev) if eager else None
     if rnd is None:
@@ -321,27 +387,29 @@ def run(engine, prompts: list[list[int]], settings: Settings, target: EngineTarg
         b["K_row"].copy_(per_row(settings.block_size, torch.long))
         b["T_draft"].copy_(per_row(settings.draft_temperature, torch.float32))
         b["T_target"].copy_(per_row(settings.target_temperature, torch.float32))
-        b["alpha"].fill_(target.alpha)
+        b["alpha"].copy_(per_row([t.alpha for t in targets], torch.float32))
         b["n"].copy_(N_of)
         b["valid"].copy_(valid)
         b["finished"].copy_(~valid)
         b["log_w"].copy_(torch.where(valid, 0.0, NEG_INF).double())
         b["log_Z"].zero_()
         b["host_incr"].zero_()
-        for s, a in zip(b["states"], automata):
-            s.fill_(a.initial)
+        for s, init in zip(b["states"], initial):
+            s.copy_(per_row(init, torch.long))
 
     engine._upload(table, b["pt"], copies)
     reset()
     if rnd.propose is None:
-        _capture(engine, rnd, graphs, split=bool(target.rewards))
+        _capture(engine, rnd, graphs, split=bool(with_rewards))
         if graphs:
             engine._graphs[key] = rnd
             reset()  # the warm-up run advanced the state
     # NOTE: the warm-up also wrote KV entries; every entry a round reads at or after position T−1
     # is written earlier in that same round, so the first replay overwrites them.
 
-    rewards = RewardTracker(target.rewards, target.decoder, B) if target.rewards else None
+    # rewards: one tracker per distinct target, over that target's rows
+    owner = np.repeat(np.array([id(t) for t in targets], dtype=object), Nmax)
+    rewards = [(RewardTracker(t.rewards, t.decoder, B), torch.from_numpy(owner == id(t))) for t in with_rewards]
     torch.manual_seed(seed)
     out = EngineOutput(b["tokens"], b["n_gen"], b["log_w"], b["log_Z"])
     pinned = dev.type == "cuda"
@@ -356,7 +424,7 @@ def run(engine, prompts: list[list[int]], settings: Settings, target: EngineTarg
             position += Kmax + 1
         else:
             rnd.propose()
-        if rewards is not None or hosted is not None:
+        if rewards or hosted is not None:
             t0 = time.perf_counter()
             _host_terms(b, rewards, hosted, longest_new)
             out.host_s += time.perf_counter() - t0
@@ -378,8 +446,8 @@ def run(engine, prompts: list[list[int]], settings: Settings, target: EngineTarg
             idx_t = torch.from_numpy(index)
             if hosted is not None:
                 hosted.fork(idx_t)
-            if rewards is not None:
-                rewards.fork(idx_t)
+            for tracker, _ in rewards:
+                tracker.fork(idx_t)
         if h[-1] > 0:
             break
         lens = h[B : 2 * B].astype(np.int64)
@@ -397,8 +465,9 @@ def run(engine, prompts: list[list[int]], settings: Settings, target: EngineTarg
     return out
 
 
-def _host_terms(b: dict, rewards, hosted: _HostMasks | None, longest_new: int) -> None:
-    """Reward increments and the host constraints' verdict on cut sequences -> b["host_incr"]."""
+def _host_terms(b: dict, rewards: list, hosted: _HostMasks | None, longest_new: int) -> None:
+    """Reward increments (``rewards``: (RewardTracker, its rows as a bool mask or None for all)) and
+    the host constraints' verdict on cut sequences -> b["host_incr"]."""
     active, ended, hit_eos = b["active"].cpu(), b["ended"].cpu(), b["hit_eos"].cpu()
     B = active.shape[0]
     incr = torch.zeros(B, dtype=torch.float64)
@@ -406,9 +475,12 @@ def _host_terms(b: dict, rewards, hosted: _HostMasks | None, longest_new: int) -
         cut = ended & ~hit_eos
         if bool(cut.any()):
             incr = torch.where(cut & ~hosted.accepting(B), NEG_INF, incr)
-    if rewards is not None and bool(active.any()):
-        tokens = b["tokens"][:, :longest_new].cpu()
-        incr = incr + rewards.increment(tokens, b["n_gen"].cpu(), active, ended)
+    if rewards and bool(active.any()):
+        tokens, lengths = b["tokens"][:, :longest_new].cpu(), b["n_gen"].cpu()
+        for tracker, mine in rewards:
+            rows = active if mine is None else active & mine
+            if bool(rows.any()):
+                incr = incr + tracker.increment(tokens, lengths, rows, ended)
     b["host_incr"].copy_(incr)
 
 

@@ -255,49 +255,54 @@ def test_plain_fused_round_with_eos(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("reward", [False, True])
-def test_requests_join_and_leave_between_rounds(device, reward):
+@pytest.mark.parametrize("variant", ["regex", "reward", "programs"])
+def test_requests_join_and_leave_between_rounds(device, variant):
     """Continuous batching: more requests than slots, with different N, K, temperatures and budgets;
     each joins when a slot frees up and leaves when finished. Every request still follows its own
-    exact target (EOS ends particles at different rounds, so requests leave at different rounds)."""
+    exact target (EOS ends particles at different rounds, so requests leave at different rounds).
+    ``reward``: a prefix twist (rows of a joining request restart from R("")); ``programs``: the two
+    kinds of request run different programs (a regex; a power with two regexes and a reward)."""
     from smcdecode.backends.engine.scheduler import Request, Scheduler
 
     engine, model = _setup(device)
-    pattern = r"[ab]+"
-    target = sd.LM(model) * sd.Regex(pattern)
-    if reward:  # a prefix twist: rows of a joining request restart from R("")
-        target = target * sd.Reward(lambda texts: [_reward(t) for t in texts], beta=0.7, mode="prefix", batched=True)
+    regex = sd.Regex(r"[ab]+")
+    twist = sd.Reward(lambda texts: [_reward(t) for t in texts], beta=0.7, mode="prefix", batched=True)
+    program_a = program_b = sd.LM(model) * regex * (twist if variant == "reward" else sd.Regex(r".*"))
+    if variant == "programs":
+        program_b = sd.LM(model) ** 2.0 * sd.Regex(r"[abc]*") * sd.Regex(r".{0,3}") * twist
+    prog = {id(p): EngineTarget.of(p) for p in (program_a, program_b)}
     a = dict(particles=4, block_size=1, max_new_tokens=3, target_temperature=1.0, draft_temperature=1.25)
     b = dict(particles=3, block_size=2, max_new_tokens=2, target_temperature=0.8)
-    reqs = [Request(PROMPT, **(a if i % 2 == 0 else b), id=i) for i in range(1200)]
+    reqs = [Request(PROMPT, **(a if i % 2 == 0 else b), id=i, target=prog[id(program_a if i % 2 == 0 else program_b)])
+            for i in range(1200)]
     sched = Scheduler(engine, slots=96, max_particles=4, max_block_size=2, eos_token_id=EOS,
-                      target=EngineTarget.of(target), ess_threshold=1.0, seed=23)
+                      target=list(prog.values()), ess_threshold=1.0, seed=23)
     for r in reqs[:600]:
         sched.submit(r)
-    done, joined = [], set()
+    done = []
     while sched.busy:
         if sched.round == 3:  # later arrivals
             for r in reqs[600:]:
                 sched.submit(r)
         done.extend(sched.step())
-        joined.add(sched.round)
     assert len(done) == len(reqs) and len({f.request.id for f in done}) == len(reqs)
     assert len({f.joined_round for f in done}) > 5  # requests joined at many different rounds
     by_id = {f.request.id: f for f in done}
-    for parity, s in ((0, a), (1, b)):
+    for parity, s, program in ((0, a, program_a), (1, b, program_b)):
         fs = [by_id[i] for i in range(parity, len(reqs), 2)]
         out = SimpleNamespace(tokens=torch.stack([f.tokens for f in fs]), lengths=torch.stack([f.lengths for f in fs]),
                               log_weights=torch.stack([f.log_weights for f in fs]),
                               log_evidence=torch.tensor([f.log_evidence for f in fs], dtype=torch.float64))
         assert out.tokens.shape == (len(fs), s["particles"], s["max_new_tokens"])
-        lm = sd.LM(model, temperature=s["target_temperature"])
-        exact = exact_target(sd.Product([lm, *target.factors[1:]]), PROMPT,
-                             s["max_new_tokens"])
-        _check_constraint(out, pattern, model)
+        lm = program.lm
+        exact = exact_target(sd.Product([sd.LM(model, temperature=s["target_temperature"]) ** lm.alpha,
+                                         *program.factors[1:]]), PROMPT, s["max_new_tokens"])
+        _check_constraint(out, r"[ab]+" if program is program_a else r"[abc]{0,3}", model)
         check_distribution(out, exact, z_max=5.0)
         check_evidence_unbiased(out, exact.log_Z, z_max=5.0)
     # the engine's batch call on the same requests (all at once) returns them in request order
-    served = engine.serve(reqs[:8], slots=3, eos_token_id=EOS, target=EngineTarget.of(sd.LM(model) * sd.Regex(pattern)))
+    served = engine.serve([Request(PROMPT, **a, id=i) for i in range(8)], slots=3, eos_token_id=EOS,
+                          target=EngineTarget.of(sd.LM(model) * regex))
     assert [f.request.id for f in served] == list(range(8))
 
 

@@ -15,9 +15,10 @@ occupied one cost nothing.
         for done in sched.step():   # one round; the requests that finished in it
             ...
 
-Every request shares the scheduler's target program (power, token-automaton constraints, rewards);
-constraints whose masks come from the host (llguidance) need lockstep rows and run through
-``Engine.smc_sd`` instead.
+A scheduler runs a fixed set of target programs (``target=[...]``; a request names its own in
+``Request.target``): their automata share one device table, α is per row, rewards are scored per
+program. Constraints whose masks come from the host (llguidance) need lockstep rows and run
+through ``Engine.smc_sd`` instead.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ...errors import SMCDecodeError
-from .smc import NEG_INF, DeviceAutomaton, EngineTarget, Settings, _build, _capture, _host_terms
+from .smc import NEG_INF, CombinedAutomaton, DeviceAutomaton, EngineTarget, Settings, _build, _capture, _host_terms
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Request:
     draft_temperature: float = 1.0
     target_temperature: float = 1.0
     id: object = None
+    target: EngineTarget | None = None  # one of the scheduler's programs (default: its first)
 
 
 @dataclass
@@ -73,7 +75,7 @@ class Scheduler:
 
     @torch.inference_mode()
     def __init__(self, engine, *, slots: int, max_particles: int, max_block_size: int,
-                 target: EngineTarget | None = None, eos_token_id: int | None = None,
+                 target: EngineTarget | list | None = None, eos_token_id: int | None = None,
                  resampler: str = "systematic", ess_threshold: float = 0.5, use_graphs: bool | None = None,
                  seed: int = 0):
         if engine.draft is None:
@@ -84,17 +86,26 @@ class Scheduler:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise SMCDecodeError(f"{name} must be an integer >= 1, got {v!r}")
         self.engine, self.slots, self.Nmax, self.Kmax = engine, slots, max_particles, max_block_size
-        self.target = target or EngineTarget()
-        self.target.check()
+        self.programs = list(target) if isinstance(target, (list, tuple)) else [target or EngineTarget()]
         dev = engine.device
-        self.automata = []
-        for c in self.target.constraints:
-            a = DeviceAutomaton.of(c, dev)
-            if a is None or self.target.host_masks:
-                raise SMCDecodeError(
-                    f"constraint {c!r} computes its masks on the host, which needs every row in lockstep: run it "
-                    "through Engine.smc_sd (one call per batch of requests) instead of a Scheduler")
-            self.automata.append(a)
+        self.own: dict[int, list] = {}  # program id -> its device automata
+        for t in self.programs:
+            if not isinstance(t, EngineTarget):
+                raise SMCDecodeError(f"target must be an EngineTarget or a list of them, got {type(t).__name__}")
+            t.check()
+            own = []
+            for c in t.constraints:
+                a = DeviceAutomaton.of(c, dev)
+                if a is None or t.host_masks:
+                    raise SMCDecodeError(
+                        f"constraint {c!r} computes its masks on the host, which needs every row in lockstep: run "
+                        "it through Engine.smc_sd (one call per batch of requests) instead of a Scheduler")
+                own.append(a)
+            self.own[id(t)] = own
+        n_slots = max(len(o) for o in self.own.values())
+        self.combined = (CombinedAutomaton.of([a for o in self.own.values() for a in o], dev)
+                         if n_slots else None)
+        self.automata = [self.combined] * n_slots
         if self.automata and eos_token_id is None:
             raise SMCDecodeError("constraints allow EOS only in accepting states: pass eos_token_id")
         self.eos = -1 if eos_token_id is None else eos_token_id
@@ -123,12 +134,23 @@ class Scheduler:
         self.history: list[dict] = [{} for _ in range(slots)]
         from ...samplers.common import RewardTracker
 
-        self.rewards = RewardTracker(self.target.rewards, self.target.decoder, B) if self.target.rewards else None
+        # one reward tracker per program with rewards, and the rows its requests hold
+        self.rewards = [(t, RewardTracker(t.rewards, t.decoder, B), torch.zeros(B, dtype=torch.bool))
+                        for t in self.programs if t.rewards]
         self.round = 0
         self.host_s = 0.0
         torch.manual_seed(seed)
 
     # -- requests ------------------------------------------------------------------------------
+
+    def _program(self, request: Request) -> EngineTarget:
+        if request.target is None:
+            return self.programs[0]
+        for t in self.programs:
+            if t is request.target:
+                return t
+        raise SMCDecodeError("request.target is not one of the scheduler's programs: pass it in "
+                             "Scheduler(target=[...]) (the automata of every program share one device table)")
 
     @torch.inference_mode()
     def submit(self, request: Request) -> None:
@@ -146,6 +168,7 @@ class Scheduler:
             raise SMCDecodeError(f"prompt ({len(request.prompt)} tokens) must have at least 2 tokens and, with "
                                  f"max_new_tokens and a block, fit the engine's max_context "
                                  f"({self.engine.max_context}; needs {need})")
+        self._program(request)
         self.queue.append(request)
 
     @property
@@ -176,20 +199,24 @@ class Scheduler:
         b["K_row"][r] = req.block_size
         b["T_draft"][r] = float(req.draft_temperature)
         b["T_target"][r] = float(req.target_temperature)
-        b["alpha"][r] = self.target.alpha
+        prog = self._program(req)
+        b["alpha"][r] = prog.alpha
         b["valid"][r] = valid
         b["finished"][r] = ~valid
         b["log_w"][r] = torch.where(valid, 0.0, NEG_INF).double()
         b["n"][g] = n
         b["log_Z"][g] = 0.0
-        for s, a in zip(b["states"], self.automata):
-            s[r] = a.initial
-        if self.rewards is not None:
-            from ...samplers.common import _reward_scores
+        own = self.own[id(prog)]
+        for c, s in enumerate(b["states"]):
+            s[r] = self.combined.initial_of(own[c]) if c < len(own) else 0
+        from ...samplers.common import _reward_scores
 
-            for i, rw in enumerate(self.rewards.rewards):
-                if rw.mode == "prefix":
-                    self.rewards.prev[i][torch.from_numpy(rows)] = _reward_scores(rw, [""], [[]])
+        for t, tracker, mine in self.rewards:
+            mine[r] = t is prog
+            if t is prog:
+                for i, rw in enumerate(tracker.rewards):
+                    if rw.mode == "prefix":
+                        tracker.prev[i][torch.from_numpy(rows)] = _reward_scores(rw, [""], [[]])
         self.requests[g] = req
         self.history[g] = {"ess": [], "resampled": [], "joined": self.round}
 
@@ -212,6 +239,8 @@ class Scheduler:
         b["log_w"][full] = NEG_INF
         b["seq"][full] = 1
         b["n"][g] = 1
+        for _, _, mine in self.rewards:
+            mine[full] = False
         self.requests[g] = None
         return out
 
@@ -240,7 +269,7 @@ class Scheduler:
                                                          self.resampler, self.tau)
         # NOTE: capturing runs the round once (warm-up); save and restore every buffer around it
         saved = {k: (v.clone() if isinstance(v, Tensor) else [s.clone() for s in v]) for k, v in full.items()}
-        _capture(self.engine, rnd, self.use_graphs, split=self.rewards is not None)
+        _capture(self.engine, rnd, self.use_graphs, split=bool(self.rewards))
         for k, v in full.items():
             if isinstance(v, Tensor):
                 v.copy_(saved[k])
@@ -272,9 +301,9 @@ class Scheduler:
         rnd = self._round(bucket)
         self.host_s += time.perf_counter() - t0
         rnd.propose()
-        if self.rewards is not None:
+        if self.rewards:
             t1 = time.perf_counter()
-            _host_terms(rnd.buffers, [(self.rewards, None)], None, self.cap)
+            _host_terms(rnd.buffers, [(tracker, mine[:R]) for _, tracker, mine in self.rewards], None, self.cap)
             self.host_s += time.perf_counter() - t1
         rnd.finish()
         packed = torch.cat([b["index"][:R].double(), b["seq"][:R].double(), b["finished"][:R].double(),
@@ -289,8 +318,9 @@ class Scheduler:
         do, ess = h[3 * R : 3 * R + bucket] > 0, h[3 * R + bucket :]
         self.table.fork(index)
         self.table.advance(rows, self.lens[:R])
-        if self.rewards is not None and not np.array_equal(index[:R], rows):
-            self.rewards.fork(torch.from_numpy(index))
+        if not np.array_equal(index[:R], rows):
+            for _, tracker, _ in self.rewards:
+                tracker.fork(torch.from_numpy(index))
         done = []
         for g in occupied:
             self.history[g]["ess"].append(float(ess[g]))

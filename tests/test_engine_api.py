@@ -70,6 +70,7 @@ def test_smc_on_the_engine_matches_the_exact_target(device):
     result = smc.run(PROMPT, max_new_tokens=3, seed=1, progress=False)
     assert isinstance(result, sd.Result) and re.fullmatch(pattern, result.text)
     assert len(result.ess) == len(result.weight_history) == len(result.resampled) >= 1
+    assert 0 < result.draft_tokens <= 4 * 3  # N particles × at most the budget
     again = smc.run(PROMPT, max_new_tokens=3, seed=1, progress=False)
     assert again.tokens == result.tokens and again.log_evidence == result.log_evidence  # seeded
 
@@ -99,6 +100,7 @@ def test_truncated_draft_converts_and_shares_the_targets_modules():
         PROMPT, max_new_tokens=5, seed=0, progress=False)
     assert len(out.tokens) == 3 and all(1 <= len(t) <= 5 for t in out.tokens)
     assert len(out.weight_history) == len(out.ess) >= 1  # the fused plain round records them too
+    assert 0 < out.draft_tokens <= 3 * 5
 
 
 def test_what_the_engine_cannot_run_is_refused():

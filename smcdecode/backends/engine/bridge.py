@@ -123,6 +123,7 @@ def run_smc(strategy, ids: list[int], groups: int, max_new_tokens: int, generato
     result.resampled = [torch.as_tensor(r) for r in out.resampled]
     result.weights = [w.cpu() for w in out.weights]
     result.rounds = out.rounds
+    result.draft_tokens = int(out.drafted.sum())
     return result
 
 

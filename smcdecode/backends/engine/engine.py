@@ -73,7 +73,7 @@ class EngineOutput:
     rounds: int = 0
     peak_pages: int = 0
     accepted: Tensor | None = None  # [G, N] drafted tokens accepted (speculative decoding)
-    drafted: Tensor | None = None  # [G, N] tokens drafted while the row was unfinished (speculative decoding)
+    drafted: Tensor | None = None  # [G, N] tokens drafted in each row slot while unfinished (work, not lineage)
     host_s: float = 0.0  # host time between rounds (page bookkeeping, uploads, rewards, host masks)
     finished: Tensor | None = None  # [G, N] bool: ended by EOS, budget, or weight 0 (SMC-SD)
     weights: list = field(default_factory=list)  # per round, normalised [G, N] (record_weights=True)
@@ -283,6 +283,7 @@ class Engine:
                 ess=torch.zeros(G, dtype=torch.float64, device=dev), done=torch.zeros(1, dtype=torch.bool, device=dev),
                 ar=torch.arange(K + 1, device=dev), group_base=(torch.arange(G, device=dev) * N)[:, None],
                 W=torch.zeros(G, N, dtype=torch.float64, device=dev),
+                drafted=torch.zeros(B, dtype=torch.long, device=dev),
             )
             step = self._smc_round(buf, G, N, K, draft_temperature, target_temperature, eos, pad, resampler,
                                    ess_threshold)
@@ -301,6 +302,7 @@ class Engine:
             b["finished"].zero_()
             b["log_w"].zero_()
             b["log_Z"].zero_()
+            b["drafted"].zero_()
 
         self._upload(table, b["pt"], copies)
         reset()
@@ -343,6 +345,7 @@ class Engine:
         out.log_weights = b["log_w"].view(G, N).clone()
         out.log_evidence = b["log_Z"] + torch.logsumexp(out.log_weights, 1) - math.log(N)
         out.finished = b["finished"].view(G, N).clone()
+        out.drafted = b["drafted"].view(G, N).clone()
         out.particles = [N] * G
         return out
 
@@ -391,6 +394,7 @@ class Engine:
             n_new = torch.where(any_eos, is_eos.long().argmax(1) + 1, remaining.clamp(max=K))
             n_new = torch.where(~any_eos & (remaining > K), K + 1, n_new)
             active = ~finished
+            b["drafted"].add_(torch.where(active, remaining.clamp(max=K), 0))
             block = torch.cat([drafts, bonus[:, None]], dim=1)
             block = torch.where((ar[None] < n_new[:, None]) & active[:, None], block, pad)
             tokens.scatter_(1, n_gen[:, None] + ar, block)

@@ -195,6 +195,7 @@ class Scheduler:
         b["last"][r] = ids[-1]
         b["tokens"][r] = self.pad
         b["n_gen"][r] = 0
+        b["drafted"][r] = 0
         b["budget"][r] = req.max_new_tokens
         b["K_row"][r] = req.block_size
         b["T_draft"][r] = float(req.draft_temperature)

@@ -394,6 +394,7 @@ def run(engine, prompts: list[list[int]], settings: Settings, target: EngineTarg
         b["log_w"].copy_(torch.where(valid, 0.0, NEG_INF).double())
         b["log_Z"].zero_()
         b["host_incr"].zero_()
+        b["drafted"].zero_()
         for s, init in zip(b["states"], initial):
             s.copy_(per_row(init, torch.long))
 
@@ -459,6 +460,7 @@ def run(engine, prompts: list[list[int]], settings: Settings, target: EngineTarg
     out.tokens = b["tokens"][:, :longest_new].reshape(G, Nmax, -1).clone()
     out.lengths = b["n_gen"].view(G, Nmax).clone()
     out.finished = b["finished"].view(G, Nmax).clone()
+    out.drafted = b["drafted"].view(G, Nmax).clone()
     out.log_weights = b["log_w"].view(G, Nmax).clone()
     out.log_evidence = b["log_Z"] + torch.logsumexp(out.log_weights, 1) - torch.log(N_of.double())
     out.particles = list(settings.particles)
@@ -497,7 +499,7 @@ def _build(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resampler, 
         K_row=z(B), T_draft=z(B, dtype=torch.float32), T_target=z(B, dtype=torch.float32),
         alpha=z(B, dtype=torch.float32), n=z(G), valid=z(B, dtype=torch.bool),
         finished=z(B, dtype=torch.bool), log_w=z(B, dtype=torch.float64), log_Z=z(G, dtype=torch.float64),
-        drafts=z(B, Kmax), log_q=z(B, Kmax, dtype=torch.float32), bonus=z(B),
+        drafts=z(B, Kmax), log_q=z(B, Kmax, dtype=torch.float32), bonus=z(B), drafted=z(B),
         states=[z(B) for _ in automata], index=torch.arange(B, device=dev), do=z(G, dtype=torch.bool),
         ess=z(G, dtype=torch.float64), W=z(G, Nmax, dtype=torch.float64), done=z(1, dtype=torch.bool),
         ar=torch.arange(Kmax + 1, device=dev), group_base=(torch.arange(G, device=dev) * Nmax)[:, None],
@@ -585,6 +587,7 @@ def _round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, t
         incr = incr + torch.where(has_bonus, log_norm.double(), 0.0)
         n_new = torch.where(has_bonus, K_row + 1, n_new)
         active = ~finished
+        b["drafted"].add_(torch.where(active, k_eff, 0))
         block = torch.cat([drafts, torch.full_like(bonus, pad)[:, None]], dim=1)
         block = block.scatter(1, K_row[:, None], bonus[:, None])
         block = torch.where((ar[None] < n_new[:, None]) & active[:, None], block, pad)

@@ -153,16 +153,24 @@ def accepted_per_round(o) -> float:
 
 
 def smollm2_runs(args) -> list[dict]:
-    """The real default model: SmolLM2-135M-Instruct (GGUF Q4_1 dequantised, bf16) as the target and its
-    first 10 layers (+ final norm and head) as the draft, on ShareGPT prompts through the chat template."""
+    """The real default model: SmolLM2-135M-Instruct (GGUF Q4_1 dequantised, bf16) as the target, with
+    two drafts: the shipped distilled draft (smcdecode.drafts, 4 layers, sharing the target's
+    embeddings and head) and the target's first 10 layers (+ final norm and head); ShareGPT prompts
+    through the chat template."""
     from smcdecode.backends.engine import LlamaConfig
+    from smcdecode.backends.engine.bridge import _share_modules, to_llama
+    from smcdecode.drafts import load_default_draft
     from smcdecode.models import load_model
 
     hf = load_model(args.smollm2_gguf, dtype="float32")
     tok = hf.tokenizer if hasattr(hf, "tokenizer") else hf.tok
     target = Llama.from_hf(hf, dtype=torch.bfloat16, device="cuda")
     cfg = LlamaConfig(**{**target.cfg.__dict__, "n_layers": 10})
-    draft = Llama.from_state_dict(cfg, hf.hf.state_dict(), dtype=torch.bfloat16, device="cuda")
+    drafts = {"first 10 layers": Llama.from_state_dict(cfg, hf.hf.state_dict(), dtype=torch.bfloat16, device="cuda")}
+    distilled = load_default_draft(hf)
+    d = to_llama(distilled, "draft", torch.bfloat16, "cuda")
+    _share_modules(hf.hf, distilled.hf, target, d)
+    drafts = {"distilled, shipped": d, **drafts}
     data = json.loads(Path(args.prompts_json).read_text())
     prompts = []
     for item in data:
@@ -174,37 +182,41 @@ def smollm2_runs(args) -> list[dict]:
         if len(prompts) == 8:
             break
     out_len = 256
-    engine = Engine(target, draft, num_pages=8 * 8 * 40 + 8 * 20 + 64, page_size=16, max_context=600)
     runs = []
-    for G in (1, 8):
-        P = prompts[:G]
-        engine.autoregressive(P, max_new_tokens=8)
-        times = cuda_time(lambda: engine.autoregressive(P, max_new_tokens=out_len), args.repeats)
-        runs.append({"system": "SmolLM2 engine AR", "requests": G, "tok_s_total": G * out_len / statistics.median(times),
-                     "seconds": times})
-        for N, K in ((8, 8), (8, 4)):
-            engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=2 * (K + 1))
+    for j, (dname, draft) in enumerate(drafts.items()):
+        engine = Engine(target, draft, num_pages=8 * 8 * 40 + 8 * 20 + 64, page_size=16, max_context=600)
+        for G in (1, 8):
+            P = prompts[:G]
+            if j == 0:  # AR does not depend on the draft
+                engine.autoregressive(P, max_new_tokens=8)
+                times = cuda_time(lambda: engine.autoregressive(P, max_new_tokens=out_len), args.repeats)
+                runs.append({"system": "SmolLM2 engine AR", "requests": G,
+                             "tok_s_total": G * out_len / statistics.median(times), "seconds": times})
+            for N, K in ((8, 8), (8, 4)):
+                engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=2 * (K + 1))
+                outs = []
+                times = cuda_time(lambda: outs.append(engine.smc_sd(P, particles=N, block_size=K,
+                                                                    max_new_tokens=out_len)), args.repeats)
+                o = outs[-1]
+                runs.append({"system": f"SmolLM2 engine SMC-SD N={N} K={K} (draft: {dname})", "requests": G,
+                             "tok_s_total": G * out_len / statistics.median(times), "seconds": times,
+                             "mean_ess": float(torch.tensor([e.mean() for e in o.ess]).mean()), "N": N, "K": K,
+                             "resample_rate": float(sum(x.mean() for x in o.resampled) / o.rounds)})
+                engine.clear_graphs()
+            engine.speculative(P, block_size=4, max_new_tokens=10)
             outs = []
-            times = cuda_time(lambda: outs.append(engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=out_len)),
+            times = cuda_time(lambda: outs.append(engine.speculative(P, block_size=4, max_new_tokens=out_len)),
                               args.repeats)
             o = outs[-1]
-            runs.append({"system": f"SmolLM2 engine SMC-SD N={N} K={K} (draft: first 10 layers)", "requests": G,
+            runs.append({"system": f"SmolLM2 engine exact SD K=4 (draft: {dname})", "requests": G,
                          "tok_s_total": G * out_len / statistics.median(times), "seconds": times,
-                         "mean_ess": float(torch.tensor([e.mean() for e in o.ess]).mean()), "N": N, "K": K,
-                         "resample_rate": float(sum(x.mean() for x in o.resampled) / o.rounds)})
+                         "acceptance": accepted_per_round(o), "K": 4,
+                         "tokens_per_round": out_len / o.rounds})
             engine.clear_graphs()
-        engine.speculative(P, block_size=4, max_new_tokens=10)
-        outs = []
-        times = cuda_time(lambda: outs.append(engine.speculative(P, block_size=4, max_new_tokens=out_len)),
-                          args.repeats)
-        o = outs[-1]
-        runs.append({"system": "SmolLM2 engine exact SD K=4 (draft: first 10 layers)", "requests": G,
-                     "tok_s_total": G * out_len / statistics.median(times), "seconds": times,
-                     "acceptance": accepted_per_round(o), "K": 4,
-                     "tokens_per_round": out_len / o.rounds})
-        engine.clear_graphs()
-        for r in runs[-4:]:
-            print({k: v for k, v in r.items() if k != "seconds"}, flush=True)
+            for r in runs[-4:]:
+                print({k: v for k, v in r.items() if k != "seconds"}, flush=True)
+        del engine
+        torch.cuda.empty_cache()
     return runs
 
 
@@ -473,8 +485,9 @@ def write_markdown(res: dict, path: Path) -> None:
                          f"{r['ms_per_round']:.2f} | {r['frac_of_gemm_floor']:.0%} | {r['acceptance']:.2f} | "
                          + " | ".join(f"{a[k]:.0f}" for k in sorted(a)) + " |")
     if res.get("smollm2"):
-        lines += ["", "Real model: SmolLM2-135M-Instruct (GGUF Q4_1 dequantised to bf16) as target, its first 10 "
-                      "of 30 layers (+ final norm and head) as draft; 8 ShareGPT prompts through the chat template, "
+        lines += ["", "Real model: SmolLM2-135M-Instruct (GGUF Q4_1 dequantised to bf16) as target; drafts: the "
+                      "shipped distilled draft (4 layers, smcdecode.drafts) and the target's first 10 of 30 layers "
+                      "(+ final norm and head); 8 ShareGPT prompts through the chat template, "
                       "256 output tokens (EOS ignored, so every run has the same length), median of "
                       f"{res['repeats']}:", "",
                   "| system | requests | tok/s total | mean ESS | resample rate | accepted drafts/round |",

@@ -208,3 +208,20 @@ def test_power_constraint_and_reward_together(block, toy, pattern, reward, beta,
     out = run_smc(toy, target, block, seed=seed)
     check_distribution(out, exact, z_max=5.5)
     check_evidence_unbiased(out, exact.log_Z)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_scoring_path_is_cpu_float64_when_the_model_returns_cuda_logits():
+    """An LM whose logits live on the GPU, multiplied with a Regex: the potentials' scoring path
+    (logw_next / batch_logw_next, used by exact_target) returns CPU float64 for every factor, so the
+    product does not mix devices."""
+    vocab = ["<bos>", "a", "b", "<eos>"]
+    table = torch.randn(4, 4, device="cuda")
+    model = sd.FunctionModel(lambda ctx: table[ctx[:, -1]], vocab=vocab, eos="<eos>")
+    target = sd.LM(model) * sd.Regex(r"ab*")
+    w = target.batch_logw_next([[1], [1]], PROMPT)
+    assert w.device.type == "cpu" and w.dtype == torch.float64
+    assert target.logw_next([1], PROMPT).device.type == "cpu"
+    exact = exact_target(target, PROMPT, 3)
+    assert math.isclose(sum(exact.probs.values()), 1.0, abs_tol=1e-9) and math.isfinite(exact.log_Z)

@@ -44,7 +44,7 @@ class LM(Potential):
             raise SMCDecodeError("the LM potential needs a non-empty prompt to condition on")
         runner = self.model.start(list(prompt[:-1]), 1)
         feed = torch.tensor([[prompt[-1], *tokens]], dtype=torch.long)
-        return self.log_probs(runner.extend(feed)[0]).double()
+        return self.log_probs(runner.extend(feed)[0]).double().cpu()  # the scoring path is CPU float64
 
     def prefix(self, tokens, prompt=()):
         lp = self._token_logprobs(tokens, prompt)
@@ -68,7 +68,7 @@ class LM(Potential):
         # one batched forward for equal-length sequences
         runner = self.model.start(list(prompt[:-1]), len(seqs))
         feed = torch.tensor([[prompt[-1], *s] for s in seqs], dtype=torch.long)
-        return self.alpha * self.log_probs(runner.extend(feed)[:, -1]).double()
+        return self.alpha * self.log_probs(runner.extend(feed)[:, -1]).double().cpu()
 
 
 def _check_alpha(alpha) -> float:

@@ -204,27 +204,36 @@ def generate_corpus(
 
     ``generator="hf"`` samples with ``transformers``' ``generate``; ``"engine"`` with smcdecode's
     own engine (:mod:`smcdecode.backends.engine`: paged KV cache, one CUDA graph per step, the
-    target converted to bfloat16 on CUDA), many times faster on a GPU for a small target.
+    target converted to bfloat16 on CUDA).
 
     Jobs run in a seeded random order (lengths sorted only within windows of 4 batches, to limit
     padding), so with ``time_budget_s`` — no batch after the first starts after that many seconds — the
     sequences that were generated are a random subset of the prompts, not the shortest ones.
+    With the engine a job is a prompt with all its ``samples`` (up to ``batch_size`` of them: a
+    prompt with more samples is several jobs): the prompt is prefilled once and its rows share its
+    KV pages, so a time budget keeps a random subset of whole prompts, each with all its samples.
     On CUDA the KV cache is static (preallocated), which avoids regrowing it every step."""
     hf, eos = target.hf, target.eos_token_id
     device = target.device
-    jobs = [list(p) for p in prompt_ids for _ in range(samples)]
+    if generator not in ("hf", "engine"):
+        raise SMCDecodeError(f"generator must be 'hf' or 'engine', got {generator!r}")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise SMCDecodeError(f"samples must be a positive integer, got {samples!r}")
+    prompts = [list(p) for p in prompt_ids]
+    jobs = [p for p in prompts for _ in range(samples)]
+    responses: list[list[int] | None] = [None] * len(jobs)
+    torch.manual_seed(seed)
+    if generator == "engine":
+        _engine_corpus(target, prompts, responses, samples=samples, max_new_tokens=max_new_tokens,
+                       temperature=temperature, batch_size=batch_size, seed=seed, progress=progress,
+                       time_budget_s=time_budget_s, log=log)
+        return [(p, r) for p, r in zip(jobs, responses) if r]
     rng = random.Random(seed)
     order = list(range(len(jobs)))
     rng.shuffle(order)
     window = 4 * batch_size
     order = [i for s in range(0, len(order), window) for i in sorted(order[s : s + window], key=lambda i: len(jobs[i]))]
-    responses: list[list[int] | None] = [None] * len(jobs)
-    torch.manual_seed(seed)
-    if generator not in ("hf", "engine"):
-        raise SMCDecodeError(f"generator must be 'hf' or 'engine', got {generator!r}")
     extra = {"cache_implementation": "static"} if device.type == "cuda" else {}
-    sample = _engine_sampler(target, max(map(len, jobs), default=1) + max_new_tokens, batch_size) \
-        if generator == "engine" else None
     bar = _bar(progress, len(jobs), "generating", "seq")
     t0 = time.perf_counter()
     for start in range(0, len(order), batch_size):
@@ -232,12 +241,6 @@ def generate_corpus(
             log(f"generation time budget ({time_budget_s:.0f} s) spent: {start} of {len(jobs)} sequences generated")
             break
         rows = order[start : start + batch_size]
-        if sample is not None:
-            for i, gen in zip(rows, sample([jobs[i] for i in rows], max_new_tokens, temperature, seed + start)):
-                responses[i] = gen[: gen.index(eos) + 1] if eos in gen else gen
-            if bar is not None:
-                bar.update(len(rows))
-            continue
         width = max(len(jobs[i]) for i in rows)
         ids = torch.full((len(rows), width), eos, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.long)
@@ -258,9 +261,55 @@ def generate_corpus(
     return [(p, r) for p, r in zip(jobs, responses) if r]
 
 
+def _engine_corpus(target: HFModel, prompts: list[list[int]], responses: list, *, samples: int,
+                   max_new_tokens: int, temperature: float, batch_size: int, seed: int, progress: bool,
+                   time_budget_s: float | None, log: Callable[[str], None]) -> None:
+    """``generate_corpus`` on the engine: fills ``responses[g·samples + s]``. Jobs are (prompt,
+    k samples), k <= batch_size; a batch packs jobs up to ``batch_size`` rows and is one
+    ``Engine.autoregressive`` call with ``samples=k`` (jobs of a batch with equal k; batches are
+    cut where k changes, which happens only for the remainder of a prompt split over jobs)."""
+    eos = target.eos_token_id
+    k_full = min(samples, batch_size)
+    jobs = [(g, s0, min(k_full, samples - s0)) for g in range(len(prompts)) for s0 in range(0, samples, k_full)]
+    rng = random.Random(seed)
+    rng.shuffle(jobs)
+    per = max(1, batch_size // k_full)  # jobs per batch
+    window = 4 * per
+    jobs = [j for w in range(0, len(jobs), window)
+            for j in sorted(jobs[w : w + window], key=lambda j: (j[2], len(prompts[j[0]])))]
+    batches: list[list[tuple[int, int, int]]] = []
+    for j in jobs:
+        if batches and len(batches[-1]) < per and batches[-1][0][2] == j[2]:
+            batches[-1].append(j)
+        else:
+            batches.append([j])
+    sample = _engine_sampler(target, max(map(len, prompts), default=1) + max_new_tokens, batch_size)
+    bar = _bar(progress, len(prompts) * samples, "generating", "seq")
+    t0, done = time.perf_counter(), 0
+    for n, batch in enumerate(batches):
+        if n and time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
+            log(f"generation time budget ({time_budget_s:.0f} s) spent: {done} of {len(prompts) * samples} "
+                f"sequences generated")
+            break
+        k = batch[0][2]
+        gens = sample([prompts[g] for g, _, _ in batch], k, max_new_tokens, temperature, seed + n)
+        for (g, s0, _), r in zip(batch, range(0, len(gens), k)):
+            for s in range(k):
+                gen = gens[r + s]
+                responses[g * samples + s0 + s] = gen[: gen.index(eos) + 1] if eos in gen else gen
+        done += len(batch) * k
+        if bar is not None:
+            bar.update(len(batch) * k)
+    if bar is not None:
+        bar.close()
+
+
 def _engine_sampler(target: HFModel, max_context: int, batch_size: int):
-    """A function (prompts, max_new_tokens, temperature, seed) -> token lists that samples from
-    ``target`` on smcdecode's engine (bfloat16 on CUDA, float32 on CPU)."""
+    """A function (prompts, samples, max_new_tokens, temperature, seed) -> token lists (row
+    g·samples + s: sample s of prompt g) that samples from ``target`` on smcdecode's engine
+    (bfloat16 on CUDA, float32 on CPU). One engine for the whole corpus, with a fixed
+    ``max_context``: every batch has the same page-table width, so the step graph captured for
+    one batch size is replayed by all batches of that size."""
     from .backends.engine.engine import Engine
     from .backends.engine.model import Llama
 
@@ -273,8 +322,10 @@ def _engine_sampler(target: HFModel, max_context: int, batch_size: int):
     pages = batch_size * (-(-(max_context + 2) // page) + 1) + 8
     engine = Engine(llama, None, num_pages=pages, page_size=page, max_context=max_context + 2)
 
-    def sample(prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int) -> list[list[int]]:
-        tokens, _ = engine.autoregressive(prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    def sample(prompts: list[list[int]], samples: int, max_new_tokens: int, temperature: float,
+               seed: int) -> list[list[int]]:
+        tokens, _ = engine.autoregressive(prompts, samples=samples, max_new_tokens=max_new_tokens,
+                                          temperature=temperature, seed=seed)
         return tokens.tolist()
 
     return sample

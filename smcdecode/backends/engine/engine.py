@@ -130,7 +130,20 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------
 
+    # Prefill. NOTE (why the engine's corpus generation was no faster than ``generate``, issue 4):
+    # ``_start`` used to prefill one prompt per forward, so a batch of 1024 rows cost 1024 small
+    # forwards, and each forward had L = that prompt's length: ``_paged_attn_kernel`` takes L (and
+    # MT, BLOCK_L, NSPLIT/MERGE, derived from L and the row count) as ``tl.constexpr``, so Triton
+    # compiled a new attention kernel for every new prompt length (up to ~256 of them for prompts
+    # <= 256 tokens: the slow first batches). Now all prompts of a call are prefilled together, in
+    # forwards of R rows × L_b positions, L_b a power of two (>= 16) and R a power of two, both
+    # from a handful of values, so the same few kernels serve every call. The constexprs stay:
+    # they size register tiles, which must be compile-time constants in Triton.
+
+    PREFILL_TOKENS = 16384  # positions per prefill forward (rows × bucket length), at most
+
     def _prefill(self, model: Llama, kv: KVPool, pt_dev: Tensor, row: int, ids: list[int]) -> None:
+        """One row (the per-prompt path; the reference ``_prefill_rows`` is tested against)."""
         if not ids:
             return
         tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
@@ -138,8 +151,61 @@ class Engine:
         batch = PagedBatch.build(positions, pt_dev[row : row + 1], self.page_size)
         model(tokens, kv, batch, last_only=True)
 
-    def _start(self, prompts: list[list[int]], N: int, extra: int) -> tuple[PageTable, Tensor]:
-        """Page table for G·N rows; each request's prompt prefilled once (in row g·N) and shared."""
+    def _prefill_rows(self, model: Llama, kv: KVPool, pt_dev: Tensor, rows: list[int], seqs: list[list[int]],
+                      max_tokens: int | None = None) -> int:
+        """Write the keys/values of ``seqs[i]`` (at positions 0..) into the pages of row ``rows[i]``,
+        many rows per forward. Returns the number of forwards.
+
+        Rows are sorted by length and cut into buckets of L_b = next power of two >= max(16, n)
+        positions (at most the page table's and the rope tables' capacity); a forward holds R rows
+        of one bucket, R a power of two with R·L_b <= ``max_tokens`` (``PREFILL_TOKENS``). Shorter
+        rows are right-padded: padding tokens sit at positions n..L_b−1 after the row's real ones,
+        so causal attention keeps them out of every real query (each query attends to positions <=
+        its own); their keys/values go to the row's pages where those exist (the positions a later
+        step overwrites before any query can see them: a position is written before it is
+        attended to) and to the null page 0 elsewhere (unused page-table entries point there; it is
+        never handed out and only read under a mask). Rows added to reach R have an all-null page
+        table. So each real position gets exactly the keys/values of the one-row prefill."""
+        todo = [(r, s) for r, s in zip(rows, seqs) if s]
+        if not todo:
+            return 0
+        budget = max_tokens or self.PREFILL_TOKENS
+        P, PS, dev = pt_dev.shape[1], self.page_size, self.device
+        cap = P * PS
+        if model.rope_cos is not None:
+            cap = min(cap, model.rope_cos.shape[0])
+        todo.sort(key=lambda rs: len(rs[1]))
+        forwards, i = 0, 0
+        while i < len(todo):
+            n = len(todo[i][1])
+            Lb = min(max(16, 1 << (n - 1).bit_length()), cap)
+            if n > Lb:
+                raise SMCDecodeError(f"a prompt of {n + 1} tokens does not fit the page table ({cap} positions)")
+            j = i
+            while j < len(todo) and len(todo[j][1]) <= Lb:
+                j += 1
+            per = max(1, 1 << ((budget // Lb).bit_length() - 1)) if budget >= Lb else 1
+            for c in range(i, j, per):
+                chunk = todo[c : min(c + per, j)]
+                R = 1 << (len(chunk) - 1).bit_length()  # a power of two: few distinct launch shapes
+                tokens = torch.zeros(R, Lb, dtype=torch.long)
+                idx = torch.zeros(R, dtype=torch.long)
+                real = torch.zeros(R, dtype=torch.bool)
+                for k, (r, s) in enumerate(chunk):
+                    tokens[k, : len(s)] = torch.tensor(s)
+                    idx[k], real[k] = r, True
+                pt = torch.where(real.to(dev)[:, None], pt_dev[idx.to(dev)], 0)
+                positions = torch.arange(Lb, device=dev)[None].expand(R, Lb)
+                model(tokens.to(dev), kv, PagedBatch.build(positions, pt, PS), last_only=True)
+                forwards += 1
+            i = j
+        return forwards
+
+    def _start(self, prompts: list[list[int]], N: int, extra: int, batched_prefill: bool = True
+               ) -> tuple[PageTable, Tensor]:
+        """Page table for G·N rows; each request's prompt prefilled once (in row g·N) and shared by
+        its N rows (copy-on-write of the partial last page when a row first writes into it).
+        ``batched_prefill`` False prefills one prompt per forward (the reference for tests)."""
         G, PS = len(prompts), self.page_size
         longest = max(len(p) for p in prompts) + extra
         if self.max_context is not None and longest > self.max_context:
@@ -152,10 +218,17 @@ class Engine:
             table.reserve(np.array([r]), np.array([len(ids) - 1]))
             table.advance(np.array([r]), np.array([len(ids) - 1]))
         pt_dev = torch.from_numpy(table.table).to(self.device)
-        for g, ids in enumerate(prompts):
-            self._prefill(self.target, self.kv_t, pt_dev, g * N, ids[:-1])
+        heads = [g * N for g in range(G)]
+        if batched_prefill:
+            self._prefill_rows(self.target, self.kv_t, pt_dev, heads, [p[:-1] for p in prompts])
             if self.draft is not None:
-                self._prefill(self.draft, self.kv_d, pt_dev, g * N, ids[:-2])
+                self._prefill_rows(self.draft, self.kv_d, pt_dev, heads, [p[:-2] for p in prompts])
+        else:
+            for g, ids in enumerate(prompts):
+                self._prefill(self.target, self.kv_t, pt_dev, g * N, ids[:-1])
+                if self.draft is not None:
+                    self._prefill(self.draft, self.kv_d, pt_dev, g * N, ids[:-2])
+        for g in range(G):
             table.share_prefix(list(range(g * N, (g + 1) * N)), g * N)
         return table, pt_dev
 
@@ -572,36 +645,79 @@ class Engine:
 
     @torch.inference_mode()
     def autoregressive(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
-                       use_graphs: bool | None = None, seed: int = 0) -> tuple[Tensor, int]:
-        """Plain sampling from the target, one token a step for each of G requests (no host sync
-        until the end). Returns (tokens [G, max_new_tokens], peak pages)."""
+                       samples: int = 1, use_graphs: bool | None = None, seed: int = 0,
+                       batched_prefill: bool = True) -> tuple[Tensor, int]:
+        """Plain sampling from the target, one token a step for each of G requests × ``samples``
+        independent rows (no host sync until the end). Returns (tokens [G·samples, max_new_tokens],
+        row g·samples + s the s-th sample of prompt g; peak pages).
+
+        Each prompt is prefilled once (all prompts together, ``_prefill_rows``) and its pages are
+        shared by its ``samples`` rows; the partially filled last prompt page is copied for each
+        row before the row first writes into it (copy-on-write in ``PageTable.reserve``), so rows
+        never see each other's tokens.
+
+        NOTE: the step is captured as a CUDA graph once per (rows, temperature, page-table width)
+        and replayed by later calls through static buffers, like the SMC-SD rounds (it used to be
+        re-captured, with a warm-up step, on every call). Give the Engine a ``max_context`` so the
+        page-table width, and thus the graph and the attention kernel's launch shape, is the same
+        for every call."""
+        if not prompts or any(len(p) < 1 for p in prompts):
+            raise SMCDecodeError("prompts must be a non-empty list of non-empty token lists")
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise SMCDecodeError(f"samples must be a positive integer, got {samples!r}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise SMCDecodeError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if not (temperature > 0 and math.isfinite(temperature)):
+            raise SMCDecodeError(f"temperature must be a finite number > 0, got {temperature!r}")
         use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         torch.manual_seed(seed)
-        G, dev, PS = len(prompts), self.device, self.page_size
-        table, pt = self._start(prompts, 1, max_new_tokens + 2)
-        rows = np.arange(G)
-        lens = np.array([len(p) - 1 for p in prompts])
-        self._upload(table, pt, table.reserve(rows, lens + max_new_tokens + 1))
-        seq_t = torch.tensor(lens, device=dev)
-        last = torch.tensor([p[-1] for p in prompts], device=dev)
-        tokens = torch.zeros(G, max_new_tokens + 1, dtype=torch.long, device=dev)
-        n_gen = torch.zeros(1, dtype=torch.long, device=dev)
+        G, S, dev, PS = len(prompts), samples, self.device, self.page_size
+        B = G * S
+        table, pt_start = self._start(prompts, S, max_new_tokens + 2, batched_prefill=batched_prefill)
+        rows = np.arange(B)
+        lens = np.repeat([len(p) - 1 for p in prompts], S)
+        copies = table.reserve(rows, lens + max_new_tokens + 1)  # copy-on-write of the shared last page
+        cap = table.table.shape[1] * PS
+        key = ("ar", B, temperature, table.table.shape[1], use_graphs)
+        graph = self._graphs.get(key)
+        if graph is None:
+            buf = dict(pt=pt_start.clone(), seq=torch.zeros(B, dtype=torch.long, device=dev),
+                       last=torch.zeros(B, dtype=torch.long, device=dev),
+                       tokens=torch.zeros(B, cap + 1, dtype=torch.long, device=dev),
+                       n_gen=torch.zeros(1, dtype=torch.long, device=dev))
+            step = self._ar_step(buf, temperature)
+        else:
+            buf = graph.buffers
+        b = buf
+
+        def reset() -> None:
+            b["seq"].copy_(torch.as_tensor(lens, device=dev))
+            b["last"].copy_(torch.tensor([p[-1] for p in prompts], device=dev).repeat_interleave(S))
+            b["n_gen"].zero_()
+
+        self._upload(table, b["pt"], copies)
+        reset()
+        if graph is None:
+            graph = _Graph(b, self._capture(step, use_graphs), step)
+            if use_graphs:
+                self._graphs[key] = graph
+                reset()
+        for _ in range(max_new_tokens):
+            graph.step()
+        return b["tokens"][:, :max_new_tokens].clone(), table.peak_used
+
+    def _ar_step(self, b: dict, temperature: float):
+        """One autoregressive step over the static buffers ``b`` (captured as one graph)."""
+        seq_t, last, tokens, n_gen, pt, dev, PS = b["seq"], b["last"], b["tokens"], b["n_gen"], b["pt"], \
+            self.device, self.page_size
 
         def step_() -> None:
             batch = PagedBatch.build(seq_t[:, None], pt, PS)
             seeds = torch.randint(0, 2**62, (1,), device=dev)
-            b, _, _ = sample_and_score(self.target(last[:, None], self.kv_t, batch)[:, 0], temperature, seeds[0])
-            tokens.index_copy_(1, n_gen, b[:, None])
-            last.copy_(b)
+            t, _, _ = sample_and_score(self.target(last[:, None], self.kv_t, batch)[:, 0], temperature, seeds[0])
+            tokens.index_copy_(1, n_gen, t[:, None])
+            last.copy_(t)
             seq_t.add_(1)
             n_gen.add_(1)
 
-        saved = (seq_t.clone(), last.clone())
-        step = self._capture(step_, use_graphs)
-        if use_graphs:
-            seq_t.copy_(saved[0])
-            last.copy_(saved[1])
-            n_gen.zero_()
-        for _ in range(max_new_tokens):
-            step()
-        return tokens[:, :max_new_tokens], table.peak_used
+        return step_

@@ -164,27 +164,69 @@ def test_extra_prompts_only_train_and_generation_budget_keeps_a_random_subset(tm
     assert any("generation time budget" in line for line in logs)
 
 
-def test_engine_generator_samples_the_target(target):
-    """The engine-generated corpus follows p_T: first-token counts against softmax(logits / T)
-    (chi-square, false-alarm rate 1e-6), and every response is cut after its first EOS."""
+def _chi2_pvalue(counts: torch.Tensor, p: torch.Tensor) -> float:
+    """Chi-square goodness of fit of ``counts`` to ``p`` (cells expected < 5 times pooled)."""
     from scipy.stats import chisquare
 
-    prompt, T, n = [5, 9, 13], 0.7, 3000
-    corpus = generate_corpus(target, [prompt], samples=n, max_new_tokens=3, temperature=T, batch_size=1000,
+    n = float(counts.sum())
+    keep = p * n >= 5
+    obs, exp = counts[keep], p[keep] * n
+    if (~keep).any():
+        obs, exp = torch.cat([obs, counts[~keep].sum()[None]]), torch.cat([exp, p[~keep].sum()[None] * n])
+    return float(chisquare(obs.numpy(), exp.numpy() * float(obs.sum()) / float(exp.sum())).pvalue)
+
+
+def test_engine_generator_samples_the_target(target):
+    """The engine-generated corpus follows p_T, with many samples of each prompt sharing its KV
+    pages and two prompts of different lengths in one batch: first-token counts against
+    softmax(logits / T), and second-token counts among the answers with the same first token t
+    against p_T(· | prompt, t) (an answer that read another row's token from a shared page would
+    fail it); chi-square, false-alarm rate 1e-6 each. Every response is cut after its first EOS."""
+    prompts, T, n = [[5, 9, 13], [7, 3, 11, 2, 8, 4]], 0.7, 1500
+    corpus = generate_corpus(target, prompts, samples=n, max_new_tokens=3, temperature=T, batch_size=2 * n,
                              seed=4, progress=False, generator="engine")
-    assert len(corpus) == n
+    assert len(corpus) == 2 * n
     for _prompt, response in corpus:
         assert 1 <= len(response) <= 3 and target.eos_token_id not in response[:-1]
-    with torch.no_grad():
-        logits = target.hf(input_ids=torch.tensor([prompt])).logits[0, -1].double()
-    p = torch.softmax(logits / T, -1)
-    counts = torch.bincount(torch.tensor([r[0] for _, r in corpus]), minlength=p.numel()).double()
-    keep = p * n >= 5  # pool the rare cells
-    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
-    exp = torch.cat([p[keep], p[~keep].sum()[None]]) * n
-    assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-6
+
+    def p_T(ids):
+        with torch.no_grad():
+            return torch.softmax(target.hf(input_ids=torch.tensor([ids])).logits[0, -1].double() / T, -1)
+
+    V, tested = 48, 0
+    for g, prompt in enumerate(prompts):
+        answers = [r for p, r in corpus[g * n : (g + 1) * n]]
+        assert all(p == prompt for p, _ in corpus[g * n : (g + 1) * n])  # answers of prompt g, in order
+        first = torch.tensor([r[0] for r in answers])
+        assert _chi2_pvalue(torch.bincount(first, minlength=V).double(), p_T(prompt)) > 1e-6
+        for t in torch.unique(first).tolist():
+            seconds = [r[1] for r in answers if r[0] == t and len(r) > 1]
+            if t == target.eos_token_id or len(seconds) < 150:
+                continue
+            counts = torch.bincount(torch.tensor(seconds), minlength=V).double()
+            assert _chi2_pvalue(counts, p_T(prompt + [t])) > 1e-6, (prompt, t)
+            tested += 1
+    assert tested >= 2
     with pytest.raises(SMCDecodeError, match="generator must be"):
-        generate_corpus(target, [prompt], generator="vllm", progress=False)
+        generate_corpus(target, [prompts[0]], generator="vllm", progress=False)
+    with pytest.raises(SMCDecodeError, match="samples must be"):
+        generate_corpus(target, [prompts[0]], samples=0, generator="engine", progress=False)
+
+
+def test_engine_generator_time_budget_keeps_whole_prompts(target):
+    """With the engine a batch holds whole prompts with all their samples (a prompt with more
+    samples than a batch holds is split); a time budget keeps a seeded random subset of them."""
+    logs: list[str] = []
+    jobs = [[2 + i % 40] * (1 + i) for i in range(40)]
+    few = generate_corpus(target, jobs, samples=4, max_new_tokens=2, batch_size=8, seed=3, progress=False,
+                          time_budget_s=1e-9, generator="engine", log=logs.append)
+    kept = {tuple(p) for p, _ in few}
+    assert len(few) == 8 and len(kept) == 2 and all(sum(tuple(p) == k for p, _ in few) == 4 for k in kept)
+    assert sorted(map(len, kept)) != [1, 2]  # not the shortest prompts
+    assert any("generation time budget" in line for line in logs)
+    split = generate_corpus(target, jobs[:2], samples=5, max_new_tokens=2, batch_size=4, seed=0, progress=False,
+                            generator="engine")
+    assert [p for p, _ in split] == [jobs[0]] * 5 + [jobs[1]] * 5
 
 
 @pytest.mark.parametrize("weights, tol", [("float32", 0.0), ("bfloat16", 5e-2), ("int8", 5e-2)])

@@ -1,0 +1,176 @@
+"""The engine's batched prefill and autoregressive sampling with prompts shared by several rows
+(CPU, float32, tiny random Llama models; a few seconds)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from smcdecode import SMCDecodeError
+from smcdecode.backends.engine import Engine, KVPool, Llama, LlamaConfig, PagedBatch
+
+scipy_stats = pytest.importorskip("scipy.stats")
+
+
+def tiny_llama(vocab: int = 24, layers: int = 2, seed: int = 0, scale: float = 0.25) -> Llama:
+    """Random weights with a large init: peaked next-token distributions (chi-square tests have power)."""
+    torch.manual_seed(seed)
+    model = Llama(LlamaConfig(vocab, 32, layers, 4, 2, 64, rope_theta=10000.0)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0.0, scale)
+    return model
+
+
+# prompt lengths across the buckets (16, 32, 64), page boundaries (PS = 4) and the 1-token prompt
+LENGTHS = [1, 2, 5, 9, 16, 17, 18, 3, 33, 40, 17, 6]
+
+
+@torch.inference_mode()
+def test_batched_prefill_matches_per_prompt_prefill():
+    """Every real cached position holds the keys/values of the one-prompt-per-forward prefill
+    (target and draft pools), the next-token logits agree (1e-5), and the padding wrote nowhere but
+    the prompts' own pages and the null page 0."""
+    target, draft = tiny_llama(seed=1), tiny_llama(layers=1, seed=2)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 24, (n,), generator=g).tolist() for n in LENGTHS]
+    PS, N = 4, 2
+    engines = {}
+    for batched in (False, True):
+        e = Engine(target, draft, num_pages=256, page_size=PS, max_context=64)
+        e.PREFILL_TOKENS = 64  # several forwards per bucket, and a padded last chunk (R = 2^k rows)
+        table, pt = e._start(prompts, N, extra=4, batched_prefill=batched)
+        engines[batched] = (e, table, pt)
+    (e0, t0, _), (e1, t1, pt1) = engines[False], engines[True]
+    np.testing.assert_array_equal(t0.table, t1.table)
+    owned = set()
+    for gi, ids in enumerate(prompts):
+        r = gi * N
+        for kv0, kv1, n in ((e0.kv_t, e1.kv_t, len(ids) - 1), (e0.kv_d, e1.kv_d, len(ids) - 2)):
+            for pos in range(max(n, 0)):
+                page = int(t1.table[r, pos // PS])
+                torch.testing.assert_close(kv1.kv[:, :, page, :, pos % PS], kv0.kv[:, :, page, :, pos % PS],
+                                           atol=1e-5, rtol=1e-5)
+        owned.update(t1.table[r, : t1.n_pages[r]].tolist())
+        assert (t1.table[r + 1, : t1.n_pages[r]] == t1.table[r, : t1.n_pages[r]]).all()  # shared by the N rows
+    others = sorted(set(range(1, 256)) - owned)
+    assert not e1.kv_t.kv[:, :, others].any() and not e1.kv_d.kv[:, :, others].any()
+
+    # the next token's logits (the last prompt token fed at its position) on both caches
+    heads = [gi * N for gi in range(len(prompts))]
+    last = torch.tensor([[p[-1]] for p in prompts])
+    pos = torch.tensor([[len(p) - 1] for p in prompts])
+    logits = []
+    for e, table, _ in (engines[False], engines[True]):
+        src, dst = table.reserve(np.array(heads), np.array([len(p) for p in prompts]))  # copy-on-write
+        if src:
+            e.kv_t.copy_pages(torch.tensor(src), torch.tensor(dst))
+        pt = torch.from_numpy(table.table[heads])
+        logits.append(e.target(last, e.kv_t, PagedBatch.build(pos, pt, PS))[:, 0])
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
+    # and against a plain causal forward of each whole prompt (a fresh pool, one prompt per call)
+    for gi, ids in enumerate(prompts):
+        kv = KVPool.for_model(target.cfg, 32, PS, torch.float32, "cpu")
+        n = len(ids)
+        pt = torch.arange(1, 1 + -(-n // PS), dtype=torch.int32)[None]
+        full = target(torch.tensor([ids]), kv, PagedBatch.build(torch.arange(n)[None], pt, PS))[0, -1]
+        torch.testing.assert_close(logits[1][gi], full, atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_prefill_forwards_are_bucketed():
+    """Prefill shapes come from a few power-of-two buckets: one forward per bucket here."""
+    model = tiny_llama()
+    e = Engine(model, None, num_pages=1024, page_size=4, max_context=70)
+    pt = torch.arange(1, 1 + 37 * 19, dtype=torch.int32).view(37, 19)
+    seqs = [[3] * n for n in range(1, 38)]
+    seen = []
+
+    def record(module, args):
+        seen.append(tuple(args[0].shape))
+
+    h = model.register_forward_pre_hook(record)
+    try:
+        assert e._prefill_rows(model, e.kv_t, pt, list(range(37)), seqs) == 3
+        assert e._prefill_rows(model, e.kv_t, pt, list(range(37)), seqs, max_tokens=256) == 5
+    finally:
+        h.remove()
+    # lengths 1-16, 17-32, 33-37 (5 rows, padded to 8); then at most 256 positions a forward
+    assert seen == [(16, 16), (16, 32), (8, 64), (16, 16), (8, 32), (8, 32), (4, 64), (1, 64)]
+
+
+def _exact(model: Llama, seq: list[int], T: float) -> torch.Tensor:
+    """p_T(· | seq) from one causal forward over a fresh pool (float64)."""
+    kv = KVPool.for_model(model.cfg, 32, 4, torch.float32, "cpu")
+    n = len(seq)
+    pt = torch.arange(1, 1 + -(-n // 4), dtype=torch.int32)[None]
+    logits = model(torch.tensor([seq]), kv, PagedBatch.build(torch.arange(n)[None], pt, 4))[0, -1]
+    return torch.softmax(logits.double() / T, -1)
+
+
+def _chi2_pvalue(counts: torch.Tensor, p: torch.Tensor) -> float:
+    n = float(counts.sum())
+    keep = p * n >= 5  # pool the rare cells
+    obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    exp = torch.cat([p[keep], p[~keep].sum()[None]]) * n
+    if (~keep).sum() == 0:
+        obs, exp = counts[keep], p[keep] * n
+    return float(scipy_stats.chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
+
+
+def check_follows_target(model: Llama, prompt: list[int], rows: torch.Tensor, T: float, min_count: int = 150):
+    """First tokens ~ p_T(· | prompt); second tokens, among rows with the same first token t,
+    ~ p_T(· | prompt, t) (for every t drawn at least ``min_count`` times); p-values > 1e-6."""
+    V = model.cfg.vocab_size
+    p1 = _exact(model, prompt, T)
+    assert _chi2_pvalue(torch.bincount(rows[:, 0], minlength=V).double(), p1) > 1e-6
+    tested = 0
+    for t in torch.unique(rows[:, 0]).tolist():
+        sel = rows[rows[:, 0] == t]
+        if len(sel) < min_count:
+            continue
+        p2 = _exact(model, prompt + [t], T)
+        assert _chi2_pvalue(torch.bincount(sel[:, 1], minlength=V).double(), p2) > 1e-6, (prompt, t)
+        tested += 1
+    assert tested >= 1
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@torch.inference_mode()
+def test_autoregressive_rows_sharing_a_prompt_sample_the_target(shared):
+    """S rows per prompt sharing its pages (shared=True) and the same prompts repeated S times,
+    one row each (shared=False), both follow p_T: the first token, and the second token given the
+    first (a row that read another row's first token from a shared page would fail this). The
+    prompt lengths put the first generated token in the prompt's partially filled last page."""
+    model = tiny_llama(seed=3)
+    e = Engine(model, None, num_pages=12000, page_size=4, max_context=16)
+    prompts, S, T = [[5, 9, 13], [7, 3, 11, 2, 8, 1]], 1500, 0.8
+    if shared:
+        toks, _ = e.autoregressive(prompts, max_new_tokens=2, temperature=T, samples=S, seed=11)
+    else:
+        toks, _ = e.autoregressive([p for p in prompts for _ in range(S)], max_new_tokens=2, temperature=T, seed=11)
+    assert toks.shape == (len(prompts) * S, 2)
+    for gi, p in enumerate(prompts):
+        check_follows_target(model, p, toks[gi * S : (gi + 1) * S], T)
+
+
+@torch.inference_mode()
+def test_autoregressive_reuses_its_step_and_checks_input():
+    model = tiny_llama(seed=4)
+    e = Engine(model, None, num_pages=256, page_size=4, max_context=24)
+    a, _ = e.autoregressive([[1, 2, 3], [4]], max_new_tokens=5, samples=3, seed=7)
+    b, _ = e.autoregressive([[1, 2, 3], [4]], max_new_tokens=5, samples=3, seed=7)
+    assert a.shape == (6, 5) and torch.equal(a, b)  # seeded
+    unbatched, _ = e.autoregressive([[1, 2, 3], [4]], max_new_tokens=5, samples=3, seed=7, batched_prefill=False)
+    assert torch.equal(a, unbatched)
+    for kw, match in ((dict(samples=0), "samples must be"), (dict(max_new_tokens=0), "max_new_tokens must be"),
+                      (dict(temperature=0.0), "temperature must be")):
+        args = dict(max_new_tokens=3, **{k: v for k, v in kw.items() if k != "max_new_tokens"})
+        if "max_new_tokens" in kw:
+            args["max_new_tokens"] = kw["max_new_tokens"]
+        with pytest.raises(SMCDecodeError, match=match):
+            e.autoregressive([[1, 2]], **args)
+    with pytest.raises(SMCDecodeError, match="non-empty"):
+        e.autoregressive([[1, 2], []], max_new_tokens=3)

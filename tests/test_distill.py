@@ -332,3 +332,21 @@ def test_validation_keeps_the_draft_with_the_lowest_validation_kl(tmp_path):
     assert len(corpus["validation"]) == 5 and len(corpus["train"]) == 30 - 4 - 5
     again = evaluate_draft(target, load_draft(target, tmp_path), corpus["validation"])
     assert again["kl"] == pytest.approx(best["validation_kl"], rel=1e-4)
+
+
+def test_corpus_throughput_benchmark_runs_on_cpu(tmp_path):
+    """benchmarks/corpus_throughput.py --tiny: both generators on the same prompts, a JSON report."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "corpus_throughput.py"
+    spec = importlib.util.spec_from_file_location("corpus_throughput", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "ct.json"
+    assert bench.main(["--tiny", "--num-prompts", "6", "--samples", "3", "--max-new-tokens", "5", "--batch-size", "8",
+                       "--repeats", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["generators"]) == {"engine", "hf"} and report["device"] == "cpu"
+    for g in report["generators"].values():
+        assert g["first_call"]["sequences"] == 18 and g["median"]["sequences_per_s"] > 0

@@ -143,7 +143,11 @@ class Engine:
     PREFILL_TOKENS = 16384  # positions per prefill forward (rows × bucket length), at most
 
     def _prefill(self, model: Llama, kv: KVPool, pt_dev: Tensor, row: int, ids: list[int]) -> None:
-        """One row (the per-prompt path; the reference ``_prefill_rows`` is tested against)."""
+        """One row's prompt (the scheduler's join), through ``_prefill_rows``: bucketed shapes too."""
+        self._prefill_rows(model, kv, pt_dev, [row], [ids])
+
+    def _prefill_unpadded(self, model: Llama, kv: KVPool, pt_dev: Tensor, row: int, ids: list[int]) -> None:
+        """One row, one forward of exactly its length (the reference ``_prefill_rows`` is tested against)."""
         if not ids:
             return
         tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
@@ -195,7 +199,7 @@ class Engine:
                     tokens[k, : len(s)] = torch.tensor(s)
                     idx[k], real[k] = r, True
                 pt = torch.where(real.to(dev)[:, None], pt_dev[idx.to(dev)], 0)
-                positions = torch.arange(Lb, device=dev)[None].expand(R, Lb)
+                positions = torch.arange(Lb, device=dev)[None].expand(R, Lb).contiguous()
                 model(tokens.to(dev), kv, PagedBatch.build(positions, pt, PS), last_only=True)
                 forwards += 1
             i = j
@@ -205,7 +209,8 @@ class Engine:
                ) -> tuple[PageTable, Tensor]:
         """Page table for G·N rows; each request's prompt prefilled once (in row g·N) and shared by
         its N rows (copy-on-write of the partial last page when a row first writes into it).
-        ``batched_prefill`` False prefills one prompt per forward (the reference for tests)."""
+        ``batched_prefill`` False prefills one prompt per forward of its own length (the reference
+        for tests; on CUDA that compiles an attention kernel per prompt length)."""
         G, PS = len(prompts), self.page_size
         longest = max(len(p) for p in prompts) + extra
         if self.max_context is not None and longest > self.max_context:
@@ -225,9 +230,9 @@ class Engine:
                 self._prefill_rows(self.draft, self.kv_d, pt_dev, heads, [p[:-2] for p in prompts])
         else:
             for g, ids in enumerate(prompts):
-                self._prefill(self.target, self.kv_t, pt_dev, g * N, ids[:-1])
+                self._prefill_unpadded(self.target, self.kv_t, pt_dev, g * N, ids[:-1])
                 if self.draft is not None:
-                    self._prefill(self.draft, self.kv_d, pt_dev, g * N, ids[:-2])
+                    self._prefill_unpadded(self.draft, self.kv_d, pt_dev, g * N, ids[:-2])
         for g in range(G):
             table.share_prefix(list(range(g * N, (g + 1) * N)), g * N)
         return table, pt_dev

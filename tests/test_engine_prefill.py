@@ -174,3 +174,41 @@ def test_autoregressive_reuses_its_step_and_checks_input():
             e.autoregressive([[1, 2]], **args)
     with pytest.raises(SMCDecodeError, match="non-empty"):
         e.autoregressive([[1, 2], []], max_new_tokens=3)
+
+
+def _compiled(fn) -> int:
+    """Kernels Triton has compiled for the JIT function ``fn`` (all devices)."""
+    if hasattr(fn, "device_caches"):  # triton >= 3.1
+        return sum(len(c[0]) for c in fn.device_caches.values())
+    if hasattr(fn, "cache"):
+        return sum(len(c) for c in fn.cache.values())
+    pytest.skip("this Triton version does not expose its kernel cache")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_no_recompile_or_recapture_across_calls_on_cuda():
+    """After one call, calls with other prompt lengths in the same length buckets (and the same
+    rows) compile no new Triton kernels and capture no new step graph."""
+    pytest.importorskip("triton")
+    from smcdecode.backends.engine import kernels
+
+    model = Llama.random(LlamaConfig(256, 128, 2, 4, 2, 256, rope_theta=10000.0), device="cuda")
+    e = Engine(model, None, num_pages=4096, page_size=16, max_context=200)
+    g = torch.Generator().manual_seed(0)
+
+    def prompts():  # 4 prompts of 2-17 tokens (bucket 16), 4 of 34-65 (bucket 64)
+        n = torch.cat([torch.randint(2, 18, (4,), generator=g), torch.randint(34, 66, (4,), generator=g)])
+        return [torch.randint(0, 256, (int(k),), generator=g).tolist() for k in n]
+
+    fns = [kernels._paged_attn_kernel, kernels._rope_kv_write_kernel, kernels._sample_split_kernel]
+    e.autoregressive(prompts(), max_new_tokens=12, samples=4, temperature=0.8)
+    before = [_compiled(f) for f in fns]
+    graphs = dict(e._graphs)
+    assert [k[:3] for k in graphs] == [("ar", 32, 0.8)]
+    for seed in range(3):
+        toks, _ = e.autoregressive(prompts(), max_new_tokens=12, samples=4, temperature=0.8, seed=seed)
+        assert toks.shape == (32, 12) and ((toks >= 0) & (toks < 256)).all()
+    assert [_compiled(f) for f in fns] == before
+    assert e._graphs.keys() == graphs.keys() and all(e._graphs[k] is graphs[k] for k in graphs)

@@ -114,7 +114,7 @@ def test_what_the_engine_cannot_run_is_refused():
         sd.SMC(sd.LM(target_model), sd.Draft(draft_model), backend="gpu")
     with pytest.raises(sd.SMCDecodeError, match=r"unknown engine option\(s\) \['pages'\]"):
         sd.SMC(sd.LM(target_model), sd.Draft(draft_model), backend="engine", engine_options={"pages": 3})
-    with pytest.raises(sd.SMCDecodeError, match="engine_options apply to backend='engine' only"):
+    with pytest.raises(sd.SMCDecodeError, match="engine_options apply to backend='engine' or 'engine-runner' only"):
         sd.SMC(sd.LM(target_model), sd.Draft(draft_model), engine_options={"page_size": 8})
     with pytest.raises(sd.SMCDecodeError, match="at least 2 tokens"):
         sd.SMC(sd.LM(target_model), sd.Draft(draft_model), backend="engine").run([1], 2, progress=False)

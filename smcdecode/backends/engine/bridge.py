@@ -1,5 +1,5 @@
-"""The public API on the engine: ``SMC(..., backend="engine")`` and
-``SpeculativeDecoding(..., backend="engine")`` run here.
+"""The public API on the engine: ``SMC(..., backend="engine")``,
+``SpeculativeDecoding(..., backend="engine")`` and ``Autoregressive(..., backend="engine")`` run here.
 
 Models convert once to the engine's :class:`Llama` (``Llama.from_hf``; a GGUF file loaded with
 ``load_model`` is an HFModel like any other) and are cached per model object, as are the engines
@@ -149,3 +149,24 @@ def run_speculative(strategy, ids: list[int], groups: int, max_new_tokens: int, 
     result.accepted_tokens = accepted
     result.draft_tokens = int(out.drafted.sum())
     return result
+
+
+def run_autoregressive(strategy, ids: list[int], groups: int, max_new_tokens: int, generator,
+                       options: dict) -> SMCOutput:
+    """``Autoregressive`` on the engine: ``groups`` × ``samples`` rows of the engine's AR step.
+
+    p_T^α normalised per token is p at temperature T/α (α·logits/T), so the power costs nothing.
+    The engine samples a fixed number of tokens; each row is cut after its first EOS (the tokens
+    before it do not depend on what follows) and padded with EOS, as the generic loop returns it."""
+    model, lm = strategy.model, strategy.target.lm
+    S, eos = strategy.samples, strategy.model.eos_token_id
+    engine = engine_for(model, None, groups * S, len(ids) + max_new_tokens + 2, options)
+    tokens, _ = engine.autoregressive([ids] * (groups * S), max_new_tokens=max_new_tokens,
+                                      temperature=lm.temperature / lm.alpha, use_graphs=options.get("use_graphs"),
+                                      seed=_seed(generator))
+    tokens = tokens.cpu()
+    is_eos = tokens == eos
+    lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, max_new_tokens)
+    tokens = torch.where(torch.arange(max_new_tokens)[None] < lengths[:, None], tokens, eos)
+    return SMCOutput(tokens.view(groups, S, -1), lengths.view(groups, S), torch.ones(groups, S, dtype=torch.bool),
+                     torch.zeros(groups, S, dtype=torch.float64), torch.full((groups,), math.nan, dtype=torch.float64))

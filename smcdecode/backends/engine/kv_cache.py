@@ -47,6 +47,14 @@ class KVPool:
         """kv[..., dst, ...] = kv[..., src, ...] for every layer (copy-on-write)."""
         self.kv[:, :, dst] = self.kv[:, :, src]
 
+    def add_pages(self, n: int) -> None:
+        """Grow the pool by ``n`` pages (ids after the current ones; stored pages keep their ids).
+        NOTE: reallocates ``kv``; not for pools that a captured CUDA graph reads."""
+        L, two, P, Hkv, PS, D = self.kv.shape
+        grown = self.kv.new_zeros(L, two, P + n, Hkv, PS, D)
+        grown[:, :, :P] = self.kv
+        self.kv = grown
+
     @property
     def bytes_per_page(self) -> int:
         n_layers, two, _, Hkv, PS, D = self.kv.shape
@@ -87,6 +95,12 @@ class PageTable:
         np.subtract.at(self.ref, pages, 1)
         dead = np.unique(pages[self.ref[pages] == 0])
         self.free.extend(dead.tolist())
+
+    def add_pages(self, n: int) -> None:
+        """``n`` more free pages (ids after the current ones; see ``KVPool.add_pages``)."""
+        old = len(self.ref)
+        self.ref = np.concatenate([self.ref, np.zeros(n, dtype=self.ref.dtype)])
+        self.free[:0] = range(old + n - 1, old - 1, -1)  # handed out after the pages free now
 
     def share_prefix(self, rows: list[int], src_row: int) -> None:
         """Rows become copies of ``src_row`` (prompt sharing): their page entries point at its pages."""

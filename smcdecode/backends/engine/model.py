@@ -286,12 +286,17 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.rope_cos = self.rope_sin = None
+        self._old_rope: list[tuple[Tensor, Tensor]] = []
 
     def set_rope_cache(self, max_positions: int) -> None:
         """cos/sin tables [max_positions, D/2] (float32, computed in float64); forward needs every
         position below ``max_positions`` (the Engine sizes them to its max_context)."""
         freqs = torch.arange(max_positions, dtype=torch.float64, device=self.inv_freq.device)[:, None] \
             * rope_inv_freq(self.cfg).double().to(self.inv_freq.device)
+        if self.rope_cos is not None:
+            # NOTE: graphs captured by another Engine (or before a runner grew the tables) read the
+            # old tables: keep them alive (a few MB at most) so their memory is never reused
+            self._old_rope.append((self.rope_cos, self.rope_sin))
         self.rope_cos, self.rope_sin = freqs.cos().float(), freqs.sin().float()
 
     def _tie(self) -> None:

@@ -13,10 +13,11 @@ from smcdecode.backends.engine import Engine, KVPool, Llama, LlamaConfig, PagedB
 scipy_stats = pytest.importorskip("scipy.stats")
 
 
-def tiny_llama(vocab: int = 24, layers: int = 2, seed: int = 0, scale: float = 0.25) -> Llama:
+def tiny_llama(vocab: int = 24, layers: int = 2, seed: int = 0, scale: float = 0.25, dim: int = 32,
+               device: str = "cpu") -> Llama:
     """Random weights with a large init: peaked next-token distributions (chi-square tests have power)."""
     torch.manual_seed(seed)
-    model = Llama(LlamaConfig(vocab, 32, layers, 4, 2, 64, rope_theta=10000.0)).eval()
+    model = Llama(LlamaConfig(vocab, dim, layers, 4, 2, 2 * dim, rope_theta=10000.0)).eval().to(device)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if not name.endswith("norm.weight"):
@@ -28,12 +29,21 @@ def tiny_llama(vocab: int = 24, layers: int = 2, seed: int = 0, scale: float = 0
 LENGTHS = [1, 2, 5, 9, 16, 17, 18, 3, 33, 40, 17, 6]
 
 
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device, dim, tol", [
+    ("cpu", 32, 1e-5),
+    # the Triton kernels (float32 inputs, tf32 products; head dim 32 for the fused decode kernel)
+    pytest.param("cuda", 128, 1e-2, marks=[pytest.mark.gpu, GPU]),
+])
 @torch.inference_mode()
-def test_batched_prefill_matches_per_prompt_prefill():
+def test_batched_prefill_matches_per_prompt_prefill(device, dim, tol):
     """Every real cached position holds the keys/values of the one-prompt-per-forward prefill
-    (target and draft pools), the next-token logits agree (1e-5), and the padding wrote nowhere but
-    the prompts' own pages and the null page 0."""
-    target, draft = tiny_llama(seed=1), tiny_llama(layers=1, seed=2)
+    (target and draft pools), the next-token logits agree (1e-5 on CPU), and the padding wrote
+    nowhere but the prompts' own pages and the null page 0."""
+    target = tiny_llama(seed=1, dim=dim, device=device)
+    draft = tiny_llama(layers=1, seed=2, dim=dim, device=device)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 24, (n,), generator=g).tolist() for n in LENGTHS]
     PS, N = 4, 2
@@ -52,7 +62,7 @@ def test_batched_prefill_matches_per_prompt_prefill():
             for pos in range(max(n, 0)):
                 page = int(t1.table[r, pos // PS])
                 torch.testing.assert_close(kv1.kv[:, :, page, :, pos % PS], kv0.kv[:, :, page, :, pos % PS],
-                                           atol=1e-5, rtol=1e-5)
+                                           atol=tol, rtol=tol)
         owned.update(t1.table[r, : t1.n_pages[r]].tolist())
         assert (t1.table[r + 1, : t1.n_pages[r]] == t1.table[r, : t1.n_pages[r]]).all()  # shared by the N rows
     others = sorted(set(range(1, 256)) - owned)
@@ -60,23 +70,24 @@ def test_batched_prefill_matches_per_prompt_prefill():
 
     # the next token's logits (the last prompt token fed at its position) on both caches
     heads = [gi * N for gi in range(len(prompts))]
-    last = torch.tensor([[p[-1]] for p in prompts])
-    pos = torch.tensor([[len(p) - 1] for p in prompts])
+    last = torch.tensor([[p[-1]] for p in prompts], device=device)
+    pos = torch.tensor([[len(p) - 1] for p in prompts], device=device)
     logits = []
     for e, table, _ in (engines[False], engines[True]):
         src, dst = table.reserve(np.array(heads), np.array([len(p) for p in prompts]))  # copy-on-write
         if src:
-            e.kv_t.copy_pages(torch.tensor(src), torch.tensor(dst))
-        pt = torch.from_numpy(table.table[heads])
+            e.kv_t.copy_pages(torch.tensor(src, device=device), torch.tensor(dst, device=device))
+        pt = torch.from_numpy(table.table[heads]).to(device)
         logits.append(e.target(last, e.kv_t, PagedBatch.build(pos, pt, PS))[:, 0])
-    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[1], logits[0], atol=tol, rtol=tol)
     # and against a plain causal forward of each whole prompt (a fresh pool, one prompt per call)
     for gi, ids in enumerate(prompts):
-        kv = KVPool.for_model(target.cfg, 32, PS, torch.float32, "cpu")
+        kv = KVPool.for_model(target.cfg, 32, PS, torch.float32, device)
         n = len(ids)
-        pt = torch.arange(1, 1 + -(-n // PS), dtype=torch.int32)[None]
-        full = target(torch.tensor([ids]), kv, PagedBatch.build(torch.arange(n)[None], pt, PS))[0, -1]
-        torch.testing.assert_close(logits[1][gi], full, atol=1e-5, rtol=1e-5)
+        pt = torch.arange(1, 1 + -(-n // PS), dtype=torch.int32, device=device)[None]
+        full = target(torch.tensor([ids], device=device), kv,
+                      PagedBatch.build(torch.arange(n, device=device)[None], pt, PS))[0, -1]
+        torch.testing.assert_close(logits[1][gi], full, atol=tol, rtol=tol)
 
 
 @torch.inference_mode()

@@ -98,7 +98,7 @@ class EngineRunner:
         if src:
             self.pool.copy_pages(torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device))
         self.table.advance(self.rows, np.full(self.batch, new_length))
-        positions = (self.length + torch.arange(L, device=self.device))[None].expand(B, L)
+        positions = (self.length + torch.arange(L, device=self.device)).repeat(B, 1)  # (kernels read it densely)
         logits = self.model(tokens.to(self.device), self.pool, self._batch(positions))
         self.length = new_length
         return logits.float()

@@ -184,7 +184,8 @@ class Engine:
             n = len(todo[i][1])
             Lb = min(max(16, 1 << (n - 1).bit_length()), cap)
             if n > Lb:
-                raise SMCDecodeError(f"a prompt of {n + 1} tokens does not fit the page table ({cap} positions)")
+                raise SMCDecodeError(f"a prefill of {n} tokens does not fit the page table and rope tables "
+                                     f"({cap} positions): raise max_context")
             j = i
             while j < len(todo) and len(todo[j][1]) <= Lb:
                 j += 1

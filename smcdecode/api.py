@@ -169,7 +169,8 @@ class SMC(_Strategy):
     ``ess_threshold`` τ: resample when ESS < τ·N; 0 never (sequential importance sampling), 1 every round.
     ``backend="engine"`` runs the same program on the GPU engine (paged KV cache, CUDA graphs, Triton;
     its torch reference path on the CPU); ``engine_options``: dtype, device, page_size, num_pages,
-    use_graphs.
+    use_graphs. ``backend="engine-runner"`` runs this same loop on the engine's models through its
+    runner (paged KV cache, eager; any proposal, incl. "target"); options dtype, device, page_size.
     """
 
     name = "smc"

@@ -110,6 +110,10 @@ def test_prefill_forwards_are_bucketed():
         h.remove()
     # lengths 1-16, 17-32, 33-37 (5 rows, padded to 8); then at most 256 positions a forward
     assert seen == [(16, 16), (16, 32), (8, 64), (16, 16), (8, 32), (8, 32), (4, 64), (1, 64)]
+    # the bucket is capped at the page table's capacity (2 pages of 4 here); longer is an error
+    assert e._prefill_rows(model, e.kv_t, pt[:2, :2], [0, 1], [[3] * 8, [3] * 2]) == 1
+    with pytest.raises(SMCDecodeError, match="does not fit the page table"):
+        e._prefill_rows(model, e.kv_t, pt[:1, :2], [0], [[3] * 9])
 
 
 def _exact(model: Llama, seq: list[int], T: float) -> torch.Tensor:

@@ -53,7 +53,7 @@ def test_batched_prefill_matches_per_prompt_prefill(device, dim, tol):
         e.PREFILL_TOKENS = 64  # several forwards per bucket, and a padded last chunk (R = 2^k rows)
         table, pt = e._start(prompts, N, extra=4, batched_prefill=batched)
         engines[batched] = (e, table, pt)
-    (e0, t0, _), (e1, t1, pt1) = engines[False], engines[True]
+    (e0, t0, _), (e1, t1, _) = engines[False], engines[True]
     np.testing.assert_array_equal(t0.table, t1.table)
     owned = set()
     for gi, ids in enumerate(prompts):

@@ -263,6 +263,56 @@ class Engine:
             fn()
         return graph.replay
 
+    def _round_buffers(self, pt_start: Tensor, B: int, K: int, cap: int, pad: int, **extra: Tensor) -> dict:
+        """Static buffers of the SMC-SD and speculative-decoding rounds for B rows and K drafts
+        (page table, positions, pending tokens, outputs, drafts), plus the strategy's ``extra``."""
+        dev = self.device
+        return dict(
+            pt=pt_start.clone(), seq=torch.zeros(B, dtype=torch.long, device=dev),
+            pending=torch.zeros(B, 2, dtype=torch.long, device=dev),
+            last=torch.zeros(B, dtype=torch.long, device=dev),
+            tokens=torch.full((B, cap + K + 1), pad, dtype=torch.long, device=dev),
+            n_gen=torch.zeros(B, dtype=torch.long, device=dev),
+            budget=torch.zeros(B, dtype=torch.long, device=dev),
+            finished=torch.zeros(B, dtype=torch.bool, device=dev),
+            drafted=torch.zeros(B, dtype=torch.long, device=dev),
+            drafts=torch.zeros(B, K, dtype=torch.long, device=dev),
+            log_q=torch.zeros(B, K, dtype=torch.float32, device=dev),
+            done=torch.zeros(1, dtype=torch.bool, device=dev), ar=torch.arange(K + 1, device=dev),
+            **extra,
+        )
+
+    def _round_graph(self, key: tuple, make, prompts: list[list[int]], N: int, lens: np.ndarray,
+                     max_new_tokens: int, pad: int, table: PageTable, copies, use_graphs: bool,
+                     zero: tuple[str, ...] = ()) -> _Graph:
+        """The round of ``key`` — captured on first use from ``make() -> (buffers, step)``, replayed
+        through the same buffers by later calls — with the page table uploaded and the buffers reset
+        for this call: positions, each row's two pending tokens, outputs, budgets, and ``zero``."""
+        dev = self.device
+        graph = self._graphs.get(key)
+        b, step = make() if graph is None else (graph.buffers, None)
+
+        def reset() -> None:
+            b["seq"].copy_(torch.as_tensor(lens, device=dev))
+            b["pending"].copy_(torch.tensor([p[-2:] for p in prompts], device=dev).repeat_interleave(N, 0))
+            b["last"].copy_(b["pending"][:, 1])
+            b["tokens"].fill_(pad)
+            b["n_gen"].zero_()
+            b["budget"].fill_(max_new_tokens)
+            b["finished"].zero_()
+            b["drafted"].zero_()
+            for name in zero:
+                b[name].zero_()
+
+        self._upload(table, b["pt"], copies)
+        reset()
+        if graph is None:
+            graph = _Graph(b, self._capture(step, use_graphs), step)
+            if use_graphs:
+                self._graphs[key] = graph
+                reset()  # the warm-up run advanced the state
+        return graph
+
     def _draft_block(self, buf: dict, K: int, draft_temperature: float, seeds: Tensor,
                      keep_logits: bool = False) -> None:
         """K draft tokens for every row: the first forward covers the two tokens the draft has not
@@ -344,52 +394,22 @@ class Engine:
         lens = np.repeat([len(p) - 1 for p in prompts], N)  # target tokens cached per row
         copies = table.reserve(rows, lens + K + 1, write_from=lens - 1)  # first round's pages
 
-        graph = self._graphs.get(key)
-        if graph is None:
-            buf = dict(
-                pt=pt_start.clone(), seq=torch.zeros(B, dtype=torch.long, device=dev),
-                pending=torch.zeros(B, 2, dtype=torch.long, device=dev),
-                last=torch.zeros(B, dtype=torch.long, device=dev),
-                tokens=torch.full((B, cap + K + 1), pad, dtype=torch.long, device=dev),
-                n_gen=torch.zeros(B, dtype=torch.long, device=dev),
-                budget=torch.zeros(B, dtype=torch.long, device=dev),
-                finished=torch.zeros(B, dtype=torch.bool, device=dev),
+        def make():
+            buf = self._round_buffers(
+                pt_start, B, K, cap, pad,
                 log_w=torch.zeros(B, dtype=torch.float64, device=dev),
                 log_Z=torch.zeros(G, dtype=torch.float64, device=dev),
-                drafts=torch.zeros(B, K, dtype=torch.long, device=dev),
-                log_q=torch.zeros(B, K, dtype=torch.float32, device=dev),
                 index=torch.arange(B, device=dev), do=torch.zeros(G, dtype=torch.bool, device=dev),
-                ess=torch.zeros(G, dtype=torch.float64, device=dev), done=torch.zeros(1, dtype=torch.bool, device=dev),
-                ar=torch.arange(K + 1, device=dev), group_base=(torch.arange(G, device=dev) * N)[:, None],
+                ess=torch.zeros(G, dtype=torch.float64, device=dev),
+                group_base=(torch.arange(G, device=dev) * N)[:, None],
                 W=torch.zeros(G, N, dtype=torch.float64, device=dev),
-                drafted=torch.zeros(B, dtype=torch.long, device=dev),
             )
-            step = self._smc_round(buf, G, N, K, draft_temperature, target_temperature, eos, pad, resampler,
-                                   ess_threshold)
-            graph = None
-        else:
-            buf = graph.buffers
-        b = buf
+            return buf, self._smc_round(buf, G, N, K, draft_temperature, target_temperature, eos, pad, resampler,
+                                        ess_threshold)
 
-        def reset() -> None:
-            b["seq"].copy_(torch.as_tensor(lens, device=dev))
-            b["pending"].copy_(torch.tensor([p[-2:] for p in prompts], device=dev).repeat_interleave(N, 0))
-            b["last"].copy_(b["pending"][:, 1])
-            b["tokens"].fill_(pad)
-            b["n_gen"].zero_()
-            b["budget"].fill_(max_new_tokens)
-            b["finished"].zero_()
-            b["log_w"].zero_()
-            b["log_Z"].zero_()
-            b["drafted"].zero_()
-
-        self._upload(table, b["pt"], copies)
-        reset()
-        if graph is None:
-            graph = _Graph(b, self._capture(step, use_graphs), step)
-            if use_graphs:
-                self._graphs[key] = graph
-                reset()  # the warm-up run advanced the state
+        graph = self._round_graph(key, make, prompts, N, lens, max_new_tokens, pad, table, copies, use_graphs,
+                                  zero=("log_w", "log_Z"))
+        b = graph.buffers
         # NOTE: the warm-up also wrote KV entries, but every entry a round reads at or after
         # position T-1 is written earlier in that same round, so the first replay overwrites them.
 
@@ -536,47 +556,19 @@ class Engine:
         lens = np.repeat([len(p) - 1 for p in prompts], N)
         copies = table.reserve(rows, lens + max_new_tokens + K + 2, write_from=lens - 1)
         key = ("sd", G, N, K, draft_temperature, target_temperature, eos, table.table.shape[1], use_graphs)
-        graph = self._graphs.get(key)
-        if graph is None:
-            buf = dict(
-                pt=pt_start.clone(), seq=torch.zeros(B, dtype=torch.long, device=dev),
-                pending=torch.zeros(B, 2, dtype=torch.long, device=dev),
-                last=torch.zeros(B, dtype=torch.long, device=dev),
-                tokens=torch.full((B, cap + K + 1), pad, dtype=torch.long, device=dev),
-                n_gen=torch.zeros(B, dtype=torch.long, device=dev),
-                budget=torch.zeros(B, dtype=torch.long, device=dev),
-                finished=torch.zeros(B, dtype=torch.bool, device=dev),
+
+        def make():
+            buf = self._round_buffers(
+                pt_start, B, K, cap, pad,
                 accepted=torch.zeros(B, dtype=torch.long, device=dev),
-                drafted=torch.zeros(B, dtype=torch.long, device=dev),
-                drafts=torch.zeros(B, K, dtype=torch.long, device=dev),
-                log_q=torch.zeros(B, K, dtype=torch.float32, device=dev),
                 draft_logits=torch.zeros(B, K, V, dtype=self.dtype, device=dev),
-                done=torch.zeros(1, dtype=torch.bool, device=dev), ar=torch.arange(K + 1, device=dev),
                 rows=torch.arange(B, device=dev),
             )
-            step = self._sd_round(buf, K, draft_temperature, target_temperature, eos, pad)
-        else:
-            buf = graph.buffers
-        b = buf
+            return buf, self._sd_round(buf, K, draft_temperature, target_temperature, eos, pad)
 
-        def reset() -> None:
-            b["seq"].copy_(torch.as_tensor(lens, device=dev))
-            b["pending"].copy_(torch.tensor([p[-2:] for p in prompts], device=dev).repeat_interleave(N, 0))
-            b["last"].copy_(b["pending"][:, 1])
-            b["tokens"].fill_(pad)
-            b["n_gen"].zero_()
-            b["budget"].fill_(max_new_tokens)
-            b["finished"].zero_()
-            b["accepted"].zero_()
-            b["drafted"].zero_()
-
-        self._upload(table, b["pt"], copies)
-        reset()
-        if graph is None:
-            graph = _Graph(b, self._capture(step, use_graphs), step)
-            if use_graphs:
-                self._graphs[key] = graph
-                reset()
+        graph = self._round_graph(key, make, prompts, N, lens, max_new_tokens, pad, table, copies, use_graphs,
+                                  zero=("accepted",))
+        b = graph.buffers
 
         pinned = self.device.type == "cuda"
         flags = [torch.zeros(1, dtype=torch.bool, pin_memory=pinned) for _ in range(2)]

@@ -257,7 +257,7 @@ def test_engine_backends_refuse_what_they_cannot_run():
     target_model, draft_model = _models("cpu")
     with pytest.raises(sd.SMCDecodeError, match="backend='engine-runner'"):
         sd.Autoregressive(sd.LM(target_model) * sd.Regex("a+"), backend="engine")
-    with pytest.raises(sd.SMCDecodeError, match=r"unknown engine option\(s\) \['num_pages'\]"):
+    with pytest.raises(sd.SMCDecodeError, match=r"unknown engine option\(s\) \['num_pages'\]: backend='engine-runner' takes"):
         sd.SMC(sd.LM(target_model), sd.Draft(draft_model), backend="engine-runner",
                engine_options={"num_pages": 8})
     toy = sd.FunctionModel(lambda ctx: torch.zeros(ctx.shape[0], V), vocab=VOCAB, eos="<eos>")

@@ -25,11 +25,11 @@ SUPPORTED = ("llama",)
 OPTIONS = ("dtype", "device", "page_size", "num_pages", "use_graphs")
 
 
-def check_options(options: dict | None) -> dict:
+def check_options(options: dict | None, allowed: tuple[str, ...] = OPTIONS, backend: str = "engine") -> dict:
     options = dict(options or {})
-    bad = sorted(set(options) - set(OPTIONS))
+    bad = sorted(set(options) - set(allowed))
     if bad:
-        raise SMCDecodeError(f"unknown engine option(s) {bad}: engine_options takes {list(OPTIONS)}")
+        raise SMCDecodeError(f"unknown engine option(s) {bad}: backend={backend!r} takes {list(allowed)}")
     return options
 
 

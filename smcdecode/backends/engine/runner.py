@@ -143,11 +143,9 @@ class EngineModel(Model):
 
 
 def check_options(options: dict | None) -> dict:
-    options = dict(options or {})
-    bad = sorted(set(options) - set(OPTIONS))
-    if bad:
-        raise SMCDecodeError(f"unknown engine option(s) {bad}: backend='engine-runner' takes {list(OPTIONS)}")
-    return options
+    from .bridge import check_options as check
+
+    return check(options, OPTIONS, "engine-runner")
 
 
 def engine_model(model: Model, role: str, options: dict) -> EngineModel:

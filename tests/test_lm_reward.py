@@ -119,3 +119,70 @@ def test_combined_with_a_constraint():
     exact = exact_target(target, PROMPT, 4)
     out = sd.SMC(target, particles=4).run_groups(PROMPT, groups=1000, max_new_tokens=4, seed=0)
     check_distribution(out, exact)
+
+
+def _tiny_llama(vocab: int = 6, seed: int = 0) -> sd.HFModel:
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                   bos_token_id=0, eos_token_id=vocab - 1, pad_token_id=vocab - 1)
+    return sd.HFModel(transformers.LlamaForCausalLM(cfg).eval(), None, name=f"tiny-llama-{seed}")
+
+
+@pytest.mark.parametrize("make", [lambda: toy(2), _tiny_llama], ids=["function-model", "hf-kv-cache"])
+def test_prefix_session_equals_full_rescoring_through_forks(make):
+    """The incremental prefix scores (one cache over all particles, fed only each round's new
+    tokens, reordered on resampling) equal rescoring every whole prefix, through random forks,
+    rows that end (EOS) and rows that stop being extended; a stale row is refused (None)."""
+    model = make()
+    r = LMReward(model, PROMPT2 + [2, 3]).bind(model)
+    eos, B = model.eos_token_id, 6
+    g = torch.Generator().manual_seed(5)
+    session = r.prefix_session(B)
+    seqs: list[list[int]] = [[] for _ in range(B)]
+    ended = [False] * B
+    for _round in range(5):
+        rows = [i for i in range(B) if not ended[i]]
+        if not rows:
+            break
+        for i in rows:
+            block = torch.randint(1, eos + 1, (3,), generator=g).tolist()
+            seqs[i] += block[: block.index(eos) + 1] if eos in block else block
+            ended[i] = eos in seqs[i]
+        got = session.scores([seqs[i] for i in rows], rows)
+        want = r.score_tokens([seqs[i] for i in rows])
+        assert torch.allclose(got, want, atol=1e-4), (got, want)
+        index = torch.randint(0, B, (B,), generator=g)
+        session.fork(index)
+        seqs = [list(seqs[int(j)]) for j in index]
+        ended = [ended[int(j)] for j in index]
+    # a row left out of a call holds padding: extending it later is refused (the caller rescores)
+    fresh = r.prefix_session(2)
+    assert fresh.scores([[2, 3]], [0]) is not None and bool(fresh.stale[1])
+    assert fresh.scores([[4]], [1]) is None
+
+
+def test_smc_with_an_incremental_prefix_reward_matches_full_rescoring():
+    """The same seeded SMC run with the incremental LMReward path (the default in the SMC loop)
+    and with whole-prefix rescoring gives the same particles and the same weights."""
+    from smcdecode.samplers import common
+
+    model, draft = toy(3), toy(4, 0.5)
+    target = sd.LM(model) * LMReward(model, PROMPT2, beta=0.8)
+    smc = sd.SMC(target, sd.Draft(draft), particles=6, block_size=2)
+    fast = smc.run_groups(PROMPT, 4, 6, seed=11)
+    original = common.RewardTracker.__init__
+
+    def full_rescoring(self, rewards, model, batch, incremental=False):
+        original(self, rewards, model, batch, incremental=False)
+
+    try:
+        common.RewardTracker.__init__ = full_rescoring
+        slow = smc.run_groups(PROMPT, 4, 6, seed=11)
+    finally:
+        common.RewardTracker.__init__ = original
+    assert torch.equal(fast.tokens, slow.tokens)
+    assert torch.allclose(fast.log_weights, slow.log_weights, atol=1e-6)
+    assert torch.allclose(fast.log_evidence, slow.log_evidence, atol=1e-6)

@@ -117,6 +117,10 @@ class LMReward(Reward):
             out[torch.tensor(part)] = tok_lp.sum(1)
         return out
 
+    def prefix_session(self, batch: int) -> PrefixSession:
+        """Incremental prefix scores for ``batch`` particles (see :class:`PrefixSession`)."""
+        return PrefixSession(self, batch)
+
     def scores(self, texts: Sequence[str]) -> Tensor:
         """R(text) = log p'(tokens of text) with the scoring model's own tokenisation (no EOS)."""
         return self.score_tokens([self.scorer.encode(t) if t else [] for t in texts])
@@ -150,6 +154,65 @@ class LMReward(Reward):
                 out[i] = 0.0
                 out[i, eos] = self.beta * float(so_far + nxt[eos])
         return out
+
+
+class PrefixSession:
+    """log p'(x | prompt') of ``batch`` growing particles, kept incrementally: one runner (KV cache)
+    over the scoring model holds every particle's tokens, each call feeds only the tokens added
+    since the last one, and :meth:`fork` reorders it with the particles. Rescoring whole prefixes
+    every round costs O(length²) forwards over a generation; this costs one short forward a round.
+
+    Rows fed fewer tokens than the round's longest (those that ended, or were not active) hold
+    padding after their tokens and are marked stale: a later request to extend a stale row
+    returns None, and the caller falls back to full rescoring (:meth:`LMReward.score_tokens`)."""
+
+    def __init__(self, reward: LMReward, batch: int):
+        self.reward = reward
+        self.runner = reward.scorer.start(list(reward.prompt_ids[:-1]), batch)
+        self.fed = torch.zeros(batch, dtype=torch.long)  # generated tokens already scored, per row
+        self.total = torch.zeros(batch, dtype=torch.float64)  # their log p'
+        self.carry = torch.full((batch,), int(reward.prompt_ids[-1]), dtype=torch.long)  # next token to feed
+        self.stale = torch.zeros(batch, dtype=torch.bool)
+
+    def scores(self, seqs: Sequence[Sequence[int]], rows: Sequence[int]) -> Tensor | None:
+        """[len(rows)] float64 log p'(seqs[j] | prompt') for the particles ``rows`` (each seqs[j]
+        extends what that row was given before; tokens after an EOS ignored), or None when a row
+        cannot be extended incrementally."""
+        eos = self.reward.scorer.eos_token_id
+        new: list[list[int]] = []
+        for row, s in zip(rows, seqs):
+            s = [int(t) for t in s]
+            s = s[: s.index(eos) + 1] if eos in s else s
+            done = int(self.fed[row])
+            if len(s) < done or (len(s) > done and bool(self.stale[row])):
+                return None
+            new.append(s[done:])
+        width = max((len(n) for n in new), default=0)
+        idx = torch.as_tensor(list(rows), dtype=torch.long)
+        if width == 0:
+            return self.total[idx].clone()
+        B = self.fed.shape[0]
+        feed = torch.full((B, width), eos, dtype=torch.long)
+        feed[:, 0] = self.carry
+        short = torch.ones(B, dtype=torch.bool)  # rows whose KV gets padding this call
+        for row, n in zip(rows, new):
+            if n:
+                feed[row, 1 : len(n)] = torch.tensor(n[:-1], dtype=torch.long)
+            short[row] = len(n) < width
+        logp = torch.log_softmax(self.runner.extend(feed).float() / self.reward.temperature, dim=-1)
+        for row, n in zip(rows, new):
+            if n:
+                got = logp[row, : len(n)].gather(1, torch.tensor(n, device=logp.device)[:, None])
+                self.total[row] += float(got.double().sum())
+                self.fed[row] += len(n)
+                self.carry[row] = n[-1]
+        self.stale |= short
+        return self.total[idx].clone()
+
+    def fork(self, index: Tensor) -> None:
+        self.runner.reorder(index)
+        for name in ("fed", "total", "carry", "stale"):
+            setattr(self, name, getattr(self, name)[index])
 
 
 def _short(prompt) -> str:

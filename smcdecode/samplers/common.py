@@ -83,13 +83,20 @@ class RewardTracker:
     """Incremental log-weights of reward tilts: prefix twists add β·(R(new) − R(old)) each round,
     completion rewards add β·R(x) once, when the particle finishes."""
 
-    def __init__(self, rewards: Sequence, model, batch: int):
+    def __init__(self, rewards: Sequence, model, batch: int, incremental: bool = False):
+        """``incremental``: prefix rewards that offer ``prefix_session(batch)`` (LMReward) score only
+        the tokens added each round, on a cache that :meth:`fork` reorders with the particles;
+        the sampler must then call :meth:`fork` on every resampling and never reuse a row for
+        another sequence (the reference SMC loop; the engine's scheduler reuses rows, so not there)."""
         self.rewards = list(rewards)
         self.model = model
         self.prev = {}
+        self.sessions = {}
         for i, r in enumerate(self.rewards):
             if r.mode == "prefix":
                 self.prev[i] = _reward_scores(r, [""], [[]]).repeat(batch)
+                if incremental and hasattr(r, "prefix_session"):
+                    self.sessions[i] = r.prefix_session(batch)
 
     def __bool__(self) -> bool:
         return bool(self.rewards)
@@ -102,7 +109,7 @@ class RewardTracker:
             return incr
         texts = texts_of(self.model, tokens, lengths, rows)
         ids = None
-        if any(hasattr(r, "score_tokens") for r in self.rewards):
+        if self.sessions or any(hasattr(r, "score_tokens") for r in self.rewards):
             # an ending EOS included; a sequence cut at max_new_tokens is scored as complete too
             # (EOS appended), as every factor but the LM is (smcdecode.testing: the target)
             eos = self.model.eos_token_id
@@ -111,7 +118,10 @@ class RewardTracker:
         idx = torch.tensor(rows, dtype=torch.long)
         for i, r in enumerate(self.rewards):
             if r.mode == "prefix":
-                values = _reward_scores(r, texts, ids)
+                values = self.sessions[i].scores(ids, rows) if i in self.sessions else None
+                if values is None:  # no session, or a row it cannot extend: score the whole prefixes
+                    self.sessions.pop(i, None)
+                    values = _reward_scores(r, texts, ids)
                 incr[idx] += r.beta * (values - self.prev[i][idx])
                 self.prev[i][idx] = values
             else:
@@ -123,6 +133,8 @@ class RewardTracker:
 
     def fork(self, index: Tensor) -> None:
         self.prev = {i: v[index] for i, v in self.prev.items()}
+        for session in self.sessions.values():
+            session.fork(index)
 
 
 def _reward_scores(reward, texts: list[str], ids: list[list[int]] | None) -> Tensor:

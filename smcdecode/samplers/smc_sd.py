@@ -77,7 +77,7 @@ def smc_sd(
     log_w = torch.zeros(B, dtype=torch.float64)
     log_Z = torch.zeros(G, dtype=torch.float64)
     constraints = Constraints.start(target.constraints, B)
-    rewards = RewardTracker(target.rewards, model, B)
+    rewards = RewardTracker(target.rewards, model, B, incremental=True)
     out = SMCOutput(tokens, lengths, finished, log_w, log_Z)
     position = 0  # generated length of every unfinished particle (they advance in lockstep)
 

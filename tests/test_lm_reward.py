@@ -165,24 +165,19 @@ def test_prefix_session_equals_full_rescoring_through_forks(make):
 
 
 def test_smc_with_an_incremental_prefix_reward_matches_full_rescoring():
-    """The same seeded SMC run with the incremental LMReward path (the default in the SMC loop)
-    and with whole-prefix rescoring gives the same particles and the same weights."""
-    from smcdecode.samplers import common
-
+    """The same seeded SMC run with the incremental LMReward path (the default) and with
+    whole-prefix rescoring (incremental=False) gives the same particles and the same weights."""
     model, draft = toy(3), toy(4, 0.5)
-    target = sd.LM(model) * LMReward(model, PROMPT2, beta=0.8)
-    smc = sd.SMC(target, sd.Draft(draft), particles=6, block_size=2)
-    fast = smc.run_groups(PROMPT, 4, 6, seed=11)
-    original = common.RewardTracker.__init__
+    runs = []
+    for incremental in (True, False):
+        target = sd.LM(model) * LMReward(model, PROMPT2, beta=0.8, incremental=incremental)
+        runs.append(sd.SMC(target, sd.Draft(draft), particles=6, block_size=2).run_groups(PROMPT, 4, 6, seed=11))
+    fast, slow = runs
+    from smcdecode.samplers.common import RewardTracker
 
-    def full_rescoring(self, rewards, model, batch, incremental=False):
-        original(self, rewards, model, batch, incremental=False)
-
-    try:
-        common.RewardTracker.__init__ = full_rescoring
-        slow = smc.run_groups(PROMPT, 4, 6, seed=11)
-    finally:
-        common.RewardTracker.__init__ = original
+    for incremental in (True, False):  # the two runs did take different paths
+        t = sd.LM(model) * LMReward(model, PROMPT2, incremental=incremental)
+        assert bool(RewardTracker(t.rewards, model, 3, incremental=True).sessions) == incremental
     assert torch.equal(fast.tokens, slow.tokens)
     assert torch.allclose(fast.log_weights, slow.log_weights, atol=1e-6)
     assert torch.allclose(fast.log_evidence, slow.log_evidence, atol=1e-6)

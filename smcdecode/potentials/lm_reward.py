@@ -29,6 +29,8 @@ class LMReward(Reward):
     factor of a target but its LM is (see ``smcdecode.testing``). ``score_tokens`` runs one batched
     forward over all sequences given; ``scores(texts)`` re-tokenises texts (for reward-style use).
     ``chunk``: rows per forward pass (bounds the [rows, length, V] logits kept in memory).
+    ``incremental`` (prefix mode, in the SMC loop): keep one scoring cache over the particles and
+    feed only each round's new tokens (:class:`PrefixSession`) instead of rescoring whole prefixes.
     """
 
     def __init__(
@@ -40,6 +42,7 @@ class LMReward(Reward):
         temperature: float = 1.0,
         name: str | None = None,
         chunk: int = 8,
+        incremental: bool = True,
     ):
         if not isinstance(model, Model):
             raise SMCDecodeError(
@@ -56,6 +59,7 @@ class LMReward(Reward):
         self.batched = True
         self.name = name or f"log p'(x | {_short(prompt)})"
         self.chunk = max(1, int(chunk))
+        self.incremental = bool(incremental)
         self.model = None
 
     def __repr__(self) -> str:

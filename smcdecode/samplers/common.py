@@ -95,7 +95,7 @@ class RewardTracker:
         for i, r in enumerate(self.rewards):
             if r.mode == "prefix":
                 self.prev[i] = _reward_scores(r, [""], [[]]).repeat(batch)
-                if incremental and hasattr(r, "prefix_session"):
+                if incremental and getattr(r, "incremental", False) and hasattr(r, "prefix_session"):
                     self.sessions[i] = r.prefix_session(batch)
 
     def __bool__(self) -> bool:

@@ -192,22 +192,26 @@ def _strategies(target_model, draft_model):
     }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("strategy", ["smc-sd", "particle-filter", "speculative", "autoregressive"])
-def test_generic_loops_on_the_engine_runner_reproduce_the_reference_backend_draw_for_draw(strategy):
+def test_generic_loops_on_the_engine_runner_reproduce_the_reference_backend_draw_for_draw(strategy, device):
     """Same seed, same loop, HFRunner vs the engine runner: the random draws are the same, the
     logits agree to ~1e-6, so (but for a rare argmax tie) every replicate makes the same choices,
     its tokens are equal and its log Ẑ agrees to rounding. A fork, crop or copy-on-write that the
-    engine runner got wrong changes the logits of the rows involved, and with them the draws."""
-    make = _strategies(*_models("cpu"))[strategy]
+    engine runner got wrong changes the logits of the rows involved, and with them the draws
+    (dropping ``reorder``: 78 of 300 SMC-SD and 219 of 300 particle-filter replicates differ).
+    On CUDA the Triton attention may round through tf32: a looser bound there."""
+    make = _strategies(*_models(device))[strategy]
     G = 100 if strategy == "speculative" else 300  # (one runner per sequence there: slower)
     ref = make().run_groups(PROMPT, G, 8, seed=4)
     eng = make(backend="engine-runner").run_groups(PROMPT, G, 8, seed=4)
     same = (ref.tokens == eng.tokens).flatten(1).all(1) & (ref.lengths == eng.lengths).all(1)
-    assert float(same.double().mean()) >= 0.99, f"{int((~same).sum())} of {G} replicates differ"
+    share, atol = (0.99, 1e-4) if device == "cpu" else (0.95, 1e-3)
+    assert float(same.double().mean()) >= share, f"{int((~same).sum())} of {G} replicates differ"
     if strategy in ("smc-sd", "particle-filter"):
-        assert ref.rounds == eng.rounds >= 3
-        torch.testing.assert_close(eng.log_evidence[same], ref.log_evidence[same], rtol=0, atol=1e-4)
-        torch.testing.assert_close(eng.log_weights[same], ref.log_weights[same], rtol=0, atol=1e-4)
+        assert ref.rounds >= 3 and eng.rounds >= 3 and (device != "cpu" or ref.rounds == eng.rounds)
+        torch.testing.assert_close(eng.log_evidence[same], ref.log_evidence[same], rtol=0, atol=atol)
+        torch.testing.assert_close(eng.log_weights[same], ref.log_weights[same], rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("device", DEVICES)

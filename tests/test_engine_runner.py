@@ -264,6 +264,9 @@ def test_engine_backends_refuse_what_they_cannot_run():
     with pytest.raises(sd.SMCDecodeError, match=r"unknown engine option\(s\) \['num_pages'\]: backend='engine-runner' takes"):
         sd.SMC(sd.LM(target_model), sd.Draft(draft_model), backend="engine-runner",
                engine_options={"num_pages": 8})
+    with pytest.raises(sd.SMCDecodeError, match="page_size must be a positive integer .* got 0"):
+        sd.SpeculativeDecoding(sd.LM(target_model), sd.Draft(draft_model), backend="engine-runner",
+                               engine_options={"page_size": 0})
     toy = sd.FunctionModel(lambda ctx: torch.zeros(ctx.shape[0], V), vocab=VOCAB, eos="<eos>")
     with pytest.raises(sd.SMCDecodeError, match="FunctionModel: use backend='reference'"):
         sd.Autoregressive(sd.LM(toy), backend="engine-runner").run([0, 1], 2, progress=False)

@@ -145,7 +145,12 @@ class EngineModel(Model):
 def check_options(options: dict | None) -> dict:
     from .bridge import check_options as check
 
-    return check(options, OPTIONS, "engine-runner")
+    options = check(options, OPTIONS, "engine-runner")
+    page_size = options.get("page_size", 16)
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise SMCDecodeError(f"engine option page_size must be a positive integer (tokens per KV page, e.g. 16), "
+                             f"got {page_size!r}")
+    return options
 
 
 def engine_model(model: Model, role: str, options: dict) -> EngineModel:
@@ -155,10 +160,7 @@ def engine_model(model: Model, role: str, options: dict) -> EngineModel:
     if isinstance(model, EngineModel):
         return model
     llama = to_llama(model, role, options.get("dtype"), options.get("device"))
-    page_size = int(options.get("page_size", 16))
-    if page_size < 1:
-        raise SMCDecodeError(f"engine option page_size must be >= 1, got {page_size}")
-    return EngineModel(model, llama, page_size)
+    return EngineModel(model, llama, int(options.get("page_size", 16)))
 
 
 def on_engine(target, options: dict):

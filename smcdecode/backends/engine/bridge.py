@@ -161,7 +161,8 @@ def run_autoregressive(strategy, ids: list[int], groups: int, max_new_tokens: in
     model, lm = strategy.model, strategy.target.lm
     S, eos = strategy.samples, strategy.model.eos_token_id
     engine = engine_for(model, None, groups * S, len(ids) + max_new_tokens + 2, options)
-    tokens, _ = engine.autoregressive([ids] * (groups * S), max_new_tokens=max_new_tokens,
+    # one prompt, its pages shared by all groups × samples rows (copy-on-write of the last one)
+    tokens, _ = engine.autoregressive([ids], samples=groups * S, max_new_tokens=max_new_tokens,
                                       temperature=lm.temperature / lm.alpha, use_graphs=options.get("use_graphs"),
                                       seed=_seed(generator))
     tokens = tokens.cpu()

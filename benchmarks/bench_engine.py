@@ -87,14 +87,19 @@ def gemm_graph_time(model: Llama, rows: list[int], repeats: int = 20) -> float:
                 F.linear(xi, blk.w2.weight)
             F.linear(x, model.output.weight)
 
+    return graph_time(run, repeats)
+
+
+def graph_time(fn, repeats: int = 15) -> float:
+    """Median seconds of one replay of ``fn`` captured in a CUDA graph (warmed up on a side stream)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        run()
+        fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        run()
+        fn()
     g.replay()
     times = []
     for _ in range(repeats):
@@ -215,7 +220,7 @@ def smollm2_runs(args) -> list[dict]:
             engine.clear_graphs()
             for r in runs[-4:]:
                 print({k: v for k, v in r.items() if k != "seconds"}, flush=True)
-        del engine
+        engine = None  # free its KV pools before the next draft
         torch.cuda.empty_cache()
     return runs
 

@@ -28,32 +28,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_engine import graph_time  # benchmarks/ is on sys.path when run as a script
 
 from smcdecode.backends.engine import PRESETS, Engine, Llama, kernels
 from smcdecode.backends.engine.model import silu_mul
-
-
-def graph_time(fn, reps: int = 15) -> float:
-    """Median seconds of one replay of fn captured in a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    del g
-    return statistics.median(ts)
 
 
 def gemm_section(target: Llama, draft: Llama, res: dict) -> None:

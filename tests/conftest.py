@@ -164,3 +164,48 @@ REWARDS = [reward_count, reward_crc, reward_length]
 def toy_lm_model() -> sd.FunctionModel:
     """One fixed 5-token toy model (for tests that need no hypothesis)."""
     return toy_model(toy_table(7, 5, 1.0), ["<bos>", "a", "b", "c", "<eos>"])
+
+
+# ------------------------------------------------------------------------------------------------
+# A tiny random Llama pair (target, draft) with a word-level tokenizer, for the engine tests
+
+ENGINE_VOCAB = ["<bos>", "a", "b", "ab", "ba", "c", "bb", "<eos>"]
+CUDA_PARAM = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])
+
+
+def engine_tokenizer(vocab: list[str] = ENGINE_VOCAB):
+    """A word-level tokenizer over ``vocab`` whose decoded token texts join without spaces."""
+    import tokenizers
+    import transformers
+
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token=vocab[0]))
+    tk.decoder = tokenizers.decoders.Fuse()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=vocab[0], eos_token=vocab[-1])
+
+
+def tiny_llama_pair(device: str, head_std: float, value_scale: float = 1.0, vocab: list[str] = ENGINE_VOCAB):
+    """(target, draft) HFModels on ``device``: a 2-layer random Llama (seed 0) with an LM head of
+    std ``head_std`` and attention value/output projections scaled by ``value_scale``, and a copy
+    whose head is perturbed by N(0, 0.03²) noise (seed 1). The same weights on every device."""
+    import copy
+
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   rope_theta=10000.0, tie_word_embeddings=False)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.normal_(0.0, head_std)
+        if value_scale != 1.0:
+            for layer in hf.model.layers:
+                layer.self_attn.v_proj.weight.mul_(value_scale)
+                layer.self_attn.o_proj.weight.mul_(value_scale)
+    draft_hf = copy.deepcopy(hf)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        draft_hf.lm_head.weight.add_(torch.randn(draft_hf.lm_head.weight.shape, generator=g) * 0.03)
+    tok = engine_tokenizer(vocab)
+    return sd.HFModel(hf.to(device), tok, name="tiny"), sd.HFModel(draft_hf.to(device), tok, name="tiny-draft")

@@ -5,11 +5,11 @@ SmolLM2 loaded from its GGUF); what the engine cannot run is refused with an SMC
 
 from __future__ import annotations
 
-import copy
 import re
 
 import pytest
 import torch
+from conftest import CUDA_PARAM, ENGINE_VOCAB, tiny_llama_pair
 
 import smcdecode as sd
 from smcdecode.testing import check_distribution, check_evidence_unbiased, chi_square_pvalue, exact_target
@@ -17,17 +17,10 @@ from smcdecode.testing import check_distribution, check_evidence_unbiased, chi_s
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-VOCAB = ["<bos>", "a", "b", "ab", "ba", "c", "bb", "<eos>"]
+VOCAB = ENGINE_VOCAB
 V = len(VOCAB)
 PROMPT = [0, 1, 2]
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
-
-
-def _tokenizer():
-    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<bos>"))
-    tk.decoder = tokenizers.decoders.Fuse()  # token texts joined without spaces
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>")
+DEVICES = ["cpu", CUDA_PARAM]
 
 
 _MODELS: dict = {}
@@ -36,20 +29,7 @@ _MODELS: dict = {}
 def _models(device: str):
     """(target, draft) HFModels: a tiny random Llama and a copy with a perturbed head."""
     if device not in _MODELS:
-        torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                       rope_theta=10000.0, tie_word_embeddings=False)
-        hf = transformers.LlamaForCausalLM(cfg).eval()
-        with torch.no_grad():
-            hf.lm_head.weight.normal_(0.0, 0.15)
-        draft_hf = copy.deepcopy(hf)
-        with torch.no_grad():
-            g = torch.Generator().manual_seed(1)
-            draft_hf.lm_head.weight.add_(torch.randn(draft_hf.lm_head.weight.shape, generator=g) * 0.03)
-        tok = _tokenizer()
-        _MODELS[device] = (sd.HFModel(hf.to(device), tok, name="tiny"),
-                           sd.HFModel(draft_hf.to(device), tok, name="tiny-draft"))
+        _MODELS[device] = tiny_llama_pair(device, head_std=0.15)
     return _MODELS[device]
 
 

@@ -5,11 +5,10 @@ on the CPU (torch reference path) and, marked ``gpu``, on CUDA (Triton kernels).
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
+from conftest import CUDA_PARAM, ENGINE_VOCAB, tiny_llama_pair
 
 import smcdecode as sd
 from smcdecode.backends.engine import Llama
@@ -26,9 +25,8 @@ from smcdecode.testing import (
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
-VOCAB = ["<bos>", "a", "b", "ab", "ba", "c", "bb", "<eos>"]
+DEVICES = ["cpu", CUDA_PARAM]
+VOCAB = ENGINE_VOCAB
 V = len(VOCAB)
 PROMPT = [0, 1, 2]
 
@@ -133,12 +131,6 @@ def test_runner_equals_hf_runner_under_random_calls(hf_llama, device):
 # the generic loops on the engine's models, through the API
 
 
-def _tokenizer():
-    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<bos>"))
-    tk.decoder = tokenizers.decoders.Fuse()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>")
-
-
 _MODELS: dict = {}
 
 
@@ -149,23 +141,7 @@ def _models(device: str):
     of std 0.15 (as in test_engine_api.py) a runner that forgot to reorder its rows passed the
     exact-target test (max |z| 3.8); with 0.3 it fails it (z = 15)."""
     if device not in _MODELS:
-        torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                       rope_theta=10000.0, tie_word_embeddings=False)
-        hf = transformers.LlamaForCausalLM(cfg).eval()
-        with torch.no_grad():
-            hf.lm_head.weight.normal_(0.0, 0.3)
-            for layer in hf.model.layers:  # values dominate the residual stream; near-uniform attention
-                layer.self_attn.v_proj.weight.mul_(20.0)
-                layer.self_attn.o_proj.weight.mul_(20.0)
-        draft_hf = copy.deepcopy(hf)
-        with torch.no_grad():
-            draft_hf.lm_head.weight.add_(torch.randn(draft_hf.lm_head.weight.shape,
-                                                     generator=torch.Generator().manual_seed(1)) * 0.03)
-        tok = _tokenizer()
-        _MODELS[device] = (sd.HFModel(hf.to(device), tok, name="tiny"),
-                           sd.HFModel(draft_hf.to(device), tok, name="tiny-draft"))
+        _MODELS[device] = tiny_llama_pair(device, head_std=0.3, value_scale=20.0)
     return _MODELS[device]
 
 

@@ -59,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=64, help="maximum generated tokens per sequence")
     g.add_argument("--seed", type=int, default=0, help="random seed (runs are reproducible)")
     g.add_argument("--device", default="cpu", help="torch device for the models, e.g. cpu or cuda")
+    g.add_argument("--backend", default="reference", choices=["reference", "engine", "engine-runner"],
+                   help="what runs the models: the reference backend (any model, eager), smcdecode's engine "
+                   "(Llama-family models; paged KV cache, CUDA graphs on a GPU, its torch path on a CPU), or "
+                   "the generic loops on the engine's models (engine-runner)")
     g.add_argument("--plot", metavar="PNG", help="save a plot of ESS and weights over rounds to this file")
     g.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -152,14 +156,14 @@ def _generate(args) -> int:
         if name == "smc":
             proposal = _draft(args.draft, model, args)
             runner = sd.SMC(target, proposal, particles=args.particles, block_size=args.block_size,
-                            resampler=args.resampler, ess_threshold=args.ess_threshold)
+                            resampler=args.resampler, ess_threshold=args.ess_threshold, backend=args.backend)
         elif name == "sd":
             if args.draft == "target":
                 raise UsageError("--strategy sd needs a draft model, not --draft target")
             runner = sd.SpeculativeDecoding(target, _draft(args.draft, model, args), block_size=args.block_size,
-                                            samples=args.particles)
+                                            samples=args.particles, backend=args.backend)
         else:
-            runner = sd.Autoregressive(target, samples=args.particles)
+            runner = sd.Autoregressive(target, samples=args.particles, backend=args.backend)
         results.append(runner.run(prompt, max_new_tokens=args.max_new_tokens, seed=args.seed,
                                   progress=not args.no_progress))
     if args.json:

@@ -12,7 +12,7 @@ def test_help_lists_every_knob(capsys):
     out = capsys.readouterr().out
     for flag in ["--prompt", "--chat", "--particles", "--block-size", "--temperature", "--draft-temperature",
                  "--resampler", "--ess-threshold", "--regex", "--max-new-tokens", "--seed", "--model", "--draft",
-                 "--strategy", "--alpha", "--plot"]:
+                 "--strategy", "--alpha", "--plot", "--backend"]:
         assert flag in out
 
 

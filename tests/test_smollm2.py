@@ -110,3 +110,14 @@ def test_readme_default_job_runs(capsys):
     assert main(["generate", "--max-new-tokens", "8", "--particles", "2", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "=== smc ===" in out and "log evidence log Z" in out and "weight" in out
+
+
+@pytest.mark.parametrize("backend", ["engine", "engine-runner"])
+def test_cli_runs_the_default_job_on_the_engine(backend, capsys):
+    """`--backend engine` (the engine's own rounds; here its torch path on the CPU) and
+    `--backend engine-runner` run the README's job with the shipped draft, all three strategies."""
+    argv = ["generate", "--max-new-tokens", "6", "--particles", "2", "--block-size", "2", "--strategy", "all",
+            "--backend", backend, "--no-progress"]
+    assert main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert all(f"=== {s} ===" in out for s in ("smc", "speculative", "autoregressive")) and "log evidence log Z" in out

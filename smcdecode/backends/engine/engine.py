@@ -304,13 +304,20 @@ class Engine:
             for name in zero:
                 b[name].zero_()
 
-        self._upload(table, b["pt"], copies)
+        return self._ready(key, graph, b, step, reset, table, copies, use_graphs)
+
+    def _ready(self, key: tuple, graph: _Graph | None, buffers: dict, step, reset, table: PageTable, copies,
+               use_graphs: bool) -> _Graph:
+        """Upload the page table, reset the buffers for this call, and capture ``step`` the first
+        time ``key`` is seen (cached when graphs are on; the capture's warm-up run advances the
+        state, so the buffers are reset again)."""
+        self._upload(table, buffers["pt"], copies)
         reset()
         if graph is None:
-            graph = _Graph(b, self._capture(step, use_graphs), step)
+            graph = _Graph(buffers, self._capture(step, use_graphs), step)
             if use_graphs:
                 self._graphs[key] = graph
-                reset()  # the warm-up run advanced the state
+                reset()
         return graph
 
     def _draft_block(self, buf: dict, K: int, draft_temperature: float, seeds: Tensor,
@@ -685,7 +692,7 @@ class Engine:
                        n_gen=torch.zeros(1, dtype=torch.long, device=dev))
             step = self._ar_step(buf, temperature)
         else:
-            buf = graph.buffers
+            buf, step = graph.buffers, None
         b = buf
 
         def reset() -> None:
@@ -693,13 +700,7 @@ class Engine:
             b["last"].copy_(torch.tensor([p[-1] for p in prompts], device=dev).repeat_interleave(S))
             b["n_gen"].zero_()
 
-        self._upload(table, b["pt"], copies)
-        reset()
-        if graph is None:
-            graph = _Graph(b, self._capture(step, use_graphs), step)
-            if use_graphs:
-                self._graphs[key] = graph
-                reset()
+        graph = self._ready(key, graph, b, step, reset, table, copies, use_graphs)
         for _ in range(max_new_tokens):
             graph.step()
         return b["tokens"][:, :max_new_tokens].clone(), table.peak_used

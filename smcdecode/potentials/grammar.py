@@ -76,7 +76,7 @@ def llguidance_tokenizer(model):
     (byte-exact), else from its token strings."""
     try:
         return _TOKENIZERS[model]
-    except (KeyError, TypeError):
+    except (KeyError, TypeError):  # not built yet, or a model that cannot be a weak key: build it
         pass
     llg = _llguidance()
     tok = None

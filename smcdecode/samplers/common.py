@@ -107,9 +107,11 @@ class RewardTracker:
         rows = active.nonzero().flatten().tolist()
         if not rows:
             return incr
-        texts = texts_of(self.model, tokens, lengths, rows)
+        # decoded texts only for rewards that score text (LMReward scores the token ids)
+        needs_text = any(not hasattr(r, "score_tokens") for r in self.rewards)
+        texts = texts_of(self.model, tokens, lengths, rows) if needs_text else [""] * len(rows)
         ids = None
-        if self.sessions or any(hasattr(r, "score_tokens") for r in self.rewards):
+        if any(hasattr(r, "score_tokens") for r in self.rewards):
             # an ending EOS included; a sequence cut at max_new_tokens is scored as complete too
             # (EOS appended), as every factor but the LM is (smcdecode.testing: the target)
             eos = self.model.eos_token_id

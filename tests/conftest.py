@@ -209,3 +209,19 @@ def tiny_llama_pair(device: str, head_std: float, value_scale: float = 1.0, voca
         draft_hf.lm_head.weight.add_(torch.randn(draft_hf.lm_head.weight.shape, generator=g) * 0.03)
     tok = engine_tokenizer(vocab)
     return sd.HFModel(hf.to(device), tok, name="tiny"), sd.HFModel(draft_hf.to(device), tok, name="tiny-draft")
+
+
+def llama3_scaled_hf():
+    """A random 2-layer HF Llama (seed 0, vocabulary 97, GQA 4/2 heads) with Llama-3 rope scaling
+    whose original context (16) is short enough that the tests' positions cross it."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16},
+        rope_theta=10000.0,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()

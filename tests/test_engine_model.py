@@ -4,6 +4,7 @@ the engine's strategies on the reference attention path."""
 import numpy as np
 import pytest
 import torch
+from conftest import llama3_scaled_hf
 
 from smcdecode.backends.engine import Engine, KVPool, Llama, LlamaConfig, PagedBatch, PageTable
 
@@ -12,15 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def hf_model():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 16},
-        rope_theta=10000.0,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return llama3_scaled_hf()
 
 
 def test_config_and_rope_scaling_read_from_hf(hf_model):

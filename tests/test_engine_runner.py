@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import CUDA_PARAM, ENGINE_VOCAB, tiny_llama_pair
+from conftest import CUDA_PARAM, ENGINE_VOCAB, llama3_scaled_hf, tiny_llama_pair
 
 import smcdecode as sd
 from smcdecode.backends.engine import Llama
@@ -42,15 +42,7 @@ def _check_counts(table) -> None:
 
 @pytest.fixture(scope="module")
 def hf_llama():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 16},
-        rope_theta=10000.0,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return llama3_scaled_hf()
 
 
 def _both(hf, device, prefix, B, page_size=4):

@@ -14,6 +14,19 @@ pytestmark = [
 ]
 
 
+def _scattered_pages(lengths: list[int], L: int, Hkv: int, D: int, PS: int = 16, P: int = 96, device="cuda"):
+    """Random bf16 K/V pools and, for each row, P pages scattered over the pool (page 0 unused),
+    the positions of its last L tokens and the PagedBatch over them."""
+    B = len(lengths)
+    num_pages = B * P + 1
+    pool_k = torch.randn(num_pages, Hkv, PS, D, device=device, dtype=torch.bfloat16)
+    pool_v = torch.randn(num_pages, Hkv, PS, D, device=device, dtype=torch.bfloat16)
+    pt = (torch.randperm(num_pages - 1, device=device)[: B * P].view(B, P) + 1).to(torch.int32)
+    seq = torch.tensor(lengths, device=device)
+    positions = seq[:, None] - L + torch.arange(L, device=device)
+    return pool_k, pool_v, positions, PagedBatch.build(positions, pt, PS)
+
+
 @pytest.mark.parametrize("L,H,Hkv,D,lengths", [(1, 32, 8, 128, [1, 700, 33]), (2, 32, 8, 64, [2, 65, 300]),
                                                (9, 32, 8, 128, [9, 256, 1290]), (5, 8, 8, 64, [17, 40, 5]),
                                                (255, 32, 8, 128, [256, 300]), (1, 4, 2, 16, [3, 90, 7])])
@@ -25,16 +38,8 @@ def test_triton_paged_attention_matches_reference(L, H, Hkv, D, lengths, merge, 
     monkeypatch.setenv("SMCDECODE_ATTN_MERGE", merge)
     monkeypatch.setenv("SMCDECODE_ATTN_PROGRAMS_PER_SM", per_sm)
     torch.manual_seed(L * 100 + D)
-    PS, P = 16, 96
+    pool_k, pool_v, positions, batch = _scattered_pages(lengths, L, Hkv, D)
     B = len(lengths)
-    num_pages = B * P + 1
-    pool_k = torch.randn(num_pages, Hkv, PS, D, device="cuda", dtype=torch.bfloat16)
-    pool_v = torch.randn(num_pages, Hkv, PS, D, device="cuda", dtype=torch.bfloat16)
-    pages = torch.randperm(num_pages - 1, device="cuda")[: B * P].view(B, P) + 1  # scattered pages
-    pt = pages.to(torch.int32)
-    seq = torch.tensor(lengths, device="cuda")
-    positions = seq[:, None] - L + torch.arange(L, device="cuda")
-    batch = PagedBatch.build(positions, pt, PS)
     q = torch.randn(B, L, H, D, device="cuda", dtype=torch.bfloat16)
     ref = reference_paged_attention(q.double(), pool_k.double(), pool_v.double(), batch)
     for _ in range(3):  # repeated launches: the split counters are reset by each launch
@@ -57,15 +62,8 @@ def test_triton_rope_paged_attention_matches_reference(L, H, Hkv, D, lengths, me
     monkeypatch.setenv("SMCDECODE_ATTN_MERGE", merge)
     monkeypatch.setenv("SMCDECODE_ATTN_PROGRAMS_PER_SM", per_sm)
     torch.manual_seed(L * 10 + D)
-    PS, P = 16, 96
+    pool_k, pool_v, positions, batch = _scattered_pages(lengths, L, Hkv, D)
     B = len(lengths)
-    num_pages = B * P + 1
-    pool_k = torch.randn(num_pages, Hkv, PS, D, device="cuda", dtype=torch.bfloat16)
-    pool_v = torch.randn(num_pages, Hkv, PS, D, device="cuda", dtype=torch.bfloat16)
-    pt = (torch.randperm(num_pages - 1, device="cuda")[: B * P].view(B, P) + 1).to(torch.int32)
-    seq = torch.tensor(lengths, device="cuda")
-    positions = seq[:, None] - L + torch.arange(L, device="cuda")
-    batch = PagedBatch.build(positions, pt, PS)
     freqs = torch.arange(2048, device="cuda", dtype=torch.float64)[:, None] * (
         1.0 / 10000 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float64) / D))
     cos, sin = freqs.cos().float(), freqs.sin().float()

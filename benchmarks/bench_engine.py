@@ -159,7 +159,7 @@ def accepted_per_round(o) -> float:
 
 def smollm2_runs(args) -> list[dict]:
     """The real default model: SmolLM2-135M-Instruct (GGUF Q4_1 dequantised, bf16) as the target, with
-    two drafts: the shipped distilled draft (smcdecode.drafts, 4 layers, sharing the target's
+    two drafts: the shipped distilled draft (smcdecode.drafts, sharing the target's
     embeddings and head) and the target's first 10 layers (+ final norm and head); ShareGPT prompts
     through the chat template."""
     from smcdecode.backends.engine import LlamaConfig
@@ -491,7 +491,7 @@ def write_markdown(res: dict, path: Path) -> None:
                          + " | ".join(f"{a[k]:.0f}" for k in sorted(a)) + " |")
     if res.get("smollm2"):
         lines += ["", "Real model: SmolLM2-135M-Instruct (GGUF Q4_1 dequantised to bf16) as target; drafts: the "
-                      "shipped distilled draft (4 layers, smcdecode.drafts) and the target's first 10 of 30 layers "
+                      "shipped distilled draft (smcdecode.drafts) and the target's first 10 of 30 layers "
                       "(+ final norm and head); 8 ShareGPT prompts through the chat template, "
                       "256 output tokens (EOS ignored, so every run has the same length), median of "
                       f"{res['repeats']}:", "",

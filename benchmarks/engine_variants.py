@@ -125,6 +125,7 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
         ("attn per_sm=8", {"SMCDECODE_ATTN_PROGRAMS_PER_SM": "8"}),
         ("attn per_sm=16", {"SMCDECODE_ATTN_PROGRAMS_PER_SM": "16"}),
         ("no skinny", {"SMCDECODE_SKINNY": "0"}),
+        ("no skinny norm", {"SMCDECODE_SKINNY_NORM": "0"}),
         ("grouped attention", {"SMCDECODE_ATTN_GROUP": "auto"}),
     ]
     rows = []

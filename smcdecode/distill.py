@@ -325,7 +325,7 @@ def _engine_sampler(target: HFModel, max_context: int, batch_size: int):
     def sample(prompts: list[list[int]], samples: int, max_new_tokens: int, temperature: float,
                seed: int) -> list[list[int]]:
         tokens, _ = engine.autoregressive(prompts, samples=samples, max_new_tokens=max_new_tokens,
-                                          temperature=temperature, seed=seed)
+                                          temperature=temperature, seed=seed, eos_token_id=target.eos_token_id)
         return tokens.tolist()
 
     return sample

@@ -192,6 +192,30 @@ def test_autoregressive_reuses_its_step_and_checks_input():
         e.autoregressive([[1, 2], []], max_new_tokens=3)
 
 
+@torch.inference_mode()
+def test_autoregressive_stops_soon_after_every_row_sampled_eos():
+    """With eos_token_id: each row equals the run without it up to and including its first EOS
+    (the same draws), is EOS after it, and decoding stops within two flag checks of the last row's
+    EOS instead of running to max_new_tokens."""
+    model = tiny_llama(seed=5)
+    e = Engine(model, None, num_pages=2000, page_size=4, max_context=320)
+    prompts, n = [[1, 2, 3], [4, 5]], 300
+    free, _ = e.autoregressive(prompts, max_new_tokens=n, samples=4, seed=3)
+    counts = torch.bincount(free[:, :20].flatten(), minlength=24)
+    eos = int(counts.argmax())  # a token every row samples early
+    first = torch.where((free == eos).any(1), (free == eos).long().argmax(1), n)
+    assert int(first.max()) + 1 + 2 * Engine.AR_CHECK_EVERY < n
+    toks, _ = e.autoregressive(prompts, max_new_tokens=n, samples=4, seed=3, eos_token_id=eos)
+    every = Engine.AR_CHECK_EVERY
+    assert e.ar_steps_run < n and e.ar_steps_run <= int(first.max()) + 1 + 2 * every
+    for r in range(free.shape[0]):
+        f = int(first[r])
+        assert torch.equal(toks[r, : f + 1], free[r, : f + 1])
+        assert bool((toks[r, f:] == eos).all())
+    again, _ = e.autoregressive(prompts, max_new_tokens=n, samples=4, seed=3, eos_token_id=eos)
+    assert torch.equal(again, toks)  # the cached step graph's state is reset between calls
+
+
 def _compiled(fn) -> int:
     """Kernels Triton has compiled for the JIT function ``fn`` (all devices)."""
     if hasattr(fn, "device_caches"):  # triton >= 3.1

@@ -156,15 +156,15 @@ def run_autoregressive(strategy, ids: list[int], groups: int, max_new_tokens: in
     """``Autoregressive`` on the engine: ``groups`` × ``samples`` rows of the engine's AR step.
 
     p_T^α normalised per token is p at temperature T/α (α·logits/T), so the power costs nothing.
-    The engine samples a fixed number of tokens; each row is cut after its first EOS (the tokens
-    before it do not depend on what follows) and padded with EOS, as the generic loop returns it."""
+    Each row is cut after its first EOS and padded with EOS, as the generic loop returns it; the
+    engine stops decoding soon after every row has sampled EOS."""
     model, lm = strategy.model, strategy.target.lm
     S, eos = strategy.samples, strategy.model.eos_token_id
     engine = engine_for(model, None, groups * S, len(ids) + max_new_tokens + 2, options)
     # one prompt, its pages shared by all groups × samples rows (copy-on-write of the last one)
     tokens, _ = engine.autoregressive([ids], samples=groups * S, max_new_tokens=max_new_tokens,
                                       temperature=lm.temperature / lm.alpha, use_graphs=options.get("use_graphs"),
-                                      seed=_seed(generator))
+                                      seed=_seed(generator), eos_token_id=eos)
     tokens = tokens.cpu()
     is_eos = tokens == eos
     lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, max_new_tokens)

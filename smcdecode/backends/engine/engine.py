@@ -651,10 +651,16 @@ class Engine:
     @torch.inference_mode()
     def autoregressive(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
                        samples: int = 1, use_graphs: bool | None = None, seed: int = 0,
-                       batched_prefill: bool = True) -> tuple[Tensor, int]:
+                       batched_prefill: bool = True, eos_token_id: int | None = None) -> tuple[Tensor, int]:
         """Plain sampling from the target, one token a step for each of G requests × ``samples``
         independent rows (no host sync until the end). Returns (tokens [G·samples, max_new_tokens],
         row g·samples + s the s-th sample of prompt g; peak pages).
+
+        With ``eos_token_id`` a row that samples EOS keeps emitting EOS (its tokens after the first
+        EOS are EOS), and decoding stops once every row has finished: the host reads an "all
+        finished" flag every ``AR_CHECK_EVERY`` steps, one check behind (no sync on the step it
+        was copied in), so at most 2·AR_CHECK_EVERY steps run after the last row ends; columns
+        not decoded are EOS. Without it every row decodes ``max_new_tokens`` tokens.
 
         Each prompt is prefilled once (all prompts together, ``_prefill_rows``) and its pages are
         shared by its ``samples`` rows; the partially filled last prompt page is copied for each
@@ -683,14 +689,17 @@ class Engine:
         lens = np.repeat([len(p) - 1 for p in prompts], S)
         copies = table.reserve(rows, lens + max_new_tokens + 1)  # copy-on-write of the shared last page
         cap = table.table.shape[1] * PS
-        key = ("ar", B, temperature, table.table.shape[1], use_graphs)
+        eos = -1 if eos_token_id is None else int(eos_token_id)
+        key = ("ar", B, temperature, eos, table.table.shape[1], use_graphs)
         graph = self._graphs.get(key)
         if graph is None:
             buf = dict(pt=pt_start.clone(), seq=torch.zeros(B, dtype=torch.long, device=dev),
                        last=torch.zeros(B, dtype=torch.long, device=dev),
                        tokens=torch.zeros(B, cap + 1, dtype=torch.long, device=dev),
-                       n_gen=torch.zeros(1, dtype=torch.long, device=dev))
-            step = self._ar_step(buf, temperature)
+                       n_gen=torch.zeros(1, dtype=torch.long, device=dev),
+                       finished=torch.zeros(B, dtype=torch.bool, device=dev),
+                       done=torch.zeros(1, dtype=torch.bool, device=dev))
+            step = self._ar_step(buf, temperature, eos)
         else:
             buf, step = graph.buffers, None
         b = buf
@@ -699,21 +708,52 @@ class Engine:
             b["seq"].copy_(torch.as_tensor(lens, device=dev))
             b["last"].copy_(torch.tensor([p[-1] for p in prompts], device=dev).repeat_interleave(S))
             b["n_gen"].zero_()
+            b["finished"].zero_()
+            b["done"].zero_()
 
         graph = self._ready(key, graph, b, step, reset, table, copies, use_graphs)
-        for _ in range(max_new_tokens):
+        pinned = dev.type == "cuda"
+        flags = [torch.zeros(1, dtype=torch.bool, pin_memory=pinned) for _ in range(2)]
+        events = [torch.cuda.Event() if pinned else None for _ in range(2)]
+        steps, every = 0, self.AR_CHECK_EVERY
+        for i in range(max_new_tokens):
             graph.step()
-        return b["tokens"][:, :max_new_tokens].clone(), table.peak_used
+            steps += 1
+            if eos < 0 or (i + 1) % every:
+                continue
+            c = (i + 1) // every
+            flags[c % 2].copy_(b["done"], non_blocking=True)
+            if pinned:
+                events[c % 2].record()
+                if c > 1:  # the previous check's flag: its copy has long finished
+                    events[(c - 1) % 2].synchronize()
+                    if bool(flags[(c - 1) % 2]):
+                        break
+            elif bool(flags[c % 2]):
+                break
+        self.ar_steps_run = steps  # (diagnostics: steps decoded by the last call)
+        tokens = b["tokens"][:, :max_new_tokens].clone()
+        if steps < max_new_tokens:
+            tokens[:, steps:] = eos
+        return tokens, table.peak_used
 
-    def _ar_step(self, b: dict, temperature: float):
-        """One autoregressive step over the static buffers ``b`` (captured as one graph)."""
+    AR_CHECK_EVERY = 16  # steps between the host's reads of the autoregressive "all finished" flag
+
+    def _ar_step(self, b: dict, temperature: float, eos: int = -1):
+        """One autoregressive step over the static buffers ``b`` (captured as one graph); with
+        ``eos`` >= 0 a finished row emits EOS and ``done`` tells whether every row has finished."""
         seq_t, last, tokens, n_gen, pt, dev, PS = b["seq"], b["last"], b["tokens"], b["n_gen"], b["pt"], \
             self.device, self.page_size
+        finished = b["finished"]
 
         def step_() -> None:
             batch = PagedBatch.build(seq_t[:, None], pt, PS)
             seeds = torch.randint(0, 2**62, (1,), device=dev)
             t, _, _ = sample_and_score(self.target(last[:, None], self.kv_t, batch)[:, 0], temperature, seeds[0])
+            if eos >= 0:
+                t = torch.where(finished, eos, t)
+                finished.logical_or_(t == eos)
+                b["done"].copy_(finished.all()[None])
             tokens.index_copy_(1, n_gen, t[:, None])
             last.copy_(t)
             seq_t.add_(1)

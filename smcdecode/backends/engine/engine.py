@@ -3,10 +3,12 @@
 Everything inside a round is tensor code on the device — drafting (exponential-race sampling,
 fused with the log-sum-exp and the gather of log q(d) into one Triton kernel on CUDA),
 the verify pass, incremental weights, ESS, the resampling decision, ancestor choice and the gather
-of every particle field — so one round is one CUDA graph (``use_graphs=True``). Between rounds the
-host does the page bookkeeping (fork = page-table row copy with reference counts, copy-on-write of
-shared partial pages, fresh pages for the next K+1 tokens) after the round's one deliberate sync,
-the copy of the ancestor indices.
+of every particle field — so one round is one CUDA graph (``use_graphs=True``). The page
+bookkeeping of SMC-SD (fork = page-table row copy with reference counts, copy-on-write of shared
+partial pages, fresh pages for the next K+1 tokens) runs at the end of that graph too
+(``_smc_pages``) when the KV pool holds the worst case, so rounds are launched back to back and the
+host reads each round's flags one round late; with a smaller pool the host does it between rounds
+(``PageTable``) after the round's one deliberate sync, the copy of the ancestor indices.
 
 Weights follow samplers/smc_sd.py (α = 1, no constraints or rewards in this slice):
     log w += Σ_{i ≤ first EOS, i ≤ budget} [log p_T(d_i | ·) − log q(d_i | ·)]   (+ log Σ_v p_T(v)^α = 0)
@@ -317,6 +319,7 @@ class Engine:
             graph = _Graph(buffers, self._capture(step, use_graphs), step)
             if use_graphs:
                 self._graphs[key] = graph
+                buffers["pt"].copy_(torch.from_numpy(table.table))  # NOTE: device page bookkeeping rewrote it
                 reset()
         return graph
 
@@ -357,8 +360,8 @@ class Engine:
     def smc_sd(self, prompts: list[list[int]], *, particles, block_size, max_new_tokens,
                draft_temperature=1.0, target_temperature=1.0, eos_token_id: int | None = None,
                resampler: str = "systematic", ess_threshold: float = 0.5, use_graphs: bool | None = None,
-               seed: int = 0, target: EngineTarget | list | None = None, record_weights: bool = False
-               ) -> EngineOutput:
+               seed: int = 0, target: EngineTarget | list | None = None, record_weights: bool = False,
+               device_pages: bool | None = None) -> EngineOutput:
         """SMC-SD for G = len(prompts) requests × N particles, K = block_size drafted tokens a round.
 
         ``particles``, ``block_size``, ``max_new_tokens`` and the temperatures are one value or one
@@ -366,7 +369,13 @@ class Engine:
         ``EngineTarget.of(LM(model) ** 2 * Regex(...) * Reward(...))``, or one per prompt) adds a
         power α, constraints and rewards. The plain uniform case runs the fused round below; anything else
         runs ``smc.run`` (per-row settings, masks, rewards). eos_token_id None ignores EOS
-        (fixed-length outputs, as in the benchmark)."""
+        (fixed-length outputs, as in the benchmark).
+
+        Page bookkeeping of the fused round: ``device_pages`` True does it inside the round's graph
+        (no host work between rounds; needs ``num_pages`` >= the worst case of ``smc_page_bounds``),
+        False on the host between rounds (``PageTable``; needs only the pages actually in use),
+        None (default) on the device when the pool holds the worst case, else on the host. Both
+        give the same outputs for the same seed."""
         from . import smc
 
         if self.draft is None:
@@ -393,10 +402,22 @@ class Engine:
         B = G * N
         eos = -1 if eos_token_id is None else eos_token_id
         pad = max(eos, 0)
+        first_round, worst = self.smc_page_bounds(prompts, N, K, max_new_tokens)
+        if self.num_pages < first_round:
+            raise SMCDecodeError(
+                f"num_pages ({self.num_pages}) is too small for {G} request(s) × {N} particles: the first round "
+                f"alone needs {first_round} pages of {self.page_size} tokens; raise num_pages to at least "
+                f"{first_round} ({worst} or more keeps the page bookkeeping on the device)")
+        if device_pages is None:
+            device_pages = self.num_pages >= worst
+        elif device_pages and self.num_pages < worst:
+            raise SMCDecodeError(
+                f"device_pages=True needs num_pages >= {worst} (every particle owning its pages for the whole "
+                f"output), got num_pages={self.num_pages}: raise num_pages or pass device_pages=False")
         table, pt_start = self._start(prompts, N, max_new_tokens + K + 2)
         cap = table.table.shape[1] * self.page_size
         key = ("smc", G, N, K, draft_temperature, target_temperature, eos, resampler, ess_threshold,
-               table.table.shape[1], use_graphs)
+               table.table.shape[1], use_graphs, device_pages and self.num_pages)
         rows = np.arange(B)
         lens = np.repeat([len(p) - 1 for p in prompts], N)  # target tokens cached per row
         copies = table.reserve(rows, lens + K + 1, write_from=lens - 1)  # first round's pages
@@ -410,20 +431,74 @@ class Engine:
                 ess=torch.zeros(G, dtype=torch.float64, device=dev),
                 group_base=(torch.arange(G, device=dev) * N)[:, None],
                 W=torch.zeros(G, N, dtype=torch.float64, device=dev),
+                flags=torch.zeros(2 * G + 1, dtype=torch.float64, device=dev),
+                peak=torch.zeros((), dtype=torch.long, device=dev),
+                exhausted=torch.zeros((), dtype=torch.bool, device=dev),
             )
-            return buf, self._smc_round(buf, G, N, K, draft_temperature, target_temperature, eos, pad, resampler,
-                                        ess_threshold)
+            round_ = self._smc_round(buf, G, N, K, draft_temperature, target_temperature, eos, pad, resampler,
+                                     ess_threshold)
+            if not device_pages:
+                return buf, round_
+            pages = self._smc_pages(buf, G, N, K, [kv for kv in (self.kv_t, self.kv_d) if kv is not None])
+
+            def round_and_pages() -> None:
+                round_()
+                pages()
+
+            return buf, round_and_pages
 
         graph = self._round_graph(key, make, prompts, N, lens, max_new_tokens, pad, table, copies, use_graphs,
-                                  zero=("log_w", "log_Z"))
+                                  zero=("log_w", "log_Z", "peak", "exhausted"))
         b = graph.buffers
         # NOTE: the warm-up also wrote KV entries, but every entry a round reads at or after
         # position T-1 is written earlier in that same round, so the first replay overwrites them.
 
-        pinned = self.device.type == "cuda"
-        host = torch.empty(B + 2 * G + 1, dtype=torch.float64, pin_memory=pinned)
         out = EngineOutput(b["tokens"], b["n_gen"], b["log_w"], b["log_Z"])
         n_rounds = -(-max_new_tokens // (K + 1))
+        if device_pages:
+            self._smc_device_rounds(graph, out, G, n_rounds, record_weights)
+            if bool(b["exhausted"]):  # cannot happen when num_pages >= the worst case (checked above)
+                raise SMCDecodeError(f"the KV pool ran out of pages on the device (num_pages={self.num_pages}): "
+                                     f"raise num_pages or pass device_pages=False")
+            table.peak_used = max(table.peak_used, int(b["peak"]))
+        else:
+            self._smc_host_rounds(graph, out, table, G, N, K, lens, n_rounds, record_weights)
+        out.peak_pages = table.peak_used
+        out.tokens = b["tokens"][:, :max_new_tokens].reshape(G, N, -1).clone()
+        out.lengths = b["n_gen"].view(G, N).clone()
+        out.log_weights = b["log_w"].view(G, N).clone()
+        out.log_evidence = b["log_Z"] + torch.logsumexp(out.log_weights, 1) - math.log(N)
+        out.finished = b["finished"].view(G, N).clone()
+        out.drafted = b["drafted"].view(G, N).clone()
+        out.particles = [N] * G
+        return out
+
+    def smc_page_bounds(self, prompts: list[list[int]], N: int, K: int, max_new_tokens: int) -> tuple[int, int]:
+        """(pages the first round of the fused SMC-SD needs, pages it needs at most over the whole
+        output), the null page included.
+
+        Columns of a row before the page of its first write (position len(prompt) − 2) hold prompt
+        pages that every particle of the request shares for ever; from that page on, a particle
+        holds at most one page per column of its own. The first round's count is also the least
+        that the host bookkeeping ever needs (all particles still share the prompt pages)."""
+        PS = self.page_size
+        n_rounds = -(-max_new_tokens // (K + 1))
+        first_round, worst = 1, 1
+        for p in prompts:
+            cached = len(p) - 1
+            shared = (cached - 1) // PS
+            first_round += shared + N * (-(-(cached + K + 1) // PS) - shared)
+            worst += shared + N * (-(-(cached + n_rounds * (K + 1)) // PS) - shared)
+        return first_round, worst
+
+    def _smc_host_rounds(self, graph: _Graph, out: EngineOutput, table: PageTable, G: int, N: int, K: int,
+                         lens: np.ndarray, n_rounds: int, record_weights: bool) -> None:
+        """Rounds with the page bookkeeping on the host: after each round, one sync (the ancestor
+        indices, flags and ESS), then fork, copy-on-write and fresh pages in ``table``, uploaded."""
+        b, B = graph.buffers, G * N
+        rows = np.arange(B)
+        pinned = self.device.type == "cuda"
+        host = torch.empty(B + 2 * G + 1, dtype=torch.float64, pin_memory=pinned)
         for r in range(n_rounds):
             graph.step()
             if record_weights:
@@ -445,15 +520,43 @@ class Engine:
             if r + 1 < n_rounds:
                 self._upload(table, b["pt"], table.reserve(rows, lens + K + 1, write_from=lens - 1))
             out.host_s += time.perf_counter() - t0
-        out.peak_pages = table.peak_used
-        out.tokens = b["tokens"][:, :max_new_tokens].reshape(G, N, -1).clone()
-        out.lengths = b["n_gen"].view(G, N).clone()
-        out.log_weights = b["log_w"].view(G, N).clone()
-        out.log_evidence = b["log_Z"] + torch.logsumexp(out.log_weights, 1) - math.log(N)
-        out.finished = b["finished"].view(G, N).clone()
-        out.drafted = b["drafted"].view(G, N).clone()
-        out.particles = [N] * G
-        return out
+
+    def _smc_device_rounds(self, graph: _Graph, out: EngineOutput, G: int, n_rounds: int,
+                           record_weights: bool) -> None:
+        """Rounds with the page bookkeeping in the graph (``_smc_pages``), launched back to back: each
+        round's flags (resampled, ESS, all finished) go to pinned host memory without a sync, and
+        the host reads the previous round's while the next one runs. So one round runs after the
+        last: a no-op (every particle finished: nothing is written to the outputs, no pages
+        change), whose flags are dropped."""
+        b = graph.buffers
+        pinned = self.device.type == "cuda"
+        history = torch.zeros(n_rounds + 1, 2 * G + 1, dtype=torch.float64, pin_memory=pinned)
+        events = [torch.cuda.Event() if pinned else None for _ in range(2)]
+        weights = []
+        ran = 0
+        for r in range(n_rounds + 1):
+            graph.step()
+            ran += 1
+            t0 = time.perf_counter()
+            if record_weights:
+                weights.append(b["W"].clone())
+            history[r].copy_(b["flags"], non_blocking=True)
+            if pinned:
+                events[r % 2].record()
+            out.host_s += time.perf_counter() - t0
+            if r > 0:
+                if pinned:
+                    events[(r - 1) % 2].synchronize()
+                if history[r - 1, -1] > 0:
+                    break
+        if pinned:
+            events[(ran - 1) % 2].synchronize()
+        h = history[:ran].numpy()
+        done = np.nonzero(h[:, -1] > 0)[0]
+        out.rounds = int(done[0]) + 1 if len(done) else ran
+        out.resampled = [h[r, :G] > 0 for r in range(out.rounds)]
+        out.ess = [h[r, G : 2 * G].copy() for r in range(out.rounds)]
+        out.weights = weights[: out.rounds]
 
     @torch.inference_mode()
     def serve(self, requests: list, *, slots: int | None = None, target: EngineTarget | None = None,
@@ -510,7 +613,6 @@ class Engine:
             finished.copy_(finished | (active & (hit_eos | (n_gen >= b["budget"]))) | torch.isneginf(lw))
             pending.copy_(torch.stack([drafts[:, -1], bonus], dim=1))
             last.copy_(bonus)
-            seq_t.add_(K + 1)
 
             lw = lw.view(G, N)
             W, ess = normalise(lw)
@@ -527,8 +629,80 @@ class Engine:
             b["ess"].copy_(ess)
             b["W"].copy_(W)
             b["done"].copy_(finished.all()[None])
+            b["flags"].copy_(torch.cat([do.double(), ess, b["done"].double()]))
+            # NOTE: positions stay once all rows have finished, so a round run after the last (the
+            # device bookkeeping's overshoot) writes inside the pages its rows own, within the tables
+            seq_t.add_(torch.where(b["done"], 0, K + 1))
 
         return round_
+
+    def _smc_pages(self, b: dict, G: int, N: int, K: int, pools: list[KVPool]):
+        """The page bookkeeping of ``PageTable`` (``fork`` then ``reserve``), for the rows of the
+        fused SMC-SD round, as device code over the static buffers ``b`` (run after resampling, in
+        the round's graph; static shapes, no host sync).
+
+        Every round writes positions [T−1, T+K] of every row (T = ``seq`` before the round), so
+        after it (T' = T + K + 1):
+          * fork: pt = pt[ancestors] (a pointer exchange: every page stays where it is);
+          * reference counts: a scatter-add of the forked page table, [num_pages];
+          * copy-on-write: the one page a row writes that may be shared is the page of position
+            T'−1 (the partially filled last page: fully written pages are never written again).
+            A row copies it to a fresh page when a later row of its request holds it too, so the
+            last holder keeps it (as ``PageTable.reserve``, which visits rows in order);
+          * fresh pages for the columns [ceil(T'/PS), ceil((T'+K+1)/PS)) of every row;
+          * the free pages (count 0) in increasing id order by a cumsum over the free mask and a
+            scatter; row i takes the next d_i of them (d_i its copy plus its new columns) from the
+            exclusive cumsum of d.
+        Nothing changes once every row has finished (``done``): the round after the last, which
+        the host launches before it knows, is a no-op. ``peak`` tracks the most pages in use (as
+        ``PageTable.peak_used``); ``exhausted`` is set if the free pages ever fall short (never
+        when the pool holds ``smc_page_bounds``' worst case).
+
+        Page ids differ from the host bookkeeping's (which reuses the last freed page first); which
+        rows share which page does not, nor does anything a row reads."""
+        PS, dev = self.page_size, self.device
+        pt, seq, done = b["pt"], b["seq"], b["done"]
+        B, P = pt.shape
+        num_pages = pools[0].kv.shape[2]
+        cols = torch.arange(P, device=dev)[None]  # [1, P]
+        later = torch.ones(N, N, dtype=torch.bool, device=dev).triu(1)  # [i, j]: row j comes after row i
+        page_ids = torch.arange(num_pages, device=dev)
+        ones = torch.ones(B * P, dtype=torch.long, device=dev)
+
+        def pages_() -> None:
+            go = ~done  # [1]
+            table = pt[b["index"]]  # [B, P] the fork
+            ref = torch.zeros(num_pages, dtype=torch.long, device=dev).scatter_add_(0, table.view(-1).long(), ones)
+            ref[0] = 1  # the null page (unused entries point at it) is never handed out
+            last_col = (seq - 1) // PS  # [B] the page of position T'−1
+            n_old = last_col + 1  # pages a row holds
+            n_new = (seq + K + PS) // PS  # pages it needs for positions < T' + K + 1
+            last_page = table.gather(1, last_col[:, None])[:, 0]  # [B]
+            same = last_page.view(G, N)[:, :, None] == last_page.view(G, N)[:, None, :]  # [G, N, N]
+            cow = (same & later).any(2).view(B) & go  # a later row holds the page too
+            grow = torch.where(go, n_new - n_old, 0)
+            demand = cow.long() + grow  # [B] fresh pages per row
+            first = torch.cumsum(demand, 0) - demand
+            free = ref == 0
+            rank = torch.cumsum(free.long(), 0) - 1
+            free_ids = torch.zeros(num_pages + 1, dtype=torch.long, device=dev)
+            free_ids.scatter_(0, torch.where(free, rank, num_pages), page_ids)  # [n_free] then junk
+            # slot of each table entry among its row's fresh pages: the copy first, then new columns
+            grows = (cols >= n_old[:, None]) & (cols < n_new[:, None]) & go
+            slot = torch.where(grows, cols - n_old[:, None] + cow[:, None], -1)
+            slot = torch.where((cols == last_col[:, None]) & cow[:, None], 0, slot)  # [B, P]
+            fresh = free_ids[(first[:, None] + slot).clamp(0, num_pages)]  # [B, P]
+            new_table = torch.where(slot >= 0, fresh.to(pt.dtype), table)
+            src = torch.where(cow, last_page.long(), 0)  # rows without a copy copy the null page onto itself
+            dst = torch.where(cow, fresh.gather(1, last_col[:, None])[:, 0], 0)
+            for pool in pools:  # one batched copy over all layers, keys and values
+                pool.copy_pages(src, dst)
+            pt.copy_(new_table)
+            n_fresh = demand.sum()
+            b["peak"].copy_(torch.maximum(b["peak"], (ref[1:] > 0).sum() + n_fresh))
+            b["exhausted"].copy_(b["exhausted"] | (n_fresh > free.sum()))
+
+        return pages_
 
     # ------------------------------------------------------------------------------------------
 

@@ -8,7 +8,9 @@ each have their own pool (their own layer count and head shape); both use one pa
 id names a page in both pools.
 
 NOTE: the page table lives on the host (numpy) and is uploaded to a static device tensor before each
-CUDA-graph replay; all bookkeeping happens between rounds, after the round's one host sync.
+CUDA-graph replay; all bookkeeping happens between rounds, after the round's one host sync. The
+fused SMC-SD round can instead do its fork / copy-on-write / fresh pages on the device, in its graph
+(``Engine._smc_pages``: the same sharing, other page ids), when the pool holds the worst case.
 """
 
 from __future__ import annotations

@@ -126,11 +126,13 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
         ("attn per_sm=16", {"SMCDECODE_ATTN_PROGRAMS_PER_SM": "16"}),
         ("no skinny", {"SMCDECODE_SKINNY": "0"}),
         ("no skinny norm", {"SMCDECODE_SKINNY_NORM": "0"}),
+        ("host pages", {"SMCDECODE_DEVICE_PAGES": "0"}),
         ("grouped attention", {"SMCDECODE_ATTN_GROUP": "auto"}),
     ]
     rows = []
     for G, N, K, names in ((1, 8, 8, None), (8, 8, 8, ("default", "attn per_sm=2", "attn per_sm=8", "attn per_sm=16",
-                                                          "no skinny", "grouped attention", "merge kernel"))):
+                                                          "no skinny", "grouped attention", "merge kernel",
+                                                          "host pages"))):
         for name, env in variants:
             if names is not None and name not in names:
                 continue

@@ -17,6 +17,7 @@ Weights follow samplers/smc_sd.py (α = 1, no constraints or rewards in this sli
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -408,8 +409,8 @@ class Engine:
                 f"num_pages ({self.num_pages}) is too small for {G} request(s) × {N} particles: the first round "
                 f"alone needs {first_round} pages of {self.page_size} tokens; raise num_pages to at least "
                 f"{first_round} ({worst} or more keeps the page bookkeeping on the device)")
-        if device_pages is None:
-            device_pages = self.num_pages >= worst
+        if device_pages is None:  # SMCDECODE_DEVICE_PAGES=0 picks the host path (benchmark A/B)
+            device_pages = self.num_pages >= worst and os.environ.get("SMCDECODE_DEVICE_PAGES", "1") != "0"
         elif device_pages and self.num_pages < worst:
             raise SMCDecodeError(
                 f"device_pages=True needs num_pages >= {worst} (every particle owning its pages for the whole "

@@ -291,3 +291,55 @@ def test_interpreted_grouped_attention_matches_reference(monkeypatch):
         torch.testing.assert_close(v_out, vp_ref)
     assert int(kernels._split_counters(q.device, 1).abs().sum()) == 0
 
+
+
+class _LaunchSpy:
+    """Stands in for a Triton kernel object: records the keyword arguments of each launch."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.launches.append((grid, kw))
+            return self.kernel[grid](*args, **kw)
+
+        return launch
+
+
+def test_interpreted_paged_attention_follows_the_launch_config(monkeypatch):
+    """SMCDECODE_ATTN_CONFIG per shape class (and per head dim): the launches get that BLOCK_N,
+    warps, stages and split count, and the output still matches the reference, at blocks smaller and
+    larger than the default 64 (page size 4)."""
+    kernels = _interpreted_kernels()
+    import json
+
+    from smcdecode.backends.engine.attention import reference_paged_attention
+
+    spy = _LaunchSpy(kernels._paged_attn_kernel)
+    monkeypatch.setattr(kernels, "_paged_attn_kernel", spy)
+    H, Hkv, D, PS, P = 4, 2, 32, 4, 40
+    table = {"decode": [16, 2, 3, 8], "verify": [128, 8, 1, 0.05], "verify:32": [32, 4, 2, 0.05],
+             "prefill": [16, 4, 2, 0.1]}
+    monkeypatch.setenv("SMCDECODE_ATTN_CONFIG", json.dumps(table))
+    monkeypatch.delenv("SMCDECODE_ATTN_PROGRAMS_PER_SM", raising=False)
+    for L, lengths, key in [(1, [1, 150, 97], "decode"), (5, [5, 160, 70], "verify:32"), (20, [20, 90], "prefill")]:
+        (kp, vp), pt, batch, g = _paged_case(30 + L, len(lengths), L, H, Hkv, D, PS, P, lengths)
+        q = torch.randn(len(lengths), L, H, D, generator=g)
+        ref = reference_paged_attention(q.double(), kp.double(), vp.double(), batch)
+        for merge in ("fused", "kernel"):
+            monkeypatch.setenv("SMCDECODE_ATTN_MERGE", merge)
+            out = kernels.triton_paged_attention(q, kp, vp, batch)
+            err = float((out.double() - ref).norm() / ref.norm())
+            assert err < 1e-5, (L, merge, err)
+            grid, kw = spy.launches[-1]
+            block_n, warps, stages, per_sm = table[key]
+            mt = -(-L * (H // Hkv) // kw["BLOCK_M"])
+            nsplit = max(1, min(32, -(-P * PS // block_n), int(per_sm * 132) // (len(lengths) * Hkv * mt)))
+            assert (kw["BLOCK_N"], kw["num_warps"], kw["num_stages"], kw["NSPLIT"]) == (block_n, warps, stages,
+                                                                                       nsplit), (key, kw)
+            assert grid == (len(lengths) * Hkv, nsplit, mt)
+    assert {kw["NSPLIT"] for _, kw in spy.launches} == {1, 3, 10}  # split and unsplit launches ran
+    monkeypatch.setenv("SMCDECODE_ATTN_CONFIG", json.dumps({"decode": [48, 4, 2, 2]}))
+    with __import__("pytest").raises(ValueError, match="power of two"):
+        kernels.triton_paged_attention(q[:, :1], kp, vp, batch)

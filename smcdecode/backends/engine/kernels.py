@@ -12,8 +12,10 @@ and the row length are computed in the kernel from the positions and the page ta
 share of the context is computed from the row's length, so the launch shape depends only on the
 batch shape (CUDA graphs). For decode/verify (L <= 16 new tokens a row) one kernel also applies
 RoPE to q and the new keys and writes the new keys/values to their pages. The splits are merged by
-the last split to finish (an atomic counter per tile) or by ``_merge_splits_kernel``. References:
-attention.reference_paged_attention, model.rope_kv_write_reference, merge_splits_reference.
+the last split to finish (an atomic counter per tile) or by ``_merge_splits_kernel``. BLOCK_N, warps,
+stages and the split count are chosen per shape class and head dim (``ATTN_CONFIGS``, or
+SMCDECODE_ATTN_CONFIG). References: attention.reference_paged_attention,
+model.rope_kv_write_reference, merge_splits_reference.
 
 skinny products — x · Wᵀ for few rows (draft decode), optionally with SiLU·mul in the epilogue
 (reference: torch's linear and model.silu_mul).
@@ -25,6 +27,7 @@ logits in one read (reference: engine.sample_and_score_reference).
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import torch
@@ -432,19 +435,59 @@ def _split_counters(device: torch.device, n: int) -> Tensor | None:
     return buf
 
 
-def _attention_config(B: int, L: int, G: int, Hkv: int, capacity: int, device: torch.device):
-    """(BLOCK_M, query tiles, BLOCK_N, KV splits, merge mode) for a launch; depends on shapes only.
-    SMCDECODE_ATTN_PROGRAMS_PER_SM sets the splits (about that many programs per SM), and
-    SMCDECODE_ATTN_MERGE=kernel merges them with a separate kernel instead of the last split."""
+# Launch parameters of the attention kernels by shape class: "decode" (L <= 2 new tokens a row),
+# "verify" (3..16), "prefill" (more) and "group" (the grouped kernel). An entry is
+# [BLOCK_N, num_warps, num_stages, programs per SM]; a key "CLASS:D" (e.g. "verify:128") applies to
+# one head dim and takes precedence over "CLASS". Empty: every class runs the defaults below (BLOCK_N
+# 64, 4 warps, 2 stages, SMCDECODE_ATTN_PROGRAMS_PER_SM or 2 programs per SM). Filled from a GPU
+# sweep (benchmarks/attention_sweep.py); SMCDECODE_ATTN_CONFIG (the same JSON) replaces it.
+ATTN_CONFIGS: dict[str, tuple[int, int, int, float]] = {}
+
+
+def attention_shape_class(L: int, grouped: bool = False) -> str:
+    """The key of an attention launch in ``ATTN_CONFIGS``."""
+    return "group" if grouped else "decode" if L <= 2 else "verify" if L <= 16 else "prefill"
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_attn_configs(text: str) -> dict[str, tuple[int, int, int, float]]:
+    table = {}
+    for key, entry in json.loads(text).items():
+        if not (isinstance(entry, list) and len(entry) == 4):
+            raise ValueError(f"SMCDECODE_ATTN_CONFIG[{key!r}] = {entry!r}: expected [block_n, warps, stages, "
+                             "programs_per_sm]")
+        block_n, warps, stages, per_sm = int(entry[0]), int(entry[1]), int(entry[2]), float(entry[3])
+        if block_n < 16 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16) or stages < 1 or per_sm <= 0:
+            raise ValueError(f"SMCDECODE_ATTN_CONFIG[{key!r}] = {entry!r}: block_n must be a power of two >= 16, "
+                             "warps one of 1, 2, 4, 8, 16, stages >= 1 and programs_per_sm > 0")
+        table[key] = (block_n, warps, stages, per_sm)
+    return table
+
+
+def _attention_params(shape_class: str, D: int) -> tuple[int, int, int, float]:
+    """(BLOCK_N, num_warps, num_stages, programs per SM) of a launch class and head dim."""
+    text = os.environ.get("SMCDECODE_ATTN_CONFIG")
+    table = _parse_attn_configs(text) if text else ATTN_CONFIGS
+    entry = table.get(f"{shape_class}:{D}", table.get(shape_class))
+    if entry is not None:
+        return entry
+    block_n = int(os.environ.get("SMCDECODE_ATTN_BLOCK_N", "64")) if shape_class == "group" else 64
+    return block_n, 4, 2, float(os.environ.get("SMCDECODE_ATTN_PROGRAMS_PER_SM", "2"))
+
+
+def _attention_config(B: int, L: int, G: int, Hkv: int, D: int, capacity: int, device: torch.device):
+    """(BLOCK_M, query tiles, BLOCK_N, KV splits, merge mode, num_warps, num_stages) for a launch;
+    depends on shapes only. BLOCK_N, warps, stages and programs per SM (which set the splits) come
+    from ``_attention_params``; SMCDECODE_ATTN_MERGE=kernel merges the splits with a separate kernel
+    instead of the last split."""
     block_m = max(16, min(64, triton.next_power_of_2(L * G)))
     mt = triton.cdiv(L * G, block_m)
-    block_n = 64
+    block_n, warps, stages, per_sm = _attention_params(attention_shape_class(L), D)
     progs = B * Hkv * mt
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
-    per_sm = float(os.environ.get("SMCDECODE_ATTN_PROGRAMS_PER_SM", "2"))
     nsplit = max(1, min(32, triton.cdiv(capacity, block_n), int(per_sm * sms) // progs))
     merge = 0 if nsplit == 1 else (2 if os.environ.get("SMCDECODE_ATTN_MERGE", "fused") == "fused" else 1)
-    return block_m, mt, block_n, nsplit, merge
+    return block_m, mt, block_n, nsplit, merge, warps, stages
 
 
 def _launch_attention(src: Tensor, stride_qt: int, B: int, L: int, H: int, k_pool: Tensor, v_pool: Tensor,
@@ -460,7 +503,7 @@ def _launch_attention(src: Tensor, stride_qt: int, B: int, L: int, H: int, k_poo
         out = _launch_grouped_attention(src, stride_qt, B, L, H, k_pool, v_pool, batch, pos, cos, sin, out_dtype, gs)
         if out is not None:
             return out
-    block_m, mt, block_n, nsplit, merge = _attention_config(B, L, G, Hkv, P * PS, src.device)
+    block_m, mt, block_n, nsplit, merge, warps, stages = _attention_config(B, L, G, Hkv, D, P * PS, src.device)
     dev = src.device
     out = torch.empty(B, L, H, D, device=dev, dtype=out_dtype)
     cnt = _split_counters(dev, B * Hkv * mt) if merge == 2 else None
@@ -480,7 +523,7 @@ def _launch_attention(src: Tensor, stride_qt: int, B: int, L: int, H: int, k_poo
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_L=max(16, triton.next_power_of_2(L)),
         ROPE=rope, MERGE=merge, DYN_LOOP=not _INTERPRET,
         MAX_IT=max(1, triton.cdiv(triton.cdiv(P * PS, nsplit), block_n)) if _INTERPRET else 1,
-        num_warps=4, num_stages=2,
+        num_warps=warps, num_stages=stages,
     )
     if merge == 1:
         _merge_splits_kernel[(B * Hkv * L * G,)](
@@ -507,11 +550,9 @@ def _launch_grouped_attention(src, stride_qt, B, L, H, k_pool, v_pool, batch, po
     P = batch.page_table.shape[1]
     dev = src.device
     block_m = max(16, triton.next_power_of_2(gs * L * G))
-    block_n = 64
     groups = triton.cdiv(B, gs)
     sms = _num_sms(dev.index or 0) if dev.type == "cuda" else 132
-    per_sm = float(os.environ.get("SMCDECODE_ATTN_PROGRAMS_PER_SM", "2"))
-    block_n = int(os.environ.get("SMCDECODE_ATTN_BLOCK_N", str(block_n)))
+    block_n, warps, stages, per_sm = _attention_params(attention_shape_class(L, grouped=True), D)
     nsplit = max(1, min(32, triton.cdiv(P * PS, block_n), int(per_sm * sms) // (groups * Hkv)))
     merge = 0 if nsplit == 1 else 2
     cnt = _split_counters(dev, groups * Hkv) if merge == 2 else None
@@ -532,7 +573,7 @@ def _launch_grouped_attention(src, stride_qt, B, L, H, k_pool, v_pool, batch, po
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_L=max(16, triton.next_power_of_2(gs * L)),
         ROPE=rope, MERGE=merge, DYN_LOOP=not _INTERPRET,
         MAX_IT=max(1, triton.cdiv(triton.cdiv(P * PS, nsplit), block_n)) if _INTERPRET else 1,
-        num_warps=4, num_stages=2,
+        num_warps=warps, num_stages=stages,
     )
     return out
 

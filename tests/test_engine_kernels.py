@@ -214,6 +214,12 @@ def test_triton_sample_and_score_matches_reference(V):
     assert chi2 < 21.0, chi2  # 3 degrees of freedom: P(chi2 > 21) ≈ 1e-4
     tok2, _, _ = triton_sample_and_score(logits, T, torch.tensor(99, device="cuda"))
     assert not torch.equal(tok, tok2)  # a new seed gives new draws
+    # verify's rows: only every 9th row draws (the same token as above), the others are only scored
+    tok9, lp_tok9, lp_gather9 = triton_sample_and_score(logits, T, seed, gather, sample_every=9)
+    drawn = torch.arange(R, device="cuda") % 9 == 8
+    assert torch.equal(tok9[drawn], tok[drawn]) and torch.equal(lp_tok9[drawn], lp_tok[drawn])
+    assert (tok9[~drawn] == -1).all() and torch.isnan(lp_tok9[~drawn]).all()
+    assert torch.equal(lp_gather9, lp_gather)
 
 
 @pytest.mark.parametrize("M,N,K", [(8, 3072, 2048), (16, 2048, 8192), (1, 6144, 4096), (5, 100, 72), (64, 512, 256),

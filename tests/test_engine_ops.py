@@ -293,6 +293,52 @@ def test_interpreted_grouped_attention_matches_reference(monkeypatch):
 
 
 
+def test_sample_and_score_reference_sample_every_draws_only_the_last_row_of_each_group():
+    g = torch.Generator().manual_seed(3)
+    R, V, S = 12, 50, 4
+    logits = torch.randn(R, V, generator=g) * 3
+    gather = torch.randint(0, V, (R,), generator=g)
+    tok, lp_tok, lp_gather = sample_and_score_reference(logits, 0.9, gather, generator=g, sample_every=S)
+    logp = torch.log_softmax(logits / 0.9, -1)
+    torch.testing.assert_close(lp_gather, logp.gather(1, gather[:, None])[:, 0])
+    drawn = torch.arange(R) % S == S - 1
+    assert (tok[~drawn] == -1).all() and torch.isnan(lp_tok[~drawn]).all()
+    assert ((tok[drawn] >= 0) & (tok[drawn] < V)).all()
+    torch.testing.assert_close(lp_tok[drawn], logp[drawn].gather(1, tok[drawn][:, None])[:, 0])
+    # the rows that draw follow the softmax (one repeated row, many groups)
+    base = torch.randn(8, generator=g)
+    n = 20000
+    tok, _, _ = sample_and_score_reference(base.repeat(n * S, 1), 1.0, generator=g, sample_every=S)
+    assert (tok[S - 1 :: S] >= 0).all()
+    counts = torch.bincount(tok[S - 1 :: S], minlength=8).double()
+    expected = n * torch.softmax(base.double(), -1)
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 30.0, chi2  # 7 degrees of freedom: P(chi2 > 30) ≈ 1e-4
+
+
+def test_interpreted_sample_and_score_skips_rows_but_draws_the_same_tokens():
+    """sample_every = K + 1 (verify): the same log-sum-exp and gathered log-probs on every row, and the
+    rows that draw get exactly the token (and log-prob) of the full kernel (the noise is keyed by the
+    element); the other rows return -1 / nan. A vocabulary over several splits."""
+    kernels = _interpreted_kernels()
+    g = torch.Generator().manual_seed(4)
+    R, V, S, T = 12, 9000, 3, 0.8  # 9000 > 8192: two splits a row
+    logits = torch.randn(R, V, generator=g) * 4
+    gather = torch.randint(0, V, (R,), generator=g)
+    seed = torch.tensor(77)
+    tok, lp_tok, lp_gather = kernels.triton_sample_and_score(logits, T, seed, gather)
+    tok_s, lp_tok_s, lp_gather_s = kernels.triton_sample_and_score(logits, T, seed, gather, sample_every=S)
+    logp = torch.log_softmax(logits / T, -1)
+    torch.testing.assert_close(lp_gather_s, logp.gather(1, gather[:, None])[:, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lp_gather_s, lp_gather)
+    drawn = torch.arange(R) % S == S - 1
+    assert torch.equal(tok_s[drawn], tok[drawn])
+    torch.testing.assert_close(lp_tok_s[drawn], lp_tok[drawn])
+    assert (tok_s[~drawn] == -1).all() and torch.isnan(lp_tok_s[~drawn]).all()
+    tok_other, _, _ = kernels.triton_sample_and_score(logits, T, torch.tensor(78), gather, sample_every=S)
+    assert not torch.equal(tok_other[drawn], tok_s[drawn])  # the seed still matters
+
+
 class _LaunchSpy:
     """Stands in for a Triton kernel object: records the keyword arguments of each launch."""
 

@@ -40,29 +40,42 @@ def sample_exponential_race(scaled_logits: Tensor) -> Tensor:
 
 
 def sample_and_score_reference(logits: Tensor, temperature: float, gather: Tensor | None = None,
-                               generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+                               generator: torch.Generator | None = None, sample_every: int = 1
+                               ) -> tuple[Tensor, Tensor, Tensor | None]:
     """x = logits [R, V] / temperature -> (token ~ softmax(x) [R], log softmax(x)[token] [R],
-    log softmax(x)[gather] [R] or None), float32. The torch reference of the fused Triton kernel."""
+    log softmax(x)[gather] [R] or None), float32. The torch reference of the fused Triton kernel.
+    ``sample_every`` = S > 1: only rows r with r % S == S − 1 draw a token (and noise); the others
+    return token −1 and log-prob nan."""
+    if sample_every < 1:
+        raise ValueError(f"sample_every = {sample_every}: must be >= 1 (1: every row draws a token)")
     x = logits.float() / temperature
     lse = torch.logsumexp(x, -1)
-    e = torch.empty_like(x).exponential_(generator=generator)
-    tok = torch.argmax(x - e.log(), dim=-1)
-    lp_tok = x.gather(1, tok[:, None])[:, 0] - lse
+    xs = x[sample_every - 1 :: sample_every]  # [R / S, V] the rows that draw
+    e = torch.empty_like(xs).exponential_(generator=generator)
+    drawn = torch.argmax(xs - e.log(), dim=-1)
+    lp_drawn = xs.gather(1, drawn[:, None])[:, 0] - lse[sample_every - 1 :: sample_every]
+    if sample_every == 1:
+        tok, lp_tok = drawn, lp_drawn
+    else:
+        tok = torch.full_like(lse, -1, dtype=torch.long)
+        lp_tok = torch.full_like(lse, float("nan"))
+        tok[sample_every - 1 :: sample_every] = drawn
+        lp_tok[sample_every - 1 :: sample_every] = lp_drawn
     lp_gather = x.gather(1, gather[:, None])[:, 0] - lse if gather is not None else None
     return tok, lp_tok, lp_gather
 
 
-def sample_and_score(logits: Tensor, temperature: float, seed: Tensor, gather: Tensor | None = None
-                     ) -> tuple[Tensor, Tensor, Tensor | None]:
+def sample_and_score(logits: Tensor, temperature: float, seed: Tensor, gather: Tensor | None = None,
+                     sample_every: int = 1) -> tuple[Tensor, Tensor, Tensor | None]:
     """Fused on CUDA (one read of the [R, V] logits; randomness keyed by the device scalar ``seed``),
-    the reference elsewhere (torch's global generator)."""
+    the reference elsewhere (torch's global generator). ``sample_every``: see the reference."""
     from .model import _use_triton
 
     if _use_triton(logits):
         from .kernels import triton_sample_and_score
 
-        return triton_sample_and_score(logits, temperature, seed, gather)
-    return sample_and_score_reference(logits, temperature, gather)
+        return triton_sample_and_score(logits, temperature, seed, gather, sample_every)
+    return sample_and_score_reference(logits, temperature, gather, sample_every=sample_every)
 
 
 @dataclass
@@ -352,7 +365,9 @@ class Engine:
         batch = PagedBatch.build(buf["seq"][:, None] + ar, buf["pt"], self.page_size)
         logits = self.target(feed, self.kv_t, batch)  # [B, K+1, V]
         gather = torch.cat([buf["drafts"], buf["drafts"][:, :1]], dim=1).reshape(-1)
-        tok, _, lp = sample_and_score(logits.view(B * (K + 1), -1), target_temperature, seeds[K], gather)
+        # only the last row of each particle's K + 1 draws a token (the bonus); the others are scored
+        tok, _, lp = sample_and_score(logits.view(B * (K + 1), -1), target_temperature, seeds[K], gather,
+                                      sample_every=K + 1)
         return lp.view(B, K + 1)[:, :K], tok.view(B, K + 1)[:, K], logits
 
     # ------------------------------------------------------------------------------------------

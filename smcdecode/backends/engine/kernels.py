@@ -21,7 +21,8 @@ skinny products — x · Wᵀ for few rows (draft decode), optionally with SiLU�
 (reference: torch's linear and model.silu_mul).
 
 sample and score — exponential-race sampling, log-sum-exp and the gather of log q(d) over [R, V]
-logits in one read (reference: engine.sample_and_score_reference).
+logits in one read; rows that need no token (verify's scored rows) can skip the noise and the race
+(reference: engine.sample_and_score_reference).
 """
 
 from __future__ import annotations
@@ -747,11 +748,10 @@ def triton_rope_kv_write(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tenso
 
 
 @triton.jit
-def _sample_split_kernel(LOGITS, SEED, stride_r, inv_temp, PART, V: tl.constexpr, CHUNK: tl.constexpr,
-                         BLOCK: tl.constexpr, NSPLIT: tl.constexpr):
-    r = tl.program_id(0)
-    s = tl.program_id(1)
-    seed = tl.load(SEED)
+def _sample_split_chunk(LOGITS, seed, r, s, stride_r, inv_temp, V: tl.constexpr, CHUNK: tl.constexpr,
+                        BLOCK: tl.constexpr, RACE: tl.constexpr):
+    """Per-lane running max and Σ exp(x − max) over split s of row r, and (RACE) the lane's best
+    exponential-race key with its index and x."""
     m = tl.full([BLOCK], float("-inf"), tl.float32)  # running max of x (per lane)
     acc = tl.zeros([BLOCK], tl.float32)  # Σ exp(x − m) per lane
     best_key = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -765,15 +765,34 @@ def _sample_split_kernel(LOGITS, SEED, stride_r, inv_temp, PART, V: tl.constexpr
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         acc = acc * tl.exp(m - m_safe) + tl.exp(x - m_safe)
         m = m_new
-        # U in (0, 1) strictly, on a 2^-23 grid (tl.rand can round up to exactly 1.0, which would
-        # give E = 0 and an infinite key whatever the logit)
-        bits = tl.randint(seed, r * V + c).to(tl.uint32, bitcast=True) >> 9
-        u = bits.to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
-        key = x - tl.log(-tl.log(u))  # Gumbel-max = exponential race: x − log E, E = −log U
-        better = key > best_key
-        best_key = tl.where(better, key, best_key)
-        best_idx = tl.where(better, c, best_idx)
-        best_x = tl.where(better, x, best_x)
+        if RACE:
+            # U in (0, 1) strictly, on a 2^-23 grid (tl.rand can round up to exactly 1.0, which would
+            # give E = 0 and an infinite key whatever the logit)
+            bits = tl.randint(seed, r * V + c).to(tl.uint32, bitcast=True) >> 9
+            u = bits.to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
+            key = x - tl.log(-tl.log(u))  # Gumbel-max = exponential race: x − log E, E = −log U
+            better = key > best_key
+            best_key = tl.where(better, key, best_key)
+            best_idx = tl.where(better, c, best_idx)
+            best_x = tl.where(better, x, best_x)
+    return m, acc, best_key, best_idx, best_x
+
+
+@triton.jit
+def _sample_split_kernel(LOGITS, SEED, stride_r, inv_temp, PART, V: tl.constexpr, CHUNK: tl.constexpr,
+                         BLOCK: tl.constexpr, NSPLIT: tl.constexpr, SAMPLE_EVERY: tl.constexpr):
+    """Split s of row r: (max, Σ exp(x − max), best race key, its index, its x) into PART. Rows with
+    r % SAMPLE_EVERY != SAMPLE_EVERY − 1 run no race (no noise drawn; key −inf). The noise of an
+    element is keyed by (seed, r·V + c) whatever SAMPLE_EVERY, so a sampled row draws the same token."""
+    r = tl.program_id(0)
+    s = tl.program_id(1)
+    seed = tl.load(SEED)
+    if r % SAMPLE_EVERY == SAMPLE_EVERY - 1:  # (always, for SAMPLE_EVERY = 1)
+        m, acc, best_key, best_idx, best_x = _sample_split_chunk(LOGITS, seed, r, s, stride_r, inv_temp, V, CHUNK,
+                                                                 BLOCK, True)
+    else:
+        m, acc, best_key, best_idx, best_x = _sample_split_chunk(LOGITS, seed, r, s, stride_r, inv_temp, V, CHUNK,
+                                                                 BLOCK, False)
     M = tl.max(m, 0)
     M_safe = tl.where(M == float("-inf"), 0.0, M)
     total = tl.sum(acc * tl.exp(m - M_safe), 0)
@@ -792,7 +811,8 @@ def _sample_split_kernel(LOGITS, SEED, stride_r, inv_temp, PART, V: tl.constexpr
 
 @triton.jit
 def _sample_merge_kernel(PART, LOGITS, stride_r, inv_temp, GATHER, TOK, LOGP_TOK, LOGP_GATHER,
-                         NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr, HAS_GATHER: tl.constexpr):
+                         NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr, HAS_GATHER: tl.constexpr,
+                         SAMPLE_EVERY: tl.constexpr):
     r = tl.program_id(0)
     s = tl.arange(0, NSPLIT_P2)
     ok = s < NSPLIT
@@ -805,22 +825,33 @@ def _sample_merge_kernel(PART, LOGITS, stride_r, inv_temp, GATHER, TOK, LOGP_TOK
     j = tl.argmax(key, 0)
     tok = tl.load(PART + (r * NSPLIT + j) * 5 + 3).to(tl.int64)
     xb = tl.load(PART + (r * NSPLIT + j) * 5 + 4)
-    tl.store(TOK + r, tok)
-    tl.store(LOGP_TOK + r, xb - lse)
+    if r % SAMPLE_EVERY == SAMPLE_EVERY - 1:  # (always, for SAMPLE_EVERY = 1)
+        tl.store(TOK + r, tok)
+        tl.store(LOGP_TOK + r, xb - lse)
+    else:  # no token drawn for this row
+        tl.store(TOK + r, -1)
+        tl.store(LOGP_TOK + r, float("nan"))
     if HAS_GATHER:
         g = tl.load(GATHER + r)
         xg = tl.load(LOGITS + r * stride_r + g).to(tl.float32) * inv_temp
         tl.store(LOGP_GATHER + r, xg - lse)
 
 
-def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, gather: Tensor | None = None
-                            ) -> tuple[Tensor, Tensor, Tensor | None]:
+def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, gather: Tensor | None = None,
+                            sample_every: int = 1) -> tuple[Tensor, Tensor, Tensor | None]:
     """For each row of ``logits`` [R, V] (unit stride in V) with x = logits / temperature:
     token ~ softmax(x) by the exponential race (Gumbel noise from Philox, keyed by ``seed`` — a
     device int64 scalar — and the element's index), log softmax(x)[token], and log softmax(x)[gather]
     (when ``gather`` [R] long is given). One read of the logits; no host sync.
+
+    ``sample_every`` = S > 1: only rows r with r % S == S − 1 draw a token (verify: the bonus row of
+    each particle's K + 1); the others skip the noise and the race and return token −1 and
+    log-prob nan (their gathered log-prob is computed as usual). A drawn token is the same as with
+    S = 1 (the noise is keyed by the element, not by which rows draw).
     Reference: engine.sample_and_score_reference."""
     R, V = logits.shape
+    if sample_every < 1:
+        raise ValueError(f"sample_every = {sample_every}: must be >= 1 (1: every row draws a token)")
     block = 1024
     chunk = 8 * block
     if V < chunk:
@@ -829,7 +860,7 @@ def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, ga
     nsplit = triton.cdiv(V, chunk)
     part = torch.empty(R, nsplit, 5, device=logits.device, dtype=torch.float32)
     _sample_split_kernel[(R, nsplit)](logits, seed, logits.stride(0), 1.0 / temperature, part, V=V, CHUNK=chunk,
-                                      BLOCK=block, NSPLIT=nsplit, num_warps=4)
+                                      BLOCK=block, NSPLIT=nsplit, SAMPLE_EVERY=sample_every, num_warps=4)
     tok = torch.empty(R, device=logits.device, dtype=torch.long)
     logp_tok = torch.empty(R, device=logits.device, dtype=torch.float32)
     logp_gather = torch.empty(R, device=logits.device, dtype=torch.float32) if gather is not None else None
@@ -837,7 +868,7 @@ def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, ga
                                gather if gather is not None else tok, tok, logp_tok,
                                logp_gather if gather is not None else logp_tok,
                                NSPLIT=nsplit, NSPLIT_P2=max(2, triton.next_power_of_2(nsplit)),
-                               HAS_GATHER=gather is not None, num_warps=1)
+                               HAS_GATHER=gather is not None, SAMPLE_EVERY=sample_every, num_warps=1)
     return tok, logp_tok, logp_gather
 
 

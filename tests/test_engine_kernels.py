@@ -313,14 +313,15 @@ def test_triton_grouped_attention_matches_reference(gs, L, D, B, per_sm, merge, 
     assert (k_out.float() - k_ref.float()).abs().max() < 2e-2 and torch.equal(v_out, v_ref)
 
 
-
-@pytest.mark.parametrize("cfg", [[32, 4, 2, 1], [128, 8, 2, 4], [256, 4, 2, 2], [16, 8, 3, 16], [64, 4, 2, 0.01]])
+@pytest.mark.parametrize("cfg", [[32, 4, 2, 1], [128, 8, 2, 4], [256, 4, 2, 2], [16, 8, 3, 16], [64, 4, 2, 0.01],
+                                 [64, 4, 2, 2, 1], [32, 8, 3, 0.5, 1]])
 @pytest.mark.parametrize("L,D,B,group", [(1, 64, 8, 1), (2, 64, 64, 1), (9, 128, 8, 1), (1, 128, 1, 1),
                                          (1, 64, 8, 8), (2, 64, 16, 8)])
 def test_triton_attention_launch_configs_match_reference(cfg, L, D, B, group, monkeypatch):
     """The sweep's configurations (benchmarks/attention_sweep.py; SMCDECODE_ATTN_CONFIG for every
-    class) at its shapes: plain and RoPE-fused attention, plain and grouped kernel, against the
-    references; the particles of a request share the prompt's pages."""
+    class; with and without the page-id prefetch) at its shapes: plain and RoPE-fused attention,
+    plain and grouped kernel, against the references; the particles of a request share the prompt's
+    pages."""
     import json
 
     pytest.importorskip("triton")

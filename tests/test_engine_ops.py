@@ -1,6 +1,7 @@
 """The torch references of the engine's fused kernels (CPU): add + RMSNorm, RoPE + KV-page write,
 sample-and-score. The Triton kernels are tested against these in test_engine_kernels.py (GPU)."""
 
+import json
 import math
 
 import torch
@@ -140,14 +141,20 @@ def test_interpreted_rope_paged_attention_matches_rope_write_then_attention(monk
                                         batch.slot_offsets, H, Hkv)
         ref = reference_paged_attention(q_ref.double(), kp_ref.double(), vp_ref.double(), batch)
         monkeypatch.setenv("SMCDECODE_ATTN_PROGRAMS_PER_SM", per_sm)
-        for merge in ("fused", "kernel"):
-            monkeypatch.setenv("SMCDECODE_ATTN_MERGE", merge)
-            k_out, v_out = kp.clone(), vp.clone()
-            out = kernels.triton_rope_paged_attention(qkv, cos, sin, k_out, v_out, batch, H)
-            err = float((out.double() - ref).norm() / ref.norm())
-            assert err < 1e-5, (L, merge, err)
-            torch.testing.assert_close(k_out, kp_ref)  # the same slots written with the same keys, nothing else
-            torch.testing.assert_close(v_out, vp_ref)
+        # today's launch, and one split of 16-key blocks with the page ids loaded a block ahead
+        for config in (None, {"decode": [16, 4, 2, 0.01, 1], "verify": [16, 4, 2, 0.01, 1]}):
+            if config is None:
+                monkeypatch.delenv("SMCDECODE_ATTN_CONFIG", raising=False)
+            else:
+                monkeypatch.setenv("SMCDECODE_ATTN_CONFIG", json.dumps(config))
+            for merge in ("fused", "kernel"):
+                monkeypatch.setenv("SMCDECODE_ATTN_MERGE", merge)
+                k_out, v_out = kp.clone(), vp.clone()
+                out = kernels.triton_rope_paged_attention(qkv, cos, sin, k_out, v_out, batch, H)
+                err = float((out.double() - ref).norm() / ref.norm())
+                assert err < 1e-5, (L, merge, config, err)
+                torch.testing.assert_close(k_out, kp_ref)  # the same slots written with the same keys, nothing else
+                torch.testing.assert_close(v_out, vp_ref)
 
 
 def test_interpreted_merge_kernel_matches_reference():
@@ -355,18 +362,16 @@ class _LaunchSpy:
 
 def test_interpreted_paged_attention_follows_the_launch_config(monkeypatch):
     """SMCDECODE_ATTN_CONFIG per shape class (and per head dim): the launches get that BLOCK_N,
-    warps, stages and split count, and the output still matches the reference, at blocks smaller and
-    larger than the default 64 (page size 4)."""
+    warps, stages, split count and prefetch, and the output still matches the reference, at blocks
+    smaller and larger than the default 64 (page size 4)."""
     kernels = _interpreted_kernels()
-    import json
-
     from smcdecode.backends.engine.attention import reference_paged_attention
 
     spy = _LaunchSpy(kernels._paged_attn_kernel)
     monkeypatch.setattr(kernels, "_paged_attn_kernel", spy)
     H, Hkv, D, PS, P = 4, 2, 32, 4, 40
-    table = {"decode": [16, 2, 3, 8], "verify": [128, 8, 1, 0.05], "verify:32": [32, 4, 2, 0.05],
-             "prefill": [16, 4, 2, 0.1]}
+    table = {"decode": [16, 2, 3, 0.1, 1], "verify": [128, 8, 1, 0.05], "verify:32": [32, 4, 2, 0.05, 1],
+             "prefill": [16, 4, 2, 0.1]}  # (with and without prefetch; several blocks a split)
     monkeypatch.setenv("SMCDECODE_ATTN_CONFIG", json.dumps(table))
     monkeypatch.delenv("SMCDECODE_ATTN_PROGRAMS_PER_SM", raising=False)
     for L, lengths, key in [(1, [1, 150, 97], "decode"), (5, [5, 160, 70], "verify:32"), (20, [20, 90], "prefill")]:
@@ -379,13 +384,13 @@ def test_interpreted_paged_attention_follows_the_launch_config(monkeypatch):
             err = float((out.double() - ref).norm() / ref.norm())
             assert err < 1e-5, (L, merge, err)
             grid, kw = spy.launches[-1]
-            block_n, warps, stages, per_sm = table[key]
+            block_n, warps, stages, per_sm, *prefetch = table[key]
             mt = -(-L * (H // Hkv) // kw["BLOCK_M"])
             nsplit = max(1, min(32, -(-P * PS // block_n), int(per_sm * 132) // (len(lengths) * Hkv * mt)))
-            assert (kw["BLOCK_N"], kw["num_warps"], kw["num_stages"], kw["NSPLIT"]) == (block_n, warps, stages,
-                                                                                       nsplit), (key, kw)
+            assert (kw["BLOCK_N"], kw["num_warps"], kw["num_stages"], kw["NSPLIT"], kw["PREFETCH"]) == (
+                block_n, warps, stages, nsplit, prefetch == [1]), (key, kw)
             assert grid == (len(lengths) * Hkv, nsplit, mt)
-    assert {kw["NSPLIT"] for _, kw in spy.launches} == {1, 3, 10}  # split and unsplit launches ran
+    assert {kw["NSPLIT"] for _, kw in spy.launches} == {1, 2, 3}  # split and unsplit launches ran
     monkeypatch.setenv("SMCDECODE_ATTN_CONFIG", json.dumps({"decode": [48, 4, 2, 2]}))
     with __import__("pytest").raises(ValueError, match="power of two"):
         kernels.triton_paged_attention(q[:, :1], kp, vp, batch)

@@ -38,16 +38,22 @@ from torch import Tensor
 
 
 @triton.jit
-def _attend_cached(q, q1, q2, KP, VP, PT, b, kvh, stride_pt, n0, end, qpos, sm_scale, m_i, l_i, acc,
+def _block_pages(PT, b, stride_pt, n0, end, PS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Page ids of positions n0 .. n0 + BLOCK_N − 1 of row b (0 at and after ``end``)."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(PT + b * stride_pt + n // PS, mask=n < end, other=0)
+
+
+@triton.jit
+def _attend_cached(q, q1, q2, KP, VP, page, kvh, n0, end, qpos, sm_scale, m_i, l_i, acc,
                    HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr):
-    """One block of BLOCK_N cached keys/values (positions n0.., masked at ``end`` and causally) folded
-    into the online softmax (m_i, l_i, acc) of a query tile."""
+    """One block of BLOCK_N cached keys/values (positions n0.., pages ``page``, masked at ``end`` and
+    causally) folded into the online softmax (m_i, l_i, acc) of a query tile."""
     HALF: tl.constexpr = D // 2
     dh = tl.arange(0, HALF)
     d = tl.arange(0, D)
     n = n0 + tl.arange(0, BLOCK_N)
     n_valid = n < end
-    page = tl.load(PT + b * stride_pt + n // PS, mask=n_valid, other=0)
     kv_row = ((page * HKV + kvh) * PS + n % PS) * D
     if ROPE:
         k1 = tl.load(KP + kv_row[:, None] + dh[None, :], mask=n_valid[:, None], other=0.0)
@@ -77,6 +83,7 @@ def _paged_attn_kernel(
     PS: tl.constexpr, NSPLIT: tl.constexpr, MT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     ROPE: tl.constexpr, MERGE: tl.constexpr, DYN_LOOP: tl.constexpr, MAX_IT: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """One program per (row b, kv head, KV split, query tile). Query rows of a tile are the (l, g)
     pairs m = l·G + g of the row's L tokens × the G query heads of the kv head.
@@ -87,7 +94,9 @@ def _paged_attn_kernel(
     the cache. Otherwise Q is [B·L, H·D] (already rotated) and all positions < seq_len come from the
     cache. MERGE: 0 — one split, the output is written directly; 1 — partials (o, lse) only, merged by
     ``_merge_splits_kernel``; 2 — partials, then the last split to finish (an atomic counter per
-    (b, kv head, tile), reset by that program) merges them."""
+    (b, kv head, tile), reset by that program) merges them. PREFETCH: each block's page ids are
+    loaded one block ahead (before the current block's keys), taking the page-table load off the
+    chain page ids -> keys -> dot -> values of a block."""
     pid = tl.program_id(0)  # b * HKV + kvh
     sid = tl.program_id(1)
     mt = tl.program_id(2)
@@ -162,14 +171,29 @@ def _paged_attn_kernel(
                 tl.store(KP + dst[:, None] + dh[None, :], k1, mask=j_valid[:, None])
                 tl.store(KP + dst[:, None] + HALF + dh[None, :], k2, mask=j_valid[:, None])
                 tl.store(VP + dst[:, None] + d[None, :], v.to(VP.dtype.element_ty), mask=j_valid[:, None])
+    if PREFETCH:
+        page = _block_pages(PT, b, stride_pt, start, end, PS, BLOCK_N)
     if DYN_LOOP:
         for n0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _attend_cached(q, q1, q2, KP, VP, PT, b, kvh, stride_pt, n0, end, qpos, sm_scale,
+            if PREFETCH:
+                page_next = _block_pages(PT, b, stride_pt, n0 + BLOCK_N, end, PS, BLOCK_N)
+            else:
+                page = _block_pages(PT, b, stride_pt, n0, end, PS, BLOCK_N)
+            m_i, l_i, acc = _attend_cached(q, q1, q2, KP, VP, page, kvh, n0, end, qpos, sm_scale,
                                            m_i, l_i, acc, HKV, D, PS, BLOCK_N, ROPE)
+            if PREFETCH:
+                page = page_next
     else:  # Triton's interpreter needs constant loop bounds: a fixed count of (masked) blocks
         for it in range(0, MAX_IT):
-            m_i, l_i, acc = _attend_cached(q, q1, q2, KP, VP, PT, b, kvh, stride_pt, start + it * BLOCK_N, end, qpos,
-                                           sm_scale, m_i, l_i, acc, HKV, D, PS, BLOCK_N, ROPE)
+            n0 = start + it * BLOCK_N
+            if PREFETCH:
+                page_next = _block_pages(PT, b, stride_pt, n0 + BLOCK_N, end, PS, BLOCK_N)
+            else:
+                page = _block_pages(PT, b, stride_pt, n0, end, PS, BLOCK_N)
+            m_i, l_i, acc = _attend_cached(q, q1, q2, KP, VP, page, kvh, n0, end, qpos, sm_scale,
+                                           m_i, l_i, acc, HKV, D, PS, BLOCK_N, ROPE)
+            if PREFETCH:
+                page = page_next
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = ((b * L + l_idx) * H + kvh * G + g_idx) * D
     if MERGE == 0:
@@ -438,11 +462,13 @@ def _split_counters(device: torch.device, n: int) -> Tensor | None:
 
 # Launch parameters of the attention kernels by shape class: "decode" (L <= 2 new tokens a row),
 # "verify" (3..16), "prefill" (more) and "group" (the grouped kernel). An entry is
-# [BLOCK_N, num_warps, num_stages, programs per SM]; a key "CLASS:D" (e.g. "verify:128") applies to
-# one head dim and takes precedence over "CLASS". Empty: every class runs the defaults below (BLOCK_N
-# 64, 4 warps, 2 stages, SMCDECODE_ATTN_PROGRAMS_PER_SM or 2 programs per SM). Filled from a GPU
-# sweep (benchmarks/attention_sweep.py); SMCDECODE_ATTN_CONFIG (the same JSON) replaces it.
-ATTN_CONFIGS: dict[str, tuple[int, int, int, float]] = {}
+# [BLOCK_N, num_warps, num_stages, programs per SM] or that and PREFETCH (0/1: page ids loaded a block
+# ahead; the grouped kernel ignores it); a key "CLASS:D" (e.g. "verify:128") applies to one head dim
+# and takes precedence over "CLASS". A class without an entry runs the defaults below (BLOCK_N 64,
+# 4 warps, 2 stages, SMCDECODE_ATTN_PROGRAMS_PER_SM or 2 programs per SM, no prefetch): with the
+# table empty, today's launches. Filled from a GPU sweep (benchmarks/attention_sweep.py);
+# SMCDECODE_ATTN_CONFIG (a JSON object of such entries) replaces it.
+ATTN_CONFIGS: dict[str, tuple[int, int, int, float, int]] = {}
 
 
 def attention_shape_class(L: int, grouped: bool = False) -> str:
@@ -451,44 +477,46 @@ def attention_shape_class(L: int, grouped: bool = False) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _parse_attn_configs(text: str) -> dict[str, tuple[int, int, int, float]]:
+def _parse_attn_configs(text: str) -> dict[str, tuple[int, int, int, float, int]]:
     table = {}
     for key, entry in json.loads(text).items():
-        if not (isinstance(entry, list) and len(entry) == 4):
+        if not (isinstance(entry, list) and len(entry) in (4, 5)):
             raise ValueError(f"SMCDECODE_ATTN_CONFIG[{key!r}] = {entry!r}: expected [block_n, warps, stages, "
-                             "programs_per_sm]")
+                             "programs_per_sm] or [block_n, warps, stages, programs_per_sm, prefetch]")
         block_n, warps, stages, per_sm = int(entry[0]), int(entry[1]), int(entry[2]), float(entry[3])
-        if block_n < 16 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16) or stages < 1 or per_sm <= 0:
+        prefetch = int(entry[4]) if len(entry) == 5 else 0
+        if (block_n < 16 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16) or stages < 1 or per_sm <= 0
+                or prefetch not in (0, 1)):
             raise ValueError(f"SMCDECODE_ATTN_CONFIG[{key!r}] = {entry!r}: block_n must be a power of two >= 16, "
-                             "warps one of 1, 2, 4, 8, 16, stages >= 1 and programs_per_sm > 0")
-        table[key] = (block_n, warps, stages, per_sm)
+                             "warps one of 1, 2, 4, 8, 16, stages >= 1, programs_per_sm > 0 and prefetch 0 or 1")
+        table[key] = (block_n, warps, stages, per_sm, prefetch)
     return table
 
 
-def _attention_params(shape_class: str, D: int) -> tuple[int, int, int, float]:
-    """(BLOCK_N, num_warps, num_stages, programs per SM) of a launch class and head dim."""
+def _attention_params(shape_class: str, D: int) -> tuple[int, int, int, float, int]:
+    """(BLOCK_N, num_warps, num_stages, programs per SM, prefetch) of a launch class and head dim."""
     text = os.environ.get("SMCDECODE_ATTN_CONFIG")
     table = _parse_attn_configs(text) if text else ATTN_CONFIGS
     entry = table.get(f"{shape_class}:{D}", table.get(shape_class))
     if entry is not None:
         return entry
     block_n = int(os.environ.get("SMCDECODE_ATTN_BLOCK_N", "64")) if shape_class == "group" else 64
-    return block_n, 4, 2, float(os.environ.get("SMCDECODE_ATTN_PROGRAMS_PER_SM", "2"))
+    return block_n, 4, 2, float(os.environ.get("SMCDECODE_ATTN_PROGRAMS_PER_SM", "2")), 0
 
 
 def _attention_config(B: int, L: int, G: int, Hkv: int, D: int, capacity: int, device: torch.device):
-    """(BLOCK_M, query tiles, BLOCK_N, KV splits, merge mode, num_warps, num_stages) for a launch;
-    depends on shapes only. BLOCK_N, warps, stages and programs per SM (which set the splits) come
-    from ``_attention_params``; SMCDECODE_ATTN_MERGE=kernel merges the splits with a separate kernel
-    instead of the last split."""
+    """(BLOCK_M, query tiles, BLOCK_N, KV splits, merge mode, num_warps, num_stages, prefetch) for a
+    launch; depends on shapes only. BLOCK_N, warps, stages, programs per SM (which set the splits)
+    and prefetch come from ``_attention_params``; SMCDECODE_ATTN_MERGE=kernel merges the splits with
+    a separate kernel instead of the last split."""
     block_m = max(16, min(64, triton.next_power_of_2(L * G)))
     mt = triton.cdiv(L * G, block_m)
-    block_n, warps, stages, per_sm = _attention_params(attention_shape_class(L), D)
+    block_n, warps, stages, per_sm, prefetch = _attention_params(attention_shape_class(L), D)
     progs = B * Hkv * mt
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
     nsplit = max(1, min(32, triton.cdiv(capacity, block_n), int(per_sm * sms) // progs))
     merge = 0 if nsplit == 1 else (2 if os.environ.get("SMCDECODE_ATTN_MERGE", "fused") == "fused" else 1)
-    return block_m, mt, block_n, nsplit, merge, warps, stages
+    return block_m, mt, block_n, nsplit, merge, warps, stages, prefetch
 
 
 def _launch_attention(src: Tensor, stride_qt: int, B: int, L: int, H: int, k_pool: Tensor, v_pool: Tensor,
@@ -504,7 +532,7 @@ def _launch_attention(src: Tensor, stride_qt: int, B: int, L: int, H: int, k_poo
         out = _launch_grouped_attention(src, stride_qt, B, L, H, k_pool, v_pool, batch, pos, cos, sin, out_dtype, gs)
         if out is not None:
             return out
-    block_m, mt, block_n, nsplit, merge, warps, stages = _attention_config(B, L, G, Hkv, D, P * PS, src.device)
+    block_m, mt, block_n, nsplit, merge, warps, stages, prefetch = _attention_config(B, L, G, Hkv, D, P * PS, src.device)
     dev = src.device
     out = torch.empty(B, L, H, D, device=dev, dtype=out_dtype)
     cnt = _split_counters(dev, B * Hkv * mt) if merge == 2 else None
@@ -523,7 +551,7 @@ def _launch_attention(src: Tensor, stride_qt: int, B: int, L: int, H: int, k_poo
         L=L, G=G, H=H, HKV=Hkv, D=D, PS=PS, NSPLIT=nsplit, MT=mt,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_L=max(16, triton.next_power_of_2(L)),
         ROPE=rope, MERGE=merge, DYN_LOOP=not _INTERPRET,
-        MAX_IT=max(1, triton.cdiv(triton.cdiv(P * PS, nsplit), block_n)) if _INTERPRET else 1,
+        MAX_IT=max(1, triton.cdiv(triton.cdiv(P * PS, nsplit), block_n)) if _INTERPRET else 1, PREFETCH=bool(prefetch),
         num_warps=warps, num_stages=stages,
     )
     if merge == 1:
@@ -553,7 +581,7 @@ def _launch_grouped_attention(src, stride_qt, B, L, H, k_pool, v_pool, batch, po
     block_m = max(16, triton.next_power_of_2(gs * L * G))
     groups = triton.cdiv(B, gs)
     sms = _num_sms(dev.index or 0) if dev.type == "cuda" else 132
-    block_n, warps, stages, per_sm = _attention_params(attention_shape_class(L, grouped=True), D)
+    block_n, warps, stages, per_sm, _ = _attention_params(attention_shape_class(L, grouped=True), D)
     nsplit = max(1, min(32, triton.cdiv(P * PS, block_n), int(per_sm * sms) // (groups * Hkv)))
     merge = 0 if nsplit == 1 else 2
     cnt = _split_counters(dev, groups * Hkv) if merge == 2 else None

@@ -850,13 +850,13 @@ def _sample_merge_kernel(PART, LOGITS, stride_r, inv_temp, GATHER, TOK, LOGP_TOK
     key = tl.load(base + 2, mask=ok, other=float("-inf"))
     M = tl.max(m, 0)
     lse = M + tl.log(tl.sum(tot * tl.exp(m - M), 0))
-    j = tl.argmax(key, 0)
-    tok = tl.load(PART + (r * NSPLIT + j) * 5 + 3).to(tl.int64)
-    xb = tl.load(PART + (r * NSPLIT + j) * 5 + 4)
     if r % SAMPLE_EVERY == SAMPLE_EVERY - 1:  # (always, for SAMPLE_EVERY = 1)
+        j = tl.argmax(key, 0)
+        tok = tl.load(PART + (r * NSPLIT + j) * 5 + 3).to(tl.int64)
+        xb = tl.load(PART + (r * NSPLIT + j) * 5 + 4)
         tl.store(TOK + r, tok)
         tl.store(LOGP_TOK + r, xb - lse)
-    else:  # no token drawn for this row
+    else:  # no token drawn for this row (every key −inf)
         tl.store(TOK + r, -1)
         tl.store(LOGP_TOK + r, float("nan"))
     if HAS_GATHER:

@@ -14,8 +14,9 @@ its own pools (16 draft / 32 target), so L2 does not hold one layer's keys for t
 a CUDA-graph replay of one launch per layer, median of ``--repeats`` replays, divided by the layers.
 
 A configuration is [BLOCK_N, num_warps, num_stages, programs per SM, prefetch] (kernels.ATTN_CONFIGS).
-Phase 1 sweeps the grid (--block-n × --warps × --stages × --programs-per-sm, no prefetch); phase 2
-tries each class's two best with the page-id prefetch and with 3 stages. Each configuration is first
+Phase 1 sweeps the grid (--block-n × --warps × --stages × --programs-per-sm, no prefetch; the grouped
+kernel, slow to compile, --group-block-n × --group-warps); phase 2 tries each class's two best with
+the page-id prefetch and with 3 stages. Each configuration is first
 checked against the torch references (rope_kv_write_reference + reference_paged_attention) once per
 shape; one that fails to compile or mismatches is recorded and skipped. Kernels are compiled ahead in
 ``--jobs`` worker processes (into Triton's on-disk cache). The best configuration of each shape class
@@ -87,8 +88,11 @@ def shapes(smoke: bool) -> list[Shape]:
     return out
 
 
-def config_grid(args) -> list[tuple]:
-    grid = [(bn, w, st, ps, 0) for bn, w, st, ps in itertools.product(args.block_n, args.warps, args.stages,
+def config_grid(args, grouped: bool = False) -> list[tuple]:
+    """Phase 1's configurations (no prefetch), today's default first; the grouped kernel (slow to
+    compile: its blocks are unrolled per row) gets --group-block-n × --group-warps."""
+    block_n, warps = (args.group_block_n, args.group_warps) if grouped else (args.block_n, args.warps)
+    grid = [(bn, w, st, ps, 0) for bn, w, st, ps in itertools.product(block_n, warps, args.stages,
                                                                        args.programs_per_sm)]
     grid.sort(key=lambda c: c != DEFAULT)  # today's default first (always measured)
     if DEFAULT not in grid:
@@ -248,8 +252,9 @@ def precompile(grids: dict, args, deadline, device) -> None:
     """Compiles every (shape, configuration) of ``grids`` {Shape: [config]} in --jobs processes."""
     import multiprocessing as mp
 
-    jobs = [(asdict(s), grid[i :: args.split], args.max_context, shared_pages(args), deadline, device)
-            for s, grid in grids.items() for i in range(args.split) if grid[i :: args.split]]
+    order = sorted(grids, key=lambda s: (s.group == 1, s.D == 64))  # the slowest to compile first
+    jobs = [(asdict(s), grids[s][i : i + args.chunk], args.max_context, shared_pages(args), deadline, device)
+            for s in order for i in range(0, len(grids[s]), args.chunk)]
     total = sum(len(g) for g in grids.values())
     t0 = time.time()
     try:
@@ -351,18 +356,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="/tmp/attention_sweep")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU in Triton's interpreter")
-    ap.add_argument("--budget-s", type=float, default=170.0, help="no configuration is started after this")
+    ap.add_argument("--budget-s", type=float, default=180.0, help="no configuration is started after this")
     ap.add_argument("--contexts", type=int, nargs="+", default=[256, 768, 1280])
     ap.add_argument("--max-context", type=int, default=1312, help="sets the page-table width, as the engine's")
     ap.add_argument("--block-n", type=int, nargs="+", default=[32, 64, 128, 256])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--stages", type=int, nargs="+", default=[2])
     ap.add_argument("--programs-per-sm", type=float, nargs="+", default=[1.0, 2.0, 4.0])
+    ap.add_argument("--group-block-n", type=int, nargs="+", default=[32, 64, 128])
+    ap.add_argument("--group-warps", type=int, nargs="+", default=[4])
     ap.add_argument("--no-refine", action="store_true", help="skip phase 2 (prefetch, 3 stages)")
     ap.add_argument("--repeats", type=int, default=15, help="graph replays timed per measurement")
-    ap.add_argument("--jobs", type=int, default=max(0, min(12, (os.cpu_count() or 1) - 2)),
+    ap.add_argument("--jobs", type=int, default=max(0, min(15, (os.cpu_count() or 1) - 1)),
                     help="compile-ahead worker processes (0: none)")
-    ap.add_argument("--split", type=int, default=3, help="compile jobs per shape")
+    ap.add_argument("--chunk", type=int, default=2, help="configurations per compile job")
     ap.add_argument("--min-gain", type=float, default=1.02,
                     help="a class keeps today's default unless its best is this much faster")
     ap.add_argument("--tol", type=float, default=1e-2, help="relative error allowed against the reference")
@@ -373,8 +380,8 @@ def main() -> None:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
         args.contexts = [24, 56]
         args.max_context = 80
-        args.block_n = [16]
-        args.warps = [4]
+        args.block_n = args.group_block_n = [16]
+        args.warps = args.group_warps = [4]
         args.programs_per_sm = [0.05, 2.0]
         args.repeats = 1
         args.jobs = 2  # (the interpreter compiles nothing: this only runs the workers' code)
@@ -388,17 +395,19 @@ def main() -> None:
         sys.exit("attention_sweep.py needs a CUDA GPU (or --smoke for the CPU interpreter)")
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     all_shapes = shapes(args.smoke)
-    grid = config_grid(args)
+    grid, group_grid = config_grid(args), config_grid(args, grouped=True)
     res = {"device": torch.cuda.get_device_name(0) if cuda else "cpu (Triton interpreter)",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "torch": torch.__version__, "triton": triton.__version__, "args": vars(args), "env_before": saved_env,
            "page_size": 16, "page_table_width": -(-args.max_context // 16) + 1,
            "config_fields": ["block_n", "num_warps", "num_stages", "programs_per_sm", "prefetch"],
            "default": list(DEFAULT), "shapes": [asdict(s) for s in all_shapes], "configs": [list(c) for c in grid],
+           "configs_group": [list(c) for c in group_grid],
            "checks": {}, "errors": {}, "us_per_launch": [], "skipped": [], "t0": t_start}
     print(f"{res['device']}: {len(all_shapes)} shapes × {len(grid)} configs × contexts {args.contexts}", flush=True)
     times: dict = {}
-    phases = [("phase 1", {s: grid for s in all_shapes}, t_start + (1.0 if args.no_refine else 0.75) * args.budget_s)]
+    phases = [("phase 1", {s: group_grid if s.group > 1 else grid for s in all_shapes},
+               t_start + (1.0 if args.no_refine else 0.75) * args.budget_s)]
     if not args.no_refine:
         phases.append(("phase 2", None, t_start + args.budget_s))
     for name, grids, deadline in phases:
@@ -411,7 +420,7 @@ def main() -> None:
                 continue
         print(f"\n== {name}: {sum(len(g) for g in grids.values())} (shape, config) pairs", flush=True)
         if args.jobs > 0 and sum(len(g) for g in grids.values()) > len(grids):
-            precompile(grids, args, t_start + 0.5 * (deadline - t_start) if name == "phase 1" else deadline,
+            precompile(grids, args, t_start + 0.65 * (deadline - t_start) if name == "phase 1" else deadline,
                        device)
         for shape, g in grids.items():
             measure(shape, g, args, device, dtype, cuda, deadline, times, res)

@@ -313,10 +313,11 @@ def test_triton_grouped_attention_matches_reference(gs, L, D, B, per_sm, merge, 
     assert (k_out.float() - k_ref.float()).abs().max() < 2e-2 and torch.equal(v_out, v_ref)
 
 
-@pytest.mark.parametrize("cfg", [[32, 4, 2, 1], [128, 8, 2, 4], [256, 4, 2, 2], [16, 8, 3, 16], [64, 4, 2, 0.01],
-                                 [64, 4, 2, 2, 1], [32, 8, 3, 0.5, 1]])
-@pytest.mark.parametrize("L,D,B,group", [(1, 64, 8, 1), (2, 64, 64, 1), (9, 128, 8, 1), (1, 128, 1, 1),
-                                         (1, 64, 8, 8), (2, 64, 16, 8)])
+@pytest.mark.parametrize("cfg,L,D,B,group", [  # every configuration kind at the sweep's shapes (not all pairs: compiles)
+    ([32, 4, 2, 1], 1, 64, 8, 1), ([128, 8, 2, 4], 2, 64, 64, 1), ([256, 4, 2, 2], 9, 128, 8, 1),
+    ([16, 8, 3, 16], 1, 128, 1, 1), ([64, 4, 2, 0.01], 9, 128, 64, 1), ([64, 4, 2, 2, 1], 1, 64, 8, 1),
+    ([32, 8, 3, 0.5, 1], 9, 128, 8, 1), ([128, 4, 2, 4, 1], 1, 128, 8, 1), ([256, 8, 2, 1, 1], 2, 64, 8, 1),
+    ([32, 4, 2, 4], 1, 64, 8, 8), ([128, 4, 3, 1], 2, 64, 16, 8), ([64, 4, 2, 2], 1, 64, 64, 8)])
 def test_triton_attention_launch_configs_match_reference(cfg, L, D, B, group, monkeypatch):
     """The sweep's configurations (benchmarks/attention_sweep.py; SMCDECODE_ATTN_CONFIG for every
     class; with and without the page-id prefetch) at its shapes: plain and RoPE-fused attention,

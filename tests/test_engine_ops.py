@@ -394,3 +394,59 @@ def test_interpreted_paged_attention_follows_the_launch_config(monkeypatch):
     monkeypatch.setenv("SMCDECODE_ATTN_CONFIG", json.dumps({"decode": [48, 4, 2, 2]}))
     with __import__("pytest").raises(ValueError, match="power of two"):
         kernels.triton_paged_attention(q[:, :1], kp, vp, batch)
+
+
+_COMPILE_FOR_SM90 = r'''
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from smcdecode.backends.engine import kernels as K
+
+
+def build(fn, sig, consts, warps, stages):
+    sig = {**sig, **{k: "constexpr" for k in consts}}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, "num_stages": stages})
+    assert k.asm["cubin"]
+
+
+for every in (1, 9):
+    build(K._sample_split_kernel, {"LOGITS": "*bf16", "SEED": "*i64", "stride_r": "i32", "inv_temp": "fp32",
+                                   "PART": "*fp32"},
+          {"V": 128256, "CHUNK": 8192, "BLOCK": 1024, "NSPLIT": 16, "SAMPLE_EVERY": every}, 4, 2)
+    build(K._sample_merge_kernel, {"PART": "*fp32", "LOGITS": "*bf16", "stride_r": "i32", "inv_temp": "fp32",
+                                   "GATHER": "*i64", "TOK": "*i64", "LOGP_TOK": "*fp32", "LOGP_GATHER": "*fp32"},
+          {"NSPLIT": 16, "NSPLIT_P2": 16, "HAS_GATHER": True, "SAMPLE_EVERY": every}, 1, 2)
+attn = {"Q": "*bf16", "KP": "*bf16", "VP": "*bf16", "PT": "*i32", "POS": "*i64", "O": "*bf16", "OP": "*fp32",
+        "LSE": "*fp32", "CNT": "*i32", "COS": "*fp32", "SIN": "*fp32", "sm_scale": "fp32", "stride_qt": "i32",
+        "stride_pt": "i32"}
+for L, D, nsplit, block_n, warps, stages, prefetch in [(1, 64, 4, 32, 4, 2, True), (9, 128, 8, 128, 8, 3, True)]:
+    build(K._paged_attn_kernel, attn,
+          dict(L=L, G=4, H=32, HKV=8, D=D, PS=16, NSPLIT=nsplit, MT=1, BLOCK_M=max(16, min(64, triton.next_power_of_2(4 * L))),
+               BLOCK_N=block_n, BLOCK_L=16, ROPE=True, MERGE=2, DYN_LOOP=True, MAX_IT=1, PREFETCH=prefetch),
+          warps, stages)
+print("compiled")
+'''
+
+
+def test_kernels_compile_for_a_gpu_target():
+    """The kernels this CPU suite runs in the interpreter also compile for an H100/H200 (sm_90, with
+    the ptxas that ships with triton; no GPU needed): the row-skipping sampler and the attention with
+    the page-id prefetch and non-default blocks, warps and stages."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                         env.get("PYTHONPATH", "")])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    r = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
+                       timeout=600)
+    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr.lower()):
+        pytest.skip("no ptxas for the CUDA backend")
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]

@@ -420,8 +420,8 @@ def main() -> None:
                 continue
         print(f"\n== {name}: {sum(len(g) for g in grids.values())} (shape, config) pairs", flush=True)
         if args.jobs > 0 and sum(len(g) for g in grids.values()) > len(grids):
-            precompile(grids, args, t_start + 0.65 * (deadline - t_start) if name == "phase 1" else deadline,
-                       device)
+            now = time.time()  # (compiles may take phase 1's first 65 %, phase 2's first half)
+            precompile(grids, args, now + (0.65 if name == "phase 1" else 0.5) * (deadline - now), device)
         for shape, g in grids.items():
             measure(shape, g, args, device, dtype, cuda, deadline, times, res)
 

@@ -116,7 +116,8 @@ def run_variant(engine: Engine, env: dict, fn, repeats: int) -> float:
         engine.clear_graphs()
 
 
-def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: int, repeats: int) -> None:
+def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: int, repeats: int,
+                only: list[str] | None = None, skip_ar: bool = False) -> None:
     variants = [
         ("default", {}),
         ("no fused rope", {"SMCDECODE_FUSED_ROPE": "0"}),
@@ -128,11 +129,14 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
         ("no skinny norm", {"SMCDECODE_SKINNY_NORM": "0"}),
         ("host pages", {"SMCDECODE_DEVICE_PAGES": "0"}),
         ("grouped attention", {"SMCDECODE_ATTN_GROUP": "auto"}),
+        ("default attention config", {"SMCDECODE_ATTN_CONFIG": "{}"}),
     ]
+    if only:
+        variants = [v for v in variants if v[0] in only]
     rows = []
     for G, N, K, names in ((1, 8, 8, None), (8, 8, 8, ("default", "attn per_sm=2", "attn per_sm=8", "attn per_sm=16",
                                                           "no skinny", "grouped attention", "merge kernel",
-                                                          "host pages"))):
+                                                          "host pages", "default attention config"))):
         for name, env in variants:
             if names is not None and name not in names:
                 continue
@@ -149,7 +153,7 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
                 r = {"strategy": f"SMC-SD {G}x N={N} K={K}", "variant": name, "error": traceback.format_exc()[-1500:]}
             rows.append(r)
             print(r, flush=True)
-    for G in (1, 8):
+    for G in () if skip_ar else (1, 8):
         for name, env in (("default", {}), ("no skinny", {"SMCDECODE_SKINNY": "0"}),
                           ("no fused rope", {"SMCDECODE_FUSED_ROPE": "0"}), ("merge kernel", {"SMCDECODE_ATTN_MERGE": "kernel"})):
             P = prompts[:G]
@@ -251,6 +255,8 @@ def main() -> None:
     ap.add_argument("--out-len", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--sections", default="gemm,e2e,profile")
+    ap.add_argument("--only", default="", help="comma-separated e2e variant names (default: all)")
+    ap.add_argument("--skip-ar", action="store_true", help="e2e: SMC-SD variants only")
     ap.add_argument("--no-group", action="store_true", help="leave the opt-in grouped attention out of the sweep")
     args = ap.parse_args()
     out = Path(args.out)
@@ -274,7 +280,8 @@ def main() -> None:
     engine = Engine(target, draft, num_pages=num_pages, page_size=16, max_context=max_ctx)
     if "e2e" in secs:
         try:
-            e2e_section(engine, prompts, res, args.out_len, args.repeats)
+            e2e_section(engine, prompts, res, args.out_len, args.repeats,
+                        only=args.only.split(",") if args.only else None, skip_ar=args.skip_ar)
         except Exception:
             print(traceback.format_exc(), flush=True)
         (out / "variants.json").write_text(json.dumps(res, indent=1, default=str))

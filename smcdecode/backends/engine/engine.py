@@ -689,7 +689,7 @@ class Engine:
             go = ~done  # [1]
             table = pt[b["index"]]  # [B, P] the fork
             ref = torch.zeros(num_pages, dtype=torch.long, device=dev).scatter_add_(0, table.view(-1).long(), ones)
-            ref[0] = 1  # the null page (unused entries point at it) is never handed out
+            ref[:1].fill_(1)  # the null page (unused entries point at it) is never handed out
             last_col = (seq - 1) // PS  # [B] the page of position T'−1
             n_old = last_col + 1  # pages a row holds
             n_new = (seq + K + PS) // PS  # pages it needs for positions < T' + K + 1

@@ -126,8 +126,8 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
         ("attn per_sm=8", {"SMCDECODE_ATTN_PROGRAMS_PER_SM": "8"}),
         ("attn per_sm=16", {"SMCDECODE_ATTN_PROGRAMS_PER_SM": "16"}),
         ("no skinny", {"SMCDECODE_SKINNY": "0"}),
-        ("no skinny norm", {"SMCDECODE_SKINNY_NORM": "0"}),
-        ("host pages", {"SMCDECODE_DEVICE_PAGES": "0"}),
+        ("skinny norm", {"SMCDECODE_SKINNY_NORM": "1"}),
+        ("device pages", {"SMCDECODE_DEVICE_PAGES": "1"}),
         ("grouped attention", {"SMCDECODE_ATTN_GROUP": "auto"}),
         ("default attention config", {"SMCDECODE_ATTN_CONFIG": "{}"}),
     ]
@@ -136,7 +136,7 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
     rows = []
     for G, N, K, names in ((1, 8, 8, None), (8, 8, 8, ("default", "attn per_sm=2", "attn per_sm=8", "attn per_sm=16",
                                                           "no skinny", "grouped attention", "merge kernel",
-                                                          "host pages", "default attention config"))):
+                                                          "device pages", "default attention config"))):
         for name, env in variants:
             if names is not None and name not in names:
                 continue

@@ -468,7 +468,16 @@ def _split_counters(device: torch.device, n: int) -> Tensor | None:
 # 4 warps, 2 stages, SMCDECODE_ATTN_PROGRAMS_PER_SM or 2 programs per SM, no prefetch): with the
 # table empty, today's launches. Filled from a GPU sweep (benchmarks/attention_sweep.py);
 # SMCDECODE_ATTN_CONFIG (a JSON object of such entries) replaces it.
-ATTN_CONFIGS: dict[str, tuple[int, int, int, float, int]] = {}
+# From the sweep on an H200 (2026-11-21 10:30 UTC, docs/engine_results/attention_sweep_s3.json): per
+# launch 8–12 % faster than the defaults at the benchmark's shapes; end to end no measurable change
+# (SMC-SD N=8 K=8: 21.83 vs 21.82 ms a round at 1 request — with the fused norm on —, 29.93 vs 29.99 ms
+# at 8 requests; docs/benchmarks.md). The published benchmark ran with this table.
+ATTN_CONFIGS: dict[str, tuple[int, int, int, float, int]] = {
+    "decode:64": (64, 4, 3, 4.0, 1),  # the 1B draft's decode steps (prefetch of page ids on)
+    "decode:128": (128, 4, 2, 2.0, 0),  # the 8B target's autoregressive step
+    "verify:128": (64, 4, 3, 2.0, 1),  # the 8B target's (K+1)-token verify pass
+    "group": (128, 4, 3, 4.0, 0),  # the opt-in grouped kernel
+}
 
 
 def attention_shape_class(L: int, grouped: bool = False) -> str:

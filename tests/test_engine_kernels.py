@@ -26,6 +26,22 @@ def _scattered_pages(lengths: list[int], L: int, Hkv: int, D: int, PS: int = 16,
     positions = seq[:, None] - L + torch.arange(L, device=device)
     return pool_k, pool_v, positions, PagedBatch.build(positions, pt, PS)
 
+def _rope_case(B: int, L: int, H: int, Hkv: int, D: int, pool_k, pool_v, positions, batch):
+    """A fused projection qkv [B, L, (H + 2Hkv)·D], rope tables, and the reference of the RoPE-fused
+    attention on it: (qkv, cos, sin, reference output, reference K and V pools after the write)."""
+    from smcdecode.backends.engine.model import rope_kv_write_reference
+
+    freqs = torch.arange(2048, device="cuda", dtype=torch.float64)[:, None] * (
+        1.0 / 10000 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float64) / D))
+    cos, sin = freqs.cos().float(), freqs.sin().float()
+    qkv = torch.randn(B, L, (H + 2 * Hkv) * D, device="cuda", dtype=torch.bfloat16)
+    k_ref, v_ref = pool_k.clone(), pool_v.clone()
+    q_ref = rope_kv_write_reference(qkv, positions, cos, sin, k_ref, v_ref, batch.slot_pages, batch.slot_offsets,
+                                    H, Hkv)
+    ref = reference_paged_attention(q_ref.double(), k_ref.double(), v_ref.double(), batch)
+    return qkv, cos, sin, ref, k_ref, v_ref
+
+
 
 @pytest.mark.parametrize("L,H,Hkv,D,lengths", [(1, 32, 8, 128, [1, 700, 33]), (2, 32, 8, 64, [2, 65, 300]),
                                                (9, 32, 8, 128, [9, 256, 1290]), (5, 8, 8, 64, [17, 40, 5]),
@@ -57,21 +73,13 @@ def test_triton_rope_paged_attention_matches_reference(L, H, Hkv, D, lengths, me
     reference attention: the same output, the same slots written with the same keys, nothing else."""
     pytest.importorskip("triton")
     from smcdecode.backends.engine.kernels import triton_rope_paged_attention
-    from smcdecode.backends.engine.model import rope_kv_write_reference
 
     monkeypatch.setenv("SMCDECODE_ATTN_MERGE", merge)
     monkeypatch.setenv("SMCDECODE_ATTN_PROGRAMS_PER_SM", per_sm)
     torch.manual_seed(L * 10 + D)
     pool_k, pool_v, positions, batch = _scattered_pages(lengths, L, Hkv, D)
     B = len(lengths)
-    freqs = torch.arange(2048, device="cuda", dtype=torch.float64)[:, None] * (
-        1.0 / 10000 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float64) / D))
-    cos, sin = freqs.cos().float(), freqs.sin().float()
-    qkv = torch.randn(B, L, (H + 2 * Hkv) * D, device="cuda", dtype=torch.bfloat16)
-    k_ref, v_ref = pool_k.clone(), pool_v.clone()
-    q_ref = rope_kv_write_reference(qkv, positions, cos, sin, k_ref, v_ref, batch.slot_pages, batch.slot_offsets,
-                                    H, Hkv)
-    ref = reference_paged_attention(q_ref.double(), k_ref.double(), v_ref.double(), batch)
+    qkv, cos, sin, ref, k_ref, v_ref = _rope_case(B, L, H, Hkv, D, pool_k, pool_v, positions, batch)
     for _ in range(2):
         k_out, v_out = pool_k.clone(), pool_v.clone()
         out = triton_rope_paged_attention(qkv, cos, sin, k_out, v_out, batch, H)
@@ -276,7 +284,6 @@ def test_triton_grouped_attention_matches_reference(gs, L, D, B, per_sm, merge, 
     lengths): plain and RoPE-fused attention against the references."""
     pytest.importorskip("triton")
     from smcdecode.backends.engine.kernels import triton_paged_attention, triton_rope_paged_attention
-    from smcdecode.backends.engine.model import rope_kv_write_reference
 
     monkeypatch.setenv("SMCDECODE_ATTN_GROUP", str(gs))
     monkeypatch.setenv("SMCDECODE_ATTN_PROGRAMS_PER_SM", per_sm)
@@ -299,14 +306,7 @@ def test_triton_grouped_attention_matches_reference(gs, L, D, B, per_sm, merge, 
     ref = reference_paged_attention(q.double(), pool_k.double(), pool_v.double(), batch)
     out = triton_paged_attention(q, pool_k, pool_v, batch)
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
-    freqs = torch.arange(2048, device="cuda", dtype=torch.float64)[:, None] * (
-        1.0 / 10000 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float64) / D))
-    cos, sin = freqs.cos().float(), freqs.sin().float()
-    qkv = torch.randn(B, L, (H + 2 * Hkv) * D, device="cuda", dtype=torch.bfloat16)
-    k_ref, v_ref = pool_k.clone(), pool_v.clone()
-    q_ref = rope_kv_write_reference(qkv, positions, cos, sin, k_ref, v_ref, batch.slot_pages, batch.slot_offsets,
-                                    H, Hkv)
-    ref = reference_paged_attention(q_ref.double(), k_ref.double(), v_ref.double(), batch)
+    qkv, cos, sin, ref, k_ref, v_ref = _rope_case(B, L, H, Hkv, D, pool_k, pool_v, positions, batch)
     k_out, v_out = pool_k.clone(), pool_v.clone()
     out = triton_rope_paged_attention(qkv, cos, sin, k_out, v_out, batch, H)
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
@@ -329,7 +329,6 @@ def test_triton_attention_launch_configs_match_reference(cfg, L, D, B, group, mo
     from triton.runtime.errors import OutOfResources
 
     from smcdecode.backends.engine.kernels import _split_counters, triton_paged_attention, triton_rope_paged_attention
-    from smcdecode.backends.engine.model import rope_kv_write_reference
 
     monkeypatch.setenv("SMCDECODE_ATTN_CONFIG", json.dumps({c: cfg for c in ("decode", "verify", "group")}))
     monkeypatch.setenv("SMCDECODE_ATTN_GROUP", str(group))
@@ -347,14 +346,7 @@ def test_triton_attention_launch_configs_match_reference(cfg, L, D, B, group, mo
     except OutOfResources as e:  # (a block too large for this GPU's shared memory: the sweep skips it too)
         pytest.skip(f"{cfg} at D={D}: {e}")
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
-    freqs = torch.arange(2048, device="cuda", dtype=torch.float64)[:, None] * (
-        1.0 / 10000 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float64) / D))
-    cos, sin = freqs.cos().float(), freqs.sin().float()
-    qkv = torch.randn(B, L, (H + 2 * Hkv) * D, device="cuda", dtype=torch.bfloat16)
-    k_ref, v_ref = pool_k.clone(), pool_v.clone()
-    q_ref = rope_kv_write_reference(qkv, positions, cos, sin, k_ref, v_ref, batch.slot_pages, batch.slot_offsets,
-                                    H, Hkv)
-    ref = reference_paged_attention(q_ref.double(), k_ref.double(), v_ref.double(), batch)
+    qkv, cos, sin, ref, k_ref, v_ref = _rope_case(B, L, H, Hkv, D, pool_k, pool_v, positions, batch)
     for _ in range(2):  # repeated launches: the split counters are reset by each launch
         k_out, v_out = pool_k.clone(), pool_v.clone()
         try:

@@ -19,9 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 V, EOS = 8, 5  # token 5: frequent under this random target, so EOS ends many particles early
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.xfail(
-    reason="on the H200 (session 3) 6 of these 7 CUDA cases differed from the host bookkeeping after "
-           "some rounds (tokens, log Z): open, see docs/engine.md; the device path is opt-in", strict=False)])]
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 
 _MODELS: dict = {}
 
@@ -84,8 +82,10 @@ def _assert_same(a, b) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_device_pages_give_the_host_bookkeepings_outputs(case, device, monkeypatch):
     """Same seed, same tokens, lengths, weights, evidence, ESS, resampling flags and peak pages, on
-    the smallest pool the device path accepts (so pages are freed and handed out again); on CUDA
-    both run as captured graphs."""
+    the smallest pool the device path accepts (so pages are freed and handed out again). On CUDA
+    both run eagerly: under CUDA graphs the two differed on an H200 (session 3) and the engine now
+    refuses that combination; eagerly they agreed there in tokens and log Z, bit for bit, in all six
+    cases (benchmarks/device_pages_diag.py; this test's full comparison has not run on a GPU yet)."""
     prompts, N, K, n, eos, tau, PS = CASES[case]
     handed_out = [0]
     alloc = PageTable._alloc
@@ -95,8 +95,9 @@ def test_device_pages_give_the_host_bookkeepings_outputs(case, device, monkeypat
         return alloc(self, k)
 
     monkeypatch.setattr(PageTable, "_alloc", counting_alloc)
-    host, engine = _run(device, prompts, N, K, n, eos, tau, PS, device_pages=False)
-    dev, _ = _run(device, prompts, N, K, n, eos, tau, PS, device_pages=True)
+    eager = dict(use_graphs=False) if device == "cuda" else {}
+    host, engine = _run(device, prompts, N, K, n, eos, tau, PS, device_pages=False, **eager)
+    dev, _ = _run(device, prompts, N, K, n, eos, tau, PS, device_pages=True, **eager)
     _assert_same(host, dev)
     assert any(r.any() for r in host.resampled)  # particles were forked
     assert handed_out[0] > engine.num_pages - 1  # more pages handed out than the pool holds: reuse
@@ -107,14 +108,13 @@ def test_device_pages_give_the_host_bookkeepings_outputs(case, device, monkeypat
         assert (host.lengths.cpu() == n).all() and n % (K + 1) != 0  # the budget ends inside a block
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", ["cpu"])  # (CUDA graphs with device pages are refused: see above)
 def test_device_pages_with_cached_graphs_match_the_host_bookkeeping(device, monkeypatch):
     """The graph path: captured once (the capture's warm-up round moves the page table on: it must
     be restored), replayed by a second call from the cache; rounds run one past the last (the
     no-op round the host launches before it reads the "all finished" flag) and change nothing.
     On the CPU the capture is stood in by a warm-up call of the round plus the eager round."""
-    if device == "cpu":
-        monkeypatch.setattr(Engine, "_capture", lambda self, fn, use_graphs: (fn(), fn)[1])
+    monkeypatch.setattr(Engine, "_capture", lambda self, fn, use_graphs: (fn(), fn)[1])
     steps = [0]
     capture = Engine._capture
 
@@ -296,3 +296,15 @@ def test_rule_for_the_device_bookkeeping(monkeypatch):
         Engine(target, draft, num_pages=first - 1, page_size=PS).smc_sd(prompts, **kw)
     Engine(target, draft, num_pages=worst, page_size=PS).smc_sd(prompts, device_pages=False, **kw)
     assert not used
+
+
+def test_device_pages_under_cuda_graphs_is_refused():
+    """The device bookkeeping disagrees with the host's under CUDA graphs on an H200 (docs/engine.md):
+    asking for both is a clear error, not a silent difference. (A CPU engine that reports a CUDA
+    device: the check comes before any CUDA work.)"""
+    target, draft = _models("cpu")
+    prompts, N, K, n, PS = [[1, 2, 3, 4, 5]], 2, 2, 4, 4
+    engine = Engine(target, draft, num_pages=10_000, page_size=PS)
+    engine.device = torch.device("cuda")
+    with pytest.raises(SMCDecodeError, match="use_graphs=False with device_pages=True"):
+        engine.smc_sd(prompts, particles=N, block_size=K, max_new_tokens=n, device_pages=True)

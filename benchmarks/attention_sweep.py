@@ -244,7 +244,9 @@ def _compile_worker(job):
                 torch.cuda.synchronize()
             done += 1
         except Exception:  # noqa: BLE001
-            pass
+            # NOTE: this worker only warms Triton's on-disk cache; a configuration that fails here is
+            # tried again in the main process, which records its error in the JSON and skips it
+            continue
     return done
 
 

@@ -94,6 +94,14 @@ def _interpreted_kernels():
     return kernels
 
 
+def _rope_tables(H: int, Hkv: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos/sin tables [64, D/2] of a small config (theta 100: fast rotations)."""
+    cfg = LlamaConfig(vocab_size=10, dim=H * D, n_layers=1, n_heads=H, n_kv_heads=Hkv, intermediate_size=8,
+                      rope_theta=100.0)
+    freqs = torch.arange(64, dtype=torch.float64)[:, None] * rope_inv_freq(cfg).double()
+    return freqs.cos().float(), freqs.sin().float()
+
+
 def _paged_case(seed, B, L, H, Hkv, D, PS, P, lengths, dtype=torch.float32):
     from smcdecode.backends.engine.attention import PagedBatch
 
@@ -129,10 +137,7 @@ def test_interpreted_rope_paged_attention_matches_rope_write_then_attention(monk
     from smcdecode.backends.engine.attention import reference_paged_attention
 
     H, Hkv, D, PS = 8, 2, 32, 4
-    cfg = LlamaConfig(vocab_size=10, dim=H * D, n_layers=1, n_heads=H, n_kv_heads=Hkv, intermediate_size=8,
-                      rope_theta=100.0)
-    freqs = torch.arange(64, dtype=torch.float64)[:, None] * rope_inv_freq(cfg).double()
-    cos, sin = freqs.cos().float(), freqs.sin().float()
+    cos, sin = _rope_tables(H, Hkv, D)
     for L, lengths, per_sm in [(1, [1, 9, 40], "4"), (2, [2, 18, 33], "2"), (9, [9, 26, 40], "1")]:
         (kp, vp), pt, batch, g = _paged_case(10 + L, len(lengths), L, H, Hkv, D, PS, 10, lengths)
         qkv = torch.randn(len(lengths), L, (H + 2 * Hkv) * D, generator=g)
@@ -267,10 +272,7 @@ def test_interpreted_grouped_attention_matches_reference(monkeypatch):
     from smcdecode.backends.engine.attention import reference_paged_attention
 
     H, Hkv, D, PS = 4, 2, 32, 4
-    cfg = LlamaConfig(vocab_size=10, dim=H * D, n_layers=1, n_heads=H, n_kv_heads=Hkv, intermediate_size=8,
-                      rope_theta=100.0)
-    freqs = torch.arange(64, dtype=torch.float64)[:, None] * rope_inv_freq(cfg).double()
-    cos, sin = freqs.cos().float(), freqs.sin().float()
+    cos, sin = _rope_tables(H, Hkv, D)
     cases = [(4, 1, [30, 30, 30, 30, 29], "1", "fused", 16), (2, 2, [20, 27, 9], "0.01", "fused", 64),
              (4, 1, [33, 12, 33, 40], "1", "kernel", 16), (8, 1, [25] * 3, "2", "fused", 16),
              (4, 2, [41, 41, 41, 41], "0.01", "fused", 16)]
@@ -421,11 +423,16 @@ for every in (1, 9):
 attn = {"Q": "*bf16", "KP": "*bf16", "VP": "*bf16", "PT": "*i32", "POS": "*i64", "O": "*bf16", "OP": "*fp32",
         "LSE": "*fp32", "CNT": "*i32", "COS": "*fp32", "SIN": "*fp32", "sm_scale": "fp32", "stride_qt": "i32",
         "stride_pt": "i32"}
-for L, D, nsplit, block_n, warps, stages, prefetch in [(1, 64, 4, 32, 4, 2, True), (9, 128, 8, 128, 8, 3, True)]:
+for L, D, nsplit, block_n, warps, stages, prefetch in [(1, 64, 4, 32, 4, 2, True), (9, 128, 8, 128, 8, 3, True),
+                                                      (1, 128, 1, 64, 4, 2, False)]:
     build(K._paged_attn_kernel, attn,
           dict(L=L, G=4, H=32, HKV=8, D=D, PS=16, NSPLIT=nsplit, MT=1, BLOCK_M=max(16, min(64, triton.next_power_of_2(4 * L))),
-               BLOCK_N=block_n, BLOCK_L=16, ROPE=True, MERGE=2, DYN_LOOP=True, MAX_IT=1, PREFETCH=prefetch),
+               BLOCK_N=block_n, BLOCK_L=16, ROPE=True, MERGE=2 if nsplit > 1 else 0, DYN_LOOP=True, MAX_IT=1,
+               PREFETCH=prefetch),
           warps, stages)
+build(K._paged_attn_grouped_kernel, {**attn, "B": "i32"},
+      dict(L=1, G=4, H=32, HKV=8, D=64, PS=16, NSPLIT=4, MT=1, GS=8, GS_P2=8, BLOCK_M=32, BLOCK_N=64, BLOCK_L=16,
+           ROPE=True, MERGE=2, DYN_LOOP=True, MAX_IT=1), 4, 2)
 print("compiled")
 '''
 

@@ -76,6 +76,47 @@ def _attend_cached(q, q1, q2, KP, VP, page, kvh, n0, end, qpos, sm_scale, m_i, l
 
 
 @triton.jit
+def _store_or_merge(out, m_i, l_i, O, OP, LSE, CNT, o_rows, m, m_valid, tile, mt, sid, D: tl.constexpr,  # noqa: E741
+                    NSPLIT: tl.constexpr, BLOCK_M: tl.constexpr, MERGE: tl.constexpr):
+    """The end of an attention program (both paged kernels): its normalised tile ``out`` [BLOCK_M, D]
+    (rows ``o_rows`` of O) with online-softmax state (m_i, l_i). MERGE 0: one split, store it. Else
+    store the partial (o, lse) of split ``sid``; MERGE 2: the last split of ``tile`` to finish (an
+    atomic counter, reset by it) merges every split's partials into O."""
+    d = tl.arange(0, D)
+    if MERGE == 0:
+        tl.store(O + o_rows[:, None] + d[None, :], out.to(O.dtype.element_ty), mask=m_valid[:, None])
+    else:
+        lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        base = (tile * NSPLIT + sid) * BLOCK_M
+        tl.store(OP + (base + m - mt * BLOCK_M)[:, None] * D + d[None, :], out)
+        tl.store(LSE + base + m - mt * BLOCK_M, lse)
+        if MERGE == 2:
+            tl.debug_barrier()  # every thread's partials are stored before the release below
+            done = tl.atomic_add(CNT + tile, 1, sem="acq_rel")
+            if done == NSPLIT - 1:  # the last split of this tile: merge all of them
+                r = tl.arange(0, BLOCK_M)
+                r_ok = m_valid
+                mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                tot = tl.zeros([BLOCK_M], tl.float32)
+                res = tl.zeros([BLOCK_M, D], tl.float32)
+                for sp in tl.static_range(NSPLIT):  # online: rescale when the running max grows
+                    ls = tl.load(LSE + (tile * NSPLIT + sp) * BLOCK_M + r, mask=r_ok, other=float("-inf"),
+                                 cache_modifier=".cg")
+                    o_s = tl.load(OP + ((tile * NSPLIT + sp) * BLOCK_M + r)[:, None] * D + d[None, :],
+                                  mask=r_ok[:, None], other=0.0, cache_modifier=".cg")
+                    mx_new = tl.maximum(mx, ls)
+                    mx_safe = tl.where(mx_new == float("-inf"), 0.0, mx_new)
+                    a = tl.exp(mx - mx_safe)
+                    w = tl.exp(ls - mx_safe)
+                    tot = tot * a + w
+                    res = res * a[:, None] + o_s * w[:, None]
+                    mx = mx_new
+                res = res / tl.where(tot > 0, tot, 1.0)[:, None]
+                tl.store(O + o_rows[:, None] + d[None, :], res.to(O.dtype.element_ty), mask=m_valid[:, None])
+                tl.store(CNT + tile, 0)  # ready for the next launch (every split of this tile has counted)
+
+
+@triton.jit
 def _paged_attn_kernel(
     Q, KP, VP, PT, POS, O, OP, LSE, CNT, COS, SIN,  # noqa: E741
     sm_scale, stride_qt, stride_pt,
@@ -196,38 +237,8 @@ def _paged_attn_kernel(
                 page = page_next
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = ((b * L + l_idx) * H + kvh * G + g_idx) * D
-    if MERGE == 0:
-        tl.store(O + o_rows[:, None] + d[None, :], out.to(O.dtype.element_ty), mask=m_valid[:, None])
-    else:
-        lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tile = pid * MT + mt
-        base = (tile * NSPLIT + sid) * BLOCK_M
-        tl.store(OP + (base + m - mt * BLOCK_M)[:, None] * D + d[None, :], out)
-        tl.store(LSE + base + m - mt * BLOCK_M, lse)
-        if MERGE == 2:
-            tl.debug_barrier()  # every thread's partials are stored before the release below
-            done = tl.atomic_add(CNT + tile, 1, sem="acq_rel")
-            if done == NSPLIT - 1:  # the last split of this tile: merge all of them
-                r = tl.arange(0, BLOCK_M)
-                r_ok = m_valid
-                mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                tot = tl.zeros([BLOCK_M], tl.float32)
-                res = tl.zeros([BLOCK_M, D], tl.float32)
-                for sp in tl.static_range(NSPLIT):  # online: rescale when the running max grows
-                    ls = tl.load(LSE + (tile * NSPLIT + sp) * BLOCK_M + r, mask=r_ok, other=float("-inf"),
-                                 cache_modifier=".cg")
-                    o_s = tl.load(OP + ((tile * NSPLIT + sp) * BLOCK_M + r)[:, None] * D + d[None, :],
-                                  mask=r_ok[:, None], other=0.0, cache_modifier=".cg")
-                    mx_new = tl.maximum(mx, ls)
-                    mx_safe = tl.where(mx_new == float("-inf"), 0.0, mx_new)
-                    a = tl.exp(mx - mx_safe)
-                    w = tl.exp(ls - mx_safe)
-                    tot = tot * a + w
-                    res = res * a[:, None] + o_s * w[:, None]
-                    mx = mx_new
-                res = res / tl.where(tot > 0, tot, 1.0)[:, None]
-                tl.store(O + o_rows[:, None] + d[None, :], res.to(O.dtype.element_ty), mask=m_valid[:, None])
-                tl.store(CNT + tile, 0)  # ready for the next launch (every split of this tile has counted)
+    _store_or_merge(out, m_i, l_i, O, OP, LSE, CNT, o_rows, m, m_valid, pid * MT + mt, mt, sid, D, NSPLIT, BLOCK_M,
+                    MERGE)
 
 
 @triton.jit
@@ -404,38 +415,8 @@ def _paged_attn_grouped_kernel(
                                            GS, GS_P2)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = ((b * L + l_idx) * H + kvh * G + g_idx) * D
-    if MERGE == 0:
-        tl.store(O + o_rows[:, None] + d[None, :], out.to(O.dtype.element_ty), mask=m_valid[:, None])
-    else:
-        lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tile = pid * MT + mt
-        base = (tile * NSPLIT + sid) * BLOCK_M
-        tl.store(OP + (base + m - mt * BLOCK_M)[:, None] * D + d[None, :], out)
-        tl.store(LSE + base + m - mt * BLOCK_M, lse)
-        if MERGE == 2:
-            tl.debug_barrier()  # every thread's partials are stored before the release below
-            done = tl.atomic_add(CNT + tile, 1, sem="acq_rel")
-            if done == NSPLIT - 1:  # the last split of this tile: merge all of them
-                r = tl.arange(0, BLOCK_M)
-                r_ok = m_valid
-                mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                tot = tl.zeros([BLOCK_M], tl.float32)
-                res = tl.zeros([BLOCK_M, D], tl.float32)
-                for sp in tl.static_range(NSPLIT):  # online: rescale when the running max grows
-                    ls = tl.load(LSE + (tile * NSPLIT + sp) * BLOCK_M + r, mask=r_ok, other=float("-inf"),
-                                 cache_modifier=".cg")
-                    o_s = tl.load(OP + ((tile * NSPLIT + sp) * BLOCK_M + r)[:, None] * D + d[None, :],
-                                  mask=r_ok[:, None], other=0.0, cache_modifier=".cg")
-                    mx_new = tl.maximum(mx, ls)
-                    mx_safe = tl.where(mx_new == float("-inf"), 0.0, mx_new)
-                    a = tl.exp(mx - mx_safe)
-                    w = tl.exp(ls - mx_safe)
-                    tot = tot * a + w
-                    res = res * a[:, None] + o_s * w[:, None]
-                    mx = mx_new
-                res = res / tl.where(tot > 0, tot, 1.0)[:, None]
-                tl.store(O + o_rows[:, None] + d[None, :], res.to(O.dtype.element_ty), mask=m_valid[:, None])
-                tl.store(CNT + tile, 0)  # ready for the next launch (every split of this tile has counted)
+    _store_or_merge(out, m_i, l_i, O, OP, LSE, CNT, o_rows, m, m_valid, pid * MT + mt, mt, sid, D, NSPLIT, BLOCK_M,
+                    MERGE)
 
 
 @functools.cache

@@ -126,7 +126,6 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
         ("attn per_sm=8", {"SMCDECODE_ATTN_PROGRAMS_PER_SM": "8"}),
         ("attn per_sm=16", {"SMCDECODE_ATTN_PROGRAMS_PER_SM": "16"}),
         ("no skinny", {"SMCDECODE_SKINNY": "0"}),
-        ("skinny norm", {"SMCDECODE_SKINNY_NORM": "1"}),
         ("device pages", {"SMCDECODE_DEVICE_PAGES": "1"}),
         ("grouped attention", {"SMCDECODE_ATTN_GROUP": "auto"}),
         ("default attention config", {"SMCDECODE_ATTN_CONFIG": "{}"}),

@@ -194,28 +194,6 @@ def test_interpreted_skinny_linear_matches_torch():
                                    rtol=1e-4, atol=1e-4)
 
 
-def test_interpreted_skinny_norm_linear_matches_add_norm_then_product():
-    """The add + RMSNorm fused into the skinny product = add_rms_norm_reference then the product
-    (and SiLU·mul), with and without the pending branch output, several block shapes and a K that
-    is not a multiple of BLOCK_K; h (the residual stream) is returned as the norm kernel returns it."""
-    kernels = _interpreted_kernels()
-    from smcdecode.backends.engine.model import add_rms_norm_reference, silu_mul
-
-    g = torch.Generator().manual_seed(6)
-    for M, N, K, cfg in [(3, 40, 48, (16, 16, 16, 4, 2)), (17, 16, 64, (16, 16, 32, 4, 2)), (8, 24, 40, None)]:
-        x, d = torch.randn(M, K, generator=g), torch.randn(M, K, generator=g)
-        nw = torch.rand(K, generator=g) + 0.5
-        w, w2 = torch.randn(N, K, generator=g), torch.randn(2 * N, K, generator=g)
-        for delta in (d, None):
-            h_ref, n_ref = add_rms_norm_reference(x, delta, nw, 1e-5)
-            h, y = kernels.triton_skinny_norm_linear(x, delta, nw, 1e-5, w, config=cfg)
-            torch.testing.assert_close(h, h_ref)
-            torch.testing.assert_close(y, n_ref @ w.T, rtol=1e-4, atol=1e-4)
-            h, y = kernels.triton_skinny_norm_linear(x[None], delta, nw, 1e-5, w2, silu=True, config=cfg)
-            torch.testing.assert_close(h, h_ref[None])
-            torch.testing.assert_close(y, silu_mul(n_ref @ w2.T)[None], rtol=1e-4, atol=1e-4)
-
-
 @torch.no_grad()
 def test_interpreted_model_forward_matches_reference_path(monkeypatch):
     """The Llama forward with every Triton path forced (fused RoPE + KV write + attention for short
@@ -233,7 +211,7 @@ def test_interpreted_model_forward_matches_reference_path(monkeypatch):
 
     def run(force: bool):
         monkeypatch.setattr(M, "_use_triton", lambda x: force)
-        monkeypatch.setattr(M, "_use_skinny", lambda x, w, silu=False, norm=False: force)
+        monkeypatch.setattr(M, "_use_skinny", lambda x, w, silu=False: force)
         monkeypatch.setattr(A, "_backend", lambda q, b: "triton" if force else "torch")
         torch.manual_seed(1)
         PS = 4

@@ -451,7 +451,7 @@ def _split_counters(device: torch.device, n: int) -> Tensor | None:
 # SMCDECODE_ATTN_CONFIG (a JSON object of such entries) replaces it.
 # From the sweep on an H200 (2026-11-21 10:30 UTC, docs/engine_results/attention_sweep_s3.json): per
 # launch 8–12 % faster than the defaults at the benchmark's shapes; end to end no measurable change
-# (SMC-SD N=8 K=8: 21.83 vs 21.82 ms a round at 1 request — with the fused norm on —, 29.93 vs 29.99 ms
+# (SMC-SD N=8 K=8: 21.83 vs 21.82 ms a round at 1 request — with a since-removed fused norm on —, 29.93 vs 29.99 ms
 # at 8 requests; docs/benchmarks.md). The published benchmark ran with this table.
 ATTN_CONFIGS: dict[str, tuple[int, int, int, float, int]] = {
     "decode:64": (64, 4, 3, 4.0, 1),  # the 1B draft's decode steps (prefetch of page ids on)
@@ -895,18 +895,11 @@ def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, ga
 
 
 @triton.jit
-def _skinny_linear_kernel(X, W, Y, M, stride_xm, DELTA, stride_dm, NW, H_OUT, eps, N: tl.constexpr, K: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
-                          NORM: tl.constexpr, HAS_DELTA: tl.constexpr):
+def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr):
     """Y[M, N] = X[M, K] · W[N, K]ᵀ, one program per BLOCK_N output columns × BLOCK_M rows, streaming
     its W rows once. SILU: W is [2N, K] = [gate; up] and Y = silu(X·gateᵀ) · (X·upᵀ), rounded as the
-    unfused path rounds (the product to Y's dtype, silu to Y's dtype, then the product).
-
-    NORM: the input is rms_norm(h)·NW with h = X + DELTA (HAS_DELTA; else h = X), in the same pass:
-    Σ h² accumulates while the K chunks stream by and the row's 1/rms scales the fp32 product at the
-    end — norm(h)·NW·Wᵀ = rstd · ((h·NW)·Wᵀ), with h·NW rounded to the input dtype for the dot (the
-    unfused path rounds h·rstd, then ·NW, instead: the two differ by input-dtype rounding). The
-    programs with pid_n == 0 write h to H_OUT (the residual stream, as the add + RMSNorm kernel does)."""
+    unfused path rounds (the product to Y's dtype, silu to Y's dtype, then the product)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -916,30 +909,15 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, DELTA, stride_dm, NW, H_OUT, ep
     n_ok = rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    ss = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + rk) < K
-        xm = m_ok[:, None] & k_ok[None, :]
-        x = tl.load(X + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=xm, other=0.0)
-        if NORM:
-            if HAS_DELTA:
-                x = x + tl.load(DELTA + rm[:, None] * stride_dm + (k0 + rk)[None, :], mask=xm, other=0.0)
-                if pid_n == 0:
-                    tl.store(H_OUT + rm[:, None] * K + (k0 + rk)[None, :], x, mask=xm)
-            xf = x.to(tl.float32)
-            ss += tl.sum(xf * xf, 1)
-            nw = tl.load(NW + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
-            x = (xf * nw[None, :]).to(W.dtype.element_ty)
+        x = tl.load(X + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(W + rn[:, None] * K + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w))
         if SILU:
             wu = tl.load(W + (N + rn)[:, None] * K + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :],
                          other=0.0)
             acc_u += tl.dot(x, tl.trans(wu))
-    if NORM:
-        rstd = 1.0 / tl.sqrt(ss / K + eps)
-        acc = acc * rstd[:, None]
-        acc_u = acc_u * rstd[:, None]
     if SILU:
         g = acc.to(Y.dtype.element_ty).to(tl.float32)
         u = acc_u.to(Y.dtype.element_ty).to(tl.float32)
@@ -948,16 +926,13 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, DELTA, stride_dm, NW, H_OUT, ep
     tl.store(Y + rm[:, None] * N + rn[None, :], acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def skinny_config(M: int, N: int, K: int, device: torch.device, silu: bool = False, norm: bool = False
+def skinny_config(M: int, N: int, K: int, device: torch.device, silu: bool = False
                   ) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). The fixed choices are the fastest of a
     sweep on an H200 (benchmarks/engine_variants.py, 16 Llama-3.2-1B layers at 8 rows: w13 + SiLU·mul
     BLOCK_N 32 × BLOCK_K 128; the square wo BLOCK_N 16 × BLOCK_K 256; the head BLOCK_N 64 × BLOCK_K
-    128; wqkv, BLOCK_N 32 × BLOCK_K 256, used with the norm fused); otherwise enough programs to
-    cover the SMs about twice."""
+    128); otherwise enough programs to cover the SMs about twice."""
     block_m = max(16, min(64, triton.next_power_of_2(M)))
-    if norm and not silu and N != K and N < 16 * K:
-        return block_m, 32, 256, 4, 4
     if silu:
         return block_m, 32, 128, 4, 4
     if N == K:
@@ -972,19 +947,14 @@ def skinny_config(M: int, N: int, K: int, device: torch.device, silu: bool = Fal
     return block_m, block_n, block_k, 4, 4
 
 
-def skinny_wins(M: int, N: int, K: int, nbytes: int, silu: bool, norm: bool = False) -> bool:
+def skinny_wins(M: int, N: int, K: int, nbytes: int, silu: bool) -> bool:
     """Where the skinny product beat cuBLAS (+ the SiLU·mul kernel) in that sweep (H200, random data,
     every layer's own weights): at most 16 rows, and w13 + SiLU·mul up to 100 MB of weights (1B:
     290 vs 315 µs for 16 layers; the 8B's 235 MB w13 stays on cuBLAS), square products (wo: 1B
     96.5 vs 99.1 µs, 8B 407 vs 418 µs) and vocabulary heads (1B 123 vs 126 µs, 8B 233 vs 240 µs).
-    wqkv and w2 stay on cuBLAS (equal or slower here) — except where the add + RMSNorm before the
-    product fuses into the skinny kernel (``norm``): then a launch a layer goes, and the draft's wqkv
-    (best skinny shape 109 µs vs cuBLAS 111 µs for 16 layers) runs skinny too, up to 20 MB of
-    weights (the 8B's 50 MB wqkv at one row was 553 vs 499 µs: it stays on cuBLAS)."""
+    wqkv and w2 stay on cuBLAS (equal or slower here)."""
     if M > 16:
         return False
-    if norm and not silu and N != K and N < 16 * K:
-        return nbytes <= 20e6
     if silu:
         return nbytes <= 100e6
     return N == K or N >= 16 * K
@@ -1004,34 +974,6 @@ def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=N
     bm, bn, bk, warps, stages = config or skinny_config(M, N, K, x.device, silu)
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     _skinny_linear_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
-        x2, weight, y, M, x2.stride(0), x2, 0, x2, y, 0.0, N=N, K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        SILU=silu, NORM=False, HAS_DELTA=False, num_warps=warps, num_stages=stages)
+        x2, weight, y, M, x2.stride(0), N=N, K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SILU=silu,
+        num_warps=warps, num_stages=stages)
     return y.view(*x.shape[:-1], N)
-
-
-def triton_skinny_norm_linear(x: Tensor, delta: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor,
-                              silu: bool = False, config=None) -> tuple[Tensor, Tensor]:
-    """(h, y): h = x + delta (x when delta is None) and y = rms_norm(h)·norm_weight · weightᵀ (with
-    ``silu``, silu·mul of the [gate; up] product), the add + RMSNorm fused into the skinny product
-    (one launch instead of two). x, delta [..., K] with unit stride in K. Reference:
-    model.add_rms_norm_reference, then torch's linear (and model.silu_mul); the rounding differs by
-    the input dtype's (see ``_skinny_linear_kernel``)."""
-    K = x.shape[-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    M = x2.shape[0]
-    d2 = x2
-    if delta is not None:
-        d2 = delta.reshape(-1, K)
-        if d2.stride(-1) != 1:
-            d2 = d2.contiguous()
-    N = weight.shape[0] // 2 if silu else weight.shape[0]
-    bm, bn, bk, warps, stages = config or skinny_config(M, N, K, x.device, silu, norm=True)
-    h = torch.empty(M, K, device=x.device, dtype=x.dtype) if delta is not None else x2
-    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    _skinny_linear_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
-        x2, weight, y, M, x2.stride(0), d2, d2.stride(0), norm_weight, h, eps, N=N, K=K, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, SILU=silu, NORM=True, HAS_DELTA=delta is not None, num_warps=warps, num_stages=stages)
-    return (h.view(x.shape) if delta is not None else x), y.view(*x.shape[:-1], N)
-

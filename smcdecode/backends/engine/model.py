@@ -206,25 +206,19 @@ def fused_silu_mul(gate_up: Tensor) -> Tensor:
     return silu_mul(gate_up)
 
 
-def _use_skinny(x: Tensor, weight: Tensor, silu: bool = False, norm: bool = False) -> bool:
+def _use_skinny(x: Tensor, weight: Tensor, silu: bool = False) -> bool:
     """The Triton skinny product (kernels.triton_skinny_linear) where it measured faster than cuBLAS
-    (kernels.skinny_wins: few rows, some shapes); SMCDECODE_SKINNY=0 disables it. ``norm``: with the
-    add + RMSNorm before it fused in — opt-in (SMCDECODE_SKINNY_NORM=1): on the H200 it made the SMC-SD
-    round (1 request, N=8 K=8) 43 % slower, 21.8 vs 15.3 ms (docs/benchmarks.md), though one launch
-    a norm fewer; the kernel is correct (GPU and interpreter tests) and kept for that measurement."""
+    (kernels.skinny_wins: few rows, some shapes); SMCDECODE_SKINNY=0 disables it."""
     import os
 
     if not _use_triton(x) or x.dtype != weight.dtype or weight.dtype not in (torch.bfloat16, torch.float16):
         return False  # (float32 stays on cuBLAS: tl.dot would round its inputs to tf32)
     if os.environ.get("SMCDECODE_SKINNY", "1") == "0":
         return False
-    if norm and os.environ.get("SMCDECODE_SKINNY_NORM", "0") != "1":
-        return False
     from .kernels import skinny_wins
 
     N, K = weight.shape
-    return skinny_wins(x.numel() // K, N // 2 if silu else N, K, weight.numel() * weight.element_size(), silu,
-                       norm)
+    return skinny_wins(x.numel() // K, N // 2 if silu else N, K, weight.numel() * weight.element_size(), silu)
 
 
 def linear(x: Tensor, layer: nn.Linear) -> Tensor:
@@ -242,19 +236,6 @@ def linear_silu_mul(x: Tensor, layer: nn.Linear) -> Tensor:
 
         return triton_skinny_linear(x, layer.weight, silu=True)
     return fused_silu_mul(layer(x))
-
-
-def norm_linear(x: Tensor, delta: Tensor | None, norm: RMSNorm, layer: nn.Linear, silu: bool = False
-                ) -> tuple[Tensor, Tensor]:
-    """(h, y) with h = x + delta and y = layer(norm(h)) (silu·mul of it with ``silu``): one skinny
-    launch with the add + RMSNorm fused in where that pays (few rows: the draft's decode steps),
-    else add + RMSNorm, then the product."""
-    if layer.bias is None and _use_skinny(x, layer.weight, silu, norm=True):
-        from .kernels import triton_skinny_norm_linear
-
-        return triton_skinny_norm_linear(x, delta, norm.weight, norm.eps, layer.weight, silu=silu)
-    h, n = add_rms_norm(x, delta, norm.weight, norm.eps)
-    return h, (linear_silu_mul(n, layer) if silu else linear(n, layer))
 
 
 class RMSNorm(nn.Module):
@@ -286,11 +267,11 @@ class Block(nn.Module):
         cfg = self.cfg
         B, L, _ = x.shape
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        x, qkv = norm_linear(x, delta, self.attention_norm, self.wqkv)
-        o = rope_attention(qkv, batch, rope[0], rope[1], kv.k(self.layer), kv.v(self.layer), H, Hkv,
-                           backend=kv.attention_backend)
-        h, u = norm_linear(x, linear(o.reshape(B, L, H * D), self.wo), self.ffn_norm, self.w13, silu=True)
-        return h, linear(u, self.w2)
+        x, n = add_rms_norm(x, delta, self.attention_norm.weight, cfg.norm_eps)
+        o = rope_attention(linear(n, self.wqkv), batch, rope[0], rope[1], kv.k(self.layer), kv.v(self.layer), H,
+                           Hkv, backend=kv.attention_backend)
+        h, n = add_rms_norm(x, linear(o.reshape(B, L, H * D), self.wo), self.ffn_norm.weight, cfg.norm_eps)
+        return h, linear(linear_silu_mul(n, self.w13), self.w2)
 
 
 class Llama(nn.Module):

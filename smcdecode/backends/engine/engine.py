@@ -468,6 +468,8 @@ class Engine:
 
             def round_and_pages() -> None:
                 round_()
+                # the round's flags for the host, which reads them one round late (no per-round sync)
+                buf["flags"].copy_(torch.cat([buf["do"].double(), buf["ess"], buf["done"].double()]))
                 pages()
 
             return buf, round_and_pages
@@ -654,7 +656,6 @@ class Engine:
             b["ess"].copy_(ess)
             b["W"].copy_(W)
             b["done"].copy_(finished.all()[None])
-            b["flags"].copy_(torch.cat([do.double(), ess, b["done"].double()]))
             # NOTE: positions stay once all rows have finished, so a round run after the last (the
             # device bookkeeping's overshoot) writes inside the pages its rows own, within the tables
             seq_t.add_(torch.where(b["done"], 0, K + 1))

@@ -4,6 +4,8 @@ sample-and-score. The Triton kernels are tested against these in test_engine_ker
 import json
 import math
 
+import pytest
+
 import torch
 
 from smcdecode.backends.engine.engine import sample_and_score_reference
@@ -192,6 +194,72 @@ def test_interpreted_skinny_linear_matches_torch():
         w2 = torch.randn(2 * N, K, generator=g)
         torch.testing.assert_close(kernels.triton_skinny_linear(x, w2, silu=True, config=cfg), silu_mul(x @ w2.T),
                                    rtol=1e-4, atol=1e-4)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def test_interpreted_skinny_linear_norm_and_residual_match_torch():
+    """NORM (RMSNorm folded in), RESIDUAL (added in the epilogue; in place, and a bias of row stride
+    0), NORM + SiLU·mul, against add_rms_norm_reference then torch's product in float64: float32
+    (relative error < 1e-5) and float16 (< 1e-2; bf16 runs on the GPU in test_engine_kernels.py: the
+    interpreter's bf16 tl.dot is wrong in Triton 3.9); M = 1, 3, 8, 16 rows, K and N not multiples of
+    the blocks. Dropping 1/rms, the product or the residual misses by far more than the tolerance."""
+    kernels = _interpreted_kernels()
+    from smcdecode.backends.engine.model import add_rms_norm_reference, silu_mul
+
+    g = torch.Generator().manual_seed(7)
+    cases = [(1, 40, 48, (16, 16, 16, 4, 2)), (3, 24, 72, (16, 16, 32, 4, 2)), (8, 33, 40, None),
+             (16, 16, 100, (16, 16, 64, 4, 2))]
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 1e-2)):
+        for M, N, K, cfg in cases:
+            x = (torch.randn(M, K, generator=g) * 3).to(dtype)
+            gamma = (torch.rand(K, generator=g) + 0.5).to(dtype)
+            w = (torch.randn(N, K, generator=g) * K**-0.5).to(dtype)
+            w13 = (torch.randn(2 * N, K, generator=g) * K**-0.5).to(dtype)
+            res = torch.randn(M, N, generator=g).to(dtype)
+            n_ref = add_rms_norm_reference(x.double(), None, gamma.double(), 1e-5)[1]
+
+            y = kernels.triton_skinny_linear(x, w, config=cfg, norm_weight=gamma, eps=1e-5)
+            ref = n_ref @ w.double().T
+            assert y.dtype == dtype and _rel_err(y, ref) < tol, (dtype, M, N, K, _rel_err(y, ref))
+            unscaled = (x.double() * gamma.double()) @ w.double().T  # what a skipped rstd would give
+            assert _rel_err(unscaled, ref) > 0.5
+
+            y = kernels.triton_skinny_linear(x[None], w13, silu=True, config=cfg, norm_weight=gamma, eps=1e-5)
+            ref = silu_mul(n_ref @ w13.double().T)
+            assert y.shape == (1, M, N) and _rel_err(y[0], ref) < 2 * tol, (dtype, M, N, K)
+
+            ref = res.double() + x.double() @ w.double().T
+            y = kernels.triton_skinny_linear(x, w, config=cfg, residual=res)
+            assert _rel_err(y, ref) < tol, (dtype, M, N, K, _rel_err(y, ref))
+            assert min(_rel_err(x.double() @ w.double().T, ref), _rel_err(res, ref)) > 0.1  # both terms count
+            y_in = res.clone()
+            out = kernels.triton_skinny_linear(x, w, config=cfg, residual=y_in, out=y_in)
+            assert out.data_ptr() == y_in.data_ptr() and torch.equal(y_in, y)  # in place: the same values
+
+            bias = torch.randn(N, generator=g).to(dtype)
+            y = kernels.triton_skinny_linear(x, w, config=cfg, norm_weight=gamma, residual=bias.expand(M, N))
+            assert _rel_err(y, bias.double() + n_ref @ w.double().T) < tol
+
+
+def test_skinny_linear_refuses_bad_norm_weight_residual_and_out():
+    kernels = _interpreted_kernels()
+    from smcdecode.errors import SMCDecodeError
+
+    x, w = torch.randn(3, 8), torch.randn(4, 8)
+    with pytest.raises(SMCDecodeError, match=r"norm_weight has shape \(4,\), expected \(8,\)"):
+        kernels.triton_skinny_linear(x, w, norm_weight=torch.ones(4))
+    with pytest.raises(SMCDecodeError, match=r"residual has shape \(3, 8\).*expected \(3, 4\)"):
+        kernels.triton_skinny_linear(x, w, residual=torch.zeros(3, 8))
+    with pytest.raises(SMCDecodeError, match=r"out has shape \(4, 3\)"):
+        kernels.triton_skinny_linear(x, w, out=torch.zeros(4, 3))
+    with pytest.raises(SMCDecodeError, match="out shares its memory with x"):
+        rows = torch.randn(6, 4)
+        kernels.triton_skinny_linear(rows[:3], torch.randn(4, 4), out=rows[3:])
+    with pytest.raises(SMCDecodeError, match=r"weight \(4, 7\) does not match x"):
+        kernels.triton_skinny_linear(x, torch.randn(4, 7))
 
 
 @torch.no_grad()

@@ -5,7 +5,6 @@ import json
 import math
 
 import pytest
-
 import torch
 
 from smcdecode.backends.engine.engine import sample_and_score_reference
@@ -297,6 +296,67 @@ def test_interpreted_model_forward_matches_reference_path(monkeypatch):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
+@torch.no_grad()
+def test_interpreted_folded_layers_match_the_unfused_forward(monkeypatch):
+    """The folded layer path (``Block.forward_folded``: RMSNorms folded into the wqkv / w13 skinny
+    products, residual adds into wo / w2; SMCDECODE_FOLD_NORM "1" and "addmm"), forced on the CPU,
+    gives the unfused torch path's logits: a prefill, a 1-token and a 3-token step, with and without
+    an attention bias (added in the wqkv epilogue), and with last_only."""
+    _interpreted_kernels()
+    import numpy as np
+
+    import smcdecode.backends.engine.model as M
+    from smcdecode.backends.engine import KVPool, Llama, PagedBatch, PageTable
+
+    def run(model, cfg, fold: str):
+        monkeypatch.setattr(M, "_fold_norm", lambda x, cfg, w: fold)
+        PS = 4
+        pool = KVPool.for_model(cfg, 24, PS, torch.float32, "cpu")
+        table = PageTable(rows=2, max_pages=8, num_pages=24, page_size=PS)
+        table.reserve(np.array([0, 1]), np.array([14, 14]))
+        pt = torch.from_numpy(table.table)
+        ids = torch.randint(0, 64, (2, 14), generator=torch.Generator().manual_seed(3))
+        return [model(ids[:, a:b], pool, PagedBatch.build(torch.arange(a, b)[None].repeat(2, 1), pt, PS),
+                      last_only=last)
+                for a, b, last in ((0, 10, True), (10, 11, False), (11, 14, False))]
+
+    for bias in (False, True):
+        cfg = LlamaConfig(64, 64, 2, 4, 2, 96, rope_theta=10000.0, attention_bias=bias)  # head_dim 16
+        model = Llama.random(cfg, dtype=torch.float32, device="cpu", seed=2)
+        for p in model.parameters():  # norms and biases that are not ones and zeros
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+        ref = run(model, cfg, "0")
+        for fold in ("1", "addmm"):
+            for out, r in zip(run(model, cfg, fold), ref):
+                torch.testing.assert_close(out, r, rtol=1e-4, atol=1e-4)
+
+
+def test_fold_norm_applies_to_few_half_precision_rows_on_triton_only(monkeypatch):
+    import smcdecode.backends.engine.model as M
+    from smcdecode.errors import SMCDecodeError
+
+    cfg = LlamaConfig(64, 32, 1, 2, 1, 48)
+    w = torch.zeros(2, 32, dtype=torch.bfloat16)
+    x8, x17 = torch.zeros(1, 8, 32, dtype=torch.bfloat16), torch.zeros(17, 1, 32, dtype=torch.bfloat16)
+    monkeypatch.setattr(M, "_use_triton", lambda x: True)
+    monkeypatch.delenv("SMCDECODE_FOLD_NORM", raising=False)
+    monkeypatch.delenv("SMCDECODE_SKINNY", raising=False)
+    assert M._fold_norm(x8, cfg, w) == "0"  # off by default
+    for mode in ("1", "addmm"):
+        monkeypatch.setenv("SMCDECODE_FOLD_NORM", mode)
+        assert M._fold_norm(x8, cfg, w) == mode
+        assert M._fold_norm(x17, cfg, w) == "0"  # 17 rows: not a decode step
+        assert M._fold_norm(x8.float(), cfg, w.float()) == "0"
+    monkeypatch.setenv("SMCDECODE_SKINNY", "0")
+    assert M._fold_norm(x8, cfg, w) == "0"
+    monkeypatch.setattr(M, "_use_triton", lambda x: False)
+    monkeypatch.delenv("SMCDECODE_SKINNY")
+    assert M._fold_norm(x8, cfg, w) == "0"
+    monkeypatch.setenv("SMCDECODE_FOLD_NORM", "yes")
+    with pytest.raises(SMCDecodeError, match="SMCDECODE_FOLD_NORM='yes'"):
+        M._fold_norm(x8, cfg, w)
+
+
 def _shared_case(seed, B, L, Hkv, D, PS, P, lengths, shared_pages):
     """Rows whose first ``shared_pages`` page ids are the same (particles of one request sharing a
     prefix), the rest private."""
@@ -479,14 +539,24 @@ for L, D, nsplit, block_n, warps, stages, prefetch in [(1, 64, 4, 32, 4, 2, True
 build(K._paged_attn_grouped_kernel, {**attn, "B": "i32"},
       dict(L=1, G=4, H=32, HKV=8, D=64, PS=16, NSPLIT=4, MT=1, GS=8, GS_P2=8, BLOCK_M=32, BLOCK_N=64, BLOCK_L=16,
            ROPE=True, MERGE=2, DYN_LOOP=True, MAX_IT=1), 4, 2)
+skinny = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "M": "i32", "stride_xm": "i32", "stride_ym": "i32",
+          "GAMMA": "*bf16", "R": "*bf16", "stride_rm": "i32", "eps": "fp32"}
+for n, k, bn, bk, silu, norm, residual in [(3072, 2048, 16, 256, False, True, False),
+                                          (8192, 2048, 32, 128, True, True, False),
+                                          (2048, 2048, 16, 256, False, False, True),
+                                          (2048, 8192, 32, 512, False, False, True),
+                                          (3072, 2048, 16, 256, False, True, True)]:
+    build(K._skinny_linear_kernel, skinny,
+          dict(N=n, K=k, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm, RESIDUAL=residual), 4, 4)
 print("compiled")
 '''
 
 
 def test_kernels_compile_for_a_gpu_target():
     """The kernels this CPU suite runs in the interpreter also compile for an H100/H200 (sm_90, with
-    the ptxas that ships with triton; no GPU needed): the row-skipping sampler and the attention with
-    the page-id prefetch and non-default blocks, warps and stages."""
+    the ptxas that ships with triton; no GPU needed): the row-skipping sampler, the attention with
+    the page-id prefetch and non-default blocks, warps and stages, and the skinny product's NORM,
+    NORM + SiLU, RESIDUAL and NORM + RESIDUAL variants at the draft's shapes (4 stages)."""
     import os
     import subprocess
     import sys

@@ -539,15 +539,27 @@ for L, D, nsplit, block_n, warps, stages, prefetch in [(1, 64, 4, 32, 4, 2, True
 build(K._paged_attn_grouped_kernel, {**attn, "B": "i32"},
       dict(L=1, G=4, H=32, HKV=8, D=64, PS=16, NSPLIT=4, MT=1, GS=8, GS_P2=8, BLOCK_M=32, BLOCK_N=64, BLOCK_L=16,
            ROPE=True, MERGE=2, DYN_LOOP=True, MAX_IT=1), 4, 2)
+# the skinny product's variants at the draft's shapes, with the 16-byte alignment the JIT assumes of
+# pointers and strides (without it no load is pipelined): every load of the K loop must be an async
+# copy of the software pipeline (a synchronous load or a store in the loop stalls every chunk)
 skinny = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "M": "i32", "stride_xm": "i32", "stride_ym": "i32",
           "GAMMA": "*bf16", "R": "*bf16", "stride_rm": "i32", "eps": "fp32"}
-for n, k, bn, bk, silu, norm, residual in [(3072, 2048, 16, 256, False, True, False),
-                                          (8192, 2048, 32, 128, True, True, False),
-                                          (2048, 2048, 16, 256, False, False, True),
-                                          (2048, 8192, 32, 512, False, False, True),
-                                          (3072, 2048, 16, 256, False, True, True)]:
-    build(K._skinny_linear_kernel, skinny,
-          dict(N=n, K=k, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm, RESIDUAL=residual), 4, 4)
+aligned = {(K._skinny_linear_kernel.arg_names.index(a),): [["tt.divisibility", 16]]
+           for a in ("X", "W", "Y", "GAMMA", "R", "stride_xm", "stride_ym", "stride_rm")}
+for n, k, bn, bk, warps, silu, norm, residual in [(3072, 2048, 16, 256, 4, False, True, False),
+                                                 (8192, 2048, 32, 128, 4, True, True, False),
+                                                 (2048, 2048, 16, 256, 4, False, False, True),
+                                                 (2048, 8192, 32, 512, 8, False, False, True),
+                                                 (3072, 2048, 16, 256, 8, False, True, True)]:
+    consts = dict(N=n, K=k, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm, RESIDUAL=residual,
+                  GAMMA_TILE=norm and bk * 2 < 4 * 32 * warps)
+    kern = triton.compile(ASTSource(fn=K._skinny_linear_kernel, signature={**skinny, **dict.fromkeys(consts, "constexpr")},
+                                    constexprs=consts, attrs=aligned),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 4})
+    ttgir = kern.asm["ttgir"]
+    loop = ttgir[ttgir.index("scf.for"):ttgir.index("scf.yield")]
+    assert "tt.load" not in loop and "tt.store" not in loop, (consts, loop)
+    assert ttgir.count("async_copy_global_to_local") == 4 * (2 + silu + norm), consts  # 4 stages of each load
 print("compiled")
 '''
 
@@ -556,7 +568,8 @@ def test_kernels_compile_for_a_gpu_target():
     """The kernels this CPU suite runs in the interpreter also compile for an H100/H200 (sm_90, with
     the ptxas that ships with triton; no GPU needed): the row-skipping sampler, the attention with
     the page-id prefetch and non-default blocks, warps and stages, and the skinny product's NORM,
-    NORM + SiLU, RESIDUAL and NORM + RESIDUAL variants at the draft's shapes (4 stages)."""
+    NORM + SiLU, RESIDUAL and NORM + RESIDUAL variants at the draft's shapes with every load of the
+    K loop software-pipelined (async copies, 4 stages)."""
     import os
     import subprocess
     import sys

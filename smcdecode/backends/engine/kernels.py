@@ -900,7 +900,7 @@ def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, ga
 @triton.jit
 def _skinny_linear_kernel(X, W, Y, M, stride_xm, stride_ym, GAMMA, R, stride_rm, eps, N: tl.constexpr,
                           K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          SILU: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr):
+                          SILU: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, GAMMA_TILE: tl.constexpr):
     """Y[M, N] = X[M, K] · W[N, K]ᵀ, one program per BLOCK_N output columns × BLOCK_M rows, streaming
     its W rows once. SILU: W is [2N, K] = [gate; up] and Y = silu(X·gateᵀ) · (X·upᵀ), rounded as the
     unfused path rounds (the product to Y's dtype, silu to Y's dtype, then the product).
@@ -909,7 +909,11 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, stride_ym, GAMMA, R, stride_rm,
     fp32 while the K chunks stream by, the chunk is multiplied by GAMMA's and rounded to W's dtype for
     the dot, and the fp32 product is scaled by rstd = 1/sqrt(Σx²/K + eps) after the loop (before the
     SiLU epilogue): rstd·((x·γ)·Wᵀ) = (rstd·x·γ)·Wᵀ. The unfused path rounds x·rstd, then ·γ, to the
-    dtype instead; the two differ by that rounding only (bf16: ~2⁻⁹ relative per element).
+    dtype instead; the two differ by that rounding only (bf16: ~2⁻⁹ relative per element; in fp16 x·γ
+    must stay below 65504). GAMMA_TILE: γ's chunk is loaded as a [BLOCK_M, BLOCK_K] tile (the valid
+    rows repeated) rather than a [BLOCK_K] vector: Triton pipelines a load with async copies only when
+    each thread's share is >= 4 bytes (a bf16 vector of 128 over 128 threads is 2 bytes a thread and
+    would be a synchronous load in every iteration); the tile costs M·BLOCK_K more L2 reads a chunk.
     RESIDUAL: Y = R + (the result rounded to Y's dtype), added in fp32 and rounded once more, as torch
     adds a bf16 product to a bf16 tensor; R [M, N] by its row stride (0: a bias row). R may be Y itself
     (each element is read and then written by the same program).
@@ -930,8 +934,12 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, stride_ym, GAMMA, R, stride_rm,
         if NORM:
             xf = x.to(tl.float32)
             ss += tl.sum(xf * xf, 1)
-            gamma = tl.load(GAMMA + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
-            x = (xf * gamma[None, :]).to(W.dtype.element_ty)
+            if GAMMA_TILE:  # γ repeated over x's rows: an async copy (so pipelined) where a vector is too narrow
+                gamma = tl.load(GAMMA + rm[:, None] * 0 + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                                other=0.0)
+            else:
+                gamma = tl.load(GAMMA + k0 + rk, mask=k_ok, other=0.0)[None, :]
+            x = (xf * gamma.to(tl.float32)).to(W.dtype.element_ty)
         w = tl.load(W + rn[:, None] * K + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w))
         if SILU:
@@ -1034,5 +1042,6 @@ def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=N
         x2, weight, y, M, x2.stride(0), y.stride(0), norm_weight if norm_weight is not None else x2,
         r2 if residual is not None else y, r2.stride(0) if residual is not None else 0, eps, N=N, K=K,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm_weight is not None, RESIDUAL=residual is not None,
+        GAMMA_TILE=norm_weight is not None and bk * norm_weight.element_size() < 4 * 32 * warps,
         num_warps=warps, num_stages=stages)
     return y.view(*lead, N)

@@ -2,8 +2,10 @@
 
 A plain module in the gpt-fast manner: fused QKV and gate/up projections, RoPE with Llama-3
 frequency scaling, RMSNorm, SwiGLU. On CUDA the elementwise parts are Triton kernels (kernels.py):
-residual add + RMSNorm, RoPE + KV-page write, SiLU·mul; elsewhere their torch references here. The KV cache lives outside the module (``kv_cache.KVPool``);
-``forward`` writes the new keys/values into the pages named by the page table and attends over them.
+residual add + RMSNorm, RoPE + KV-page write, SiLU·mul; elsewhere their torch references here.
+Opt-in (SMCDECODE_FOLD_NORM, ``_fold_norm``): for the draft's few-row decode steps a layer folds
+its RMSNorms and residual adds into the skinny products (``Block.forward_folded``).
+The KV cache lives outside the module (``kv_cache.KVPool``); ``forward`` writes the new keys/values into the pages named by the page table and attends over them.
 
 Shapes: B rows (requests × particles), L new tokens per row, H query heads, Hkv key/value heads,
 D head dim, PS tokens per page.
@@ -353,7 +355,9 @@ class Llama(nn.Module):
 
         Keys/values of the new tokens are written to the cache first; query i of row b attends to
         cache positions <= its own position (``batch`` is an ``attention.PagedBatch``). Positions must
-        be below the rope tables' length (``set_rope_cache``; 4096 by default)."""
+        be below the rope tables' length (``set_rope_cache``; 4096 by default). The layers run
+        ``Block.forward`` (the stream plus a pending branch output) or, where ``_fold_norm`` says so,
+        ``Block.forward_folded`` (the whole stream in and out)."""
         if self.rope_cos is None:
             self.set_rope_cache(min(self.cfg.max_position, 4096))
         rope = (self.rope_cos, self.rope_sin)

@@ -5,7 +5,8 @@ frequency scaling, RMSNorm, SwiGLU. On CUDA the elementwise parts are Triton ker
 residual add + RMSNorm, RoPE + KV-page write, SiLU·mul; elsewhere their torch references here.
 Opt-in (SMCDECODE_FOLD_NORM, ``_fold_norm``): for the draft's few-row decode steps a layer folds
 its RMSNorms and residual adds into the skinny products (``Block.forward_folded``).
-The KV cache lives outside the module (``kv_cache.KVPool``); ``forward`` writes the new keys/values into the pages named by the page table and attends over them.
+The KV cache lives outside the module (``kv_cache.KVPool``); ``forward`` writes the new
+keys/values into the pages named by the page table and attends over them.
 
 Shapes: B rows (requests × particles), L new tokens per row, H query heads, Hkv key/value heads,
 D head dim, PS tokens per page.

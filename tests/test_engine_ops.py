@@ -309,7 +309,7 @@ def test_interpreted_folded_layers_match_the_unfused_forward(monkeypatch):
     from smcdecode.backends.engine import KVPool, Llama, PagedBatch, PageTable
 
     def run(model, cfg, fold: str):
-        monkeypatch.setattr(M, "_fold_norm", lambda x, cfg, w: fold)
+        monkeypatch.setattr(M, "_fold_norm", lambda x, block: fold)
         PS = 4
         pool = KVPool.for_model(cfg, 24, PS, torch.float32, "cpu")
         table = PageTable(rows=2, max_pages=8, num_pages=24, page_size=PS)
@@ -335,26 +335,30 @@ def test_fold_norm_applies_to_few_half_precision_rows_on_triton_only(monkeypatch
     import smcdecode.backends.engine.model as M
     from smcdecode.errors import SMCDecodeError
 
-    cfg = LlamaConfig(64, 32, 1, 2, 1, 48)
-    w = torch.zeros(2, 32, dtype=torch.bfloat16)
+    block = M.Block(LlamaConfig(64, 32, 1, 2, 1, 48), 0).to(torch.bfloat16)
     x8, x17 = torch.zeros(1, 8, 32, dtype=torch.bfloat16), torch.zeros(17, 1, 32, dtype=torch.bfloat16)
     monkeypatch.setattr(M, "_use_triton", lambda x: True)
     monkeypatch.delenv("SMCDECODE_FOLD_NORM", raising=False)
     monkeypatch.delenv("SMCDECODE_SKINNY", raising=False)
-    assert M._fold_norm(x8, cfg, w) == "0"  # off by default
+    assert M._fold_norm(x8, block) == "0"  # off by default
     for mode in ("1", "addmm"):
         monkeypatch.setenv("SMCDECODE_FOLD_NORM", mode)
-        assert M._fold_norm(x8, cfg, w) == mode
-        assert M._fold_norm(x17, cfg, w) == "0"  # 17 rows: not a decode step
-        assert M._fold_norm(x8.float(), cfg, w.float()) == "0"
+        assert M._fold_norm(x8, block) == mode
+        assert M._fold_norm(x17, block) == "0"  # 17 rows: not a decode step
+        assert M._fold_norm(x8.float(), block) == "0"
+        assert M._fold_norm(x8.float(), block.float()) == "0"  # (float32 stays off: tl.dot would use tf32)
+        block.to(torch.bfloat16)
+    big = M.Block(LlamaConfig(64, 32, 1, 2, 1, 48), 0).to(torch.bfloat16)
+    big.w13.weight = torch.nn.Parameter(torch.zeros(2 * 14336, 4096, dtype=torch.bfloat16, device="meta"))
+    assert M._fold_norm(torch.zeros(8, 1, 4096, dtype=torch.bfloat16), big) == "0"  # the 8B's w13 stays on cuBLAS
     monkeypatch.setenv("SMCDECODE_SKINNY", "0")
-    assert M._fold_norm(x8, cfg, w) == "0"
+    assert M._fold_norm(x8, block) == "0"
     monkeypatch.setattr(M, "_use_triton", lambda x: False)
     monkeypatch.delenv("SMCDECODE_SKINNY")
-    assert M._fold_norm(x8, cfg, w) == "0"
+    assert M._fold_norm(x8, block) == "0"
     monkeypatch.setenv("SMCDECODE_FOLD_NORM", "yes")
     with pytest.raises(SMCDecodeError, match="SMCDECODE_FOLD_NORM='yes'"):
-        M._fold_norm(x8, cfg, w)
+        M._fold_norm(x8, block)
 
 
 def _shared_case(seed, B, L, Hkv, D, PS, P, lengths, shared_pages):

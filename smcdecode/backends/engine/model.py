@@ -241,24 +241,29 @@ def linear_silu_mul(x: Tensor, layer: nn.Linear) -> Tensor:
     return fused_silu_mul(layer(x))
 
 
-def _fold_norm(x: Tensor, cfg: LlamaConfig, weight: Tensor) -> str:
-    """How a forward over x [B, L, dim] runs its layers: "0" add + RMSNorm launches, then the products
-    (the unfused path); "1" every RMSNorm folded into the skinny product after it and every residual
-    add into the one before it (``Block.forward_folded``); "addmm" the same, but w2 on cuBLAS, its
-    output added to the stream in place (``addmm_``). SMCDECODE_FOLD_NORM picks "1" or "addmm" (default
-    "0": off pending the H200 measurement); it applies only on CUDA with Triton (and
-    SMCDECODE_SKINNY not "0"), in bf16/fp16 with x's dtype = the weights' (``weight``: any layer
-    weight), for at most 16 rows (the draft's decode steps, as ``kernels.skinny_wins``)."""
+def _fold_norm(x: Tensor, block: Block) -> str:
+    """How a forward over x [B, L, dim] runs its layers (``block``: any of them): "0" add + RMSNorm
+    launches, then the products (the unfused path); "1" every RMSNorm folded into the skinny product
+    after it and every residual add into the one before it (``Block.forward_folded``); "addmm" the
+    same, but w2 on cuBLAS, its output added to the stream in place (``addmm_``).
+    SMCDECODE_FOLD_NORM picks "1" or "addmm" (default "0": off pending the H200 measurement); it
+    applies only on CUDA with Triton (and SMCDECODE_SKINNY not "0"), in bf16/fp16 with x's dtype =
+    the weights', for at most 16 rows (the draft's decode steps) and where the skinny w13 + SiLU·mul
+    beat cuBLAS (``kernels.skinny_wins``: the 1B's w13, not the 8B's)."""
     import os
 
     mode = os.environ.get("SMCDECODE_FOLD_NORM", "0")
     if mode not in ("0", "1", "addmm"):
         raise SMCDecodeError(f"SMCDECODE_FOLD_NORM={mode!r}: use '0' (off), '1' (all four products on the skinny "
                              "kernel) or 'addmm' (w2 on cuBLAS, added in place)")
+    w13 = block.w13.weight
     if (mode == "0" or not _use_triton(x) or os.environ.get("SMCDECODE_SKINNY", "1") == "0"
-            or x.dtype != weight.dtype or weight.dtype not in (torch.bfloat16, torch.float16)):
+            or x.dtype != w13.dtype or w13.dtype not in (torch.bfloat16, torch.float16)):
         return "0"
-    return mode if x.numel() // cfg.dim <= 16 else "0"
+    from .kernels import skinny_wins
+
+    N2, K = w13.shape
+    return mode if skinny_wins(x.numel() // K, N2 // 2, K, w13.numel() * w13.element_size(), silu=True) else "0"
 
 
 class RMSNorm(nn.Module):
@@ -363,7 +368,7 @@ class Llama(nn.Module):
             self.set_rope_cache(min(self.cfg.max_position, 4096))
         rope = (self.rope_cos, self.rope_sin)
         x, delta = self.tok_embeddings(tokens), None
-        fold = _fold_norm(x, self.cfg, self.layers[0].wqkv.weight)
+        fold = _fold_norm(x, self.layers[0])
         for layer in self.layers:
             if fold == "0":
                 x, delta = layer(x, delta, rope, kv, batch)

@@ -125,8 +125,6 @@ def correctness(model: Llama, res: dict) -> None:
         check(f"M={M} skinny NORM wqkv", rel_err(y, ref), 1e-2, log)
         if rel_err((x.double() * gamma.double()) @ blk.wqkv.weight.double().T, ref) < 0.5:
             fail("the product without 1/rms is close to the reference: the check would not catch it", 0.0, 0.5)
-        y = kernels.triton_skinny_linear(x, blk.wqkv.weight * gamma[None, :], prenormed_weight=True, eps=cfg.norm_eps)
-        check(f"M={M} skinny NORM wqkv, γ in W", rel_err(y, ref), 1e-2, log)
         y = kernels.triton_skinny_linear(x, blk.w13.weight, silu=True, norm_weight=gamma, eps=cfg.norm_eps)
         check(f"M={M} skinny NORM+SiLU w13", rel_err(y, silu_mul(n_ref @ blk.w13.weight.double().T)), 2e-2, log)
         o = torch.randn(M, cfg.n_heads * cfg.head_dim, device=DEVICE, dtype=DTYPE)
@@ -177,12 +175,8 @@ def products(model: Llama, Ms: tuple[int, ...], res: dict) -> list[dict]:
         o = torch.randn(M, cfg.n_heads * cfg.head_dim, device=DEVICE, dtype=DTYPE)
         m = torch.randn(M, cfg.intermediate_size, device=DEVICE, dtype=DTYPE) * 0.1
         h = torch.randn(M, cfg.dim, device=DEVICE, dtype=DTYPE)
-        wqkv_g = [b.wqkv.weight * b.attention_norm.weight[None, :] for b in layers]  # γ folded into the columns
-        w13_g = [b.w13.weight * b.ffn_norm.weight[None, :] for b in layers]
         variants = {
             "wqkv": {
-                "skinny NORM, γ in W": lambda: [kernels.triton_skinny_linear(x, w, prenormed_weight=True, eps=eps)
-                                                for w in wqkv_g],
                 "add+norm, cuBLAS": lambda: [F.linear(kernels.triton_add_rms_norm(x, d, b.attention_norm.weight, eps)[1],
                                                       b.wqkv.weight) for b in layers],
                 "skinny NORM": lambda: [kernels.triton_skinny_linear(x, b.wqkv.weight, norm_weight=b.attention_norm.weight,
@@ -191,8 +185,6 @@ def products(model: Llama, Ms: tuple[int, ...], res: dict) -> list[dict]:
             "w13": {
                 "add+norm, skinny SiLU": lambda: [kernels.triton_skinny_linear(
                     kernels.triton_add_rms_norm(x, d, b.ffn_norm.weight, eps)[1], b.w13.weight, silu=True) for b in layers],
-                "skinny NORM+SiLU, γ in W": lambda: [kernels.triton_skinny_linear(x, w, silu=True, prenormed_weight=True,
-                                                                                  eps=eps) for w in w13_g],
                 "skinny NORM+SiLU": lambda: [kernels.triton_skinny_linear(x, b.w13.weight, silu=True,
                                                                           norm_weight=b.ffn_norm.weight, eps=eps)
                                              for b in layers],

@@ -900,8 +900,7 @@ def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, ga
 @triton.jit
 def _skinny_linear_kernel(X, W, Y, M, stride_xm, stride_ym, GAMMA, R, stride_rm, eps, N: tl.constexpr,
                           K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          SILU: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, GAMMA_TILE: tl.constexpr,
-                          HAS_GAMMA: tl.constexpr = True):
+                          SILU: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, GAMMA_TILE: tl.constexpr):
     """Y[M, N] = X[M, K] · W[N, K]ᵀ, one program per BLOCK_N output columns × BLOCK_M rows, streaming
     its W rows once. SILU: W is [2N, K] = [gate; up] and Y = silu(X·gateᵀ) · (X·upᵀ), rounded as the
     unfused path rounds (the product to Y's dtype, silu to Y's dtype, then the product).
@@ -915,8 +914,6 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, stride_ym, GAMMA, R, stride_rm,
     rows repeated) rather than a [BLOCK_K] vector: Triton pipelines a load with async copies only when
     each thread's share is >= 4 bytes (a bf16 vector of 128 over 128 threads is 2 bytes a thread and
     would be a synchronous load in every iteration); the tile costs M·BLOCK_K more L2 reads a chunk.
-    HAS_GAMMA=False (with NORM): γ is already in W's columns (W·diag(γ)), so x reaches the dot as
-    loaded and only Σx² is taken from it.
     RESIDUAL: Y = R + (the result rounded to Y's dtype), added in fp32 and rounded once more, as torch
     adds a bf16 product to a bf16 tensor; R [M, N] by its row stride (0: a bias row). R may be Y itself
     (each element is read and then written by the same program).
@@ -937,15 +934,12 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, stride_ym, GAMMA, R, stride_rm,
         if NORM:
             xf = x.to(tl.float32)
             ss += tl.sum(xf * xf, 1)
-            if not HAS_GAMMA:
-                pass
-            elif GAMMA_TILE:  # γ repeated over x's rows: an async copy (so pipelined) where a vector is too narrow
+            if GAMMA_TILE:  # γ repeated over x's rows: an async copy (so pipelined) where a vector is too narrow
                 gamma = tl.load(GAMMA + rm[:, None] * 0 + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :],
                                 other=0.0)
             else:
                 gamma = tl.load(GAMMA + k0 + rk, mask=k_ok, other=0.0)[None, :]
-            if HAS_GAMMA:
-                x = (xf * gamma.to(tl.float32)).to(W.dtype.element_ty)
+            x = (xf * gamma.to(tl.float32)).to(W.dtype.element_ty)
         w = tl.load(W + rn[:, None] * K + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w))
         if SILU:
@@ -1004,7 +998,7 @@ def skinny_wins(M: int, N: int, K: int, nbytes: int, silu: bool) -> bool:
 
 def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=None, *,
                          norm_weight: Tensor | None = None, eps: float = 1e-5, residual: Tensor | None = None,
-                         out: Tensor | None = None, prenormed_weight: bool = False) -> Tensor:
+                         out: Tensor | None = None) -> Tensor:
     """x [..., K] (unit stride in K) · weight [N, K]ᵀ -> [..., N]; with ``silu`` the weight is [gate; up]
     ([2N, K]) and the result silu(x·gateᵀ)·(x·upᵀ) [..., N]. For few rows (decode), where cuBLAS's
     kernels leave bandwidth unused on small matrices. References: torch.nn.functional.linear, and
@@ -1013,9 +1007,7 @@ def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=N
     ``norm_weight`` γ [K]: x is replaced by rms_norm(x)·γ (eps ``eps``) in the same pass (reference:
     model.add_rms_norm_reference, then the product). ``residual`` [..., N] (unit stride in N; row
     stride 0 allowed: a bias): the result is residual + (the product rounded to the dtype). ``out``
-    [..., N] contiguous, written instead of a new tensor; it may be ``residual`` (in place), never x.
-    ``prenormed_weight``: x is RMS-normalised without a γ, which ``weight`` already carries in its
-    columns (weight·diag(γ)); ``norm_weight`` must then be None."""
+    [..., N] contiguous, written instead of a new tensor; it may be ``residual`` (in place), never x."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -1029,8 +1021,6 @@ def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=N
     if norm_weight is not None and tuple(norm_weight.shape) != (K,):
         raise SMCDecodeError(f"norm_weight has shape {tuple(norm_weight.shape)}, expected ({K},): pass the "
                              f"RMSNorm weight of x's last dimension ({K})")
-    if prenormed_weight and norm_weight is not None:
-        raise SMCDecodeError("prenormed_weight=True means γ is already in the weight: pass norm_weight=None")
     if residual is not None:
         if tuple(residual.shape) != lead + (N,) or residual.stride(-1) != 1:
             raise SMCDecodeError(f"residual has shape {tuple(residual.shape)} (last stride {residual.stride(-1)}), "
@@ -1051,8 +1041,7 @@ def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=N
     _skinny_linear_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
         x2, weight, y, M, x2.stride(0), y.stride(0), norm_weight if norm_weight is not None else x2,
         r2 if residual is not None else y, r2.stride(0) if residual is not None else 0, eps, N=N, K=K,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm_weight is not None or prenormed_weight,
-        RESIDUAL=residual is not None, HAS_GAMMA=norm_weight is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm_weight is not None, RESIDUAL=residual is not None,
         GAMMA_TILE=norm_weight is not None and bk * norm_weight.element_size() < 4 * 32 * warps,
         num_warps=warps, num_stages=stages)
     return y.view(*lead, N)

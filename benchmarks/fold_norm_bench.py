@@ -244,7 +244,7 @@ def e2e(draft: Llama, res: dict) -> None:
         def fn(short: bool):
             engine.smc_sd(prompt, particles=8, block_size=8, max_new_tokens=27 if short else 1024)
 
-        t = run_variant(engine, {"SMCDECODE_FOLD_NORM": mode}, fn, 3)
+        t = run_variant(engine, {"SMCDECODE_FOLD_NORM": mode}, fn, 2)
         rows.append({"FOLD_NORM": mode, "s": t, "ms_per_round": 1e3 * t / -(-1024 // 9)})
         print(rows[-1], flush=True)
     res["e2e"] = rows

@@ -4,7 +4,6 @@ sample-and-score. The Triton kernels are tested against these in test_engine_ker
 import json
 import math
 
-import pytest
 import torch
 
 from smcdecode.backends.engine.engine import sample_and_score_reference
@@ -195,72 +194,6 @@ def test_interpreted_skinny_linear_matches_torch():
                                    rtol=1e-4, atol=1e-4)
 
 
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref.double()).norm() / ref.double().norm())
-
-
-def test_interpreted_skinny_linear_norm_and_residual_match_torch():
-    """NORM (RMSNorm folded in), RESIDUAL (added in the epilogue; in place, and a bias of row stride
-    0), NORM + SiLU·mul, against add_rms_norm_reference then torch's product in float64: float32
-    (relative error < 1e-5) and float16 (< 1e-2; bf16 runs on the GPU in test_engine_kernels.py: the
-    interpreter's bf16 tl.dot is wrong in Triton 3.9); M = 1, 3, 8, 16 rows, K and N not multiples of
-    the blocks. Dropping 1/rms, the product or the residual misses by far more than the tolerance."""
-    kernels = _interpreted_kernels()
-    from smcdecode.backends.engine.model import add_rms_norm_reference, silu_mul
-
-    g = torch.Generator().manual_seed(7)
-    cases = [(1, 40, 48, (16, 16, 16, 4, 2)), (3, 24, 72, (16, 16, 32, 4, 2)), (8, 33, 40, None),
-             (16, 16, 100, (16, 16, 64, 4, 2))]
-    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 1e-2)):
-        for M, N, K, cfg in cases:
-            x = (torch.randn(M, K, generator=g) * 3).to(dtype)
-            gamma = (torch.rand(K, generator=g) + 0.5).to(dtype)
-            w = (torch.randn(N, K, generator=g) * K**-0.5).to(dtype)
-            w13 = (torch.randn(2 * N, K, generator=g) * K**-0.5).to(dtype)
-            res = torch.randn(M, N, generator=g).to(dtype)
-            n_ref = add_rms_norm_reference(x.double(), None, gamma.double(), 1e-5)[1]
-
-            y = kernels.triton_skinny_linear(x, w, config=cfg, norm_weight=gamma, eps=1e-5)
-            ref = n_ref @ w.double().T
-            assert y.dtype == dtype and _rel_err(y, ref) < tol, (dtype, M, N, K, _rel_err(y, ref))
-            unscaled = (x.double() * gamma.double()) @ w.double().T  # what a skipped rstd would give
-            assert _rel_err(unscaled, ref) > 0.5
-
-            y = kernels.triton_skinny_linear(x[None], w13, silu=True, config=cfg, norm_weight=gamma, eps=1e-5)
-            ref = silu_mul(n_ref @ w13.double().T)
-            assert y.shape == (1, M, N) and _rel_err(y[0], ref) < 2 * tol, (dtype, M, N, K)
-
-            ref = res.double() + x.double() @ w.double().T
-            y = kernels.triton_skinny_linear(x, w, config=cfg, residual=res)
-            assert _rel_err(y, ref) < tol, (dtype, M, N, K, _rel_err(y, ref))
-            assert min(_rel_err(x.double() @ w.double().T, ref), _rel_err(res, ref)) > 0.1  # both terms count
-            y_in = res.clone()
-            out = kernels.triton_skinny_linear(x, w, config=cfg, residual=y_in, out=y_in)
-            assert out.data_ptr() == y_in.data_ptr() and torch.equal(y_in, y)  # in place: the same values
-
-            bias = torch.randn(N, generator=g).to(dtype)
-            y = kernels.triton_skinny_linear(x, w, config=cfg, norm_weight=gamma, residual=bias.expand(M, N))
-            assert _rel_err(y, bias.double() + n_ref @ w.double().T) < tol
-
-
-def test_skinny_linear_refuses_bad_norm_weight_residual_and_out():
-    kernels = _interpreted_kernels()
-    from smcdecode.errors import SMCDecodeError
-
-    x, w = torch.randn(3, 8), torch.randn(4, 8)
-    with pytest.raises(SMCDecodeError, match=r"norm_weight has shape \(4,\), expected \(8,\)"):
-        kernels.triton_skinny_linear(x, w, norm_weight=torch.ones(4))
-    with pytest.raises(SMCDecodeError, match=r"residual has shape \(3, 8\).*expected \(3, 4\)"):
-        kernels.triton_skinny_linear(x, w, residual=torch.zeros(3, 8))
-    with pytest.raises(SMCDecodeError, match=r"out has shape \(4, 3\)"):
-        kernels.triton_skinny_linear(x, w, out=torch.zeros(4, 3))
-    with pytest.raises(SMCDecodeError, match="out shares its memory with x"):
-        rows = torch.randn(6, 4)
-        kernels.triton_skinny_linear(rows[:3], torch.randn(4, 4), out=rows[3:])
-    with pytest.raises(SMCDecodeError, match=r"weight \(4, 7\) does not match x"):
-        kernels.triton_skinny_linear(x, torch.randn(4, 7))
-
-
 @torch.no_grad()
 def test_interpreted_model_forward_matches_reference_path(monkeypatch):
     """The Llama forward with every Triton path forced (fused RoPE + KV write + attention for short
@@ -294,71 +227,6 @@ def test_interpreted_model_forward_matches_reference_path(monkeypatch):
 
     for x, y in zip(run(True), run(False)):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
-
-
-@torch.no_grad()
-def test_interpreted_folded_layers_match_the_unfused_forward(monkeypatch):
-    """The folded layer path (``Block.forward_folded``: RMSNorms folded into the wqkv / w13 skinny
-    products, residual adds into wo / w2; SMCDECODE_FOLD_NORM "1" and "addmm"), forced on the CPU,
-    gives the unfused torch path's logits: a prefill, a 1-token and a 3-token step, with and without
-    an attention bias (added in the wqkv epilogue), and with last_only."""
-    _interpreted_kernels()
-    import numpy as np
-
-    import smcdecode.backends.engine.model as M
-    from smcdecode.backends.engine import KVPool, Llama, PagedBatch, PageTable
-
-    def run(model, cfg, fold: str):
-        monkeypatch.setattr(M, "_fold_norm", lambda x, block: fold)
-        PS = 4
-        pool = KVPool.for_model(cfg, 24, PS, torch.float32, "cpu")
-        table = PageTable(rows=2, max_pages=8, num_pages=24, page_size=PS)
-        table.reserve(np.array([0, 1]), np.array([14, 14]))
-        pt = torch.from_numpy(table.table)
-        ids = torch.randint(0, 64, (2, 14), generator=torch.Generator().manual_seed(3))
-        return [model(ids[:, a:b], pool, PagedBatch.build(torch.arange(a, b)[None].repeat(2, 1), pt, PS),
-                      last_only=last)
-                for a, b, last in ((0, 10, True), (10, 11, False), (11, 14, False))]
-
-    for bias in (False, True):
-        cfg = LlamaConfig(64, 64, 2, 4, 2, 96, rope_theta=10000.0, attention_bias=bias)  # head_dim 16
-        model = Llama.random(cfg, dtype=torch.float32, device="cpu", seed=2)
-        for p in model.parameters():  # norms and biases that are not ones and zeros
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
-        ref = run(model, cfg, "0")
-        for fold in ("1", "addmm"):
-            for out, r in zip(run(model, cfg, fold), ref):
-                torch.testing.assert_close(out, r, rtol=1e-4, atol=1e-4)
-
-
-def test_fold_norm_applies_to_few_half_precision_rows_on_triton_only(monkeypatch):
-    import smcdecode.backends.engine.model as M
-    from smcdecode.errors import SMCDecodeError
-
-    block = M.Block(LlamaConfig(64, 32, 1, 2, 1, 48), 0).to(torch.bfloat16)
-    x8, x17 = torch.zeros(1, 8, 32, dtype=torch.bfloat16), torch.zeros(17, 1, 32, dtype=torch.bfloat16)
-    monkeypatch.setattr(M, "_use_triton", lambda x: True)
-    monkeypatch.delenv("SMCDECODE_FOLD_NORM", raising=False)
-    monkeypatch.delenv("SMCDECODE_SKINNY", raising=False)
-    assert M._fold_norm(x8, block) == "0"  # off by default
-    for mode in ("1", "addmm"):
-        monkeypatch.setenv("SMCDECODE_FOLD_NORM", mode)
-        assert M._fold_norm(x8, block) == mode
-        assert M._fold_norm(x17, block) == "0"  # 17 rows: not a decode step
-        assert M._fold_norm(x8.float(), block) == "0"
-        assert M._fold_norm(x8.float(), block.float()) == "0"  # (float32 stays off: tl.dot would use tf32)
-        block.to(torch.bfloat16)
-    big = M.Block(LlamaConfig(64, 32, 1, 2, 1, 48), 0).to(torch.bfloat16)
-    big.w13.weight = torch.nn.Parameter(torch.zeros(2 * 14336, 4096, dtype=torch.bfloat16, device="meta"))
-    assert M._fold_norm(torch.zeros(8, 1, 4096, dtype=torch.bfloat16), big) == "0"  # the 8B's w13 stays on cuBLAS
-    monkeypatch.setenv("SMCDECODE_SKINNY", "0")
-    assert M._fold_norm(x8, block) == "0"
-    monkeypatch.setattr(M, "_use_triton", lambda x: False)
-    monkeypatch.delenv("SMCDECODE_SKINNY")
-    assert M._fold_norm(x8, block) == "0"
-    monkeypatch.setenv("SMCDECODE_FOLD_NORM", "yes")
-    with pytest.raises(SMCDecodeError, match="SMCDECODE_FOLD_NORM='yes'"):
-        M._fold_norm(x8, block)
 
 
 def _shared_case(seed, B, L, Hkv, D, PS, P, lengths, shared_pages):
@@ -543,37 +411,14 @@ for L, D, nsplit, block_n, warps, stages, prefetch in [(1, 64, 4, 32, 4, 2, True
 build(K._paged_attn_grouped_kernel, {**attn, "B": "i32"},
       dict(L=1, G=4, H=32, HKV=8, D=64, PS=16, NSPLIT=4, MT=1, GS=8, GS_P2=8, BLOCK_M=32, BLOCK_N=64, BLOCK_L=16,
            ROPE=True, MERGE=2, DYN_LOOP=True, MAX_IT=1), 4, 2)
-# the skinny product's variants at the draft's shapes, with the 16-byte alignment the JIT assumes of
-# pointers and strides (without it no load is pipelined): every load of the K loop must be an async
-# copy of the software pipeline (a synchronous load or a store in the loop stalls every chunk)
-skinny = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "M": "i32", "stride_xm": "i32", "stride_ym": "i32",
-          "GAMMA": "*bf16", "R": "*bf16", "stride_rm": "i32", "eps": "fp32"}
-aligned = {(K._skinny_linear_kernel.arg_names.index(a),): [["tt.divisibility", 16]]
-           for a in ("X", "W", "Y", "GAMMA", "R", "stride_xm", "stride_ym", "stride_rm")}
-for n, k, bn, bk, warps, silu, norm, residual in [(3072, 2048, 16, 256, 4, False, True, False),
-                                                 (8192, 2048, 32, 128, 4, True, True, False),
-                                                 (2048, 2048, 16, 256, 4, False, False, True),
-                                                 (2048, 8192, 32, 512, 8, False, False, True),
-                                                 (3072, 2048, 16, 256, 8, False, True, True)]:
-    consts = dict(N=n, K=k, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm, RESIDUAL=residual,
-                  GAMMA_TILE=norm and bk * 2 < 4 * 32 * warps)
-    kern = triton.compile(ASTSource(fn=K._skinny_linear_kernel, signature={**skinny, **dict.fromkeys(consts, "constexpr")},
-                                    constexprs=consts, attrs=aligned),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 4})
-    ttgir = kern.asm["ttgir"]
-    loop = ttgir[ttgir.index("scf.for"):ttgir.index("scf.yield")]
-    assert "tt.load" not in loop and "tt.store" not in loop, (consts, loop)
-    assert ttgir.count("async_copy_global_to_local") == 4 * (2 + silu + norm), consts  # 4 stages of each load
 print("compiled")
 '''
 
 
 def test_kernels_compile_for_a_gpu_target():
     """The kernels this CPU suite runs in the interpreter also compile for an H100/H200 (sm_90, with
-    the ptxas that ships with triton; no GPU needed): the row-skipping sampler, the attention with
-    the page-id prefetch and non-default blocks, warps and stages, and the skinny product's NORM,
-    NORM + SiLU, RESIDUAL and NORM + RESIDUAL variants at the draft's shapes with every load of the
-    K loop software-pipelined (async copies, 4 stages)."""
+    the ptxas that ships with triton; no GPU needed): the row-skipping sampler and the attention with
+    the page-id prefetch and non-default blocks, warps and stages."""
     import os
     import subprocess
     import sys

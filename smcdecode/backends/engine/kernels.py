@@ -17,9 +17,8 @@ stages and the split count are chosen per shape class and head dim (``ATTN_CONFI
 SMCDECODE_ATTN_CONFIG). References: attention.reference_paged_attention,
 model.rope_kv_write_reference, merge_splits_reference.
 
-skinny products — x · Wᵀ for few rows (draft decode), optionally with SiLU·mul in the epilogue, the
-RMSNorm of x folded in, and a residual (or bias) added (reference: torch's linear, model.silu_mul,
-model.add_rms_norm_reference).
+skinny products — x · Wᵀ for few rows (draft decode), optionally with SiLU·mul in the epilogue
+(reference: torch's linear and model.silu_mul).
 
 sample and score — exponential-race sampling, log-sum-exp and the gather of log q(d) over [R, V]
 logits in one read; rows that need no token (verify's scored rows) can skip the noise and the race
@@ -36,8 +35,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-
-from ...errors import SMCDecodeError
 
 
 @triton.jit
@@ -898,26 +895,11 @@ def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, ga
 
 
 @triton.jit
-def _skinny_linear_kernel(X, W, Y, M, stride_xm, stride_ym, GAMMA, R, stride_rm, eps, N: tl.constexpr,
-                          K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          SILU: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, GAMMA_TILE: tl.constexpr):
+def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr):
     """Y[M, N] = X[M, K] · W[N, K]ᵀ, one program per BLOCK_N output columns × BLOCK_M rows, streaming
     its W rows once. SILU: W is [2N, K] = [gate; up] and Y = silu(X·gateᵀ) · (X·upᵀ), rounded as the
-    unfused path rounds (the product to Y's dtype, silu to Y's dtype, then the product).
-
-    NORM: the rows of X are RMS-normalised on the fly, X -> rms_norm(X)·GAMMA [K]: Σx² accumulates in
-    fp32 while the K chunks stream by, the chunk is multiplied by GAMMA's and rounded to W's dtype for
-    the dot, and the fp32 product is scaled by rstd = 1/sqrt(Σx²/K + eps) after the loop (before the
-    SiLU epilogue): rstd·((x·γ)·Wᵀ) = (rstd·x·γ)·Wᵀ. The unfused path rounds x·rstd, then ·γ, to the
-    dtype instead; the two differ by that rounding only (bf16: ~2⁻⁹ relative per element; in fp16 x·γ
-    must stay below 65504). GAMMA_TILE: γ's chunk is loaded as a [BLOCK_M, BLOCK_K] tile (the valid
-    rows repeated) rather than a [BLOCK_K] vector: Triton pipelines a load with async copies only when
-    each thread's share is >= 4 bytes (a bf16 vector of 128 over 128 threads is 2 bytes a thread and
-    would be a synchronous load in every iteration); the tile costs M·BLOCK_K more L2 reads a chunk.
-    RESIDUAL: Y = R + (the result rounded to Y's dtype), added in fp32 and rounded once more, as torch
-    adds a bf16 product to a bf16 tensor; R [M, N] by its row stride (0: a bias row). R may be Y itself
-    (each element is read and then written by the same program).
-    Nothing is stored and nothing branches on the program id inside the K loop (it stays pipelined)."""
+    unfused path rounds (the product to Y's dtype, silu to Y's dtype, then the product)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -927,39 +909,21 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, stride_ym, GAMMA, R, stride_rm,
     n_ok = rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    ss = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + rk) < K
         x = tl.load(X + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if NORM:
-            xf = x.to(tl.float32)
-            ss += tl.sum(xf * xf, 1)
-            if GAMMA_TILE:  # γ repeated over x's rows: an async copy (so pipelined) where a vector is too narrow
-                gamma = tl.load(GAMMA + rm[:, None] * 0 + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                                other=0.0)
-            else:
-                gamma = tl.load(GAMMA + k0 + rk, mask=k_ok, other=0.0)[None, :]
-            x = (xf * gamma.to(tl.float32)).to(W.dtype.element_ty)
         w = tl.load(W + rn[:, None] * K + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w))
         if SILU:
             wu = tl.load(W + (N + rn)[:, None] * K + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :],
                          other=0.0)
             acc_u += tl.dot(x, tl.trans(wu))
-    if NORM:
-        rstd = 1.0 / tl.sqrt(ss / K + eps)
-        acc = acc * rstd[:, None]
-        acc_u = acc_u * rstd[:, None]
     if SILU:
         g = acc.to(Y.dtype.element_ty).to(tl.float32)
         u = acc_u.to(Y.dtype.element_ty).to(tl.float32)
         sg = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
         acc = sg * u
-    mn_ok = m_ok[:, None] & n_ok[None, :]
-    if RESIDUAL:
-        r = tl.load(R + rm[:, None] * stride_rm + rn[None, :], mask=mn_ok, other=0.0).to(tl.float32)
-        acc = r + acc.to(Y.dtype.element_ty).to(tl.float32)
-    tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty), mask=mn_ok)
+    tl.store(Y + rm[:, None] * N + rn[None, :], acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def skinny_config(M: int, N: int, K: int, device: torch.device, silu: bool = False
@@ -996,52 +960,20 @@ def skinny_wins(M: int, N: int, K: int, nbytes: int, silu: bool) -> bool:
     return N == K or N >= 16 * K
 
 
-def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=None, *,
-                         norm_weight: Tensor | None = None, eps: float = 1e-5, residual: Tensor | None = None,
-                         out: Tensor | None = None) -> Tensor:
+def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=None) -> Tensor:
     """x [..., K] (unit stride in K) · weight [N, K]ᵀ -> [..., N]; with ``silu`` the weight is [gate; up]
     ([2N, K]) and the result silu(x·gateᵀ)·(x·upᵀ) [..., N]. For few rows (decode), where cuBLAS's
     kernels leave bandwidth unused on small matrices. References: torch.nn.functional.linear, and
-    model.silu_mul of it.
-
-    ``norm_weight`` γ [K]: x is replaced by rms_norm(x)·γ (eps ``eps``) in the same pass (reference:
-    model.add_rms_norm_reference, then the product). ``residual`` [..., N] (unit stride in N; row
-    stride 0 allowed: a bias): the result is residual + (the product rounded to the dtype). ``out``
-    [..., N] contiguous, written instead of a new tensor; it may be ``residual`` (in place), never x."""
+    model.silu_mul of it."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
     N = weight.shape[0] // 2 if silu else weight.shape[0]
-    lead = tuple(x.shape[:-1])
-    if weight.shape[-1] != K:
-        raise SMCDecodeError(f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}: the weight must "
-                             f"be [N, {K}] (its input dimension is x's last)")
-    if norm_weight is not None and tuple(norm_weight.shape) != (K,):
-        raise SMCDecodeError(f"norm_weight has shape {tuple(norm_weight.shape)}, expected ({K},): pass the "
-                             f"RMSNorm weight of x's last dimension ({K})")
-    if residual is not None:
-        if tuple(residual.shape) != lead + (N,) or residual.stride(-1) != 1:
-            raise SMCDecodeError(f"residual has shape {tuple(residual.shape)} (last stride {residual.stride(-1)}), "
-                                 f"expected {lead + (N,)} with unit stride in the last dimension: pass the "
-                                 "stream the product is added to (a bias: bias.expand(*x.shape[:-1], -1))")
-        r2 = residual.reshape(-1, N)  # a view where possible (row stride 0 for an expanded bias)
-    if out is None:
-        y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    else:
-        if tuple(out.shape) != lead + (N,) or not out.is_contiguous():
-            raise SMCDecodeError(f"out has shape {tuple(out.shape)} (contiguous: {out.is_contiguous()}), expected a "
-                                 f"contiguous {lead + (N,)}: pass a tensor of the result's shape, or out=None")
-        if out.untyped_storage().data_ptr() == x2.untyped_storage().data_ptr():
-            raise SMCDecodeError("out shares its memory with x: programs would overwrite rows that others still "
-                                 "read; pass another tensor (the residual may be out, x may not)")
-        y = out.view(M, N)
     bm, bn, bk, warps, stages = config or skinny_config(M, N, K, x.device, silu)
+    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     _skinny_linear_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
-        x2, weight, y, M, x2.stride(0), y.stride(0), norm_weight if norm_weight is not None else x2,
-        r2 if residual is not None else y, r2.stride(0) if residual is not None else 0, eps, N=N, K=K,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm_weight is not None, RESIDUAL=residual is not None,
-        GAMMA_TILE=norm_weight is not None and bk * norm_weight.element_size() < 4 * 32 * warps,
+        x2, weight, y, M, x2.stride(0), N=N, K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SILU=silu,
         num_warps=warps, num_stages=stages)
-    return y.view(*lead, N)
+    return y.view(*x.shape[:-1], N)

@@ -2,11 +2,8 @@
 
 A plain module in the gpt-fast manner: fused QKV and gate/up projections, RoPE with Llama-3
 frequency scaling, RMSNorm, SwiGLU. On CUDA the elementwise parts are Triton kernels (kernels.py):
-residual add + RMSNorm, RoPE + KV-page write, SiLU·mul; elsewhere their torch references here.
-Opt-in (SMCDECODE_FOLD_NORM, ``_fold_norm``): for the draft's few-row decode steps a layer folds
-its RMSNorms and residual adds into the skinny products (``Block.forward_folded``).
-The KV cache lives outside the module (``kv_cache.KVPool``); ``forward`` writes the new
-keys/values into the pages named by the page table and attends over them.
+residual add + RMSNorm, RoPE + KV-page write, SiLU·mul; elsewhere their torch references here. The KV cache lives outside the module (``kv_cache.KVPool``);
+``forward`` writes the new keys/values into the pages named by the page table and attends over them.
 
 Shapes: B rows (requests × particles), L new tokens per row, H query heads, Hkv key/value heads,
 D head dim, PS tokens per page.
@@ -241,31 +238,6 @@ def linear_silu_mul(x: Tensor, layer: nn.Linear) -> Tensor:
     return fused_silu_mul(layer(x))
 
 
-def _fold_norm(x: Tensor, block: Block) -> str:
-    """How a forward over x [B, L, dim] runs its layers (``block``: any of them): "0" add + RMSNorm
-    launches, then the products (the unfused path); "1" every RMSNorm folded into the skinny product
-    after it and every residual add into the one before it (``Block.forward_folded``); "addmm" the
-    same, but w2 on cuBLAS, its output added to the stream in place (``addmm_``).
-    SMCDECODE_FOLD_NORM picks "1" or "addmm" (default "0": off pending the H200 measurement); it
-    applies only on CUDA with Triton (and SMCDECODE_SKINNY not "0"), in bf16/fp16 with x's dtype =
-    the weights', for at most 16 rows (the draft's decode steps) and where the skinny w13 + SiLU·mul
-    beat cuBLAS (``kernels.skinny_wins``: the 1B's w13, not the 8B's)."""
-    import os
-
-    mode = os.environ.get("SMCDECODE_FOLD_NORM", "0")
-    if mode not in ("0", "1", "addmm"):
-        raise SMCDecodeError(f"SMCDECODE_FOLD_NORM={mode!r}: use '0' (off), '1' (all four products on the skinny "
-                             "kernel) or 'addmm' (w2 on cuBLAS, added in place)")
-    w13 = block.w13.weight
-    if (mode == "0" or not _use_triton(x) or os.environ.get("SMCDECODE_SKINNY", "1") == "0"
-            or x.dtype != w13.dtype or w13.dtype not in (torch.bfloat16, torch.float16)):
-        return "0"
-    from .kernels import skinny_wins
-
-    N2, K = w13.shape
-    return mode if skinny_wins(x.numel() // K, N2 // 2, K, w13.numel() * w13.element_size(), silu=True) else "0"
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -300,31 +272,6 @@ class Block(nn.Module):
                            Hkv, backend=kv.attention_backend)
         h, n = add_rms_norm(x, linear(o.reshape(B, L, H * D), self.wo), self.ffn_norm.weight, cfg.norm_eps)
         return h, linear(linear_silu_mul(n, self.w13), self.w2)
-
-    def forward_folded(self, x: Tensor, rope: tuple[Tensor, Tensor], kv, batch, mode: str) -> Tensor:
-        """The residual stream x [B, L, dim] (nothing pending) -> the stream after this block, with the
-        two RMSNorms folded into the wqkv and w13 products and the two residual adds into the wo and
-        w2 products (kernels.triton_skinny_linear's NORM and RESIDUAL): five launches a layer instead of
-        seven. ``mode`` "1" or "addmm" (w2 on cuBLAS, accumulated in place: ``_fold_norm``). An
-        attention bias is added in the wqkv product's epilogue (a residual of row stride 0). Differs
-        from ``forward`` by bf16 rounding only (see ``kernels._skinny_linear_kernel``)."""
-        from .kernels import triton_skinny_linear
-
-        cfg = self.cfg
-        B, L, dim = x.shape
-        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        bias = self.wqkv.bias
-        qkv = triton_skinny_linear(x, self.wqkv.weight, norm_weight=self.attention_norm.weight, eps=cfg.norm_eps,
-                                   residual=None if bias is None else bias.expand(B, L, -1))
-        o = rope_attention(qkv, batch, rope[0], rope[1], kv.k(self.layer), kv.v(self.layer), H, Hkv,
-                           backend=kv.attention_backend)
-        # NOTE: h is a new tensor owned here (never the caller's x), so w2 may accumulate into it in place
-        h = triton_skinny_linear(o.reshape(B, L, H * D), self.wo.weight, residual=x)
-        m = triton_skinny_linear(h, self.w13.weight, silu=True, norm_weight=self.ffn_norm.weight, eps=cfg.norm_eps)
-        if mode == "addmm":
-            h.view(B * L, dim).addmm_(m.view(B * L, -1), self.w2.weight.t())
-            return h
-        return triton_skinny_linear(m, self.w2.weight, residual=h, out=h)
 
 
 class Llama(nn.Module):
@@ -361,21 +308,15 @@ class Llama(nn.Module):
 
         Keys/values of the new tokens are written to the cache first; query i of row b attends to
         cache positions <= its own position (``batch`` is an ``attention.PagedBatch``). Positions must
-        be below the rope tables' length (``set_rope_cache``; 4096 by default). The layers run
-        ``Block.forward`` (the stream plus a pending branch output) or, where ``_fold_norm`` says so,
-        ``Block.forward_folded`` (the whole stream in and out)."""
+        be below the rope tables' length (``set_rope_cache``; 4096 by default)."""
         if self.rope_cos is None:
             self.set_rope_cache(min(self.cfg.max_position, 4096))
         rope = (self.rope_cos, self.rope_sin)
         x, delta = self.tok_embeddings(tokens), None
-        fold = _fold_norm(x, self.layers[0])
         for layer in self.layers:
-            if fold == "0":
-                x, delta = layer(x, delta, rope, kv, batch)
-            else:
-                x = layer.forward_folded(x, rope, kv, batch, fold)
+            x, delta = layer(x, delta, rope, kv, batch)
         if last_only:
-            x, delta = x[:, -1:], None if delta is None else delta[:, -1:]
+            x, delta = x[:, -1:], delta[:, -1:]
         return linear(add_rms_norm(x, delta, self.norm.weight, self.cfg.norm_eps)[1], self.output)
 
     # ------------------------------------------------------------------------------------------

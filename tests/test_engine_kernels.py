@@ -232,7 +232,7 @@ def test_triton_sample_and_score_matches_reference(V):
 
 
 @pytest.mark.parametrize("M,N,K", [(8, 3072, 2048), (16, 2048, 8192), (1, 6144, 4096), (5, 100, 72), (64, 512, 256),
-                                   (8, 2048, 2048), (1, 40000, 2048), (16, 8192, 2048)])
+                                   (8, 2048, 2048), (1, 40000, 2048), (16, 8192, 2048), (64, 8192, 2048)])
 def test_triton_skinny_linear_matches_torch(M, N, K):
     pytest.importorskip("triton")
     from smcdecode.backends.engine.kernels import triton_skinny_linear

@@ -4,6 +4,7 @@ sample-and-score. The Triton kernels are tested against these in test_engine_ker
 import json
 import math
 
+import pytest
 import torch
 
 from smcdecode.backends.engine.engine import sample_and_score_reference
@@ -82,8 +83,6 @@ def test_sample_and_score_reference_scores_exactly_and_samples_the_softmax():
 
 def _interpreted_kernels():
     import os
-
-    import pytest
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the compiled kernels are tested in test_engine_kernels.py")
@@ -411,19 +410,33 @@ for L, D, nsplit, block_n, warps, stages, prefetch in [(1, 64, 4, 32, 4, 2, True
 build(K._paged_attn_grouped_kernel, {**attn, "B": "i32"},
       dict(L=1, G=4, H=32, HKV=8, D=64, PS=16, NSPLIT=4, MT=1, GS=8, GS_P2=8, BLOCK_M=32, BLOCK_N=64, BLOCK_L=16,
            ROPE=True, MERGE=2, DYN_LOOP=True, MAX_IT=1), 4, 2)
+# the skinny product at the shapes it runs (the draft's wo and w13 + SiLU·mul at 8 and 64 rows, a
+# vocabulary head), with the 16-byte alignment the JIT assumes of pointers and strides (without it
+# nothing is pipelined): every load of the K loop must be an async copy of the software pipeline
+skinny = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "M": "i32", "stride_xm": "i32"}
+aligned = {(K._skinny_linear_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("X", "W", "Y", "stride_xm")}
+for m, n, k, bn, bk, silu in [(16, 2048, 2048, 16, 256, False), (16, 8192, 2048, 32, 128, True),
+                              (64, 8192, 2048, 32, 128, True), (16, 128256, 2048, 64, 128, False)]:
+    consts = dict(N=n, K=k, BLOCK_M=m, BLOCK_N=bn, BLOCK_K=bk, SILU=silu)
+    kern = triton.compile(ASTSource(fn=K._skinny_linear_kernel, signature={**skinny, **dict.fromkeys(consts, "constexpr")},
+                                    constexprs=consts, attrs=aligned),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
+    ttgir = kern.asm["ttgir"]
+    loop = ttgir[ttgir.index("scf.for"):ttgir.index("scf.yield")]
+    assert "tt.load" not in loop and "tt.store" not in loop, (consts, loop)
+    assert ttgir.count("async_copy_global_to_local") == 4 * (2 + silu), consts  # 4 stages of each load
 print("compiled")
 '''
 
 
 def test_kernels_compile_for_a_gpu_target():
     """The kernels this CPU suite runs in the interpreter also compile for an H100/H200 (sm_90, with
-    the ptxas that ships with triton; no GPU needed): the row-skipping sampler and the attention with
-    the page-id prefetch and non-default blocks, warps and stages."""
+    the ptxas that ships with triton; no GPU needed): the row-skipping sampler, the attention with
+    the page-id prefetch and non-default blocks, warps and stages, and the skinny product with every
+    load of its K loop software-pipelined (async copies, 4 stages)."""
     import os
     import subprocess
     import sys
-
-    import pytest
 
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -435,3 +448,19 @@ def test_kernels_compile_for_a_gpu_target():
     if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr.lower()):
         pytest.skip("no ptxas for the CUDA backend")
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+def test_skinny_silu_row_limit_is_read_from_the_environment(monkeypatch):
+    """w13 + SiLU·mul goes to the skinny kernel up to SMCDECODE_SKINNY_SILU_ROWS rows (default 64: the
+    draft of 8 requests × 8 particles); the other products only up to 16; a bad value is refused."""
+    kernels = _interpreted_kernels()
+    monkeypatch.delenv("SMCDECODE_SKINNY_SILU_ROWS", raising=False)
+    assert kernels.skinny_wins(64, 8192, 2048, 64e6, silu=True)
+    assert not kernels.skinny_wins(65, 8192, 2048, 64e6, silu=True)
+    assert not kernels.skinny_wins(64, 8192, 2048, 235e6, silu=True)
+    assert not kernels.skinny_wins(64, 2048, 2048, 8e6, silu=False) and kernels.skinny_wins(16, 2048, 2048, 8e6, False)
+    monkeypatch.setenv("SMCDECODE_SKINNY_SILU_ROWS", "16")
+    assert not kernels.skinny_wins(64, 8192, 2048, 64e6, silu=True) and kernels.skinny_wins(16, 8192, 2048, 64e6, True)
+    monkeypatch.setenv("SMCDECODE_SKINNY_SILU_ROWS", "many")
+    with pytest.raises(ValueError, match="SMCDECODE_SKINNY_SILU_ROWS='many'"):
+        kernels.skinny_wins(8, 8192, 2048, 64e6, silu=True)

@@ -6,7 +6,7 @@ that is bench_engine.py). Times, in one process:
    row counts the strategies use, with a few block configurations at the draft's decode shape;
 2. SMC-SD / AR end to end under kernel variants switched by environment flags
    (SMCDECODE_FUSED_ROPE, SMCDECODE_ATTN_MERGE, SMCDECODE_ATTN_PROGRAMS_PER_SM,
-   SMCDECODE_ATTN_GROUP, SMCDECODE_SKINNY), each after a fresh graph capture ("--sections sweep":
+   SMCDECODE_ATTN_GROUP, SMCDECODE_SKINNY, SMCDECODE_SKINNY_SILU_ROWS), each after a fresh graph capture ("--sections sweep":
    each attention setting alone, then the ones that helped together; the best goes to best_env.txt);
 3. a torch.profiler table of a graph-replayed SMC-SD call (per-round device time by kernel).
 
@@ -129,13 +129,15 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
         ("device pages", {"SMCDECODE_DEVICE_PAGES": "1"}),
         ("grouped attention", {"SMCDECODE_ATTN_GROUP": "auto"}),
         ("default attention config", {"SMCDECODE_ATTN_CONFIG": "{}"}),
+        ("skinny SiLU <=16 rows", {"SMCDECODE_SKINNY_SILU_ROWS": "16"}),
     ]
     if only:
         variants = [v for v in variants if v[0] in only]
     rows = []
     for G, N, K, names in ((1, 8, 8, None), (8, 8, 8, ("default", "attn per_sm=2", "attn per_sm=8", "attn per_sm=16",
                                                           "no skinny", "grouped attention", "merge kernel",
-                                                          "device pages", "default attention config"))):
+                                                          "device pages", "default attention config",
+                                                          "skinny SiLU <=16 rows"))):
         for name, env in variants:
             if names is not None and name not in names:
                 continue

@@ -129,7 +129,7 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
         ("device pages", {"SMCDECODE_DEVICE_PAGES": "1"}),
         ("grouped attention", {"SMCDECODE_ATTN_GROUP": "auto"}),
         ("default attention config", {"SMCDECODE_ATTN_CONFIG": "{}"}),
-        ("skinny SiLU <=16 rows", {"SMCDECODE_SKINNY_SILU_ROWS": "16"}),
+        ("skinny SiLU <=64 rows", {"SMCDECODE_SKINNY_SILU_ROWS": "64"}),
     ]
     if only:
         variants = [v for v in variants if v[0] in only]
@@ -137,7 +137,7 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
     for G, N, K, names in ((1, 8, 8, None), (8, 8, 8, ("default", "attn per_sm=2", "attn per_sm=8", "attn per_sm=16",
                                                           "no skinny", "grouped attention", "merge kernel",
                                                           "device pages", "default attention config",
-                                                          "skinny SiLU <=16 rows"))):
+                                                          "skinny SiLU <=64 rows"))):
         for name, env in variants:
             if names is not None and name not in names:
                 continue

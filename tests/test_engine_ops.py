@@ -451,16 +451,16 @@ def test_kernels_compile_for_a_gpu_target():
 
 
 def test_skinny_silu_row_limit_is_read_from_the_environment(monkeypatch):
-    """w13 + SiLU·mul goes to the skinny kernel up to SMCDECODE_SKINNY_SILU_ROWS rows (default 64: the
-    draft of 8 requests × 8 particles); the other products only up to 16; a bad value is refused."""
+    """w13 + SiLU·mul goes to the skinny kernel up to SMCDECODE_SKINNY_SILU_ROWS rows (default 16, as
+    the other products); a bad value is refused."""
     kernels = _interpreted_kernels()
     monkeypatch.delenv("SMCDECODE_SKINNY_SILU_ROWS", raising=False)
-    assert kernels.skinny_wins(64, 8192, 2048, 64e6, silu=True)
-    assert not kernels.skinny_wins(65, 8192, 2048, 64e6, silu=True)
-    assert not kernels.skinny_wins(64, 8192, 2048, 235e6, silu=True)
+    assert kernels.skinny_wins(16, 8192, 2048, 64e6, silu=True)
+    assert not kernels.skinny_wins(17, 8192, 2048, 64e6, silu=True)
+    assert not kernels.skinny_wins(16, 8192, 2048, 235e6, silu=True)
     assert not kernels.skinny_wins(64, 2048, 2048, 8e6, silu=False) and kernels.skinny_wins(16, 2048, 2048, 8e6, False)
-    monkeypatch.setenv("SMCDECODE_SKINNY_SILU_ROWS", "16")
-    assert not kernels.skinny_wins(64, 8192, 2048, 64e6, silu=True) and kernels.skinny_wins(16, 8192, 2048, 64e6, True)
+    monkeypatch.setenv("SMCDECODE_SKINNY_SILU_ROWS", "64")
+    assert kernels.skinny_wins(64, 8192, 2048, 64e6, silu=True) and not kernels.skinny_wins(65, 8192, 2048, 64e6, True)
     monkeypatch.setenv("SMCDECODE_SKINNY_SILU_ROWS", "many")
     with pytest.raises(ValueError, match="SMCDECODE_SKINNY_SILU_ROWS='many'"):
         kernels.skinny_wins(8, 8192, 2048, 64e6, silu=True)

@@ -949,12 +949,10 @@ def skinny_config(M: int, N: int, K: int, device: torch.device, silu: bool = Fal
 
 def skinny_wins(M: int, N: int, K: int, nbytes: int, silu: bool) -> bool:
     """Where the skinny product beat cuBLAS (+ the SiLU·mul kernel) in that sweep (H200, random data,
-    every layer's own weights): w13 + SiLU·mul up to 100 MB of weights at up to
-    ``skinny_silu_max_rows()`` rows (1B at 8 rows: 290 vs 315 µs for 16 layers; at 64 rows — the
-    draft of 8 requests × 8 particles — ≈ 362 vs 418 µs, session 4; the 8B's 235 MB w13 stays on
-    cuBLAS); at most 16 rows, square products (wo: 1B 96.5 vs 99.1 µs, 8B 407 vs 418 µs) and
-    vocabulary heads (1B 123 vs 126 µs, 8B 233 vs 240 µs). wqkv and w2 stay on cuBLAS (equal or
-    slower here)."""
+    every layer's own weights): at most 16 rows (``skinny_silu_max_rows()`` for w13 + SiLU·mul), and
+    w13 + SiLU·mul up to 100 MB of weights (1B: 290 vs 315 µs for 16 layers; the 8B's 235 MB w13
+    stays on cuBLAS), square products (wo: 1B 96.5 vs 99.1 µs, 8B 407 vs 418 µs) and vocabulary heads
+    (1B 123 vs 126 µs, 8B 233 vs 240 µs). wqkv and w2 stay on cuBLAS (equal or slower here)."""
     if silu:
         return M <= skinny_silu_max_rows() and nbytes <= 100e6
     if M > 16:
@@ -963,8 +961,10 @@ def skinny_wins(M: int, N: int, K: int, nbytes: int, silu: bool) -> bool:
 
 
 def skinny_silu_max_rows() -> int:
-    """Most rows for which w13 + SiLU·mul runs on the skinny kernel (SMCDECODE_SKINNY_SILU_ROWS, default 64)."""
-    v = os.environ.get("SMCDECODE_SKINNY_SILU_ROWS", "64")
+    """Most rows for which w13 + SiLU·mul runs on the skinny kernel: SMCDECODE_SKINNY_SILU_ROWS,
+    default 16. (64 — the draft of 8 requests × 8 particles — measured equal end to end on the H200
+    in session 4: SMC-SD 8 × N=8 K=8 29.72 vs 29.64 ms a round with 16; docs/benchmarks.md.)"""
+    v = os.environ.get("SMCDECODE_SKINNY_SILU_ROWS", "16")
     if not v.isdigit():
         raise ValueError(f"SMCDECODE_SKINNY_SILU_ROWS={v!r}: give a row count such as 16 or 64")
     return int(v)

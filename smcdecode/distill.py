@@ -110,15 +110,23 @@ class DistillConfig:
 
 
 def load_prompts(paths: Sequence[str | Path]) -> list[str]:
-    """User prompts from JSON / JSONL files: plain strings, ShareGPT (``conversations``: first human
-    turn), AlpacaEval (``instruction`` [+ ``input``]), Spec-Bench (``turns``), or ``prompt`` /
-    ``question`` / ``problem`` / ``text`` fields. Duplicates and empty prompts are dropped; order is kept."""
+    """User prompts from JSON / JSONL files (``.gz`` too): plain strings, ShareGPT (``conversations``:
+    first human turn), AlpacaEval (``instruction`` [+ ``input``]), Spec-Bench (``turns``), JSONSchemaBench
+    (``schema``: a request for a JSON object that conforms to it, ``SCHEMA_PROMPT``), or ``prompt`` /
+    ``question`` / ``problem`` / ``text`` fields (HumanEval's ``prompt``: the code to complete).
+    Duplicates and empty prompts are dropped; order is kept."""
     prompts: list[str] = []
     for path in paths:
         path = Path(path)
         if not path.is_file():
             raise SMCDecodeError(f"prompt file {str(path)!r} does not exist")
-        text = path.read_text()
+        if path.suffix == ".gz":
+            import gzip
+
+            text = gzip.decompress(path.read_bytes()).decode()
+            path = path.with_suffix("")  # the format is the inner suffix's
+        else:
+            text = path.read_text()
         try:
             if path.suffix == ".jsonl":
                 items = [json.loads(line) for line in text.splitlines() if line.strip()]
@@ -139,6 +147,9 @@ def load_prompts(paths: Sequence[str | Path]) -> list[str]:
     return out
 
 
+SCHEMA_PROMPT = "Write a JSON object that conforms to this JSON Schema. Reply with the JSON object only.\n\n"
+
+
 def _prompt_of(item) -> str | None:
     if isinstance(item, str):
         return item
@@ -152,6 +163,8 @@ def _prompt_of(item) -> str | None:
     if isinstance(item.get("instruction"), str):
         extra = item.get("input")
         return item["instruction"] + (f"\n\n{extra}" if isinstance(extra, str) and extra.strip() else "")
+    if isinstance(item.get("schema"), dict):
+        return SCHEMA_PROMPT + json.dumps(item["schema"], ensure_ascii=False)
     if isinstance(item.get("turns"), list) and item["turns"]:
         return item["turns"][0] if isinstance(item["turns"][0], str) else None
     for key in ("prompt", "question", "problem", "text"):

@@ -287,6 +287,17 @@ def test_load_prompts_reads_the_eval_formats(tmp_path):
     (tmp_path / "spec.jsonl").write_text(json.dumps({"turns": ["First turn", "second"]}) + "\n")
     prompts = load_prompts([tmp_path / "share.json", tmp_path / "alpaca.json", tmp_path / "spec.jsonl"])
     assert prompts == ["Hello?", "Sum 2 and 3.", "plain", "First turn"]
+    import gzip
+
+    from smcdecode.distill import SCHEMA_PROMPT
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    (tmp_path / "schemas.jsonl").write_text(json.dumps({"id": "s", "schema": schema}) + "\n")
+    (tmp_path / "code.jsonl.gz").write_bytes(gzip.compress(
+        (json.dumps({"task_id": "HumanEval/0", "prompt": "def f(x):\n    "}) + "\n").encode()))
+    prompts = load_prompts([tmp_path / "schemas.jsonl", tmp_path / "code.jsonl.gz"])
+    assert prompts == [SCHEMA_PROMPT + json.dumps(schema), "def f(x):"]  # (prompts are stripped)
+    assert json.loads(prompts[0].removeprefix(SCHEMA_PROMPT)) == schema
     train, held = split_prompts(list(range(10)), 3, seed=0)
     assert len(held) == 3 and sorted(train + held) == list(range(10))
     assert split_prompts(list(range(10)), 3, seed=0) == (train, held)

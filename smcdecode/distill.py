@@ -77,6 +77,7 @@ class DistillConfig:
     validation_prompts: int = 64
     generation_time_budget_s: float | None = None
     generator: str = "hf"
+    on_policy: float = 0.0
 
     def check(self) -> None:
         for name in ("layers", "samples_per_prompt", "max_prompt_tokens", "max_new_tokens", "steps", "batch_size",
@@ -92,6 +93,9 @@ class DistillConfig:
             raise SMCDecodeError(f"holdout must be >= 0, got {self.holdout!r}")
         if self.generator not in ("hf", "engine"):
             raise SMCDecodeError(f"generator must be 'hf' or 'engine', got {self.generator!r}")
+        if isinstance(self.on_policy, bool) or not (isinstance(self.on_policy, (int, float)) and 0 <= self.on_policy <= 1):
+            raise SMCDecodeError(f"on_policy must be a fraction in [0, 1] (the share of training answers the "
+                                 f"draft samples), got {self.on_policy!r}")
         if self.eval_every < 0:
             raise SMCDecodeError(f"eval_every must be >= 0 (0: no validation), got {self.eval_every!r}")
         for name in ("time_budget_s", "generation_time_budget_s"):
@@ -598,11 +602,14 @@ def distill(
 
     1. keep prompts of at most ``max_prompt_tokens`` tokens; hold ``holdout`` of them out
        (``extra_prompts`` only ever train: the held-out set depends on ``prompts`` alone);
-    2. sample ``samples_per_prompt`` responses per training prompt (one per held-out prompt) from
-       the target at the first training temperature (saved in ``corpus.pt``, reused on resume);
-    3. build the draft (:func:`smcdecode.drafts.build_draft`), or start from the saved draft
-       ``init_draft`` (a warm start: more data or steps for an existing draft), and train it
-       (:func:`train_draft`);
+    2. build the draft (:func:`smcdecode.drafts.build_draft`), or start from the saved draft
+       ``init_draft`` (a warm start: more data or steps for an existing draft);
+    3. sample ``samples_per_prompt`` responses per training prompt (one per held-out prompt) from
+       the target at the first training temperature (saved in ``corpus.pt``, reused on resume) —
+       with ``on_policy`` = f, round(f·samples_per_prompt) of each training prompt's responses are
+       sampled from the draft of step 2 instead (on-policy distillation: the KL is then also taken
+       on the draft's own continuations, the prefixes SMC-SD's weights are computed on; held-out and
+       validation responses are always the target's) — and train the draft (:func:`train_draft`);
     4. save it (``draft.json`` + ``draft.safetensors``), reload the saved file, and evaluate the
        reloaded draft on the held-out responses at each temperature (``eval.json``).
 
@@ -618,9 +625,25 @@ def distill(
             f.unlink(missing_ok=True)
     started = time.perf_counter()
     gen_seconds = 0.0
+    warm = None
+    if init_draft is not None:
+        draft = load_draft(target, init_draft)
+        warm = draft.hf.smcdecode_draft["config"]
+        if config.layers != warm["num_layers"] or (config.init_layers not in (None, warm["init_layers"])):
+            raise SMCDecodeError(
+                f"--init-draft {str(init_draft)!r} has {warm['num_layers']} layers initialised from "
+                f"{warm['init_layers']}; pass --layers {warm['num_layers']} (and no other --init-layers)"
+            )
+        log(f"warm start from {init_draft} ({warm.get('training', {}).get('steps')} steps)")
+    else:
+        draft = build_draft(target, config.layers, config.init_layers)
     if corpus_file.exists():
         corpus = torch.load(corpus_file, weights_only=True)
         log(f"reusing {len(corpus['train'])} training and {len(corpus['heldout'])} held-out sequences from {corpus_file}")
+        if float(corpus.get("on_policy", 0.0)) != float(config.on_policy):
+            raise SMCDecodeError(
+                f"{str(corpus_file)!r} was made with on_policy={corpus.get('on_policy', 0.0)}, not {config.on_policy}: "
+                "pass the same --on-policy to reuse it, or --fresh to make a new corpus")
     else:
         usable = chat_prompts(target, prompts, config.max_prompt_tokens)
         train_p, held_p = split_prompts(usable, config.holdout, config.seed)
@@ -645,28 +668,27 @@ def distill(
         budget = config.generation_time_budget_s
         if budget is not None:
             budget = max(1.0, budget - (time.perf_counter() - t))
-        train = generate_corpus(target, [ids for _, ids in train_p + extra_p], samples=config.samples_per_prompt,
-                                max_new_tokens=config.max_new_tokens, temperature=temp,
-                                batch_size=config.generation_batch_size, seed=config.seed, progress=progress,
-                                time_budget_s=budget, generator=config.generator, log=log)
+        n_draft = round(config.on_policy * config.samples_per_prompt)
+        train, n_from_draft = [], 0
+        for model, n, seed in ((target, config.samples_per_prompt - n_draft, config.seed),
+                               (draft, n_draft, config.seed + 3)):
+            if n == 0:
+                continue
+            share = None if budget is None else budget * n / config.samples_per_prompt
+            part = generate_corpus(model, [ids for _, ids in train_p + extra_p], samples=n,
+                                     max_new_tokens=config.max_new_tokens, temperature=temp,
+                                     batch_size=config.generation_batch_size, seed=seed, progress=progress,
+                                     time_budget_s=share, generator=config.generator, log=log)
+            train += part
+            n_from_draft += len(part) if model is draft else 0
         gen_seconds = time.perf_counter() - t
         corpus = {"train": train, "heldout": held, "heldout_prompts": [text for text, _ in held_p],
-                  "validation": val, "generation_seconds": gen_seconds}
+                  "validation": val, "generation_seconds": gen_seconds, "on_policy": float(config.on_policy),
+                  "draft_sequences": n_from_draft}
         torch.save(corpus, corpus_file)
         n_tok = sum(len(r) for _, r in train)
-        log(f"generated {len(train)} training sequences ({n_tok} response tokens) in {gen_seconds:.0f} s")
-    warm = None
-    if init_draft is not None:
-        draft = load_draft(target, init_draft)
-        warm = draft.hf.smcdecode_draft["config"]
-        if config.layers != warm["num_layers"] or (config.init_layers not in (None, warm["init_layers"])):
-            raise SMCDecodeError(
-                f"--init-draft {str(init_draft)!r} has {warm['num_layers']} layers initialised from "
-                f"{warm['init_layers']}; pass --layers {warm['num_layers']} (and no other --init-layers)"
-            )
-        log(f"warm start from {init_draft} ({warm.get('training', {}).get('steps')} steps)")
-    else:
-        draft = build_draft(target, config.layers, config.init_layers)
+        log(f"generated {len(train)} training sequences ({n_tok} response tokens"
+            + (f"; {n_from_draft} sampled by the draft" if n_draft else "") + f") in {gen_seconds:.0f} s")
     if config.eval_every and not corpus.get("validation"):
         log("no validation sequences in the corpus (made without --eval-every): training without model selection")
     trained = train_draft(target, draft, corpus["train"], config, checkpoint=ckpt,
@@ -674,6 +696,7 @@ def distill(
     recipe = {
         "config": dataclasses.asdict(config),
         "train_sequences": len(corpus["train"]),
+        "draft_sequences": int(corpus.get("draft_sequences", 0)),
         "extra_prompts": len(extra_prompts),
         "train_response_tokens": sum(len(r) for _, r in corpus["train"]),
         "steps": trained["steps"],
@@ -748,6 +771,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="what samples the target's text: transformers' generate, or smcdecode's GPU engine "
                    "(paged KV + CUDA graphs; much faster for a small target on a GPU)")
     p.add_argument("--generation-batch-size", type=int, default=d.generation_batch_size, help="sequences per generate() call")
+    p.add_argument("--on-policy", type=float, default=d.on_policy, metavar="F",
+                   help="share of each training prompt's samples drawn from the draft being trained (the "
+                   "built or --init-draft one) instead of the target: on-policy distillation, the KL taken on "
+                   "the draft's own continuations too (0: target text only)")
     p.add_argument("--weights", choices=["int8", "bfloat16", "float32"], default=d.weights,
                    help="storage of the saved layers (int8: per-row scales, half the size of bfloat16)")
     p.add_argument("--eval-every", type=int, default=d.eval_every,
@@ -781,6 +808,7 @@ def main(argv: list[str] | None = None) -> int:
             generation_batch_size=args.generation_batch_size, weights=args.weights,
             eval_every=args.eval_every, validation_prompts=args.validation_prompts,
             generation_time_budget_s=args.generation_time_budget, generator=args.generator,
+            on_policy=args.on_policy,
         )
         config.check()
         prompts = load_prompts(args.prompts)

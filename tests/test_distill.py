@@ -361,3 +361,41 @@ def test_corpus_throughput_benchmark_runs_on_cpu(tmp_path):
     assert set(report["generators"]) == {"engine", "hf"} and report["device"] == "cpu"
     for g in report["generators"].values():
         assert g["first_call"]["sequences"] == 18 and g["median"]["sequences_per_s"] > 0
+
+
+def test_on_policy_corpus_takes_a_share_of_the_answers_from_the_draft(tmp_path):
+    """on_policy = 0.5 with 4 samples a prompt: 2 answers per training prompt from the target and 2
+    from the draft being trained — exactly the draft's own samples (the same call on the built draft
+    reproduces them), the held-out answers still the target's; a corpus made with another share is
+    not silently reused; a share outside [0, 1] is refused."""
+    target = tiny_target(tokenizer=True)
+    prompts = [" ".join(f"w{(5 * i + j) % 46}" for j in range(2 + i % 3)) for i in range(14)]
+    config = DistillConfig(layers=1, samples_per_prompt=4, max_new_tokens=6, holdout=4, steps=2, batch_size=4,
+                           lr=1e-2, warmup_steps=1, on_policy=0.5, weights="float32")
+    logs: list[str] = []
+    report = distill(target, prompts, tmp_path, config, progress=False, log=logs.append)
+    corpus = torch.load(tmp_path / "corpus.pt", weights_only=True)
+    assert report["training"]["draft_sequences"] == corpus["draft_sequences"] == 10 * 2  # 10 training prompts
+    assert len(corpus["train"]) == 10 * 4 and corpus["on_policy"] == 0.5
+    assert any("sampled by the draft" in line for line in logs)
+
+    from smcdecode.distill import build_draft, chat_prompts, generate_corpus, split_prompts
+
+    train_p, held_p = split_prompts(chat_prompts(target, prompts, config.max_prompt_tokens), 4, config.seed)
+    draft0 = build_draft(target, 1)  # the draft before training (build_draft is deterministic)
+    ids = [i for _, i in train_p]
+    mine = generate_corpus(draft0, ids, samples=2, max_new_tokens=6, temperature=0.7, seed=config.seed + 3,
+                           progress=False, log=lambda s: None)
+    theirs = generate_corpus(target, ids, samples=2, max_new_tokens=6, temperature=0.7, seed=config.seed,
+                             progress=False, log=lambda s: None)
+    assert corpus["train"] == theirs + mine and mine != theirs
+    held = generate_corpus(target, [i for _, i in held_p], samples=1, max_new_tokens=6, temperature=0.7,
+                           seed=config.seed + 1, progress=False, log=lambda s: None)
+    assert corpus["heldout"] == held
+
+    config.on_policy = 0.0
+    with pytest.raises(SMCDecodeError, match="was made with on_policy=0.5"):
+        distill(target, prompts, tmp_path, config, progress=False, log=logs.append)
+    config.on_policy = 1.5
+    with pytest.raises(SMCDecodeError, match=r"on_policy must be a fraction in \[0, 1\]"):
+        config.check()

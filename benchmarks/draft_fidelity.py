@@ -46,18 +46,19 @@ def _strategies(args, target):
     from smcdecode.drafts import load_default_draft, load_draft
 
     T = args.temperature
+    Tq = T if args.draft_temperature is None else args.draft_temperature  # the proposal's temperature
     lm = LM(target, T)
     out = {}
     if "target" in args.methods:
         out["target"] = Autoregressive(lm, samples=1)
     if {"smc_k4", "smc_k8", "sd_k4"} & set(args.methods):  # the distilled draft, loaded only when used
         draft = load_default_draft(target) if args.draft == "default" else load_draft(target, args.draft)
-        out["smc_k4"] = SMC(lm, Draft(draft, T), particles=args.particles, block_size=4)
-        out["smc_k8"] = SMC(lm, Draft(draft, T), particles=args.particles, block_size=8)
-        out["sd_k4"] = SpeculativeDecoding(lm, Draft(draft, T), block_size=4)
+        out["smc_k4"] = SMC(lm, Draft(draft, Tq), particles=args.particles, block_size=4)
+        out["smc_k8"] = SMC(lm, Draft(draft, Tq), particles=args.particles, block_size=8)
+        out["sd_k4"] = SpeculativeDecoding(lm, Draft(draft, Tq), block_size=4)
     if "smc_trunc_k4" in args.methods:
         trunc = truncated_draft(target, args.truncated)
-        out["smc_trunc_k4"] = SMC(lm, Draft(trunc, T), particles=args.particles, block_size=4)
+        out["smc_trunc_k4"] = SMC(lm, Draft(trunc, Tq), particles=args.particles, block_size=4)
     return out
 
 
@@ -229,6 +230,8 @@ def main(argv=None) -> int:
     p.add_argument("--particles", type=int, default=8)
     p.add_argument("--truncated", type=int, default=10, help="layers of the truncated draft")
     p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--draft-temperature", type=float, default=None,
+                   help="temperature of the drafts as proposals (default: --temperature; the target stays at --temperature)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--device", default="cuda")
     p.add_argument("--workers", type=int, default=8)

@@ -391,12 +391,18 @@ def evaluate_draft(
     corpus: Sequence[tuple[list[int], list[int]]],
     *,
     temperature: float = 0.7,
+    draft_temperature: float | None = None,
     batch_size: int = 16,
     progress: bool = False,
 ) -> dict:
     """Held-out figures of ``draft`` against ``target`` at ``temperature`` over the response
     positions of ``corpus``: mean acceptance Σ min(p, q), χ² = Σ p²/q − 1 (mean, median, and the
-    mean of log(1 + χ²)), KL(p || q), and the positions counted. Runs in float32."""
+    mean of log(1 + χ²)), KL(p || q), and the positions counted. Runs in float32. q is the draft at
+    ``draft_temperature`` (default: ``temperature``): the proposal SMC-SD / SD would use with it."""
+    if draft_temperature is None:
+        draft_temperature = temperature
+    if not (draft_temperature > 0 and math.isfinite(draft_temperature)):
+        raise SMCDecodeError(f"draft_temperature must be a finite number > 0, got {draft_temperature!r}")
     device = target.device
     acc, chi, kl = [], [], []
     bar = _bar(progress, len(corpus), "evaluating", "seq")
@@ -404,7 +410,7 @@ def evaluate_draft(
         seqs = corpus[start : start + batch_size]
         ids, pos = _batch(seqs, device)
         log_p = torch.log_softmax(_logits(target.hf, ids, pos) / temperature, -1)
-        log_q = torch.log_softmax(_logits(draft.hf, ids, pos) / temperature, -1)
+        log_q = torch.log_softmax(_logits(draft.hf, ids, pos) / draft_temperature, -1)
         acc.append(torch.minimum(log_p, log_q).exp().sum(-1).double().cpu())
         chi.append(torch.logsumexp(2 * log_p - log_q, -1).double().cpu())  # log(1 + χ²)
         kl.append((log_p.exp() * (log_p - log_q)).sum(-1).double().cpu())
@@ -418,6 +424,7 @@ def evaluate_draft(
     chi2 = torch.expm1(log1p_chi2)
     return {
         "temperature": temperature,
+        **({"draft_temperature": draft_temperature} if draft_temperature != temperature else {}),
         "acceptance": float(a.mean()),
         "chi2_mean": float(chi2.mean()),
         "chi2_median": float(chi2.median()),

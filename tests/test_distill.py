@@ -399,3 +399,22 @@ def test_on_policy_corpus_takes_a_share_of_the_answers_from_the_draft(tmp_path):
     config.on_policy = 1.5
     with pytest.raises(SMCDecodeError, match=r"on_policy must be a fraction in \[0, 1\]"):
         config.check()
+
+
+def test_evaluate_draft_at_another_proposal_temperature(target, corpus):
+    """q at T' against p at T: the target as its own draft accepts 1 at T' = T and exactly
+    mean Σ min(p_T, p_T') at T' ≠ T (computed here from the logits), and T' must be > 0."""
+    from smcdecode.distill import _batch, _logits
+
+    seqs = corpus[:6]
+    same = evaluate_draft(target, target, seqs, temperature=0.7, draft_temperature=0.7)
+    assert same["acceptance"] == pytest.approx(1.0, abs=1e-6) and "draft_temperature" not in same
+    ids, pos = _batch(seqs, target.device)
+    with torch.no_grad():
+        z = _logits(target.hf, ids, pos).float()
+    expect = torch.minimum(torch.softmax(z / 0.7, -1), torch.softmax(z / 0.5, -1)).sum(-1).mean()
+    other = evaluate_draft(target, target, seqs, temperature=0.7, draft_temperature=0.5)
+    assert other["draft_temperature"] == 0.5 and other["acceptance"] == pytest.approx(float(expect), abs=1e-5)
+    assert other["acceptance"] < 0.99 and other["kl"] > 1e-4
+    with pytest.raises(SMCDecodeError, match="draft_temperature must be a finite number > 0"):
+        evaluate_draft(target, target, seqs, temperature=0.7, draft_temperature=0.0)

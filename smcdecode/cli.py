@@ -37,13 +37,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="target model: 'smollm2' (built-in SmolLM2-135M-Instruct), a local Hugging Face directory, or a .gguf file")
     g.add_argument("--draft", default="default",
                    help="proposal: 'default' (the built-in draft for the default model), 'truncated:L' (the target's first L layers), "
-                   "'target' (particle filter with the target as proposal), or a model directory/.gguf sharing the target's tokenizer")
+                   "'target' (particle filter with the target as proposal), a distilled draft directory (smcdecode distill --out), "
+                   "or a model directory/.gguf sharing the target's tokenizer")
     g.add_argument("--strategy", default="smc", choices=["smc", "sd", "ar", "all"],
                    help="smc = SMC speculative decoding; sd = exact speculative decoding; ar = autoregressive; all = the three side by side")
     g.add_argument("-n", "--particles", type=int, default=8, help="number of particles N (SMC) or samples (sd/ar)")
     g.add_argument("-k", "--block-size", type=int, default=4, help="draft tokens per round K (a round adds K+1 tokens)")
     g.add_argument("--temperature", type=float, default=0.7, help="target temperature T (> 0)")
-    g.add_argument("--draft-temperature", type=float, default=0.7, help="draft temperature (> 0)")
+    g.add_argument("--draft-temperature", type=float, default=None,
+                   help="draft temperature (> 0); default: the draft's proposal temperature for --temperature "
+                   "(the built-in draft: 5/7 of it, 0.5 at the default 0.7; any other draft: --temperature)")
     g.add_argument("--alpha", type=float, default=1.0, help="power α of the target: π ∝ p_T^α")
     g.add_argument("--resampler", default="systematic", choices=["multinomial", "stratified", "systematic", "residual"],
                    help="resampling scheme")
@@ -79,14 +82,24 @@ def _draft(spec: str, target_model, args):
     if spec == "target":
         return "target"
     if spec == "default":
-        return sd.Draft(_default_draft(target_model), args.draft_temperature)
+        from .drafts import proposal_temperature
+
+        draft = _default_draft(target_model)
+        t = args.draft_temperature if args.draft_temperature is not None else \
+            proposal_temperature(draft, args.temperature)
+        return sd.Draft(draft, t)
     if spec.startswith("truncated:"):
         try:
             layers = int(spec.split(":", 1)[1])
         except ValueError:
             raise UsageError(f"--draft {spec!r}: write truncated:L with an integer L, e.g. truncated:8") from None
-        return sd.Draft(sd.truncated_draft(target_model, layers), args.draft_temperature)
-    return sd.Draft(sd.load_model(spec, device=args.device), args.draft_temperature)
+        return sd.Draft(sd.truncated_draft(target_model, layers), args.draft_temperature or args.temperature)
+    if Path(spec, "draft.json").is_file():  # a distilled draft directory
+        from .drafts import load_draft, proposal_temperature
+
+        draft = load_draft(target_model, spec)
+        return sd.Draft(draft, args.draft_temperature or proposal_temperature(draft, args.temperature))
+    return sd.Draft(sd.load_model(spec, device=args.device), args.draft_temperature or args.temperature)
 
 
 def _default_draft(target_model):
@@ -120,7 +133,7 @@ def _generate(args) -> int:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     for flag, value in (("--temperature", args.temperature), ("--draft-temperature", args.draft_temperature),
                         ("--alpha", args.alpha)):
-        if not value > 0 or value == float("inf"):
+        if value is not None and (not value > 0 or value == float("inf")):
             raise UsageError(f"{flag} must be a finite number > 0, got {value}")
     if not 0.0 <= args.ess_threshold <= 1.0:
         raise UsageError(f"--ess-threshold must lie in [0, 1], got {args.ess_threshold}")

@@ -418,3 +418,25 @@ def test_evaluate_draft_at_another_proposal_temperature(target, corpus):
     assert other["acceptance"] < 0.99 and other["kl"] > 1e-4
     with pytest.raises(SMCDecodeError, match="draft_temperature must be a finite number > 0"):
         evaluate_draft(target, target, seqs, temperature=0.7, draft_temperature=0.0)
+
+
+def test_proposal_temperature_defaults_to_the_targets_for_a_draft_without_a_scale(target, tmp_path):
+    from smcdecode.drafts import proposal_temperature
+
+    draft = build_draft(target, 1)
+    assert proposal_temperature(draft, 0.8) == 0.8
+    save_draft(draft, tmp_path, weights="float32")
+    cfg = json.loads((tmp_path / "draft.json").read_text())
+    cfg["proposal_temperature_scale"] = 0.5
+    (tmp_path / "draft.json").write_text(json.dumps(cfg))
+    assert proposal_temperature(load_draft(target, tmp_path), 0.8) == pytest.approx(0.4)
+    import argparse
+
+    from smcdecode.cli import _draft
+
+    proposal = _draft(str(tmp_path), target, argparse.Namespace(draft_temperature=None, temperature=0.8, device="cpu"))
+    assert proposal.temperature == pytest.approx(0.4) and proposal.model.name.endswith("distilled1")  # a draft dir
+    cfg["proposal_temperature_scale"] = -1
+    (tmp_path / "draft.json").write_text(json.dumps(cfg))
+    with pytest.raises(SMCDecodeError, match="proposal_temperature_scale"):
+        proposal_temperature(load_draft(target, tmp_path), 0.8)

@@ -121,3 +121,19 @@ def test_cli_runs_the_default_job_on_the_engine(backend, capsys):
     assert main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert all(f"=== {s} ===" in out for s in ("smc", "speculative", "autoregressive")) and "log evidence log Z" in out
+
+
+def test_cli_proposes_from_the_shipped_draft_at_its_proposal_temperature(model):
+    """The shipped draft proposes at 5/7 of the target temperature (its draft.json), unless
+    --draft-temperature says otherwise; a truncated draft at the target's temperature."""
+    import argparse
+
+    from smcdecode.cli import _draft
+    from smcdecode.drafts import load_default_draft, proposal_temperature
+
+    assert proposal_temperature(load_default_draft(model), 0.7) == pytest.approx(0.5)
+    args = argparse.Namespace(draft_temperature=None, temperature=0.7, device="cpu")
+    assert _draft("default", model, args).temperature == pytest.approx(0.5)
+    assert _draft("truncated:4", model, args).temperature == pytest.approx(0.7)
+    args.draft_temperature = 0.9
+    assert _draft("default", model, args).temperature == pytest.approx(0.9)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -288,12 +289,27 @@ def load_default_draft(target: HFModel) -> HFModel:
     )
 
 
+def proposal_temperature(draft, target_temperature: float) -> float:
+    """The temperature to propose from ``draft`` for a target at ``target_temperature``: the
+    saved draft's ``proposal_temperature_scale`` (draft.json) times it, else the target's own.
+    A distilled draft is flatter than its target (trained on KL(p‖q), it spreads mass), so the
+    shipped one proposes at 5/7 of the target's temperature (0.5 for 0.7), where SMC-SD's answers
+    matched the target's mean log-likelihood on held-out prompts (docs/drafts.md, "Proposal
+    temperature"). Any other model: ``target_temperature``."""
+    config = getattr(getattr(draft, "hf", None), "smcdecode_draft", {}).get("config", {})
+    scale = float(config.get("proposal_temperature_scale", 1.0))
+    if not (scale > 0 and math.isfinite(scale)):
+        raise SMCDecodeError(f"proposal_temperature_scale in the draft's draft.json must be > 0, got {scale!r}")
+    return scale * target_temperature
+
+
 def size_bytes(path: str | Path) -> int:
     path = Path(path)
     return sum(f.stat().st_size for f in (path / CONFIG_FILE, path / WEIGHTS_FILE) if f.exists())
 
 
 __all__ = [
+    "proposal_temperature",
     "DEFAULT_DRAFTS",
     "build_draft",
     "check_target",

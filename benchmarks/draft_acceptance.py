@@ -36,6 +36,7 @@ def main(argv=None) -> int:
                      "answers to its held-out prompts")
     p.add_argument("--holdout", type=int, default=200, help="with --prompts: as given to smcdecode.distill")
     p.add_argument("--seed", type=int, default=0, help="with --prompts: as given to smcdecode.distill")
+    p.add_argument("--max-prompt-tokens", type=int, default=256, help="with --prompts: as given to smcdecode.distill")
     p.add_argument("--max-new-tokens", type=int, default=256, help="with --prompts: answer length")
     p.add_argument("--draft-temperature", type=float, nargs="+", default=None,
                    help="temperatures of the draft as a proposal (default: each --temperature itself)")
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
     else:
         from smcdecode.distill import chat_prompts, generate_corpus, load_prompts, split_prompts
 
-        _, held_p = split_prompts(chat_prompts(target, load_prompts(args.prompts), 256), args.holdout, args.seed)
+        _, held_p = split_prompts(chat_prompts(target, load_prompts(args.prompts), args.max_prompt_tokens), args.holdout, args.seed)
         held = generate_corpus(target, [ids for _, ids in held_p[: args.limit]], samples=1,
                                max_new_tokens=args.max_new_tokens, temperature=args.temperature[0],
                                seed=args.seed + 1, progress=False, log=lambda s: None)

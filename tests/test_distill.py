@@ -34,6 +34,11 @@ def word_tokenizer(vocab: int):
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="w0")
 
 
+def word_prompts(count: int, stride: int, spread: int) -> list[str]:
+    """``count`` distinct prompts of 2 to spread + 1 words of the tiny tokenizer's vocabulary."""
+    return [" ".join(f"w{(stride * i + j) % 46}" for j in range(2 + i % spread)) for i in range(count)]
+
+
 def tiny_target(vocab: int = 48, seed: int = 0, layers: int = 3, tokenizer: bool = False) -> HFModel:
     """A random Llama with peaked next-token distributions (large init), so KL is far from 0."""
     torch.manual_seed(seed)
@@ -109,7 +114,7 @@ def test_training_resumes_from_checkpoint_exactly(target, corpus, tmp_path):
 
 def test_distill_end_to_end_then_resume(tmp_path):
     target = tiny_target(tokenizer=True)
-    prompts = [" ".join(f"w{(7 * i + j) % 46}" for j in range(2 + i % 4)) for i in range(20)]
+    prompts = word_prompts(20, stride=7, spread=4)
     config = DistillConfig(layers=1, samples_per_prompt=2, max_new_tokens=8, holdout=4, steps=6, batch_size=4,
                            lr=1e-2, warmup_steps=1, checkpoint_every=3, weights="bfloat16")
     logs: list[str] = []
@@ -141,7 +146,7 @@ def test_distill_end_to_end_then_resume(tmp_path):
 
 def test_extra_prompts_only_train_and_generation_budget_keeps_a_random_subset(tmp_path):
     target = tiny_target(tokenizer=True)
-    prompts = [" ".join(f"w{(7 * i + j) % 46}" for j in range(2 + i % 4)) for i in range(20)]
+    prompts = word_prompts(20, stride=7, spread=4)
     extra = [f"w{i} w{i} w{i + 1}" for i in range(10)] + [prompts[0]]
     config = DistillConfig(layers=1, samples_per_prompt=2, max_new_tokens=6, holdout=4, steps=1, batch_size=4,
                            weights="bfloat16")
@@ -315,7 +320,7 @@ def test_command_reports_bad_input(tmp_path, capsys):
 def test_distill_on_cuda(tmp_path):
     target = tiny_target(tokenizer=True)
     target.hf.to("cuda")
-    prompts = [" ".join(f"w{(5 * i + j) % 46}" for j in range(2 + i % 3)) for i in range(24)]
+    prompts = word_prompts(24, stride=5, spread=3)
     config = DistillConfig(layers=1, samples_per_prompt=2, max_new_tokens=10, holdout=4, steps=60, batch_size=8,
                            lr=1e-2, warmup_steps=1)
     report = distill(target, prompts, tmp_path, config, progress=False, log=lambda s: None)
@@ -329,7 +334,7 @@ def test_distill_on_cuda(tmp_path):
 
 def test_validation_keeps_the_draft_with_the_lowest_validation_kl(tmp_path):
     target = tiny_target(tokenizer=True)
-    prompts = [" ".join(f"w{(3 * i + j) % 46}" for j in range(2 + i % 4)) for i in range(30)]
+    prompts = word_prompts(30, stride=3, spread=4)
     config = DistillConfig(layers=1, samples_per_prompt=1, max_new_tokens=8, holdout=4, steps=30, batch_size=4,
                            lr=5e-2, warmup_steps=1, eval_every=5, validation_prompts=5, weights="float32")
     logs: list[str] = []
@@ -369,7 +374,7 @@ def test_on_policy_corpus_takes_a_share_of_the_answers_from_the_draft(tmp_path):
     reproduces them), the held-out answers still the target's; a corpus made with another share is
     not silently reused; a share outside [0, 1] is refused."""
     target = tiny_target(tokenizer=True)
-    prompts = [" ".join(f"w{(5 * i + j) % 46}" for j in range(2 + i % 3)) for i in range(14)]
+    prompts = word_prompts(14, stride=5, spread=3)
     config = DistillConfig(layers=1, samples_per_prompt=4, max_new_tokens=6, holdout=4, steps=2, batch_size=4,
                            lr=1e-2, warmup_steps=1, on_policy=0.5, weights="float32")
     logs: list[str] = []

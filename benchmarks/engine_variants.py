@@ -117,7 +117,8 @@ def run_variant(engine: Engine, env: dict, fn, repeats: int) -> float:
 
 
 def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: int, repeats: int,
-                only: list[str] | None = None, skip_ar: bool = False) -> None:
+                only: list[str] | None = None, skip_ar: bool = False, extra_env: dict | None = None) -> None:
+    extra_env = extra_env or {}
     variants = [
         ("default", {}),
         ("no fused rope", {"SMCDECODE_FUSED_ROPE": "0"}),
@@ -130,14 +131,26 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
         ("grouped attention", {"SMCDECODE_ATTN_GROUP": "auto"}),
         ("default attention config", {"SMCDECODE_ATTN_CONFIG": "{}"}),
         ("skinny SiLU <=64 rows", {"SMCDECODE_SKINNY_SILU_ROWS": "64"}),
+        ("pdl", {"SMCDECODE_PDL": "1"}),
+        ("pdl wait-only", {"SMCDECODE_PDL": "2"}),
+        ("skinny all", {"SMCDECODE_SKINNY_ALL": "1"}),
+        ("pdl + skinny all", {"SMCDECODE_PDL": "1", "SMCDECODE_SKINNY_ALL": "1"}),
+        ("pdl + skinny all + prefetch bulk", {"SMCDECODE_PDL": "1", "SMCDECODE_SKINNY_ALL": "1",
+                                              "SMCDECODE_SKINNY_PREFETCH": "1"}),
+        ("pdl + skinny all + prefetch lines", {"SMCDECODE_PDL": "1", "SMCDECODE_SKINNY_ALL": "1",
+                                               "SMCDECODE_SKINNY_PREFETCH": "2"}),
     ]
+    variants = [(n, {**extra_env, **e}) for n, e in variants]
     if only:
         variants = [v for v in variants if v[0] in only]
     rows = []
     for G, N, K, names in ((1, 8, 8, None), (8, 8, 8, ("default", "attn per_sm=2", "attn per_sm=8", "attn per_sm=16",
                                                           "no skinny", "grouped attention", "merge kernel",
                                                           "device pages", "default attention config",
-                                                          "skinny SiLU <=64 rows"))):
+                                                          "skinny SiLU <=64 rows", "pdl", "pdl wait-only",
+                                                          "skinny all", "pdl + skinny all",
+                                                          "pdl + skinny all + prefetch bulk",
+                                                          "pdl + skinny all + prefetch lines"))):
         for name, env in variants:
             if names is not None and name not in names:
                 continue
@@ -156,7 +169,13 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
             print(r, flush=True)
     for G in () if skip_ar else (1, 8):
         for name, env in (("default", {}), ("no skinny", {"SMCDECODE_SKINNY": "0"}),
-                          ("no fused rope", {"SMCDECODE_FUSED_ROPE": "0"}), ("merge kernel", {"SMCDECODE_ATTN_MERGE": "kernel"})):
+                          ("no fused rope", {"SMCDECODE_FUSED_ROPE": "0"}), ("merge kernel", {"SMCDECODE_ATTN_MERGE": "kernel"}),
+                          ("pdl", {"SMCDECODE_PDL": "1"}),
+                          ("pdl + skinny all + prefetch bulk", {"SMCDECODE_PDL": "1", "SMCDECODE_SKINNY_ALL": "1",
+                                                                "SMCDECODE_SKINNY_PREFETCH": "1"})):
+            if only and name not in only:
+                continue
+            env = {**extra_env, **env}
             P = prompts[:G]
 
             def fn(short: bool):
@@ -259,6 +278,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated e2e variant names (default: all)")
     ap.add_argument("--skip-ar", action="store_true", help="e2e: SMC-SD variants only")
     ap.add_argument("--no-group", action="store_true", help="leave the opt-in grouped attention out of the sweep")
+    ap.add_argument("--extra-env", default="", help="a JSON file of settings added to every e2e variant "
+                    "(e.g. pdl_bench.py's best_env.json)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -282,7 +303,8 @@ def main() -> None:
     if "e2e" in secs:
         try:
             e2e_section(engine, prompts, res, args.out_len, args.repeats,
-                        only=args.only.split(",") if args.only else None, skip_ar=args.skip_ar)
+                        only=args.only.split(",") if args.only else None, skip_ar=args.skip_ar,
+                        extra_env=json.loads(Path(args.extra_env).read_text()) if args.extra_env else None)
         except Exception:
             print(traceback.format_exc(), flush=True)
         (out / "variants.json").write_text(json.dumps(res, indent=1, default=str))
@@ -304,7 +326,7 @@ def main() -> None:
         if "error" in r:
             print(r["strategy"], r["variant"], "ERROR", r["error"][-300:])
         else:
-            print(f"{r['strategy']:22s} {r['variant']:20s} {r['tok_s_total']:8.1f} tok/s "
+            print(f"{r['strategy']:22s} {r['variant']:34s} {r['tok_s_total']:8.1f} tok/s "
                   f"{r.get('ms_per_round', r.get('ms_per_step')):7.2f} ms")
 
 

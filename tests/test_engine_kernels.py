@@ -331,3 +331,78 @@ def test_triton_attention_launch_configs_match_reference(cfg, L, D, B, group, mo
         assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
         assert (k_out.float() - k_ref.float()).abs().max() < 2e-2 and torch.equal(v_out, v_ref)
     assert int(_split_counters(q.device, 1).abs().sum()) == 0
+
+
+def _pdl_env(monkeypatch, pdl: str, prefetch: str = "0"):
+    monkeypatch.setenv("SMCDECODE_PDL", pdl)
+    monkeypatch.setenv("SMCDECODE_SKINNY_PREFETCH", prefetch)
+    monkeypatch.setenv("SMCDECODE_SKINNY_ALL", "1")
+
+
+@pytest.mark.parametrize("pdl,prefetch", [("1", "0"), ("1", "1"), ("1", "2"), ("2", "1")])
+def test_pdl_chain_in_a_graph_equals_the_chain_without_pdl(pdl, prefetch, monkeypatch):
+    """Programmatic dependent launch: a draft-layer chain (add + RMSNorm, skinny wqkv, wo, w13 +
+    SiLU·mul, w2 on 12 layers) captured in a CUDA graph and replayed 30 times gives, bit for bit, the
+    result of the same kernels launched without PDL (a kernel reading its input before the previous
+    kernel finished would show as a difference)."""
+    pytest.importorskip("triton")
+    from smcdecode.backends.engine import kernels
+
+    if kernels.gdc_wait is None or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm_90+ and Triton >= 3.3")
+    torch.manual_seed(0)
+    dim, inter, layers = 2048, 8192, 12
+    ws = [(torch.randn(3072, dim, device="cuda", dtype=torch.bfloat16) * dim**-0.5,
+           torch.randn(dim, dim, device="cuda", dtype=torch.bfloat16) * dim**-0.5,
+           torch.randn(2 * inter, dim, device="cuda", dtype=torch.bfloat16) * dim**-0.5,
+           torch.randn(dim, inter, device="cuda", dtype=torch.bfloat16) * inter**-0.5,
+           torch.rand(dim, device="cuda", dtype=torch.bfloat16) + 0.5) for _ in range(layers)]
+    x0 = torch.randn(8, dim, device="cuda", dtype=torch.bfloat16)
+
+    def chain(x):
+        delta = None
+        for wqkv, wo, w13, w2, g in ws:
+            x, n = kernels.triton_add_rms_norm(x, delta, g, 1e-5)
+            q = kernels.triton_skinny_linear(n, wqkv)
+            x, n = kernels.triton_add_rms_norm(x, kernels.triton_skinny_linear(q[:, :dim], wo), g, 1e-5)
+            delta = kernels.triton_skinny_linear(kernels.triton_skinny_linear(n, w13, silu=True), w2)
+        return x + delta
+
+    _pdl_env(monkeypatch, "0")
+    ref = chain(x0.clone())
+    _pdl_env(monkeypatch, pdl, prefetch)
+    assert kernels.pdl_mode(x0.device) == int(pdl)
+    x = x0.clone()
+    out = chain(x)  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = chain(x)
+    for _ in range(30):
+        x.copy_(x0)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
+
+
+def test_pdl_engine_outputs_equal_without_pdl(monkeypatch):
+    """SMC-SD, exact SD and AR on the engine (CUDA graphs) with every Triton kernel under PDL and the
+    skinny weight prefetch draw the same tokens as without PDL, for the same seed."""
+    pytest.importorskip("triton")
+    from smcdecode.backends.engine import kernels
+
+    if kernels.gdc_wait is None or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm_90+ and Triton >= 3.3")
+    target = Llama.random(LlamaConfig(2048, 512, 4, 8, 2, 1024, rope_theta=10000.0), device="cuda", seed=1)
+    draft = Llama.random(LlamaConfig(2048, 256, 2, 4, 2, 768, rope_theta=10000.0), device="cuda", seed=2)
+    prompts = [list(range(5, 40)), list(range(100, 117))]
+    outs = []
+    for pdl in ("0", "1"):
+        _pdl_env(monkeypatch, pdl, "1")
+        engine = Engine(target, draft, num_pages=512, page_size=16, max_context=256)
+        smc = engine.smc_sd(prompts, particles=4, block_size=4, max_new_tokens=40, use_graphs=True, seed=3)
+        sd = engine.speculative(prompts, block_size=4, max_new_tokens=30, use_graphs=True, seed=3)
+        ar, _ = engine.autoregressive(prompts, max_new_tokens=20, use_graphs=True, seed=3)
+        outs.append((smc.tokens.cpu(), smc.log_evidence.cpu(), sd.tokens.cpu(), ar.cpu()))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

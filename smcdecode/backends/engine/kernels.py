@@ -36,6 +36,58 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+try:  # grid dependency control (programmatic dependent launch; Triton >= 3.3, sm_90+)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton: PDL stays off (pdl_mode() returns 0)
+    gdc_launch_dependents = gdc_wait = None
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ------------------------------------------------------------------------------------------------
+# Programmatic dependent launch (PDL)
+#
+# In a CUDA graph a chain of small dependent kernels (a draft step: ~7 launches a layer) pays each
+# launch's set-up and ramp before any work starts. With PDL a kernel is launched while the one before
+# it still runs; it waits (griddepcontrol.wait) before it touches anything the earlier kernels
+# write, and may use the time before that to fetch what no earlier kernel writes (the skinny product
+# prefetches its weight rows into L2). Every Triton kernel of the engine takes PDL (0: off; 1: wait,
+# then release the next kernel at once; 2: wait, and the next kernel is released as this one ends).
+# Kernels that are not ours (cuBLAS, torch) are launched normally and wait for full completion, so
+# mixing is safe. Before its wait a kernel reads only weights; so it never reads what an earlier
+# kernel writes, and it writes nothing, so no earlier kernel's reads are disturbed.
+
+
+@triton.jit
+def _pdl_enter(PDL: tl.constexpr):
+    if PDL >= 1:
+        gdc_wait()  # everything the earlier kernels wrote is visible after this
+    if PDL == 1:
+        gdc_launch_dependents()
+
+
+@functools.lru_cache(maxsize=8)
+def _pdl_capable(device_index: int) -> bool:
+    return gdc_wait is not None and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_mode(device: torch.device) -> int:
+    """SMCDECODE_PDL: 0 (off), 1 (a kernel releases the next one as soon as its own wait is over)
+    or 2 (released when it ends); default 0. Off on the CPU, under Triton's interpreter and before
+    sm_90 (Hopper), whatever the setting."""
+    v = os.environ.get("SMCDECODE_PDL", "0")
+    if v not in ("0", "1", "2"):
+        raise ValueError(f"SMCDECODE_PDL={v!r}: use 0 (off), 1 (early release) or 2 (release at the end)")
+    if v == "0" or device.type != "cuda" or _INTERPRET or not _pdl_capable(device.index or 0):
+        return 0
+    return int(v)
+
+
+def _pdl(device: torch.device) -> dict:
+    """Launch keywords of a kernel taking PDL: {"PDL": mode} and, when on, Triton's launch_pdl."""
+    mode = pdl_mode(device)
+    return {"PDL": mode, "launch_pdl": True} if mode else {}
+
 
 @triton.jit
 def _block_pages(PT, b, stride_pt, n0, end, PS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -124,7 +176,7 @@ def _paged_attn_kernel(
     PS: tl.constexpr, NSPLIT: tl.constexpr, MT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     ROPE: tl.constexpr, MERGE: tl.constexpr, DYN_LOOP: tl.constexpr, MAX_IT: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """One program per (row b, kv head, KV split, query tile). Query rows of a tile are the (l, g)
     pairs m = l·G + g of the row's L tokens × the G query heads of the kv head.
@@ -138,6 +190,7 @@ def _paged_attn_kernel(
     (b, kv head, tile), reset by that program) merges them. PREFETCH: each block's page ids are
     loaded one block ahead (before the current block's keys), taking the page-table load off the
     chain page ids -> keys -> dot -> values of a block."""
+    _pdl_enter(PDL)
     pid = tl.program_id(0)  # b * HKV + kvh
     sid = tl.program_id(1)
     mt = tl.program_id(2)
@@ -308,7 +361,7 @@ def _paged_attn_grouped_kernel(
     L: tl.constexpr, G: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
     PS: tl.constexpr, NSPLIT: tl.constexpr, MT: tl.constexpr, GS: tl.constexpr, GS_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    ROPE: tl.constexpr, MERGE: tl.constexpr, DYN_LOOP: tl.constexpr, MAX_IT: tl.constexpr,
+    ROPE: tl.constexpr, MERGE: tl.constexpr, DYN_LOOP: tl.constexpr, MAX_IT: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """Opt-in (SMCDECODE_ATTN_GROUP; not yet run on a GPU): the paged-attention kernel with GS
     consecutive rows per program (particles of one request): a block of positions whose pages all
@@ -325,6 +378,7 @@ def _paged_attn_grouped_kernel(
     output is written directly; 1 — partials (o, lse) only, merged by ``_merge_splits_kernel``;
     2 — partials, then the last split to finish (an atomic counter per (group, kv head, tile),
     reset by that program) merges them."""
+    _pdl_enter(PDL)
     pid = tl.program_id(0)  # group * HKV + kvh
     sid = tl.program_id(1)
     mt = tl.program_id(2)
@@ -425,7 +479,6 @@ def _num_sms(device_index: int) -> int:
 
 
 _COUNTERS: dict = {}
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _split_counters(device: torch.device, n: int) -> Tensor | None:
@@ -542,12 +595,12 @@ def _launch_attention(src: Tensor, stride_qt: int, B: int, L: int, H: int, k_poo
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_L=max(16, triton.next_power_of_2(L)),
         ROPE=rope, MERGE=merge, DYN_LOOP=not _INTERPRET,
         MAX_IT=max(1, triton.cdiv(triton.cdiv(P * PS, nsplit), block_n)) if _INTERPRET else 1, PREFETCH=bool(prefetch),
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **_pdl(dev),
     )
     if merge == 1:
         _merge_splits_kernel[(B * Hkv * L * G,)](
             o_part, lse, out, L=L, G=G, H=H, HKV=Hkv, D=D, NSPLIT=nsplit,
-            NSPLIT_P2=max(2, triton.next_power_of_2(nsplit)), BLOCK_M=block_m, num_warps=1,
+            NSPLIT_P2=max(2, triton.next_power_of_2(nsplit)), BLOCK_M=block_m, num_warps=1, **_pdl(dev),
         )
     return out
 
@@ -592,7 +645,7 @@ def _launch_grouped_attention(src, stride_qt, B, L, H, k_pool, v_pool, batch, po
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_L=max(16, triton.next_power_of_2(gs * L)),
         ROPE=rope, MERGE=merge, DYN_LOOP=not _INTERPRET,
         MAX_IT=max(1, triton.cdiv(triton.cdiv(P * PS, nsplit), block_n)) if _INTERPRET else 1,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **_pdl(dev),
     )
     return out
 
@@ -635,7 +688,9 @@ def merge_splits_reference(o_part: Tensor, lse: Tensor, B: int, L: int, H: int, 
 
 @triton.jit
 def _merge_splits_kernel(OP, LSE, OUT, L: tl.constexpr, G: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr,
-                         D: tl.constexpr, NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+                         D: tl.constexpr, NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+                         PDL: tl.constexpr = 0):
+    _pdl_enter(PDL)
     pid = tl.program_id(0)  # ((b * HKV + kvh) * L + l) * G + g
     mg = pid % (L * G)
     bk = pid // (L * G)
@@ -664,7 +719,8 @@ def _merge_splits_kernel(OP, LSE, OUT, L: tl.constexpr, G: tl.constexpr, H: tl.c
 
 @triton.jit
 def _add_rms_norm_kernel(X, DELTA, W, H_OUT, Y, stride_x, stride_d, eps, DIM: tl.constexpr,
-                         BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
+                         BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, PDL: tl.constexpr = 0):
+    _pdl_enter(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     ok = c < DIM
@@ -692,12 +748,13 @@ def triton_add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: fl
     y = torch.empty(M, dim, device=x.device, dtype=x.dtype)
     block = triton.next_power_of_2(dim)
     _add_rms_norm_kernel[(M,)](x2, d2, weight, h, y, x2.stride(0), d2.stride(0), eps, DIM=dim, BLOCK=block,
-                               HAS_DELTA=delta is not None, num_warps=max(1, min(16, block // 512)))
+                               HAS_DELTA=delta is not None, num_warps=max(1, min(16, block // 512)), **_pdl(x.device))
     return (h.view(shape) if delta is not None else x), y.view(shape)
 
 
 @triton.jit
-def _silu_mul_kernel(GU, OUT, INTER: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, OUT, INTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    _pdl_enter(PDL)
     row = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < INTER
@@ -714,13 +771,16 @@ def triton_silu_mul(gate_up: Tensor) -> Tensor:
     gu = gate_up.reshape(-1, I2)
     out = torch.empty(gu.shape[0], I2 // 2, device=gu.device, dtype=gu.dtype)
     block = 1024
-    _silu_mul_kernel[(gu.shape[0], triton.cdiv(I2 // 2, block))](gu, out, INTER=I2 // 2, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(gu.shape[0], triton.cdiv(I2 // 2, block))](gu, out, INTER=I2 // 2, BLOCK=block, num_warps=4,
+                                                                  **_pdl(gu.device))
     return out.view(*gate_up.shape[:-1], I2 // 2)
 
 
 @triton.jit
 def _rope_kv_write_kernel(QKV, POS, COS, SIN, PAGES, OFFS, Q_OUT, KP, VP,
-                          H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr):
+                          H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
+                          PDL: tl.constexpr = 0):
+    _pdl_enter(PDL)
     t = tl.program_id(0)  # token (b * L + l)
     h = tl.program_id(1)  # 0..H-1: query head, H..H+HKV-1: key/value head
     half = tl.arange(0, D // 2)
@@ -757,7 +817,7 @@ def triton_rope_kv_write(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tenso
     _, _, PS, D = k_pool.shape
     q = torch.empty(B, L, H, D, device=qkv.device, dtype=qkv.dtype)
     _rope_kv_write_kernel[(B * L, H + Hkv)](qkv, positions, cos, sin, pages, offsets, q, k_pool, v_pool,
-                                             H=H, HKV=Hkv, D=D, PS=PS, num_warps=1)
+                                             H=H, HKV=Hkv, D=D, PS=PS, num_warps=1, **_pdl(qkv.device))
     return q
 
 
@@ -798,10 +858,12 @@ def _sample_split_chunk(LOGITS, seed, r, s, stride_r, inv_temp, V: tl.constexpr,
 
 @triton.jit
 def _sample_split_kernel(LOGITS, SEED, stride_r, inv_temp, PART, V: tl.constexpr, CHUNK: tl.constexpr,
-                         BLOCK: tl.constexpr, NSPLIT: tl.constexpr, SAMPLE_EVERY: tl.constexpr):
+                         BLOCK: tl.constexpr, NSPLIT: tl.constexpr, SAMPLE_EVERY: tl.constexpr,
+                         PDL: tl.constexpr = 0):
     """Split s of row r: (max, Σ exp(x − max), best race key, its index, its x) into PART. Rows with
     r % SAMPLE_EVERY != SAMPLE_EVERY − 1 run no race (no noise drawn; key −inf). The noise of an
     element is keyed by (seed, r·V + c) whatever SAMPLE_EVERY, so a sampled row draws the same token."""
+    _pdl_enter(PDL)
     r = tl.program_id(0)
     s = tl.program_id(1)
     seed = tl.load(SEED)
@@ -830,7 +892,8 @@ def _sample_split_kernel(LOGITS, SEED, stride_r, inv_temp, PART, V: tl.constexpr
 @triton.jit
 def _sample_merge_kernel(PART, LOGITS, stride_r, inv_temp, GATHER, TOK, LOGP_TOK, LOGP_GATHER,
                          NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr, HAS_GATHER: tl.constexpr,
-                         SAMPLE_EVERY: tl.constexpr):
+                         SAMPLE_EVERY: tl.constexpr, PDL: tl.constexpr = 0):
+    _pdl_enter(PDL)
     r = tl.program_id(0)
     s = tl.arange(0, NSPLIT_P2)
     ok = s < NSPLIT
@@ -878,7 +941,8 @@ def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, ga
     nsplit = triton.cdiv(V, chunk)
     part = torch.empty(R, nsplit, 5, device=logits.device, dtype=torch.float32)
     _sample_split_kernel[(R, nsplit)](logits, seed, logits.stride(0), 1.0 / temperature, part, V=V, CHUNK=chunk,
-                                      BLOCK=block, NSPLIT=nsplit, SAMPLE_EVERY=sample_every, num_warps=4)
+                                      BLOCK=block, NSPLIT=nsplit, SAMPLE_EVERY=sample_every, num_warps=4,
+                                      **_pdl(logits.device))
     tok = torch.empty(R, device=logits.device, dtype=torch.long)
     logp_tok = torch.empty(R, device=logits.device, dtype=torch.float32)
     logp_gather = torch.empty(R, device=logits.device, dtype=torch.float32) if gather is not None else None
@@ -886,7 +950,8 @@ def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, ga
                                gather if gather is not None else tok, tok, logp_tok,
                                logp_gather if gather is not None else logp_tok,
                                NSPLIT=nsplit, NSPLIT_P2=max(2, triton.next_power_of_2(nsplit)),
-                               HAS_GATHER=gather is not None, SAMPLE_EVERY=sample_every, num_warps=1)
+                               HAS_GATHER=gather is not None, SAMPLE_EVERY=sample_every, num_warps=1,
+                               **_pdl(logits.device))
     return tok, logp_tok, logp_gather
 
 
@@ -895,11 +960,35 @@ def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, ga
 
 
 @triton.jit
+def _prefetch_rows_l2(W, rows, ok, K: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+                      MODE: tl.constexpr):
+    """Ask L2 for the rows ``rows`` of W [., K] (MODE 1: one bulk prefetch a row, cp.async.bulk —
+    rows 16-byte aligned, ROW_BYTES a multiple of 16; MODE 2: one prefetch a 128-byte line). A hint:
+    nothing is read into registers and no result depends on it."""
+    r = tl.where(ok, rows, 0)
+    if MODE == 1:
+        sizes = tl.full([BLOCK_N], ROW_BYTES, tl.int32)
+        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // dummy $0", "=r,l,r",
+                                  [W + r * K, sizes], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        PER_LINE: tl.constexpr = 128 * K // ROW_BYTES  # elements a line
+        LINES: tl.constexpr = 32
+        for l0 in range(0, K, PER_LINE * LINES):
+            off = l0 + tl.arange(0, LINES) * PER_LINE
+            ptr = tl.where(ok[:, None] & (off < K)[None, :], W + r[:, None] * K + off[None, :], W)
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptr], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+
+
+@triton.jit
 def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
+                          PDL: tl.constexpr = 0, PREFETCH_W: tl.constexpr = 0, ROW_BYTES: tl.constexpr = 0):
     """Y[M, N] = X[M, K] · W[N, K]ᵀ, one program per BLOCK_N output columns × BLOCK_M rows, streaming
     its W rows once. SILU: W is [2N, K] = [gate; up] and Y = silu(X·gateᵀ) · (X·upᵀ), rounded as the
-    unfused path rounds (the product to Y's dtype, silu to Y's dtype, then the product)."""
+    unfused path rounds (the product to Y's dtype, silu to Y's dtype, then the product).
+    PREFETCH_W (with PDL): the program's weight rows are requested into L2 before the wait for the
+    previous kernel (they are weights: no kernel writes them)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -907,6 +996,11 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexp
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
+    if PDL >= 1 and PREFETCH_W > 0:
+        _prefetch_rows_l2(W, rn, n_ok, K, ROW_BYTES, BLOCK_N, PREFETCH_W)
+        if SILU:
+            _prefetch_rows_l2(W, N + rn, n_ok, K, ROW_BYTES, BLOCK_N, PREFETCH_W)
+    _pdl_enter(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -931,8 +1025,15 @@ def skinny_config(M: int, N: int, K: int, device: torch.device, silu: bool = Fal
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). The fixed choices are the fastest of a
     sweep on an H200 (benchmarks/engine_variants.py, 16 Llama-3.2-1B layers at 8 rows: w13 + SiLU·mul
     BLOCK_N 32 × BLOCK_K 128; the square wo BLOCK_N 16 × BLOCK_K 256; the head BLOCK_N 64 × BLOCK_K
-    128); otherwise enough programs to cover the SMs about twice."""
+    128); otherwise enough programs to cover the SMs about twice. SMCDECODE_SKINNY_CONFIG (a JSON
+    object, keys "NxK" or "silu:NxK", values [BLOCK_N, BLOCK_K, num_warps, num_stages]) overrides
+    shapes one by one (for sweeps)."""
     block_m = max(16, min(64, triton.next_power_of_2(M)))
+    text = os.environ.get("SMCDECODE_SKINNY_CONFIG")
+    if text:
+        entry = _parse_skinny_configs(text).get(f"{'silu:' if silu else ''}{N}x{K}")
+        if entry is not None:
+            return (block_m, *entry)
     if silu:
         return block_m, 32, 128, 4, 4
     if N == K:
@@ -947,6 +1048,41 @@ def skinny_config(M: int, N: int, K: int, device: torch.device, silu: bool = Fal
     return block_m, block_n, block_k, 4, 4
 
 
+@functools.lru_cache(maxsize=8)
+def _parse_skinny_configs(text: str) -> dict[str, tuple[int, int, int, int]]:
+    table = {}
+    for key, entry in json.loads(text).items():
+        ok = isinstance(entry, list) and len(entry) == 4 and all(isinstance(v, int) for v in entry)
+        if ok:
+            bn, bk, warps, stages = entry
+            ok = bn >= 16 and bk >= 16 and not (bn & (bn - 1)) and not (bk & (bk - 1)) \
+                and warps in (1, 2, 4, 8, 16) and stages >= 1
+        if not ok:
+            raise ValueError(f"SMCDECODE_SKINNY_CONFIG[{key!r}] = {entry!r}: expected [block_n, block_k, warps, "
+                             "stages], block_n and block_k powers of two >= 16, warps one of 1, 2, 4, 8, 16")
+        table[key] = tuple(entry)
+    return table
+
+
+def skinny_all() -> bool:
+    """SMCDECODE_SKINNY_ALL=1: every product of at most 16 rows on the skinny kernel (wqkv and w2
+    too), so that a draft step is Triton kernels only and PDL chains it end to end."""
+    v = os.environ.get("SMCDECODE_SKINNY_ALL", "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"SMCDECODE_SKINNY_ALL={v!r}: use 0 or 1")
+    return v == "1"
+
+
+def skinny_prefetch() -> int:
+    """SMCDECODE_SKINNY_PREFETCH: with PDL on, the skinny product requests its weight rows into L2
+    before waiting for the previous kernel: 0 (off), 1 (a bulk prefetch a row), 2 (a prefetch a
+    128-byte line); default 0."""
+    v = os.environ.get("SMCDECODE_SKINNY_PREFETCH", "0")
+    if v not in ("0", "1", "2"):
+        raise ValueError(f"SMCDECODE_SKINNY_PREFETCH={v!r}: use 0 (off), 1 (bulk, a row) or 2 (a line)")
+    return int(v)
+
+
 def skinny_wins(M: int, N: int, K: int, nbytes: int, silu: bool) -> bool:
     """Where the skinny product beat cuBLAS (+ the SiLU·mul kernel) in that sweep (H200, random data,
     every layer's own weights): at most 16 rows (``skinny_silu_max_rows()`` for w13 + SiLU·mul), and
@@ -957,7 +1093,7 @@ def skinny_wins(M: int, N: int, K: int, nbytes: int, silu: bool) -> bool:
         return M <= skinny_silu_max_rows() and nbytes <= 100e6
     if M > 16:
         return False
-    return N == K or N >= 16 * K
+    return N == K or N >= 16 * K or skinny_all()
 
 
 def skinny_silu_max_rows() -> int:
@@ -983,7 +1119,11 @@ def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=N
     N = weight.shape[0] // 2 if silu else weight.shape[0]
     bm, bn, bk, warps, stages = config or skinny_config(M, N, K, x.device, silu)
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    pdl = _pdl(x.device)
+    row_bytes = K * weight.element_size()
+    if pdl and row_bytes % 16 == 0 and weight.data_ptr() % 16 == 0 and weight.is_contiguous():
+        pdl.update(PREFETCH_W=skinny_prefetch(), ROW_BYTES=row_bytes)
     _skinny_linear_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
         x2, weight, y, M, x2.stride(0), N=N, K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SILU=silu,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **pdl)
     return y.view(*x.shape[:-1], N)

@@ -135,10 +135,6 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
         ("pdl wait-only", {"SMCDECODE_PDL": "2"}),
         ("skinny all", {"SMCDECODE_SKINNY_ALL": "1"}),
         ("pdl + skinny all", {"SMCDECODE_PDL": "1", "SMCDECODE_SKINNY_ALL": "1"}),
-        ("pdl + skinny all + prefetch bulk", {"SMCDECODE_PDL": "1", "SMCDECODE_SKINNY_ALL": "1",
-                                              "SMCDECODE_SKINNY_PREFETCH": "1"}),
-        ("pdl + skinny all + prefetch lines", {"SMCDECODE_PDL": "1", "SMCDECODE_SKINNY_ALL": "1",
-                                               "SMCDECODE_SKINNY_PREFETCH": "2"}),
     ]
     variants = [(n, {**extra_env, **e}) for n, e in variants]
     if only:
@@ -148,9 +144,7 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
                                                           "no skinny", "grouped attention", "merge kernel",
                                                           "device pages", "default attention config",
                                                           "skinny SiLU <=64 rows", "pdl", "pdl wait-only",
-                                                          "skinny all", "pdl + skinny all",
-                                                          "pdl + skinny all + prefetch bulk",
-                                                          "pdl + skinny all + prefetch lines"))):
+                                                          "skinny all", "pdl + skinny all"))):
         for name, env in variants:
             if names is not None and name not in names:
                 continue
@@ -171,8 +165,7 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
         for name, env in (("default", {}), ("no skinny", {"SMCDECODE_SKINNY": "0"}),
                           ("no fused rope", {"SMCDECODE_FUSED_ROPE": "0"}), ("merge kernel", {"SMCDECODE_ATTN_MERGE": "kernel"}),
                           ("pdl", {"SMCDECODE_PDL": "1"}),
-                          ("pdl + skinny all + prefetch bulk", {"SMCDECODE_PDL": "1", "SMCDECODE_SKINNY_ALL": "1",
-                                                                "SMCDECODE_SKINNY_PREFETCH": "1"})):
+                          ("pdl + skinny all", {"SMCDECODE_PDL": "1", "SMCDECODE_SKINNY_ALL": "1"})):
             if only and name not in only:
                 continue
             env = {**extra_env, **env}

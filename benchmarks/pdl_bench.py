@@ -5,8 +5,9 @@ and replayed; every variant in the same process, median of repeated replays.
 Variants (environment settings read by smcdecode.backends.engine.kernels at launch):
 - products as the engine dispatches them today (cuBLAS wqkv and w2, the skinny Triton kernel for wo
   and w13 + SiLU·mul), without and with PDL on the Triton kernels;
-- every product on the skinny kernel (SMCDECODE_SKINNY_ALL=1), without and with PDL, PDL's two
-  release points, and the weight-row L2 prefetch before the wait (bulk, a row / a line);
+- every product on the skinny kernel (SMCDECODE_SKINNY_ALL=1), without and with PDL and PDL's two
+  release points (session 5's run also had an L2 prefetch of the weights before the wait, since
+  removed: docs/engine_results/pdl_session5.json);
 - block configurations of the skinny wqkv and w2 under the best of those;
 - the cuBLAS products alone (the chain's part of the benchmark's GEMM floor).
 
@@ -38,12 +39,6 @@ VARIANTS = [
     ("skinny all, no PDL", {"SMCDECODE_SKINNY_ALL": "1"}),
     ("skinny all, PDL 1", {"SMCDECODE_SKINNY_ALL": "1", "SMCDECODE_PDL": "1"}),
     ("skinny all, PDL 2", {"SMCDECODE_SKINNY_ALL": "1", "SMCDECODE_PDL": "2"}),
-    ("skinny all, PDL 1, prefetch bulk", {"SMCDECODE_SKINNY_ALL": "1", "SMCDECODE_PDL": "1",
-                                          "SMCDECODE_SKINNY_PREFETCH": "1"}),
-    ("skinny all, PDL 1, prefetch lines", {"SMCDECODE_SKINNY_ALL": "1", "SMCDECODE_PDL": "1",
-                                           "SMCDECODE_SKINNY_PREFETCH": "2"}),
-    ("skinny all, PDL 2, prefetch bulk", {"SMCDECODE_SKINNY_ALL": "1", "SMCDECODE_PDL": "2",
-                                          "SMCDECODE_SKINNY_PREFETCH": "1"}),
 ]
 # [BLOCK_N, BLOCK_K, warps, stages] for the skinny wqkv (3072 x 2048) and w2 (2048 x 8192)
 CONFIGS = [[16, 256, 4, 4], [16, 128, 4, 6], [16, 256, 4, 6], [32, 128, 4, 4], [16, 512, 4, 3], [16, 256, 8, 4],

@@ -420,24 +420,19 @@ build(K._paged_attn_grouped_kernel, {**attn, "B": "i32"},
 # nothing is pipelined): every load of the K loop must be an async copy of the software pipeline
 skinny = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "M": "i32", "stride_xm": "i32"}
 aligned = {(K._skinny_linear_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("X", "W", "Y", "stride_xm")}
-# With PDL and the weight prefetch (1: a bulk L2 prefetch a weight row, before the wait; 2: one a
-# 128-byte line) the K loop must stay pipelined.
-for m, n, k, bn, bk, silu, pdl, pf in [(16, 2048, 2048, 16, 256, False, 0, 0), (16, 8192, 2048, 32, 128, True, 0, 0),
-                                       (64, 8192, 2048, 32, 128, True, 0, 0), (16, 128256, 2048, 64, 128, False, 0, 0),
-                                       (16, 2048, 8192, 16, 256, False, 1, 1), (16, 8192, 2048, 32, 128, True, 1, 1),
-                                       (16, 3072, 2048, 16, 256, False, 1, 2)]:
-    consts = dict(N=n, K=k, BLOCK_M=m, BLOCK_N=bn, BLOCK_K=bk, SILU=silu, PDL=pdl, PREFETCH_W=pf, ROW_BYTES=2 * k)
+# With PDL (the wait before the loop) the K loop must stay pipelined too.
+for m, n, k, bn, bk, silu, pdl in [(16, 2048, 2048, 16, 256, False, 0), (16, 8192, 2048, 32, 128, True, 0),
+                                   (64, 8192, 2048, 32, 128, True, 0), (16, 128256, 2048, 64, 128, False, 0),
+                                   (16, 2048, 8192, 16, 256, False, 1), (16, 8192, 2048, 32, 128, True, 1)]:
+    consts = dict(N=n, K=k, BLOCK_M=m, BLOCK_N=bn, BLOCK_K=bk, SILU=silu, PDL=pdl)
     kern = triton.compile(ASTSource(fn=K._skinny_linear_kernel, signature={**skinny, **dict.fromkeys(consts, "constexpr")},
                                     constexprs=consts, attrs=aligned),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4, "launch_pdl": bool(pdl)})
     ttgir, ptx = kern.asm["ttgir"], kern.asm["ptx"]
-    loops = ttgir.split("scf.for")[1:]
-    loop = loops[-1][:loops[-1].index("scf.yield")]  # the K loop (the line prefetch's loop comes first)
+    loop = ttgir[ttgir.index("scf.for"):ttgir.index("scf.yield")]
     assert "tt.load" not in loop and "tt.store" not in loop, (consts, loop)
     assert ttgir.count("async_copy_global_to_local") == 4 * (2 + silu), consts  # 4 stages of each load
     assert ptx.count("griddepcontrol.wait") == pdl, consts
-    assert ptx.count("cp.async.bulk.prefetch.L2") == (pf == 1) * (1 + silu), consts
-    assert ("prefetch.global.L2" in ptx) == (pf == 2), consts
 print("compiled")
 '''
 
@@ -480,7 +475,7 @@ def test_skinny_silu_row_limit_is_read_from_the_environment(monkeypatch):
 
 
 def test_pdl_and_skinny_settings_are_read_from_the_environment(monkeypatch):
-    """SMCDECODE_PDL / _SKINNY_ALL / _SKINNY_PREFETCH / _SKINNY_CONFIG: PDL is off on the CPU (and in
+    """SMCDECODE_PDL / _SKINNY_ALL / _SKINNY_CONFIG: PDL is off on the CPU (and in
     the interpreter) whatever the setting; SKINNY_ALL sends wqkv and w2 (at most 16 rows) to the
     skinny kernel; a shape's config can be overridden; bad values are refused with the setting named."""
     import json
@@ -500,9 +495,6 @@ def test_pdl_and_skinny_settings_are_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("SMCDECODE_SKINNY_ALL", "2")
     with pytest.raises(ValueError, match="SMCDECODE_SKINNY_ALL='2'"):
         kernels.skinny_wins(8, 3072, 2048, 12e6, silu=False)
-    monkeypatch.setenv("SMCDECODE_SKINNY_PREFETCH", "3")
-    with pytest.raises(ValueError, match="SMCDECODE_SKINNY_PREFETCH='3'"):
-        kernels.skinny_prefetch()
     cpu = torch.device("cpu")
     default = kernels.skinny_config(8, 3072, 2048, cpu)
     monkeypatch.setenv("SMCDECODE_SKINNY_CONFIG", json.dumps({"3072x2048": [32, 128, 8, 6]}))

@@ -49,13 +49,12 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #
 # In a CUDA graph a chain of small dependent kernels (a draft step: ~7 launches a layer) pays each
 # launch's set-up and ramp before any work starts. With PDL a kernel is launched while the one before
-# it still runs; it waits (griddepcontrol.wait) before it touches anything the earlier kernels
-# write, and may use the time before that to fetch what no earlier kernel writes (the skinny product
-# prefetches its weight rows into L2). Every Triton kernel of the engine takes PDL (0: off; 1: wait,
-# then release the next kernel at once; 2: wait, and the next kernel is released as this one ends).
-# Kernels that are not ours (cuBLAS, torch) are launched normally and wait for full completion, so
-# mixing is safe. Before its wait a kernel reads only weights; so it never reads what an earlier
-# kernel writes, and it writes nothing, so no earlier kernel's reads are disturbed.
+# it still runs and waits (griddepcontrol.wait) before it reads or writes anything; every Triton
+# kernel of the engine takes PDL (0: off; 1: wait, then release the next kernel at once; 2: wait,
+# and the next kernel is released as this one ends). Kernels that are not ours (cuBLAS, torch) are
+# launched normally and wait for full completion, so mixing is safe. Off by default: on the H200 it
+# measured no gain end to end (session 5, docs/benchmarks.md), nor did an L2 prefetch of the skinny
+# product's weights before the wait (a loss: SMC-SD 1 x N=8 K=8 19-22 vs 15.5 ms a round).
 
 
 @triton.jit
@@ -960,35 +959,12 @@ def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, ga
 
 
 @triton.jit
-def _prefetch_rows_l2(W, rows, ok, K: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
-                      MODE: tl.constexpr):
-    """Ask L2 for the rows ``rows`` of W [., K] (MODE 1: one bulk prefetch a row, cp.async.bulk —
-    rows 16-byte aligned, ROW_BYTES a multiple of 16; MODE 2: one prefetch a 128-byte line). A hint:
-    nothing is read into registers and no result depends on it."""
-    r = tl.where(ok, rows, 0)
-    if MODE == 1:
-        sizes = tl.full([BLOCK_N], ROW_BYTES, tl.int32)
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // dummy $0", "=r,l,r",
-                                  [W + r * K, sizes], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        PER_LINE: tl.constexpr = 128 * K // ROW_BYTES  # elements a line
-        LINES: tl.constexpr = 32
-        for l0 in range(0, K, PER_LINE * LINES):
-            off = l0 + tl.arange(0, LINES) * PER_LINE
-            ptr = tl.where(ok[:, None] & (off < K)[None, :], W + r[:, None] * K + off[None, :], W)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptr], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-
-
-@triton.jit
 def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
-                          PDL: tl.constexpr = 0, PREFETCH_W: tl.constexpr = 0, ROW_BYTES: tl.constexpr = 0):
+                          PDL: tl.constexpr = 0):
     """Y[M, N] = X[M, K] · W[N, K]ᵀ, one program per BLOCK_N output columns × BLOCK_M rows, streaming
     its W rows once. SILU: W is [2N, K] = [gate; up] and Y = silu(X·gateᵀ) · (X·upᵀ), rounded as the
-    unfused path rounds (the product to Y's dtype, silu to Y's dtype, then the product).
-    PREFETCH_W (with PDL): the program's weight rows are requested into L2 before the wait for the
-    previous kernel (they are weights: no kernel writes them)."""
+    unfused path rounds (the product to Y's dtype, silu to Y's dtype, then the product)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -996,10 +972,6 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexp
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
-    if PDL >= 1 and PREFETCH_W > 0:
-        _prefetch_rows_l2(W, rn, n_ok, K, ROW_BYTES, BLOCK_N, PREFETCH_W)
-        if SILU:
-            _prefetch_rows_l2(W, N + rn, n_ok, K, ROW_BYTES, BLOCK_N, PREFETCH_W)
     _pdl_enter(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -1073,16 +1045,6 @@ def skinny_all() -> bool:
     return v == "1"
 
 
-def skinny_prefetch() -> int:
-    """SMCDECODE_SKINNY_PREFETCH: with PDL on, the skinny product requests its weight rows into L2
-    before waiting for the previous kernel: 0 (off), 1 (a bulk prefetch a row), 2 (a prefetch a
-    128-byte line); default 0."""
-    v = os.environ.get("SMCDECODE_SKINNY_PREFETCH", "0")
-    if v not in ("0", "1", "2"):
-        raise ValueError(f"SMCDECODE_SKINNY_PREFETCH={v!r}: use 0 (off), 1 (bulk, a row) or 2 (a line)")
-    return int(v)
-
-
 def skinny_wins(M: int, N: int, K: int, nbytes: int, silu: bool) -> bool:
     """Where the skinny product beat cuBLAS (+ the SiLU·mul kernel) in that sweep (H200, random data,
     every layer's own weights): at most 16 rows (``skinny_silu_max_rows()`` for w13 + SiLU·mul), and
@@ -1119,11 +1081,7 @@ def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=N
     N = weight.shape[0] // 2 if silu else weight.shape[0]
     bm, bn, bk, warps, stages = config or skinny_config(M, N, K, x.device, silu)
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    pdl = _pdl(x.device)
-    row_bytes = K * weight.element_size()
-    if pdl and row_bytes % 16 == 0 and weight.data_ptr() % 16 == 0 and weight.is_contiguous():
-        pdl.update(PREFETCH_W=skinny_prefetch(), ROW_BYTES=row_bytes)
     _skinny_linear_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
         x2, weight, y, M, x2.stride(0), N=N, K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SILU=silu,
-        num_warps=warps, num_stages=stages, **pdl)
+        num_warps=warps, num_stages=stages, **_pdl(x.device))
     return y.view(*x.shape[:-1], N)

@@ -78,6 +78,8 @@ class DistillConfig:
     generation_time_budget_s: float | None = None
     generator: str = "hf"
     on_policy: float = 0.0
+    self_prompts: int = 0
+    self_prompt_temperature: float = 1.0
 
     def check(self) -> None:
         for name in ("layers", "samples_per_prompt", "max_prompt_tokens", "max_new_tokens", "steps", "batch_size",
@@ -93,6 +95,11 @@ class DistillConfig:
             raise SMCDecodeError(f"holdout must be >= 0, got {self.holdout!r}")
         if self.generator not in ("hf", "engine"):
             raise SMCDecodeError(f"generator must be 'hf' or 'engine', got {self.generator!r}")
+        if isinstance(self.self_prompts, bool) or not isinstance(self.self_prompts, int) or self.self_prompts < 0:
+            raise SMCDecodeError(f"self_prompts must be a count >= 0 (user messages the target writes, as extra "
+                                 f"training prompts), got {self.self_prompts!r}")
+        if not (isinstance(self.self_prompt_temperature, (int, float)) and self.self_prompt_temperature > 0):
+            raise SMCDecodeError(f"self_prompt_temperature must be > 0, got {self.self_prompt_temperature!r}")
         if isinstance(self.on_policy, bool) or not (isinstance(self.on_policy, (int, float)) and 0 <= self.on_policy <= 1):
             raise SMCDecodeError(f"on_policy must be a fraction in [0, 1] (the share of training answers the "
                                  f"draft samples), got {self.on_policy!r}")
@@ -186,6 +193,45 @@ def chat_prompts(target: HFModel, prompts: Sequence[str], max_prompt_tokens: int
         ids = target.chat([{"role": "user", "content": p}]) if has_chat else target.encode(p)
         if 0 < len(ids) <= max_prompt_tokens:
             out.append((p, ids))
+    return out
+
+
+def user_turn_prefix(target: HFModel) -> list[int]:
+    """Token ids of a chat up to where a user's message starts (the template's system turn and the
+    user turn's header), for the target to write a user message; its end is the turn's end token."""
+    tok = target.tokenizer
+    if getattr(tok, "chat_template", None) is None:
+        raise SMCDecodeError(f"self_prompts needs a chat model: {target.name!r} has no chat template")
+    marker = "\ue000"  # a private-use character: in no template
+    text = tok.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=False, tokenize=False)
+    if marker not in text:
+        raise SMCDecodeError(f"the chat template of {target.name!r} does not show the user's message; "
+                             "self_prompts cannot find where a user turn starts")
+    return list(tok.encode(text[: text.index(marker)], add_special_tokens=False))
+
+
+def self_prompts(target: HFModel, count: int, *, temperature: float = 1.0, max_new_tokens: int = 128,
+                 batch_size: int = 256, seed: int = 0, progress: bool = True, generator: str = "hf",
+                 time_budget_s: float | None = None, log: Callable[[str], None] = print) -> list[str]:
+    """User messages written by the target itself: ``count`` samples (at ``temperature``) of the
+    user turn of its chat template, kept when the turn ended (its end token within
+    ``max_new_tokens``), non-blank, and not seen before. More prompts, of the kinds the model
+    expects, for a corpus whose prompts are few (the draft otherwise fits its training prompts and
+    not new ones)."""
+    prefix = user_turn_prefix(target)
+    eos = target.eos_token_id
+    gens = generate_corpus(target, [prefix], samples=count, max_new_tokens=max_new_tokens, temperature=temperature,
+                           batch_size=batch_size, seed=seed, progress=progress, generator=generator,
+                           time_budget_s=time_budget_s, log=log)
+    out, seen = [], set()
+    for _, r in gens:
+        if not r or r[-1] != eos:
+            continue
+        text = target.decode(r[:-1]).strip()
+        if text and text not in seen:
+            seen.add(text)
+            out.append(text)
+    log(f"the target wrote {len(out)} distinct user messages ({len(gens)} sampled)")
     return out
 
 
@@ -608,7 +654,9 @@ def distill(
     """Distil a draft for ``target`` from ``prompts`` (user chat messages) into ``out_dir``.
 
     1. keep prompts of at most ``max_prompt_tokens`` tokens; hold ``holdout`` of them out
-       (``extra_prompts`` only ever train: the held-out set depends on ``prompts`` alone);
+       (``extra_prompts`` only ever train: the held-out set depends on ``prompts`` alone; with
+       ``self_prompts`` = n the target also writes n user messages, :func:`self_prompts`, that
+       join the extra prompts);
     2. build the draft (:func:`smcdecode.drafts.build_draft`), or start from the saved draft
        ``init_draft`` (a warm start: more data or steps for an existing draft);
     3. sample ``samples_per_prompt`` responses per training prompt (one per held-out prompt) from
@@ -657,12 +705,16 @@ def distill(
         val_p: list = []
         if config.eval_every:  # validation prompts come out of the training prompts, not the held-out ones
             train_p, val_p = split_prompts(train_p, min(config.validation_prompts, len(train_p) - 1), config.seed + 1)
-        extra_p = chat_prompts(target, extra_prompts, config.max_prompt_tokens) if extra_prompts else []
+        written = self_prompts(target, config.self_prompts, temperature=config.self_prompt_temperature,
+                               batch_size=config.generation_batch_size, seed=config.seed + 4, progress=progress,
+                               generator=config.generator, log=log) if config.self_prompts else []
+        all_extra = list(extra_prompts) + written
+        extra_p = chat_prompts(target, all_extra, config.max_prompt_tokens) if all_extra else []
         seen = {text for text, _ in held_p + val_p + train_p}
         extra_p = [(text, ids) for text, ids in extra_p if text not in seen]  # never train on a held-out prompt
         log(f"{len(usable)} of {len(prompts)} prompts fit in {config.max_prompt_tokens} tokens: "
             f"{len(train_p)} for training, {len(val_p)} for validation, {len(held_p)} held out"
-            + (f"; {len(extra_p)} of {len(extra_prompts)} extra prompts for training" if extra_prompts else ""))
+            + (f"; {len(extra_p)} of {len(all_extra)} extra prompts for training" if all_extra else ""))
         t = time.perf_counter()
         temp = config.temperatures[0]
         # held-out and validation answers first: a generation time budget only shortens training text
@@ -691,7 +743,7 @@ def distill(
         gen_seconds = time.perf_counter() - t
         corpus = {"train": train, "heldout": held, "heldout_prompts": [text for text, _ in held_p],
                   "validation": val, "generation_seconds": gen_seconds, "on_policy": float(config.on_policy),
-                  "draft_sequences": n_from_draft}
+                  "draft_sequences": n_from_draft, "self_prompts": written}
         torch.save(corpus, corpus_file)
         n_tok = sum(len(r) for _, r in train)
         log(f"generated {len(train)} training sequences ({n_tok} response tokens"
@@ -704,7 +756,8 @@ def distill(
         "config": dataclasses.asdict(config),
         "train_sequences": len(corpus["train"]),
         "draft_sequences": int(corpus.get("draft_sequences", 0)),
-        "extra_prompts": len(extra_prompts),
+        "extra_prompts": len(extra_prompts) + len(corpus.get("self_prompts", [])),
+        "self_prompts": len(corpus.get("self_prompts", [])),
         "train_response_tokens": sum(len(r) for _, r in corpus["train"]),
         "steps": trained["steps"],
         "train_seconds": trained["seconds"],
@@ -782,6 +835,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="share of each training prompt's samples drawn from the draft being trained (the "
                    "built or --init-draft one) instead of the target: on-policy distillation, the KL taken on "
                    "the draft's own continuations too (0: target text only)")
+    p.add_argument("--self-prompts", type=int, default=d.self_prompts, metavar="N",
+                   help="the target writes N user messages (samples of its chat template's user turn), added "
+                   "to the training prompts (0: none)")
+    p.add_argument("--self-prompt-temperature", type=float, default=d.self_prompt_temperature, metavar="T",
+                   help="temperature of those samples")
     p.add_argument("--weights", choices=["int8", "bfloat16", "float32"], default=d.weights,
                    help="storage of the saved layers (int8: per-row scales, half the size of bfloat16)")
     p.add_argument("--eval-every", type=int, default=d.eval_every,
@@ -816,6 +874,8 @@ def main(argv: list[str] | None = None) -> int:
             eval_every=args.eval_every, validation_prompts=args.validation_prompts,
             generation_time_budget_s=args.generation_time_budget, generator=args.generator,
             on_policy=args.on_policy,
+            self_prompts=args.self_prompts,
+            self_prompt_temperature=args.self_prompt_temperature,
         )
         config.check()
         prompts = load_prompts(args.prompts)

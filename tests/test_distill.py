@@ -445,3 +445,41 @@ def test_proposal_temperature_defaults_to_the_targets_for_a_draft_without_a_scal
     (tmp_path / "draft.json").write_text(json.dumps(cfg))
     with pytest.raises(SMCDecodeError, match="proposal_temperature_scale"):
         proposal_temperature(load_draft(target, tmp_path), 0.8)
+
+
+def test_self_prompts_are_the_targets_own_user_turns_and_only_train(tmp_path):
+    """self_prompts = n: the target samples n user turns of its chat template (from the template's
+    text before the user's message); the complete, distinct ones join the training prompts (each
+    with its answers), never the held-out or validation sets; a model without a chat template is a
+    clear error."""
+    from smcdecode.distill import self_prompts, user_turn_prefix
+
+    target = tiny_target(tokenizer=True)
+    target.tokenizer.chat_template = ("{% for m in messages %}<s> w5 {{ m['content'] }} </s> {% endfor %}"
+                                      "{% if add_generation_prompt %}<s> w6 {% endif %}")
+    assert user_turn_prefix(target) == target.encode("<s> w5") == [0, 7]
+    logs: list[str] = []
+    written = self_prompts(target, 40, max_new_tokens=8, seed=4, progress=False, log=logs.append)
+    gens = generate_corpus(target, [[0, 7]], samples=40, max_new_tokens=8, temperature=1.0, seed=4, progress=False)
+    complete = [target.decode(r[:-1]).strip() for _, r in gens if r[-1] == target.eos_token_id]
+    assert written == list(dict.fromkeys(t for t in complete if t)) and 0 < len(written) < 40
+    assert any("distinct user messages" in line for line in logs)
+
+    prompts = word_prompts(14, stride=5, spread=3)
+    config = DistillConfig(layers=1, samples_per_prompt=2, max_new_tokens=6, holdout=4, steps=2, batch_size=4,
+                           lr=1e-2, warmup_steps=1, self_prompts=40, weights="float32", max_prompt_tokens=40)
+    report = distill(target, prompts, tmp_path, config, progress=False, log=lambda s: None)
+    corpus = torch.load(tmp_path / "corpus.pt", weights_only=True)
+    mine = self_prompts(target, 40, seed=config.seed + 4, progress=False, log=lambda s: None)
+    assert corpus["self_prompts"] == mine and report["training"]["self_prompts"] == len(mine)
+    held_ids = {tuple(p) for p, _ in corpus["heldout"]}
+    self_ids = {tuple(ids) for t in mine if len(ids := target.chat([{"role": "user", "content": t}])) <= 40}
+    train_ids = {tuple(p) for p, _ in corpus["train"]}
+    fresh = self_ids - {tuple(target.chat([{"role": "user", "content": t}])) for t in prompts}
+    assert fresh and fresh <= train_ids and not fresh & held_ids
+    assert len(corpus["train"]) == 2 * (10 + len(fresh))  # 10 training prompts + the new written ones
+
+    with pytest.raises(SMCDecodeError, match="has no chat template"):
+        user_turn_prefix(tiny_target(tokenizer=True))
+    with pytest.raises(SMCDecodeError, match="self_prompts must be a count"):
+        DistillConfig(self_prompts=-1).check()

@@ -90,6 +90,21 @@ def gemm_graph_time(model: Llama, rows: list[int], repeats: int = 20) -> float:
     return graph_time(run, repeats)
 
 
+def with_env(env: dict, fn):
+    """fn() with the environment settings ``env`` set, then restored (the engine reads its
+    SMCDECODE_* settings at launch time)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return fn()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def graph_time(fn, repeats: int = 15) -> float:
     """Median seconds of one replay of ``fn`` captured in a CUDA graph (warmed up on a side stream)."""
     s = torch.cuda.Stream()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 import traceback
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_engine import graph_time  # benchmarks/ is on sys.path when run as a script
+from bench_engine import graph_time, with_env  # benchmarks/ is on sys.path when run as a script
 
 from smcdecode.backends.engine import PRESETS, Engine, Llama, kernels
 from smcdecode.backends.engine.model import silu_mul
@@ -94,26 +93,22 @@ def gemm_section(target: Llama, draft: Llama, res: dict) -> None:
 
 
 def run_variant(engine: Engine, env: dict, fn, repeats: int) -> float:
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        engine.clear_graphs()
-        fn(short=True)  # capture (and compile) outside the timing
-        ts = []
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn(short=False)
-            torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        engine.clear_graphs()
+    def measure() -> float:
+        try:
+            engine.clear_graphs()
+            fn(short=True)  # capture (and compile) outside the timing
+            ts = []
+            for _ in range(repeats):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn(short=False)
+                torch.cuda.synchronize()
+                ts.append(time.perf_counter() - t0)
+            return statistics.median(ts)
+        finally:
+            engine.clear_graphs()
+
+    return with_env(env, measure)
 
 
 def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: int, repeats: int,

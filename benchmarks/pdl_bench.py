@@ -22,13 +22,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from bench_engine import graph_time  # benchmarks/ is on sys.path when run as a script
+from bench_engine import gemm_graph_time, graph_time, with_env  # benchmarks/ is on sys.path when run as a script
 
 from smcdecode.backends.engine import PRESETS, Llama, kernels
 from smcdecode.backends.engine.model import add_rms_norm, linear, linear_silu_mul
@@ -43,19 +41,6 @@ VARIANTS = [
 # [BLOCK_N, BLOCK_K, warps, stages] for the skinny wqkv (3072 x 2048) and w2 (2048 x 8192)
 CONFIGS = [[16, 256, 4, 4], [16, 128, 4, 6], [16, 256, 4, 6], [32, 128, 4, 4], [16, 512, 4, 3], [16, 256, 8, 4],
            [32, 256, 4, 4], [16, 128, 4, 8]]
-
-
-def with_env(env: dict, fn):
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return fn()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def main() -> None:
@@ -82,19 +67,10 @@ def main() -> None:
             delta = linear(linear_silu_mul(n, blk.w13), blk.w2)
         return linear(add_rms_norm(x, delta, draft.norm.weight, cfg.norm_eps)[1], draft.output)
 
-    def cublas_only(x):
-        xi = torch.empty(x.shape[0], cfg.intermediate_size, device="cuda", dtype=x.dtype)
-        for blk in draft.layers:
-            F.linear(x, blk.wqkv.weight)
-            F.linear(x, blk.wo.weight)
-            F.linear(x, blk.w13.weight)
-            F.linear(xi, blk.w2.weight)
-        F.linear(x, draft.output.weight)
-
     best = {}
     for M in (8, 16):
         x = torch.randn(M, cfg.dim, device="cuda", dtype=torch.bfloat16)
-        floor = graph_time(lambda: cublas_only(x), args.repeats)
+        floor = gemm_graph_time(draft, [M], args.repeats)
         row = {"rows": M, "cublas_products_only_us": 1e6 * floor, "variants": {}}
         ref = with_env({}, lambda: step(x))
         for name, env in VARIANTS:

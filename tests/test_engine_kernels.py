@@ -333,6 +333,17 @@ def test_triton_attention_launch_configs_match_reference(cfg, L, D, B, group, mo
     assert int(_split_counters(q.device, 1).abs().sum()) == 0
 
 
+def _kernels_with_pdl():
+    """The kernels module, or a skip where programmatic dependent launch cannot run (a GPU before
+    sm_90, or a Triton without grid dependency control): there PDL is off whatever the setting."""
+    pytest.importorskip("triton")
+    from smcdecode.backends.engine import kernels
+
+    if kernels.gdc_wait is None or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm_90+ and Triton >= 3.3")
+    return kernels
+
+
 def _pdl_env(monkeypatch, pdl: str):
     monkeypatch.setenv("SMCDECODE_PDL", pdl)
     monkeypatch.setenv("SMCDECODE_SKINNY_ALL", "1")
@@ -344,11 +355,7 @@ def test_pdl_chain_in_a_graph_equals_the_chain_without_pdl(pdl, monkeypatch):
     SiLU·mul, w2 on 12 layers) captured in a CUDA graph and replayed 30 times gives, bit for bit, the
     result of the same kernels launched without PDL (a kernel reading its input before the previous
     kernel finished would show as a difference)."""
-    pytest.importorskip("triton")
-    from smcdecode.backends.engine import kernels
-
-    if kernels.gdc_wait is None or torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("PDL needs sm_90+ and Triton >= 3.3")
+    kernels = _kernels_with_pdl()
     torch.manual_seed(0)
     dim, inter, layers = 2048, 8192, 12
     ws = [(torch.randn(3072, dim, device="cuda", dtype=torch.bfloat16) * dim**-0.5,
@@ -387,17 +394,14 @@ def test_pdl_chain_in_a_graph_equals_the_chain_without_pdl(pdl, monkeypatch):
 def test_pdl_engine_outputs_equal_without_pdl(monkeypatch):
     """SMC-SD, exact SD and AR on the engine (CUDA graphs) with every Triton kernel under PDL draw
     the same tokens as without PDL, for the same seed."""
-    pytest.importorskip("triton")
-    from smcdecode.backends.engine import kernels
-
-    if kernels.gdc_wait is None or torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("PDL needs sm_90+ and Triton >= 3.3")
+    kernels = _kernels_with_pdl()
     target = Llama.random(LlamaConfig(2048, 512, 4, 8, 2, 1024, rope_theta=10000.0), device="cuda", seed=1)
     draft = Llama.random(LlamaConfig(2048, 256, 2, 4, 2, 768, rope_theta=10000.0), device="cuda", seed=2)
     prompts = [list(range(5, 40)), list(range(100, 117))]
     outs = []
     for pdl in ("0", "1"):
         _pdl_env(monkeypatch, pdl)
+        assert kernels.pdl_mode(torch.device("cuda")) == int(pdl)
         engine = Engine(target, draft, num_pages=512, page_size=16, max_context=256)
         smc = engine.smc_sd(prompts, particles=4, block_size=4, max_new_tokens=40, use_graphs=True, seed=3)
         sd = engine.speculative(prompts, block_size=4, max_new_tokens=30, use_graphs=True, seed=3)

@@ -105,6 +105,22 @@ def with_env(env: dict, fn):
                 os.environ[k] = v
 
 
+def products_chain(model: Llama, x: torch.Tensor) -> torch.Tensor:
+    """One decode step's norms and weight products as ``Block.forward`` dispatches them, without the
+    attention (the first H·D columns of wqkv's output stand in for its output): x [M, dim] -> logits."""
+    from smcdecode.backends.engine.model import add_rms_norm, linear, linear_silu_mul, linear_to_residual
+
+    cfg = model.cfg
+    hd = cfg.n_heads * cfg.head_dim
+    delta = None
+    for blk in model.layers:
+        x, n = add_rms_norm(x, delta, blk.attention_norm.weight, cfg.norm_eps)
+        q = linear(n, blk.wqkv)
+        x, n = add_rms_norm(x, linear_to_residual(q[:, :hd], blk.wo), blk.ffn_norm.weight, cfg.norm_eps)
+        delta = linear_to_residual(linear_silu_mul(n, blk.w13), blk.w2)
+    return linear(add_rms_norm(x, delta, model.norm.weight, cfg.norm_eps)[1], model.output)
+
+
 def graph_time(fn, repeats: int = 15) -> float:
     """Median seconds of one replay of ``fn`` captured in a CUDA graph (warmed up on a side stream)."""
     s = torch.cuda.Stream()

@@ -6,7 +6,7 @@ that is bench_engine.py). Times, in one process:
    row counts the strategies use, with a few block configurations at the draft's decode shape;
 2. SMC-SD / AR end to end under kernel variants switched by environment flags
    (SMCDECODE_FUSED_ROPE, SMCDECODE_ATTN_MERGE, SMCDECODE_ATTN_PROGRAMS_PER_SM,
-   SMCDECODE_ATTN_GROUP, SMCDECODE_SKINNY, SMCDECODE_SKINNY_SILU_ROWS), each after a fresh graph capture ("--sections sweep":
+   SMCDECODE_ATTN_GROUP, SMCDECODE_SKINNY, SMCDECODE_SKINNY_SILU_ROWS, SMCDECODE_SPLITK), each after a fresh graph capture ("--sections sweep":
    each attention setting alone, then the ones that helped together; the best goes to best_env.txt);
 3. a torch.profiler table of a graph-replayed SMC-SD call (per-round device time by kernel).
 
@@ -130,6 +130,7 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
         ("pdl wait-only", {"SMCDECODE_PDL": "2"}),
         ("skinny all", {"SMCDECODE_SKINNY_ALL": "1"}),
         ("pdl + skinny all", {"SMCDECODE_PDL": "1", "SMCDECODE_SKINNY_ALL": "1"}),
+        ("split-K off", {"SMCDECODE_SPLITK": "0"}),
     ]
     variants = [(n, {**extra_env, **e}) for n, e in variants]
     if only:
@@ -139,7 +140,7 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
                                                           "no skinny", "grouped attention", "merge kernel",
                                                           "device pages", "default attention config",
                                                           "skinny SiLU <=64 rows", "pdl", "pdl wait-only",
-                                                          "skinny all", "pdl + skinny all"))):
+                                                          "skinny all", "pdl + skinny all", "split-K off"))):
         for name, env in variants:
             if names is not None and name not in names:
                 continue
@@ -160,7 +161,8 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
         for name, env in (("default", {}), ("no skinny", {"SMCDECODE_SKINNY": "0"}),
                           ("no fused rope", {"SMCDECODE_FUSED_ROPE": "0"}), ("merge kernel", {"SMCDECODE_ATTN_MERGE": "kernel"}),
                           ("pdl", {"SMCDECODE_PDL": "1"}),
-                          ("pdl + skinny all", {"SMCDECODE_PDL": "1", "SMCDECODE_SKINNY_ALL": "1"})):
+                          ("pdl + skinny all", {"SMCDECODE_PDL": "1", "SMCDECODE_SKINNY_ALL": "1"}),
+                          ("split-K off", {"SMCDECODE_SPLITK": "0"})):
             if only and name not in only:
                 continue
             env = {**extra_env, **env}

@@ -26,10 +26,14 @@ import statistics
 from pathlib import Path
 
 import torch
-from bench_engine import gemm_graph_time, graph_time, with_env  # benchmarks/ is on sys.path when run as a script
+from bench_engine import (  # benchmarks/ is on sys.path when run as a script
+    gemm_graph_time,
+    graph_time,
+    products_chain,
+    with_env,
+)
 
 from smcdecode.backends.engine import PRESETS, Llama, kernels
-from smcdecode.backends.engine.model import add_rms_norm, linear, linear_silu_mul
 
 VARIANTS = [
     ("engine dispatch, no PDL", {}),
@@ -53,19 +57,12 @@ def main() -> None:
     dev = torch.device("cuda")
     draft = Llama.random(PRESETS["llama-3.2-1b"], device="cuda", seed=1)
     cfg = draft.cfg
-    hd = cfg.n_heads * cfg.head_dim
     res = {"device": torch.cuda.get_device_name(0), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "torch": torch.__version__, "model": "llama-3.2-1b (random bf16)", "layers": cfg.n_layers,
         "rows": [], "configs": [], "repeats": args.repeats}
 
     def step(x):
-        delta = None
-        for blk in draft.layers:
-            x, n = add_rms_norm(x, delta, blk.attention_norm.weight, cfg.norm_eps)
-            q = linear(n, blk.wqkv)
-            x, n = add_rms_norm(x, linear(q[:, :hd], blk.wo), blk.ffn_norm.weight, cfg.norm_eps)
-            delta = linear(linear_silu_mul(n, blk.w13), blk.w2)
-        return linear(add_rms_norm(x, delta, draft.norm.weight, cfg.norm_eps)[1], draft.output)
+        return products_chain(draft, x)
 
     best = {}
     for M in (8, 16):

@@ -92,8 +92,13 @@ def test_triton_rope_paged_attention_matches_reference(L, H, Hkv, D, lengths, me
 
 
 @torch.inference_mode()
-def test_bf16_engine_logprobs_match_hf_and_graph_round_runs():
+@pytest.mark.parametrize("split_k", ["default", "forced"])
+def test_bf16_engine_logprobs_match_hf_and_graph_round_runs(split_k, monkeypatch):
+    """(split_k "forced": wo and w2 of the decode steps split K in 2 and 4, their partials summed by
+    the norms, which at these small shapes the default would not do.)"""
     transformers = pytest.importorskip("transformers")
+    if split_k == "forced":
+        monkeypatch.setenv("SMCDECODE_SPLITK_CONFIG", '{"256x256": [32, 64, 4, 2, 2], "256x512": [32, 64, 4, 2, 4]}')
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
@@ -249,6 +254,32 @@ def test_triton_skinny_linear_matches_torch(M, N, K):
     out2 = triton_skinny_linear(x[None], w2, silu=True)  # leading dims kept
     assert out2.shape == (1, M, N)
     assert ((out2[0].double() - ref2).norm() / ref2.norm()) < 2e-2
+    if K >= 1024:  # split-K: float32 partials that sum to the product
+        for split in (2, 4, 8):
+            parts = triton_skinny_linear(x[None], w, split=split, config=(16, 32, 256, 4, 4))
+            assert parts.shape == (split, 1, M, N) and parts.dtype == torch.float32
+            assert ((parts.sum(0)[0].double() - ref).norm() / ref.norm()) < 1e-3
+
+
+@pytest.mark.parametrize("M,N,K", [(8, 2048, 8192), (1, 4096, 14336), (16, 2048, 2048)])
+def test_split_k_partials_feed_the_norm_as_the_unsplit_product_would(M, N, K):
+    """The add + RMSNorm that sums split-K partials equals the one that adds the product computed
+    whole (bf16 tolerance: the float32 sums differ in order), with the engine's default split."""
+    pytest.importorskip("triton")
+    from smcdecode.backends.engine import kernels
+    from smcdecode.backends.engine.model import add_rms_norm_reference
+
+    torch.manual_seed(M + K)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5
+    res = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    gamma = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    cfg, split = kernels.splitk_config(M, N, K, x.device) or ((16, 32, 256, 4, 4), 2)
+    parts = kernels.triton_skinny_linear(x, w, config=cfg, split=split)
+    h, y = kernels.triton_add_rms_norm(res, None, gamma, 1e-5, parts=parts)
+    h_ref, y_ref = add_rms_norm_reference(res, x @ w.T, gamma, 1e-5)
+    assert (h.float() - h_ref.float()).abs().max() <= 2e-2 * h_ref.float().abs().max()
+    assert (y.float() - y_ref.float()).abs().max() <= 3e-2 * y_ref.float().abs().max()
 
 
 @pytest.mark.parametrize("gs,L,D,B,per_sm,merge", [(8, 1, 64, 8, "2", "fused"), (8, 1, 64, 12, "2", "kernel"),

@@ -193,11 +193,61 @@ def test_interpreted_skinny_linear_matches_torch():
                                    rtol=1e-4, atol=1e-4)
 
 
+def test_interpreted_split_k_partials_sum_to_the_product_and_feed_the_norm():
+    """Split-K: the float32 partials [S, M, N] sum to x·wᵀ (K not a multiple of a split: the last one
+    masked), and the add + RMSNorm that reads them equals the reference on their total."""
+    kernels = _interpreted_kernels()
+    from smcdecode.backends.engine.model import SplitSum, add_rms_norm_reference
+
+    g = torch.Generator().manual_seed(6)
+    for M, N, K, cfg, split, S in [(3, 40, 96, (16, 16, 32, 4, 2), 2, 2), (8, 24, 200, (16, 16, 16, 4, 1), 4, 4),
+                                   (5, 32, 100, (16, 32, 64, 4, 2), 4, 2)]:
+        x = torch.randn(M, K, generator=g)
+        w = torch.randn(N, K, generator=g)
+        parts = kernels.triton_skinny_linear(x, w, config=cfg, split=split)
+        assert parts.shape == (S, M, N) and parts.dtype == torch.float32  # S: whole K blocks a split
+        torch.testing.assert_close(parts.sum(0), x @ w.T, rtol=1e-4, atol=1e-4)
+        res, gamma = torch.randn(M, N, generator=g), torch.randn(N, generator=g)
+        h, y = kernels.triton_add_rms_norm(res, None, gamma, 1e-5, parts=parts)
+        h_ref, y_ref = add_rms_norm_reference(res, SplitSum(parts).total(res.dtype), gamma, 1e-5)
+        torch.testing.assert_close(h, h_ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="split"):
+        kernels.triton_skinny_linear(x, torch.randn(2 * N, K), silu=True, config=cfg, split=2)
+
+
+def test_split_k_settings_are_read_from_the_environment(monkeypatch):
+    """wo and w2 at <= 16 rows split K: the measured shapes as measured, others (K >= 4096) where the
+    column blocks alone do not cover the SMs; SMCDECODE_SPLITK=0 turns it off;
+    SMCDECODE_SPLITK_CONFIG overrides a shape; bad values name the setting."""
+    kernels = _interpreted_kernels()
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("SMCDECODE_SPLITK", raising=False)
+    monkeypatch.delenv("SMCDECODE_SPLITK_CONFIG", raising=False)
+    cfg, split = kernels.splitk_config(8, 2048, 8192, cpu)  # the 1B's w2 at the draft's 8 rows
+    assert split > 1 and cfg[0] == 16
+    assert kernels.splitk_config(17, 2048, 8192, cpu) is None  # more rows: cuBLAS
+    assert kernels.splitk_config(8, 28672, 4096, cpu) is None  # enough column blocks already
+    assert kernels.splitk_config(1, 576, 1536, cpu) is None  # small, unmeasured: as before
+    assert kernels.splitk_config(1, 5120, 13824, cpu)[1] == 2  # unmeasured, large: the rule
+    monkeypatch.setenv("SMCDECODE_SPLITK", "0")
+    assert kernels.splitk_config(8, 2048, 8192, cpu) is None
+    monkeypatch.setenv("SMCDECODE_SPLITK", "yes")
+    with pytest.raises(ValueError, match="SMCDECODE_SPLITK"):
+        kernels.splitk_config(8, 2048, 8192, cpu)
+    monkeypatch.setenv("SMCDECODE_SPLITK", "1")
+    monkeypatch.setenv("SMCDECODE_SPLITK_CONFIG", '{"2048x8192": [64, 128, 8, 3, 8]}')
+    assert kernels.splitk_config(8, 2048, 8192, cpu) == ((16, 64, 128, 8, 3), 8)
+    monkeypatch.setenv("SMCDECODE_SPLITK_CONFIG", '{"2048x8192": [64, 128, 8, 3]}')
+    with pytest.raises(ValueError, match="SMCDECODE_SPLITK_CONFIG"):
+        kernels.splitk_config(8, 2048, 8192, cpu)
+
+
 @torch.no_grad()
 def test_interpreted_model_forward_matches_reference_path(monkeypatch):
     """The Llama forward with every Triton path forced (fused RoPE + KV write + attention for short
-    extensions, tiled attention for the prefill, skinny products with SiLU·mul) equals the torch
-    reference path: prefill, a 2-token and a 1-token step, and a 7-token verify-like step."""
+    extensions, tiled attention for the prefill, skinny products with SiLU·mul, split-K wo and w2
+    summed by the norms) equals the torch reference path: prefill, a 2-token and a 1-token step, and a 7-token verify-like step."""
     _interpreted_kernels()
     import numpy as np
 
@@ -211,6 +261,9 @@ def test_interpreted_model_forward_matches_reference_path(monkeypatch):
     def run(force: bool):
         monkeypatch.setattr(M, "_use_triton", lambda x: force)
         monkeypatch.setattr(M, "_use_skinny", lambda x, w, silu=False: force)
+        # wo and w2 split-K into partials that the next add + RMSNorm sums (split 2: 64 + 64 of 128
+        # columns for wo, 64 + 32 of 96 for w2)
+        monkeypatch.setattr(M, "_split_config", lambda x, w: ((16, 16, 32, 4, 1), 2) if force else None)
         monkeypatch.setattr(A, "_backend", lambda q, b: "triton" if force else "torch")
         torch.manual_seed(1)
         PS = 4
@@ -421,11 +474,15 @@ build(K._paged_attn_grouped_kernel, {**attn, "B": "i32"},
 skinny = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "M": "i32", "stride_xm": "i32"}
 aligned = {(K._skinny_linear_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("X", "W", "Y", "stride_xm")}
 # With PDL (the wait before the loop) the K loop must stay pipelined too.
-for m, n, k, bn, bk, silu, pdl in [(16, 2048, 2048, 16, 256, False, 0), (16, 8192, 2048, 32, 128, True, 0),
-                                   (64, 8192, 2048, 32, 128, True, 0), (16, 128256, 2048, 64, 128, False, 0),
-                                   (16, 2048, 8192, 16, 256, False, 1), (16, 8192, 2048, 32, 128, True, 1)]:
-    consts = dict(N=n, K=k, BLOCK_M=m, BLOCK_N=bn, BLOCK_K=bk, SILU=silu, PDL=pdl)
-    kern = triton.compile(ASTSource(fn=K._skinny_linear_kernel, signature={**skinny, **dict.fromkeys(consts, "constexpr")},
+# Split-K (float32 partials, K_PER < K) likewise.
+for m, n, k, bn, bk, silu, pdl, split in [(16, 2048, 2048, 16, 256, False, 0, 1), (16, 8192, 2048, 32, 128, True, 0, 1),
+                                          (64, 8192, 2048, 32, 128, True, 0, 1), (16, 128256, 2048, 64, 128, False, 0, 1),
+                                          (16, 2048, 8192, 16, 256, False, 1, 1), (16, 8192, 2048, 32, 128, True, 1, 1),
+                                          (16, 2048, 8192, 32, 256, False, 0, 4), (16, 4096, 14336, 32, 256, False, 1, 2)]:
+    consts = dict(N=n, K=k, BLOCK_M=m, BLOCK_N=bn, BLOCK_K=bk, SILU=silu, PDL=pdl, SPLIT=split,
+                  K_PER=-(-k // split // bk) * bk)
+    sig = {**skinny, "Y": "*fp32" if split > 1 else "*bf16"}
+    kern = triton.compile(ASTSource(fn=K._skinny_linear_kernel, signature={**sig, **dict.fromkeys(consts, "constexpr")},
                                     constexprs=consts, attrs=aligned),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4, "launch_pdl": bool(pdl)})
     ttgir, ptx = kern.asm["ttgir"], kern.asm["ptx"]

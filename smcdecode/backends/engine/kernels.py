@@ -718,13 +718,22 @@ def _merge_splits_kernel(OP, LSE, OUT, L: tl.constexpr, G: tl.constexpr, H: tl.c
 
 @triton.jit
 def _add_rms_norm_kernel(X, DELTA, W, H_OUT, Y, stride_x, stride_d, eps, DIM: tl.constexpr,
-                         BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, PDL: tl.constexpr = 0):
+                         BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, PDL: tl.constexpr = 0,
+                         NSPLIT: tl.constexpr = 0, stride_s=0):
+    """NSPLIT > 0: DELTA holds NSPLIT float32 partial sums (split stride stride_s), added in order and
+    rounded to the stream's dtype first, as the unsplit product would have been."""
     _pdl_enter(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     ok = c < DIM
     x = tl.load(X + row * stride_x + c, mask=ok, other=0.0)
-    if HAS_DELTA:
+    if NSPLIT > 0:
+        d = tl.load(DELTA + row * stride_d + c, mask=ok, other=0.0)
+        for s in tl.static_range(1, NSPLIT):
+            d += tl.load(DELTA + s * stride_s + row * stride_d + c, mask=ok, other=0.0)
+        x = x + d.to(x.dtype)
+        tl.store(H_OUT + row * DIM + c, x, mask=ok)
+    elif HAS_DELTA:
         x = x + tl.load(DELTA + row * stride_d + c, mask=ok, other=0.0)  # in the stream's dtype, as torch adds
         tl.store(H_OUT + row * DIM + c, x, mask=ok)
     xf = x.to(tl.float32)
@@ -734,21 +743,35 @@ def _add_rms_norm_kernel(X, DELTA, W, H_OUT, Y, stride_x, stride_d, eps, DIM: tl
     tl.store(Y + row * DIM + c, y.to(Y.dtype.element_ty), mask=ok)
 
 
-def triton_add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def triton_add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float,
+                        parts: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(h, y) with h = x + delta (x when delta is None) and y = weight · h / rms(h), over the last dim.
-    x, delta [..., dim] with unit stride in the last dim (row-strided views are fine).
-    Reference: model.add_rms_norm_reference."""
+    x, delta [..., dim] with unit stride in the last dim (row-strided views are fine). ``parts``
+    instead of ``delta``: float32 partial sums [S, ..., dim] of a split-K product
+    (``triton_skinny_linear(split=S)``), delta = their sum rounded to x's dtype.
+    Reference: model.add_rms_norm_reference (with model.SplitSum.total for ``parts``)."""
     dim = x.shape[-1]
     shape = x.shape
     x2 = x.reshape(-1, dim)
-    d2 = delta.reshape(-1, dim) if delta is not None else x2
     M = x2.shape[0]
-    h = torch.empty(M, dim, device=x.device, dtype=x.dtype) if delta is not None else x2
+    nsplit, stride_s = 0, 0
+    if parts is not None:
+        if delta is not None:
+            raise ValueError("give delta or parts, not both")
+        p3 = parts.reshape(parts.shape[0], -1, dim)
+        if p3.stride(-1) != 1:
+            p3 = p3.contiguous()
+        nsplit, stride_s, d2 = p3.shape[0], p3.stride(0), p3[0]
+    else:
+        d2 = delta.reshape(-1, dim) if delta is not None else x2
+    has_delta = delta is not None or parts is not None
+    h = torch.empty(M, dim, device=x.device, dtype=x.dtype) if has_delta else x2
     y = torch.empty(M, dim, device=x.device, dtype=x.dtype)
     block = triton.next_power_of_2(dim)
     _add_rms_norm_kernel[(M,)](x2, d2, weight, h, y, x2.stride(0), d2.stride(0), eps, DIM=dim, BLOCK=block,
-                               HAS_DELTA=delta is not None, num_warps=max(1, min(16, block // 512)), **_pdl(x.device))
-    return (h.view(shape) if delta is not None else x), y.view(shape)
+                               HAS_DELTA=has_delta, NSPLIT=nsplit, stride_s=stride_s,
+                               num_warps=max(1, min(16, block // 512)), **_pdl(x.device))
+    return (h.view(shape) if has_delta else x), y.view(shape)
 
 
 @triton.jit
@@ -961,10 +984,14 @@ def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, ga
 @triton.jit
 def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
-                          PDL: tl.constexpr = 0):
+                          K_PER: tl.constexpr, PDL: tl.constexpr = 0, SPLIT: tl.constexpr = 1):
     """Y[M, N] = X[M, K] · W[N, K]ᵀ, one program per BLOCK_N output columns × BLOCK_M rows, streaming
     its W rows once. SILU: W is [2N, K] = [gate; up] and Y = silu(X·gateᵀ) · (X·upᵀ), rounded as the
-    unfused path rounds (the product to Y's dtype, silu to Y's dtype, then the product)."""
+    unfused path rounds (the product to Y's dtype, silu to Y's dtype, then the product).
+    Program (n, m, s) sums K columns [s·K_PER, (s+1)·K_PER) (K_PER = K: no split). SPLIT > 1 (not
+    with SILU): they are split over SPLIT programs and each
+    stores its float32 partial at Y[s] (Y is float32 [SPLIT, M, N]); whoever reads Y adds the SPLIT
+    partials in order (``triton_add_rms_norm(..., parts=Y)``), so no atomics and no extra launch."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -972,16 +999,18 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexp
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
+    k_first = tl.program_id(2) * K_PER  # (K_PER = K without a split: one program on the K axis)
     _pdl_enter(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + rk) < K
-        x = tl.load(X + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(W + rn[:, None] * K + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    for k0 in range(0, K_PER, BLOCK_K):
+        kk = k_first + k0 + rk
+        k_ok = kk < K
+        x = tl.load(X + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(W + rn[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w))
         if SILU:
-            wu = tl.load(W + (N + rn)[:, None] * K + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :],
+            wu = tl.load(W + (N + rn)[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
                          other=0.0)
             acc_u += tl.dot(x, tl.trans(wu))
     if SILU:
@@ -989,7 +1018,10 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexp
         u = acc_u.to(Y.dtype.element_ty).to(tl.float32)
         sg = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
         acc = sg * u
-    tl.store(Y + rm[:, None] * N + rn[None, :], acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    out = Y + rm[:, None] * N + rn[None, :]
+    if SPLIT > 1:
+        out += tl.program_id(2) * M * N
+    tl.store(out, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def skinny_config(M: int, N: int, K: int, device: torch.device, silu: bool = False
@@ -1068,11 +1100,15 @@ def skinny_silu_max_rows() -> int:
     return int(v)
 
 
-def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=None) -> Tensor:
+def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=None, split: int = 1) -> Tensor:
     """x [..., K] (unit stride in K) · weight [N, K]ᵀ -> [..., N]; with ``silu`` the weight is [gate; up]
     ([2N, K]) and the result silu(x·gateᵀ)·(x·upᵀ) [..., N]. For few rows (decode), where cuBLAS's
     kernels leave bandwidth unused on small matrices. References: torch.nn.functional.linear, and
-    model.silu_mul of it."""
+    model.silu_mul of it.
+
+    ``split`` > 1 splits K over that many programs a column block and returns their float32
+    partial sums [split, ..., N] instead (their sum over the first dim is the product; reference:
+    ``model.SplitSum.total``); ``triton_add_rms_norm(..., parts=...)`` consumes them."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -1080,8 +1116,73 @@ def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=N
     M = x2.shape[0]
     N = weight.shape[0] // 2 if silu else weight.shape[0]
     bm, bn, bk, warps, stages = config or skinny_config(M, N, K, x.device, silu)
-    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    _skinny_linear_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
+    if split < 1 or (split > 1 and silu):
+        raise ValueError(f"split={split!r}: use a positive number of K splits (and 1 with silu=True: SiLU·mul "
+                         "needs the whole sum)")
+    k_per = triton.cdiv(triton.cdiv(K, split), bk) * bk  # each split a whole number of K blocks
+    split = triton.cdiv(K, k_per)
+    if split > 1:
+        y = torch.empty(split, M, N, device=x.device, dtype=torch.float32)
+    else:
+        y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    _skinny_linear_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm), split)](
         x2, weight, y, M, x2.stride(0), N=N, K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SILU=silu,
-        num_warps=warps, num_stages=stages, **_pdl(x.device))
+        SPLIT=split, K_PER=k_per if split > 1 else K, num_warps=warps, num_stages=stages, **_pdl(x.device))
+    if split > 1:
+        return y.view(split, *x.shape[:-1], N)
     return y.view(*x.shape[:-1], N)
+
+
+def splitk_config(M: int, N: int, K: int, device: torch.device) -> tuple[tuple[int, int, int, int, int], int] | None:
+    """(skinny config, K splits) for a product whose output only feeds a residual add + RMSNorm (a
+    layer's wo and w2) at few rows, or None where it stays as it was (no split would be made). SMCDECODE_SPLITK=0 turns it
+    off; SMCDECODE_SPLITK_CONFIG (a JSON object, keys "NxK", values [BLOCK_N, BLOCK_K, num_warps,
+    num_stages, splits]) overrides shapes one by one (for sweeps)."""
+    v = os.environ.get("SMCDECODE_SPLITK", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"SMCDECODE_SPLITK={v!r}: use 0 or 1")
+    if v == "0" or M > 16:
+        return None
+    block_m = max(16, triton.next_power_of_2(M))
+    text = os.environ.get("SMCDECODE_SPLITK_CONFIG")
+    if text:
+        entry = _parse_splitk_configs(text).get(f"{N}x{K}")
+        if entry is not None:
+            bn, bk, warps, stages, split = entry
+            return (block_m, bn, bk, warps, stages), split
+    measured = _SPLITK_MEASURED.get((N, K))
+    if measured is not None:
+        bn, bk, warps, stages, split = measured
+        return (block_m, bn, bk, warps, stages), split
+    if K < 4096:  # (small products: not measured; they stay as they were)
+        return None
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
+    bn, bk = (64, 256) if N >= 4096 else (32, 128)
+    split = 1
+    while triton.cdiv(N, bn) * split * 2 <= 2 * sms and K // (2 * split) >= 4 * bk:
+        split *= 2
+    return ((block_m, bn, bk, 4, 4), split) if split > 1 else None
+
+
+# (N, K) -> [BLOCK_N, BLOCK_K, warps, stages, splits]: the fastest of benchmarks/splitk_bench.py's
+# sweep inside a whole decode step (H200, session 6): the Llama-3.2-1B draft's wo and w2 at 8 rows
+# (step 919 -> 862 µs with both), the Llama-3.1-8B's wo and w2 at 1 row (4278 -> 4139 µs).
+_SPLITK_MEASURED = {(2048, 2048): (64, 128, 4, 4, 4), (2048, 8192): (32, 128, 4, 4, 4),
+                    (4096, 4096): (64, 256, 4, 3, 2), (4096, 14336): (64, 256, 4, 3, 2)}
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_splitk_configs(text: str) -> dict[str, tuple[int, int, int, int, int]]:
+    table = {}
+    for key, entry in json.loads(text).items():
+        ok = isinstance(entry, list) and len(entry) == 5 and all(isinstance(v, int) for v in entry)
+        if ok:
+            bn, bk, warps, stages, split = entry
+            ok = bn >= 16 and bk >= 16 and not (bn & (bn - 1)) and not (bk & (bk - 1)) \
+                and warps in (1, 2, 4, 8, 16) and stages >= 1 and split >= 1
+        if not ok:
+            raise ValueError(f"SMCDECODE_SPLITK_CONFIG[{key!r}] = {entry!r}: expected [block_n, block_k, warps, "
+                             "stages, splits], block_n and block_k powers of two >= 16, warps one of 1, 2, 4, 8, 16, "
+                             "splits >= 1")
+        table[key] = tuple(entry)
+    return table

@@ -157,7 +157,28 @@ def _use_triton(x: Tensor) -> bool:
     return True
 
 
-def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+@dataclass
+class SplitSum:
+    """A product's float32 partial sums over K splits, ``parts`` [S, ..., N], not yet added up: the
+    next residual add + RMSNorm adds them (one launch fewer than a split-K reduce; see
+    ``linear_to_residual``). ``total`` is the product itself (the reference)."""
+
+    parts: Tensor
+
+    def total(self, dtype: torch.dtype) -> Tensor:
+        return self.parts.sum(0).to(dtype)
+
+    def __getitem__(self, idx) -> SplitSum:  # indexes the product's own dims, e.g. s[:, -1:]
+        return SplitSum(self.parts[(slice(None), *(idx if isinstance(idx, tuple) else (idx,)))])
+
+
+def add_rms_norm(x: Tensor, delta: Tensor | SplitSum | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    if isinstance(delta, SplitSum):
+        if _use_triton(x):
+            from .kernels import triton_add_rms_norm
+
+            return triton_add_rms_norm(x, None, weight, eps, parts=delta.parts)
+        delta = delta.total(x.dtype)
     if _use_triton(x):
         from .kernels import triton_add_rms_norm
 
@@ -229,6 +250,35 @@ def linear(x: Tensor, layer: nn.Linear) -> Tensor:
     return layer(x)
 
 
+def _split_config(x: Tensor, weight: Tensor):
+    """(skinny config, K splits) where a product feeding a residual add + RMSNorm runs split-K on the
+    skinny kernel (kernels.splitk_config: few rows; SMCDECODE_SPLITK=0 disables it), else None."""
+    import os
+
+    if not _use_triton(x) or x.dtype != weight.dtype or weight.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if os.environ.get("SMCDECODE_SKINNY", "1") == "0":
+        return None
+    from .kernels import splitk_config
+
+    N, K = weight.shape
+    return splitk_config(x.numel() // K, N, K, x.device)
+
+
+def linear_to_residual(x: Tensor, layer: nn.Linear) -> Tensor | SplitSum:
+    """``linear`` for a product whose only reader is the next residual add + RMSNorm (a block's wo and
+    w2): at few rows its K is split over more programs (the 1B's 2048-column products have only 64
+    column blocks of 32 for 132 SMs) and the float32 partials go to the norm as a ``SplitSum``."""
+    if layer.bias is None:
+        cfg = _split_config(x, layer.weight)
+        if cfg is not None:
+            from .kernels import triton_skinny_linear
+
+            y = triton_skinny_linear(x, layer.weight, config=cfg[0], split=cfg[1])
+            return SplitSum(y) if y.dim() == x.dim() + 1 else y
+    return linear(x, layer)
+
+
 def linear_silu_mul(x: Tensor, layer: nn.Linear) -> Tensor:
     """silu(x·gateᵀ) · (x·upᵀ) for the fused [gate; up] projection ``layer`` (no bias)."""
     if _use_skinny(x, layer.weight, silu=True):
@@ -260,8 +310,8 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, x: Tensor, delta: Tensor | None, rope: tuple[Tensor, Tensor], kv, batch
-                ) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, delta: Tensor | SplitSum | None, rope: tuple[Tensor, Tensor], kv, batch
+                ) -> tuple[Tensor, Tensor | SplitSum]:
         """Residual stream x [B, L, dim] plus the previous block's pending branch output ``delta``
         (added here, fused with the norm) -> (stream, this block's MLP output, still to be added)."""
         cfg = self.cfg
@@ -270,8 +320,8 @@ class Block(nn.Module):
         x, n = add_rms_norm(x, delta, self.attention_norm.weight, cfg.norm_eps)
         o = rope_attention(linear(n, self.wqkv), batch, rope[0], rope[1], kv.k(self.layer), kv.v(self.layer), H,
                            Hkv, backend=kv.attention_backend)
-        h, n = add_rms_norm(x, linear(o.reshape(B, L, H * D), self.wo), self.ffn_norm.weight, cfg.norm_eps)
-        return h, linear(linear_silu_mul(n, self.w13), self.w2)
+        h, n = add_rms_norm(x, linear_to_residual(o.reshape(B, L, H * D), self.wo), self.ffn_norm.weight, cfg.norm_eps)
+        return h, linear_to_residual(linear_silu_mul(n, self.w13), self.w2)
 
 
 class Llama(nn.Module):

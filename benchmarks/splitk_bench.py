@@ -1,0 +1,123 @@
+"""Split-K wo and w2 (their float32 partials summed by the next add + RMSNorm) on the decode steps,
+in isolation: a whole step's norms and weight products (no attention; ``bench_engine.products_chain``)
+captured in one CUDA graph and replayed, with SMCDECODE_SPLITK off and on, and a sweep of block
+configurations and split counts for the two products, shape by shape, inside the chain. Models: the
+Llama-3.2-1B draft at 8 and 16 rows (SMC-SD's draft steps) and the Llama-3.1-8B target at 1 and 8
+rows (autoregressive decoding of 1 and 8 requests); random bf16 weights. Median of repeated replays.
+
+    PYTHONPATH=$PWD python benchmarks/splitk_bench.py --out /tmp/splitk
+
+--wqkv also times wqkv on the skinny kernel (SMCDECODE_SKINNY_ALL=1) under a few block configurations.
+Writes splitk.json and best_env.json (the fastest SMCDECODE_SPLITK_CONFIG found at the draft's 8 rows
+and the target's 1 row, for engine_variants.py --extra-env) into --out.
+"""
+
+# ruff: noqa: B023  (the closures run before their loop advances)
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+import torch
+from bench_engine import gemm_graph_time, graph_time, products_chain, with_env
+
+from smcdecode.backends.engine import PRESETS, Llama, kernels
+
+# [BLOCK_N, BLOCK_K, warps, stages, splits]; splits 1 = the skinny kernel without a split
+CONFIGS = [[32, 256, 4, 4, 2], [32, 256, 4, 4, 4], [32, 256, 4, 4, 8], [16, 256, 4, 4, 4], [64, 128, 4, 4, 4],
+           [32, 128, 4, 4, 4], [32, 128, 4, 6, 8], [64, 256, 4, 3, 2], [16, 256, 4, 4, 8], [32, 256, 4, 4, 1]]
+# [BLOCK_N, BLOCK_K, warps, stages] for wqkv on the skinny kernel
+WQKV_CONFIGS = [[16, 256, 4, 4], [32, 128, 4, 4], [32, 256, 4, 4], [64, 128, 4, 4], [64, 256, 4, 3], [16, 128, 4, 6],
+                [32, 256, 4, 3], [64, 128, 4, 6]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/splitk")
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--wqkv", action="store_true", help="also sweep wqkv on the skinny kernel (SMCDECODE_SKINNY_ALL)")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    res = {"device": torch.cuda.get_device_name(0), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"), "torch": torch.__version__, "repeats": args.repeats, "rows": [], "sweeps": [], "wqkv": []}
+    best_env: dict = {}
+    for name, seed, rows in (("llama-3.2-1b", 1, (8, 16)), ("llama-3.1-8b", 2, (1, 8))):
+        model = Llama.random(PRESETS[name], device="cuda", seed=seed)
+        cfg = model.cfg
+        shapes = (f"{cfg.dim}x{cfg.n_heads * cfg.head_dim}", f"{cfg.dim}x{cfg.intermediate_size}")  # wo, w2
+        for M in rows:
+            x = torch.randn(M, cfg.dim, device="cuda", dtype=torch.bfloat16)
+            ref = with_env({"SMCDECODE_SPLITK": "0"}, lambda: products_chain(model, x)).float()
+            row = {"model": name, "rows": M, "cublas_products_only_us": 1e6 * gemm_graph_time(model, [M], args.repeats),
+                   "default_splits": {s: (kernels.splitk_config(M, *map(int, s.split("x")), dev) or (None, 1))[1]
+                                      for s in shapes}}
+            for label, env in (("split-K off", {"SMCDECODE_SPLITK": "0"}), ("split-K on (default)", {})):
+                y = with_env(env, lambda: products_chain(model, x)).float()
+                row[label] = {"us": 1e6 * with_env(env, lambda: graph_time(lambda: products_chain(model, x), args.repeats)),
+                              "max_abs_diff_vs_off": float((y - ref).abs().max()), "ref_abs_max": float(ref.abs().max())}
+            print(name, M, row, flush=True)
+            res["rows"].append(row)
+            if M != rows[0]:
+                continue
+            chosen: dict = {}
+            for shape in shapes:  # one shape at a time, the other at its best so far (default first)
+                times = {}
+                for c in CONFIGS:
+                    env = {"SMCDECODE_SPLITK_CONFIG": json.dumps({**chosen, shape: c})}
+                    try:
+                        times[json.dumps(c)] = 1e6 * with_env(env, lambda: graph_time(lambda: products_chain(model, x),
+                                                                                     args.repeats))
+                    except Exception as e:  # a configuration that does not compile is reported, not fatal
+                        times[json.dumps(c)] = f"{type(e).__name__}: {e}"[:500]
+                    print(name, M, shape, c, times[json.dumps(c)], flush=True)
+                num = {k: v for k, v in times.items() if isinstance(v, float)}
+                chosen[shape] = json.loads(min(num, key=num.get))
+                res["sweeps"].append({"model": name, "rows": M, "shape": shape, "step_us_by_config": times,
+                                      "chosen": chosen[shape]})
+            env = {"SMCDECODE_SPLITK_CONFIG": json.dumps(chosen)}
+            res["sweeps"].append({"model": name, "rows": M, "both_chosen_us": 1e6 * with_env(
+                env, lambda: graph_time(lambda: products_chain(model, x), args.repeats)), "chosen": chosen})
+            best_env.update(chosen)
+        if args.wqkv:  # wqkv on the skinny kernel too (SMCDECODE_SKINNY_ALL), block configs swept
+            M = rows[0]
+            x = torch.randn(M, cfg.dim, device="cuda", dtype=torch.bfloat16)
+            key = f"{(cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim}x{cfg.dim}"
+            times = {"cuBLAS (default)": 1e6 * graph_time(lambda: products_chain(model, x), args.repeats)}
+            for c in WQKV_CONFIGS:
+                env = {"SMCDECODE_SKINNY_ALL": "1", "SMCDECODE_SKINNY_CONFIG": json.dumps({key: c})}
+                try:
+                    times[json.dumps(c)] = 1e6 * with_env(env, lambda: graph_time(lambda: products_chain(model, x),
+                                                                                 args.repeats))
+                except Exception as e:
+                    times[json.dumps(c)] = f"{type(e).__name__}: {e}"[:500]
+                print(name, M, "wqkv", key, c, times[json.dumps(c)], flush=True)
+            res["wqkv"].append({"model": name, "rows": M, "shape": key, "step_us_by_config": times})
+    res["best_env"] = {"SMCDECODE_SPLITK_CONFIG": json.dumps(best_env)}
+    wqkv_best = {}
+    for w in res["wqkv"]:  # the fastest configuration where it beats cuBLAS, for engine_variants --extra-env
+        t = w["step_us_by_config"]
+        num = {k: v for k, v in t.items() if isinstance(v, float) and k != "cuBLAS (default)"}
+        if num and min(num.values()) < t["cuBLAS (default)"]:
+            wqkv_best[w["shape"]] = json.loads(min(num, key=num.get))
+    (out / "wqkv_env.json").write_text(json.dumps({"SMCDECODE_SKINNY_CONFIG": json.dumps(wqkv_best)}))
+    (out / "splitk.json").write_text(json.dumps(res, indent=1))
+    (out / "best_env.json").write_text(json.dumps(res["best_env"]))
+    print("\nmodel | rows | cuBLAS products only | split-K off | split-K on (default) | µs a step")
+    for r in res["rows"]:
+        print(f"{r['model']} | {r['rows']} | {r['cublas_products_only_us']:.0f} | {r['split-K off']['us']:.0f} | "
+              f"{r['split-K on (default)']['us']:.0f}")
+    for w in res["wqkv"]:
+        print(w["model"], w["rows"], "wqkv", {k: round(v) if isinstance(v, float) else "error"
+                                              for k, v in w["step_us_by_config"].items()})
+    for s in res["sweeps"]:
+        if "both_chosen_us" in s:
+            print(s["model"], s["rows"], "chosen", s["chosen"], f"{s['both_chosen_us']:.0f} us")
+    print("best:", res["best_env"])
+
+
+if __name__ == "__main__":
+    main()

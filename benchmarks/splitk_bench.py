@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -33,10 +34,84 @@ WQKV_CONFIGS = [[16, 256, 4, 4], [32, 128, 4, 4], [32, 256, 4, 4], [64, 128, 4, 
                 [32, 256, 4, 3], [64, 128, 4, 6]]
 
 
+# [BLOCK_N, BLOCK_K, warps, stages, splits] at 64 rows (BLOCK_M 64)
+CONFIGS_64 = [[32, 128, 4, 4, 2], [32, 128, 4, 4, 4], [64, 128, 4, 4, 2], [64, 128, 4, 4, 4], [64, 64, 4, 4, 4],
+              [128, 64, 4, 4, 2], [64, 128, 8, 3, 2], [32, 256, 4, 3, 2], [64, 128, 4, 4, 1]]
+
+
+def rows64_section(args, res: dict, best_env: dict) -> None:
+    """The draft's products at 64 rows (8 requests × 8 particles), split-K up to 64 rows
+    (SMCDECODE_SPLITK_ROWS=64), wo and w2 swept in turn; against split-K off (cuBLAS)."""
+    model = Llama.random(PRESETS["llama-3.2-1b"], device="cuda", seed=1)
+    cfg = model.cfg
+    x = torch.randn(64, cfg.dim, device="cuda", dtype=torch.bfloat16)
+    step = {"cuBLAS products alone": 1e6 * gemm_graph_time(model, [64], args.repeats),
+            "split-K off": 1e6 * with_env({"SMCDECODE_SPLITK": "0"},
+                                          lambda: graph_time(lambda: products_chain(model, x), args.repeats))}
+    chosen: dict = {}
+    for shape in (f"{cfg.dim}x{cfg.n_heads * cfg.head_dim}", f"{cfg.dim}x{cfg.intermediate_size}"):
+        times = {}
+        for c in CONFIGS_64:
+            env = {"SMCDECODE_SPLITK_ROWS": "64", "SMCDECODE_SPLITK_CONFIG": json.dumps({**chosen, shape: c})}
+            try:
+                times[json.dumps(c)] = 1e6 * with_env(env, lambda: graph_time(lambda: products_chain(model, x),
+                                                                             args.repeats))
+            except Exception as e:
+                times[json.dumps(c)] = f"{type(e).__name__}: {e}"[:500]
+            print("64 rows", shape, c, times[json.dumps(c)], flush=True)
+        num = {k: v for k, v in times.items() if isinstance(v, float)}
+        chosen[shape] = json.loads(min(num, key=num.get))
+        step[f"sweep {shape}"] = times
+    env = {"SMCDECODE_SPLITK_ROWS": "64", "SMCDECODE_SPLITK_CONFIG": json.dumps(chosen)}
+    ref = with_env({"SMCDECODE_SPLITK": "0"}, lambda: products_chain(model, x)).float()
+    y = with_env(env, lambda: products_chain(model, x)).float()
+    step["both chosen"] = 1e6 * with_env(env, lambda: graph_time(lambda: products_chain(model, x), args.repeats))
+    step["chosen"] = chosen
+    step["max_abs_diff_vs_off"] = float((y - ref).abs().max())
+    res["rows64"] = step
+    if step["both chosen"] < step["split-K off"]:
+        best_env.update({f"64:{k}": v for k, v in chosen.items()})
+    print("64 rows:", {k: v for k, v in step.items() if not k.startswith("sweep")}, flush=True)
+
+
+def copy_pages_section(res: dict, repeats: int = 20) -> None:
+    """Copy-on-write page copies between rounds on the benchmark's pools (Llama-3.1-8B and -3.2-1B
+    KV, 16-token pages): the 6-D advanced-indexing copy used before session 6 against
+    KVPool.copy_pages (a gather and scatter of whole pages), 2 and 20 pages (1 and 8 requests)."""
+    from bench_engine import cuda_time
+
+    from smcdecode.backends.engine import KVPool
+
+    rows = []
+    for name, pages in (("llama-3.1-8b", 6500), ("llama-3.2-1b", 6500)):
+        pool = KVPool.for_model(PRESETS[name], pages, 16, torch.bfloat16, "cuda")
+        for n in (2, 20):
+            perm = torch.randperm(pages - 1, device="cuda")[: 2 * n] + 1
+            src, dst = perm[:n], perm[n:]
+
+            def old():
+                pool.kv[:, :, dst] = pool.kv[:, :, src]
+
+            old()
+            ref = pool.kv[:, :, dst].clone()
+            pool.kv[:, :, dst] = 0
+            pool.copy_pages(src, dst)
+            ok = torch.equal(pool.kv[:, :, dst], ref)
+            t_old = statistics.median(cuda_time(old, repeats))
+            t_new = statistics.median(cuda_time(lambda: pool.copy_pages(src, dst), repeats))
+            rows.append({"pool": name, "pages": n, "bytes_per_page": pool.bytes_per_page, "old_us": 1e6 * t_old,
+                         "new_us": 1e6 * t_new, "equal": ok})
+            print("copy pages", rows[-1], flush=True)
+    res["copy_pages"] = rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/splitk")
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--rows64", action="store_true", help="also sweep split-K for the draft at 64 rows")
+    ap.add_argument("--copy-pages", action="store_true", help="also time copy-on-write page copies, old vs new")
+    ap.add_argument("--skip-main", action="store_true", help="skip the 8/16-row and 1/8-row tables and sweeps")
     ap.add_argument("--wqkv", action="store_true", help="also sweep wqkv on the skinny kernel (SMCDECODE_SKINNY_ALL)")
     args = ap.parse_args()
     out = Path(args.out)
@@ -45,7 +120,7 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name(0), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "torch": torch.__version__, "repeats": args.repeats, "rows": [], "sweeps": [], "wqkv": []}
     best_env: dict = {}
-    for name, seed, rows in (("llama-3.2-1b", 1, (8, 16)), ("llama-3.1-8b", 2, (1, 8))):
+    for name, seed, rows in () if args.skip_main else (("llama-3.2-1b", 1, (8, 16)), ("llama-3.1-8b", 2, (1, 8))):
         model = Llama.random(PRESETS[name], device="cuda", seed=seed)
         cfg = model.cfg
         shapes = (f"{cfg.dim}x{cfg.n_heads * cfg.head_dim}", f"{cfg.dim}x{cfg.intermediate_size}")  # wo, w2
@@ -96,6 +171,10 @@ def main() -> None:
                     times[json.dumps(c)] = f"{type(e).__name__}: {e}"[:500]
                 print(name, M, "wqkv", key, c, times[json.dumps(c)], flush=True)
             res["wqkv"].append({"model": name, "rows": M, "shape": key, "step_us_by_config": times})
+    if args.rows64:
+        rows64_section(args, res, best_env)
+    if args.copy_pages:
+        copy_pages_section(res)
     res["best_env"] = {"SMCDECODE_SPLITK_CONFIG": json.dumps(best_env)}
     wqkv_best = {}
     for w in res["wqkv"]:  # the fastest configuration where it beats cuBLAS, for engine_variants --extra-env

@@ -230,6 +230,16 @@ def test_split_k_settings_are_read_from_the_environment(monkeypatch):
     assert kernels.splitk_config(8, 28672, 4096, cpu) is None  # enough column blocks already
     assert kernels.splitk_config(1, 576, 1536, cpu) is None  # small, unmeasured: as before
     assert kernels.splitk_config(1, 5120, 13824, cpu)[1] == 2  # unmeasured, large: the rule
+    monkeypatch.setenv("SMCDECODE_SPLITK_ROWS", "64")  # more rows: the rule, not the 8-row table
+    assert kernels.splitk_config(64, 2048, 8192, cpu)[0][0] == 64 and kernels.splitk_config(65, 2048, 8192, cpu) is None
+    monkeypatch.setenv("SMCDECODE_SPLITK_CONFIG", '{"64:2048x8192": [64, 128, 4, 4, 2]}')  # 33-64 rows only
+    assert kernels.splitk_config(64, 2048, 8192, cpu) == ((64, 64, 128, 4, 4), 2)
+    assert kernels.splitk_config(8, 2048, 8192, cpu) == ((16, 32, 128, 4, 4), 4)
+    monkeypatch.delenv("SMCDECODE_SPLITK_CONFIG")
+    monkeypatch.setenv("SMCDECODE_SPLITK_ROWS", "128")
+    with pytest.raises(ValueError, match="SMCDECODE_SPLITK_ROWS"):
+        kernels.splitk_config(8, 2048, 8192, cpu)
+    monkeypatch.delenv("SMCDECODE_SPLITK_ROWS")
     monkeypatch.setenv("SMCDECODE_SPLITK", "0")
     assert kernels.splitk_config(8, 2048, 8192, cpu) is None
     monkeypatch.setenv("SMCDECODE_SPLITK", "yes")

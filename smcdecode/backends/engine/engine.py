@@ -256,13 +256,15 @@ class Engine:
 
     def _upload(self, table: PageTable, pt_dev: Tensor, copies: tuple[list[int], list[int]]) -> None:
         src, dst = copies
-        if src:
-            s = torch.tensor(src, device=self.device)
-            d = torch.tensor(dst, device=self.device)
+        if src:  # one host-to-device copy for both index lists
+            sd = torch.tensor(src + dst, dtype=torch.long).to(self.device, non_blocking=True)
+            s, d = sd[: len(src)], sd[len(src):]
             self.kv_t.copy_pages(s, d)
             if self.kv_d is not None:
                 self.kv_d.copy_pages(s, d)
-        pt_dev.copy_(torch.from_numpy(table.table), non_blocking=False)
+        # NOTE: not waited for: from pageable memory the copy is staged before the call returns (the
+        # host may change the table afterwards), and the work that reads pt_dev follows on this stream
+        pt_dev.copy_(torch.from_numpy(table.table), non_blocking=True)
 
     def _capture(self, fn, use_graphs: bool):
         if not use_graphs:

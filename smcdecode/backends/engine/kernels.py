@@ -1135,22 +1135,28 @@ def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=N
 
 def splitk_config(M: int, N: int, K: int, device: torch.device) -> tuple[tuple[int, int, int, int, int], int] | None:
     """(skinny config, K splits) for a product whose output only feeds a residual add + RMSNorm (a
-    layer's wo and w2) at few rows, or None where it stays as it was (no split would be made). SMCDECODE_SPLITK=0 turns it
-    off; SMCDECODE_SPLITK_CONFIG (a JSON object, keys "NxK", values [BLOCK_N, BLOCK_K, num_warps,
-    num_stages, splits]) overrides shapes one by one (for sweeps)."""
+    layer's wo and w2) at few rows, or None where it stays as it was (no split would be made).
+    SMCDECODE_SPLITK=0 turns it off; SMCDECODE_SPLITK_ROWS (default 16, at most 64) is the most
+    rows it applies to; SMCDECODE_SPLITK_CONFIG (a JSON object, keys "NxK", or "BLOCK_M:NxK" for one
+    row block — 16, 32 or 64 —, values [BLOCK_N, BLOCK_K, num_warps, num_stages, splits]) overrides
+    shapes one by one (for sweeps)."""
     v = os.environ.get("SMCDECODE_SPLITK", "1")
     if v not in ("0", "1"):
         raise ValueError(f"SMCDECODE_SPLITK={v!r}: use 0 or 1")
-    if v == "0" or M > 16:
+    rows = os.environ.get("SMCDECODE_SPLITK_ROWS", "16")
+    if not rows.isdigit() or int(rows) > 64:
+        raise ValueError(f"SMCDECODE_SPLITK_ROWS={rows!r}: give a row count up to 64, such as 16")
+    if v == "0" or M > int(rows):
         return None
     block_m = max(16, triton.next_power_of_2(M))
     text = os.environ.get("SMCDECODE_SPLITK_CONFIG")
     if text:
-        entry = _parse_splitk_configs(text).get(f"{N}x{K}")
+        table = _parse_splitk_configs(text)
+        entry = table.get(f"{block_m}:{N}x{K}", table.get(f"{N}x{K}"))
         if entry is not None:
             bn, bk, warps, stages, split = entry
             return (block_m, bn, bk, warps, stages), split
-    measured = _SPLITK_MEASURED.get((N, K))
+    measured = _SPLITK_MEASURED.get((N, K)) if M <= 16 else None
     if measured is not None:
         bn, bk, warps, stages, split = measured
         return (block_m, bn, bk, warps, stages), split

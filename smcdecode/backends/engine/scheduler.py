@@ -263,6 +263,8 @@ class Scheduler:
                 view[k] = v[:bucket]
             elif k in ("ar", "done"):
                 view[k] = v
+            elif k == "packed":  # (the round packs what smc_sd's loop reads; this loop reads its own)
+                view[k] = v[: 3 * R + 2 * bucket + 1]
             else:
                 view[k] = v[:R]
         rnd = _Round(view, None, None, keep=list(self.full.keep))

@@ -432,9 +432,7 @@ def run(engine, prompts: list[list[int]], settings: Settings, target: EngineTarg
         rnd.finish()
         if record_weights:
             out.weights.append(b["W"].clone())
-        packed = torch.cat([b["index"].double(), b["seq"].double(), b["n_gen"].double(), b["do"].double(),
-                            b["ess"], b["done"].double()])
-        host.copy_(packed, non_blocking=True)
+        host.copy_(b["packed"], non_blocking=True)
         if pinned:
             torch.cuda.current_stream().synchronize()  # the round's one host sync
         t0 = time.perf_counter()
@@ -506,6 +504,8 @@ def _build(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resampler, 
         # read by the host between the two halves of a round
         active=z(B, dtype=torch.bool), ended=z(B, dtype=torch.bool), hit_eos=z(B, dtype=torch.bool),
         host_incr=z(B, dtype=torch.float64),
+        # what the host reads after the round's sync, packed in the round's graph: index, seq, n_gen, do, ess, done
+        packed=z(3 * B + 2 * G + 1, dtype=torch.float64),
     )
     rnd = _Round(b, None, None, keep=[a.table for a in automata] + [a.accepting for a in automata])
     rnd.propose_code, rnd.finish_code = _round_code(engine, b, automata, eos, pad, resampler, tau, host_mask)
@@ -634,6 +634,8 @@ def _round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, t
         b["do"].copy_(do)
         b["ess"].copy_(ess)
         b["done"].copy_(finished.all()[None])
+        b["packed"].copy_(torch.cat([idx.double(), T.double(), n_gen.double(), do.double(), ess,
+                                     b["done"].double()]))
 
     return propose, finish
 

@@ -131,7 +131,7 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
         ("skinny all", {"SMCDECODE_SKINNY_ALL": "1"}),
         ("pdl + skinny all", {"SMCDECODE_PDL": "1", "SMCDECODE_SKINNY_ALL": "1"}),
         ("split-K off", {"SMCDECODE_SPLITK": "0"}),
-        ("split-K <=64 rows", {"SMCDECODE_SPLITK_ROWS": "64"}),
+        ("split-K <=16 rows", {"SMCDECODE_SPLITK_ROWS": "16"}),
     ]
     variants = [(n, {**extra_env, **e}) for n, e in variants]
     if only:
@@ -142,7 +142,7 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
                                                           "device pages", "default attention config",
                                                           "skinny SiLU <=64 rows", "pdl", "pdl wait-only",
                                                           "skinny all", "pdl + skinny all", "split-K off",
-                                                          "split-K <=64 rows"))):
+                                                          "split-K <=16 rows"))):
         for name, env in variants:
             if names is not None and name not in names:
                 continue

@@ -217,8 +217,8 @@ def test_interpreted_split_k_partials_sum_to_the_product_and_feed_the_norm():
 
 
 def test_split_k_settings_are_read_from_the_environment(monkeypatch):
-    """wo and w2 at <= 16 rows split K: the measured shapes as measured, others (K >= 4096) where the
-    column blocks alone do not cover the SMs; SMCDECODE_SPLITK=0 turns it off;
+    """wo and w2 split K at <= 16 rows (the measured shapes as measured, others with K >= 4096 where
+    the column blocks alone do not cover the SMs) and at 17-64 rows (the measured shapes only); SMCDECODE_SPLITK=0 turns it off;
     SMCDECODE_SPLITK_CONFIG overrides a shape; bad values name the setting."""
     kernels = _interpreted_kernels()
     cpu = torch.device("cpu")
@@ -226,12 +226,15 @@ def test_split_k_settings_are_read_from_the_environment(monkeypatch):
     monkeypatch.delenv("SMCDECODE_SPLITK_CONFIG", raising=False)
     cfg, split = kernels.splitk_config(8, 2048, 8192, cpu)  # the 1B's w2 at the draft's 8 rows
     assert split > 1 and cfg[0] == 16
-    assert kernels.splitk_config(17, 2048, 8192, cpu) is None  # more rows: cuBLAS
+    assert kernels.splitk_config(64, 2048, 8192, cpu) == ((64, 64, 128, 4, 4), 4)  # the draft of 8 requests
+    assert kernels.splitk_config(65, 2048, 8192, cpu) is None  # more rows: cuBLAS
+    assert kernels.splitk_config(64, 4096, 14336, cpu) is None  # above 16 rows only the measured shapes
+    monkeypatch.setenv("SMCDECODE_SPLITK_ROWS", "16")
+    assert kernels.splitk_config(17, 2048, 8192, cpu) is None
+    monkeypatch.delenv("SMCDECODE_SPLITK_ROWS")
     assert kernels.splitk_config(8, 28672, 4096, cpu) is None  # enough column blocks already
     assert kernels.splitk_config(1, 576, 1536, cpu) is None  # small, unmeasured: as before
     assert kernels.splitk_config(1, 5120, 13824, cpu)[1] == 2  # unmeasured, large: the rule
-    monkeypatch.setenv("SMCDECODE_SPLITK_ROWS", "64")  # more rows: the rule, not the 8-row table
-    assert kernels.splitk_config(64, 2048, 8192, cpu)[0][0] == 64 and kernels.splitk_config(65, 2048, 8192, cpu) is None
     monkeypatch.setenv("SMCDECODE_SPLITK_CONFIG", '{"64:2048x8192": [64, 128, 4, 4, 2]}')  # 33-64 rows only
     assert kernels.splitk_config(64, 2048, 8192, cpu) == ((64, 64, 128, 4, 4), 2)
     assert kernels.splitk_config(8, 2048, 8192, cpu) == ((16, 32, 128, 4, 4), 4)

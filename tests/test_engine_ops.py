@@ -201,7 +201,7 @@ def test_interpreted_split_k_partials_sum_to_the_product_and_feed_the_norm():
 
     g = torch.Generator().manual_seed(6)
     for M, N, K, cfg, split, S in [(3, 40, 96, (16, 16, 32, 4, 2), 2, 2), (8, 24, 200, (16, 16, 16, 4, 1), 4, 4),
-                                   (5, 32, 100, (16, 32, 64, 4, 2), 4, 2)]:
+                                   (5, 32, 100, (16, 32, 64, 4, 2), 4, 2), (40, 48, 96, (64, 16, 32, 4, 2), 2, 2)]:
         x = torch.randn(M, K, generator=g)
         w = torch.randn(N, K, generator=g)
         parts = kernels.triton_skinny_linear(x, w, config=cfg, split=split)

@@ -544,6 +544,22 @@ def test_skinny_silu_row_limit_is_read_from_the_environment(monkeypatch):
         kernels.skinny_wins(8, 8192, 2048, 64e6, silu=True)
 
 
+def test_attention_settings_refuse_bad_values_by_name(monkeypatch):
+    kernels = _interpreted_kernels()
+    monkeypatch.delenv("SMCDECODE_ATTN_CONFIG", raising=False)
+    monkeypatch.setenv("SMCDECODE_ATTN_PROGRAMS_PER_SM", "4")
+    assert kernels._attention_params("unlisted", 64)[3] == 4.0
+    for name, bad in (("SMCDECODE_ATTN_PROGRAMS_PER_SM", "many"), ("SMCDECODE_ATTN_PROGRAMS_PER_SM", "0")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            kernels._attention_params("unlisted", 64)
+    monkeypatch.setenv("SMCDECODE_ATTN_GROUP", "two")
+    with pytest.raises(ValueError, match="SMCDECODE_ATTN_GROUP"):
+        kernels._attention_group(8, 1, 4, 8)
+    monkeypatch.setenv("SMCDECODE_ATTN_GROUP", "2")
+    assert kernels._attention_group(8, 1, 4, 8) == 2
+
+
 def test_pdl_and_skinny_settings_are_read_from_the_environment(monkeypatch):
     """SMCDECODE_PDL / _SKINNY_ALL / _SKINNY_CONFIG: PDL is off on the CPU (and in
     the interpreter) whatever the setting; SKINNY_ALL sends wqkv and w2 (at most 16 rows) to the

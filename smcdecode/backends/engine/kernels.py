@@ -542,8 +542,20 @@ def _attention_params(shape_class: str, D: int) -> tuple[int, int, int, float, i
     entry = table.get(f"{shape_class}:{D}", table.get(shape_class))
     if entry is not None:
         return entry
-    block_n = int(os.environ.get("SMCDECODE_ATTN_BLOCK_N", "64")) if shape_class == "group" else 64
-    return block_n, 4, 2, float(os.environ.get("SMCDECODE_ATTN_PROGRAMS_PER_SM", "2")), 0
+    block_n = int(_env_number("SMCDECODE_ATTN_BLOCK_N", "64", int)) if shape_class == "group" else 64
+    return block_n, 4, 2, _env_number("SMCDECODE_ATTN_PROGRAMS_PER_SM", "2", float), 0
+
+
+def _env_number(name: str, default: str, kind) -> float:
+    """A positive number from the environment setting ``name``; a bad value names the setting."""
+    v = os.environ.get(name, default)
+    try:
+        x = kind(v)
+    except ValueError:
+        x = None
+    if x is None or not x > 0:
+        raise ValueError(f"{name}={v!r}: give a positive {'integer' if kind is int else 'number'}, e.g. {default}")
+    return x
 
 
 def _attention_config(B: int, L: int, G: int, Hkv: int, D: int, capacity: int, device: torch.device):
@@ -557,7 +569,10 @@ def _attention_config(B: int, L: int, G: int, Hkv: int, D: int, capacity: int, d
     progs = B * Hkv * mt
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
     nsplit = max(1, min(32, triton.cdiv(capacity, block_n), int(per_sm * sms) // progs))
-    merge = 0 if nsplit == 1 else (2 if os.environ.get("SMCDECODE_ATTN_MERGE", "fused") == "fused" else 1)
+    how = os.environ.get("SMCDECODE_ATTN_MERGE", "fused")
+    if how not in ("fused", "kernel"):
+        raise ValueError(f"SMCDECODE_ATTN_MERGE={how!r}: use fused (the default) or kernel")
+    merge = 0 if nsplit == 1 else (2 if how == "fused" else 1)
     return block_m, mt, block_n, nsplit, merge, warps, stages, prefetch
 
 
@@ -609,7 +624,7 @@ def _attention_group(B: int, L: int, G: int, hint: int) -> int:
     "auto" (the batch's hint, PagedBatch.group: SMC-SD's draft steps pass N) or a number; used only
     where GS·L·G <= 64 query rows fit one tile (decode)."""
     v = os.environ.get("SMCDECODE_ATTN_GROUP", "1")
-    gs = min(hint if v == "auto" else int(v), B)
+    gs = min(hint if v == "auto" else int(_env_number("SMCDECODE_ATTN_GROUP", "1", int)), B)
     return gs if gs >= 2 and gs * L * G <= 64 else 1
 
 

@@ -542,11 +542,11 @@ def _attention_params(shape_class: str, D: int) -> tuple[int, int, int, float, i
     entry = table.get(f"{shape_class}:{D}", table.get(shape_class))
     if entry is not None:
         return entry
-    block_n = int(_env_number("SMCDECODE_ATTN_BLOCK_N", "64", int)) if shape_class == "group" else 64
+    block_n = _env_number("SMCDECODE_ATTN_BLOCK_N", "64", int) if shape_class == "group" else 64
     return block_n, 4, 2, _env_number("SMCDECODE_ATTN_PROGRAMS_PER_SM", "2", float), 0
 
 
-def _env_number(name: str, default: str, kind) -> float:
+def _env_number(name: str, default: str, kind: type) -> int | float:
     """A positive number from the environment setting ``name``; a bad value names the setting."""
     v = os.environ.get(name, default)
     try:
@@ -623,8 +623,8 @@ def _attention_group(B: int, L: int, G: int, hint: int) -> int:
     """Rows per program for the opt-in grouped kernel: SMCDECODE_ATTN_GROUP = 1 (default: off),
     "auto" (the batch's hint, PagedBatch.group: SMC-SD's draft steps pass N) or a number; used only
     where GS·L·G <= 64 query rows fit one tile (decode)."""
-    v = os.environ.get("SMCDECODE_ATTN_GROUP", "1")
-    gs = min(hint if v == "auto" else int(_env_number("SMCDECODE_ATTN_GROUP", "1", int)), B)
+    auto = os.environ.get("SMCDECODE_ATTN_GROUP", "1") == "auto"
+    gs = min(hint if auto else _env_number("SMCDECODE_ATTN_GROUP", "1", int), B)
     return gs if gs >= 2 and gs * L * G <= 64 else 1
 
 
@@ -1004,9 +1004,9 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexp
     its W rows once. SILU: W is [2N, K] = [gate; up] and Y = silu(X·gateᵀ) · (X·upᵀ), rounded as the
     unfused path rounds (the product to Y's dtype, silu to Y's dtype, then the product).
     Program (n, m, s) sums K columns [s·K_PER, (s+1)·K_PER) (K_PER = K: no split). SPLIT > 1 (not
-    with SILU): they are split over SPLIT programs and each
-    stores its float32 partial at Y[s] (Y is float32 [SPLIT, M, N]); whoever reads Y adds the SPLIT
-    partials in order (``triton_add_rms_norm(..., parts=Y)``), so no atomics and no extra launch."""
+    with SILU): each of the SPLIT programs of a column block stores its float32 partial at Y[s] (Y is
+    float32 [SPLIT, M, N]); whoever reads Y adds the SPLIT partials in order
+    (``triton_add_rms_norm(..., parts=Y)``), so no atomics and no extra launch."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -1152,9 +1152,9 @@ def splitk_config(M: int, N: int, K: int, device: torch.device) -> tuple[tuple[i
     """(skinny config, K splits) for a product whose output only feeds a residual add + RMSNorm (a
     layer's wo and w2) at few rows, or None where it stays as it was (no split would be made).
     SMCDECODE_SPLITK=0 turns it off; SMCDECODE_SPLITK_ROWS (default 64, at most 64) is the most
-    rows it applies to (above 16 rows: the measured shapes only); SMCDECODE_SPLITK_CONFIG (a JSON object, keys "NxK", or "BLOCK_M:NxK" for one
-    row block — 16, 32 or 64 —, values [BLOCK_N, BLOCK_K, num_warps, num_stages, splits]) overrides
-    shapes one by one (for sweeps)."""
+    rows it applies to (above 16 rows: the measured shapes only); SMCDECODE_SPLITK_CONFIG (a JSON
+    object, keys "NxK", or "BLOCK_M:NxK" for one row block — 16, 32 or 64 —, values [BLOCK_N,
+    BLOCK_K, num_warps, num_stages, splits]) overrides shapes one by one (for sweeps)."""
     v = os.environ.get("SMCDECODE_SPLITK", "1")
     if v not in ("0", "1"):
         raise ValueError(f"SMCDECODE_SPLITK={v!r}: use 0 or 1")

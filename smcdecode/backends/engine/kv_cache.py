@@ -46,11 +46,11 @@ class KVPool:
         self.kv[layer, 1][pages, :, offsets] = v.reshape(-1, Hkv, D)
 
     def copy_pages(self, src: Tensor, dst: Tensor) -> None:
-        """kv[..., dst, ...] = kv[..., src, ...] for every layer (copy-on-write; dst not in src, and a page
-        named twice in dst gets the same source page each time). A page of one layer's keys (or values) is contiguous, so this is a
-        gather and a scatter of whole pages over a [layers·2, pages, page elements] view (advanced
-        indexing of the 6-D pool instead ran one thread an element: 0.6 ms a round at 8 requests ×
-        8 particles on an H200, session 6's profile)."""
+        """kv[..., dst, ...] = kv[..., src, ...] for every layer (copy-on-write; dst not in src, and a
+        page named twice in dst gets the same source page each time). A page of one layer's keys (or
+        values) is contiguous, so this is a gather and a scatter of whole pages over a [layers·2,
+        pages, page elements] view (advanced indexing of the 6-D pool was slower: 20 of the 8B's
+        pages 274 vs 226 µs on an H200, benchmarks/splitk_bench.py --copy-pages)."""
         L, two, P = self.kv.shape[:3]
         flat = self.kv.view(L * two, P, -1)
         flat.index_copy_(1, dst, flat.index_select(1, src))

@@ -173,17 +173,14 @@ class SplitSum:
 
 
 def add_rms_norm(x: Tensor, delta: Tensor | SplitSum | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    if isinstance(delta, SplitSum):
-        if _use_triton(x):
-            from .kernels import triton_add_rms_norm
-
-            return triton_add_rms_norm(x, None, weight, eps, parts=delta.parts)
-        delta = delta.total(x.dtype)
+    split = isinstance(delta, SplitSum)
     if _use_triton(x):
         from .kernels import triton_add_rms_norm
 
+        if split:
+            return triton_add_rms_norm(x, None, weight, eps, parts=delta.parts)
         return triton_add_rms_norm(x, delta, weight, eps)
-    return add_rms_norm_reference(x, delta, weight, eps)
+    return add_rms_norm_reference(x, delta.total(x.dtype) if split else delta, weight, eps)
 
 
 def rope_kv_write(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor,

@@ -2,7 +2,7 @@
 # One device call that checks and tunes the engine on one NVIDIA GPU before the published benchmark
 # (benchmarks/bench_engine.py), writing everything into $OUT:
 #
-#   1. the engine's GPU tests (pytest -m gpu; TESTS: kernels, device pages,
+#   1. the engine's GPU tests (pytest -m gpu; TESTS: kernels, pipelined rounds,
 #      statistics, model, prefill by default)                                -> gpu_tests.log
 #   2. the attention launch-configuration sweep (attention_sweep.py)          -> attn/attention_sweep.json, attention_env.sh
 #   3. SMC-SD / AR end to end under kernel variants, with the sweep's best
@@ -20,7 +20,7 @@ mkdir -p "$OUT"
 T0=$(date +%s)
 elapsed() { echo "[$(( $(date +%s) - T0 )) s]"; }
 
-TESTS=${TESTS:-"tests/test_engine_kernels.py tests/test_engine_device_pages.py tests/test_engine_statistics.py
+TESTS=${TESTS:-"tests/test_engine_kernels.py tests/test_engine_pipeline.py tests/test_engine_statistics.py
                tests/test_engine_model.py tests/test_engine_prefill.py"}
 # shellcheck disable=SC2086
 timeout "${TESTS_S:-210}" python -m pytest -q -m gpu $TESTS -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1

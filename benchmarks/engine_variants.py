@@ -122,7 +122,7 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
         ("attn per_sm=8", {"SMCDECODE_ATTN_PROGRAMS_PER_SM": "8"}),
         ("attn per_sm=16", {"SMCDECODE_ATTN_PROGRAMS_PER_SM": "16"}),
         ("no skinny", {"SMCDECODE_SKINNY": "0"}),
-        ("device pages", {"SMCDECODE_DEVICE_PAGES": "1"}),
+        ("pipeline off", {"SMCDECODE_PIPELINE": "0"}),
         ("grouped attention", {"SMCDECODE_ATTN_GROUP": "auto"}),
         ("default attention config", {"SMCDECODE_ATTN_CONFIG": "{}"}),
         ("skinny SiLU <=64 rows", {"SMCDECODE_SKINNY_SILU_ROWS": "64"}),
@@ -139,7 +139,7 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
     rows = []
     for G, N, K, names in ((1, 8, 8, None), (8, 8, 8, ("default", "attn per_sm=2", "attn per_sm=8", "attn per_sm=16",
                                                           "no skinny", "grouped attention", "merge kernel",
-                                                          "device pages", "default attention config",
+                                                          "pipeline off", "default attention config",
                                                           "skinny SiLU <=64 rows", "pdl", "pdl wait-only",
                                                           "skinny all", "pdl + skinny all", "split-K off",
                                                           "split-K <=16 rows"))):

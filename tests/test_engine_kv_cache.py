@@ -1,6 +1,7 @@
 """Paged KV bookkeeping: reference counts, fork (page-table row copy), copy-on-write, page gathers."""
 
 import numpy as np
+import pytest
 import torch
 
 from smcdecode.backends.engine import KVPool, PagedBatch, PageTable, reference_paged_attention
@@ -140,3 +141,39 @@ def test_vectorised_reserve_matches_row_loop_under_random_forks():
             a.advance(rows, lens)
             a.fork(rng.integers(0, R, size=R))
             lens = a.lengths.copy()
+
+
+def test_reserve_on_held_pages_books_the_pages_it_is_given():
+    """``hold`` takes pages off the free list unreferenced; ``reserve(held=...)`` books row i's copy on
+    held[i, 0] and its new columns on held[i, 1:], shares like ``reserve`` (same copies from the same
+    pages), and returns what it did not use; too few held pages, or unholding a page in use, is an
+    error."""
+    def setup():
+        t = PageTable(rows=4, max_pages=6, num_pages=40, page_size=4)
+        t.reserve(np.array([0]), np.array([6]))  # a 6-token prompt: pages for columns 0, 1
+        t.advance(np.array([0]), np.array([6]))
+        t.share_prefix([0, 1, 2, 3], 0)
+        t.fork(np.array([0, 0, 2, 2]))
+        return t
+
+    plain, t = setup(), setup()
+    src, dst = plain.reserve(np.arange(4), np.full(4, 11), write_from=np.full(4, 5))
+    held = t.hold(4 * 3).reshape(4, 3)
+    assert t.used == plain.used - len(dst) - 4  # held pages are not in use (plain also opened 1 column a row)
+    src2, dst2 = t.reserve(np.arange(4), np.full(4, 11), write_from=np.full(4, 5), held=held)
+    assert src2 == src and len(dst2) == len(dst) == 3  # rows 0-2 copy the shared page, row 3 keeps it
+    assert dst2 == held[:3, 0].tolist()
+    assert (t.table[:, 2] == held[:, 1]).all()  # column 2 (positions 8-11) on each row's second held page
+    assert t.used == plain.used and t.peak_used == plain.peak_used
+    for c in range(3):  # the same sharing as the plain bookkeeping
+        assert ((t.table[:, c][:, None] == t.table[:, c][None]) == (plain.table[:, c][:, None] == plain.table[:, c][None])).all()
+    assert set(held[3, :1].tolist() + held[:, 2].tolist()) <= set(t.free)  # unused held pages are free again
+    assert len(t.free) + t.used + 1 == 40
+
+    t = setup()
+    held = t.hold(4 * 2).reshape(4, 2)
+    held[1, 1] = 0  # row 1 is given no page for its new column
+    with pytest.raises(ValueError, match="needs more new pages than it was given"):
+        t.reserve(np.arange(4), np.full(4, 11), write_from=np.full(4, 5), held=held)
+    with pytest.raises(ValueError, match=r"unhold: pages \[\d+\] are in use"):
+        t.unhold(t.table[0, :1])

@@ -193,6 +193,38 @@ def test_interpreted_skinny_linear_matches_torch():
                                    rtol=1e-4, atol=1e-4)
 
 
+def _copy_case(shape, seed):
+    """A pool [layers, 2, pages, Hkv, PS, D] of random values and copy lists with skipped entries
+    (dst 0, and dst == src) among real copies (distinct destinations, none of them a source)."""
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(*shape, generator=g)
+    src = torch.tensor([3, 0, 5, 7, 2, 9], dtype=torch.long)
+    dst = torch.tensor([8, 0, 0, 7, 4, 1], dtype=torch.long)  # entries 1-3 copy nothing
+    expect = kv.clone()
+    for s_, d_ in [(3, 8), (2, 4), (9, 1)]:
+        expect[:, :, d_] = kv[:, :, s_]
+    return kv, src, dst, expect
+
+
+def test_interpreted_copy_pages_matches_the_reference():
+    """The copy-on-write kernel copies whole pages of every layer's keys and values, skips entries
+    whose destination is the null page or their own source, and agrees with the torch reference
+    (KVPool.copy_pages off CUDA), for a page smaller and one larger than the kernel's block."""
+    kernels = _interpreted_kernels()
+    from smcdecode.backends.engine import KVPool
+
+    for shape, seed in [((3, 2, 10, 2, 4, 8), 0), ((2, 2, 10, 4, 16, 128), 1)]:
+        kv, src, dst, expect = _copy_case(shape, seed)
+        pool = KVPool(shape[0], shape[3], shape[5], shape[2], shape[4], torch.float32, "cpu")
+        pool.kv.copy_(kv)
+        pool.copy_pages(src, dst)  # the reference
+        assert torch.equal(pool.kv, expect)
+        kernels.triton_copy_pages(kv, src, dst)
+        assert torch.equal(kv, expect)
+    with pytest.raises(ValueError, match="src .* and dst .*: give two 1-D tensors of one length"):
+        kernels.triton_copy_pages(kv, src, dst[:2])
+
+
 def test_interpreted_split_k_partials_sum_to_the_product_and_feed_the_norm():
     """Split-K: the float32 partials [S, M, N] sum to x·wᵀ (K not a multiple of a split: the last one
     masked), and the add + RMSNorm that reads them equals the reference on their total."""
@@ -481,6 +513,8 @@ for L, D, nsplit, block_n, warps, stages, prefetch in [(1, 64, 4, 32, 4, 2, True
 build(K._paged_attn_grouped_kernel, {**attn, "B": "i32"},
       dict(L=1, G=4, H=32, HKV=8, D=64, PS=16, NSPLIT=4, MT=1, GS=8, GS_P2=8, BLOCK_M=32, BLOCK_N=64, BLOCK_L=16,
            ROPE=True, MERGE=2, DYN_LOOP=True, MAX_IT=1), 4, 2)
+build(K._copy_pages_kernel, {"KV": "*bf16", "SRC": "*i64", "DST": "*i64", "n_pages": "i32"},
+      dict(PAGE=16384, BLOCK=4096), 4, 1)
 # the skinny product at the shapes it runs (the draft's wo and w13 + SiLU·mul at 8 and 64 rows, a
 # vocabulary head), with the 16-byte alignment the JIT assumes of pointers and strides (without it
 # nothing is pipelined): every load of the K loop must be an async copy of the software pipeline
@@ -510,7 +544,7 @@ print("compiled")
 def test_kernels_compile_for_a_gpu_target():
     """The kernels this CPU suite runs in the interpreter also compile for an H100/H200 (sm_90, with
     the ptxas that ships with triton; no GPU needed): the row-skipping sampler, the attention with
-    the page-id prefetch and non-default blocks, warps and stages, and the skinny product with every
+    the page-id prefetch and non-default blocks, warps and stages, the page copy, and the skinny product with every
     load of its K loop software-pipelined (async copies, 4 stages)."""
     import os
     import subprocess

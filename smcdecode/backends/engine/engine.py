@@ -4,11 +4,10 @@ Everything inside a round is tensor code on the device — drafting (exponential
 fused with the log-sum-exp and the gather of log q(d) into one Triton kernel on CUDA),
 the verify pass, incremental weights, ESS, the resampling decision, ancestor choice and the gather
 of every particle field — so one round is one CUDA graph (``use_graphs=True``). The page
-bookkeeping of SMC-SD (fork = page-table row copy with reference counts, copy-on-write of shared
-partial pages, fresh pages for the next K+1 tokens) runs at the end of that graph too
-(``_smc_pages``) when the KV pool holds the worst case, so rounds are launched back to back and the
-host reads each round's flags one round late; with a smaller pool the host does it between rounds
-(``PageTable``) after the round's one deliberate sync, the copy of the ancestor indices.
+bookkeeping of SMC-SD (fork = page-table row copy, copy-on-write of shared partial pages, fresh
+pages for the next K+1 tokens) runs at the end of that graph too (``_smc_pages``), on pages the host
+set aside for it before the launch; the host books the same pages one round later (``PageTable``),
+while the next round already runs, so rounds are launched back to back (``_smc_rounds``).
 
 Weights follow samplers/smc_sd.py (α = 1, no constraints or rewards in this slice):
     log w += Σ_{i ≤ first EOS, i ≤ budget} [log p_T(d_i | ·) − log q(d_i | ·)]   (+ log Σ_v p_T(v)^α = 0)
@@ -379,7 +378,7 @@ class Engine:
                draft_temperature=1.0, target_temperature=1.0, eos_token_id: int | None = None,
                resampler: str = "systematic", ess_threshold: float = 0.5, use_graphs: bool | None = None,
                seed: int = 0, target: EngineTarget | list | None = None, record_weights: bool = False,
-               device_pages: bool | None = None) -> EngineOutput:
+               pipeline: bool | None = None) -> EngineOutput:
         """SMC-SD for G = len(prompts) requests × N particles, K = block_size drafted tokens a round.
 
         ``particles``, ``block_size``, ``max_new_tokens`` and the temperatures are one value or one
@@ -389,15 +388,13 @@ class Engine:
         runs ``smc.run`` (per-row settings, masks, rewards). eos_token_id None ignores EOS
         (fixed-length outputs, as in the benchmark).
 
-        Page bookkeeping of the fused round: ``device_pages`` True does it inside the round's graph
-        (no host work between rounds; needs ``num_pages`` >= the worst case of ``smc_page_bounds``),
-        False on the host between rounds (``PageTable``; needs only the pages actually in use),
-        None (default) on the host, or with SMCDECODE_DEVICE_PAGES=1 on the device when the pool holds
-        the worst case. On the CPU both give the same outputs for the same seed (tested). The device
-        path is opt-in: on the H200 it was 1.3–1.7 % slower than the host path (its ~25 small kernels
-        and page copies cost more than the host sync they remove), and under CUDA graphs its results
-        differed from the host path's (eagerly they agree bit for bit), so device_pages with CUDA
-        graphs is refused — docs/engine.md."""
+        Page bookkeeping of the fused round (``_smc_rounds``): ``pipeline`` True (the default, or
+        SMCDECODE_PIPELINE=1) sets pages aside before each launch, so the round's graph forks the
+        page table, copies the shared partial pages and adds fresh ones itself and the next round is
+        launched before the host has read this one (the host books the same pages one round late);
+        False reads every round before launching the next and books its pages in between (as does
+        the pipelined path for a round whose pages could not be set aside: a nearly full pool). Both
+        give the same outputs for the same seed (tested, with and without CUDA graphs)."""
         from . import smc
 
         if self.draft is None:
@@ -424,27 +421,21 @@ class Engine:
         B = G * N
         eos = -1 if eos_token_id is None else eos_token_id
         pad = max(eos, 0)
-        first_round, worst = self.smc_page_bounds(prompts, N, K, max_new_tokens)
+        first_round, _ = self.smc_page_bounds(prompts, N, K, max_new_tokens)
         if self.num_pages < first_round:
             raise SMCDecodeError(
                 f"num_pages ({self.num_pages}) is too small for {G} request(s) × {N} particles: the first round "
                 f"alone needs {first_round} pages of {self.page_size} tokens; raise num_pages to at least "
-                f"{first_round} (the opt-in device page bookkeeping needs {worst})")
-        if device_pages is None:  # opt-in (SMCDECODE_DEVICE_PAGES=1): see the docstring
-            device_pages = self.num_pages >= worst and os.environ.get("SMCDECODE_DEVICE_PAGES", "0") == "1"
-        elif device_pages and self.num_pages < worst:
-            raise SMCDecodeError(
-                f"device_pages=True needs num_pages >= {worst} (every particle owning its pages for the whole "
-                f"output), got num_pages={self.num_pages}: raise num_pages or pass device_pages=False")
-        if device_pages and use_graphs and self.device.type == "cuda":
-            raise SMCDecodeError(
-                "device page bookkeeping under CUDA graphs gives other results than the host bookkeeping "
-                "(an open fault, docs/engine.md; without graphs the two agree): pass use_graphs=False with "
-                "device_pages=True, or leave device_pages off (the default; unset SMCDECODE_DEVICE_PAGES)")
+                f"{first_round}")
+        if pipeline is None:
+            v = os.environ.get("SMCDECODE_PIPELINE", "1")
+            if v not in ("0", "1"):
+                raise ValueError(f"SMCDECODE_PIPELINE={v!r}: use 1 (rounds launched back to back, the default) or 0")
+            pipeline = v == "1"
         table, pt_start = self._start(prompts, N, max_new_tokens + K + 2)
         cap = table.table.shape[1] * self.page_size
         key = ("smc", G, N, K, draft_temperature, target_temperature, eos, resampler, ess_threshold,
-               table.table.shape[1], use_graphs, device_pages and self.num_pages)
+               table.table.shape[1], use_graphs)
         rows = np.arange(B)
         lens = np.repeat([len(p) - 1 for p in prompts], N)  # target tokens cached per row
         copies = table.reserve(rows, lens + K + 1, write_from=lens - 1)  # first round's pages
@@ -458,40 +449,30 @@ class Engine:
                 ess=torch.zeros(G, dtype=torch.float64, device=dev),
                 group_base=(torch.arange(G, device=dev) * N)[:, None],
                 W=torch.zeros(G, N, dtype=torch.float64, device=dev),
-                flags=torch.zeros(2 * G + 1, dtype=torch.float64, device=dev),
-                peak=torch.zeros((), dtype=torch.long, device=dev),
-                exhausted=torch.zeros((), dtype=torch.bool, device=dev),
+                # what the host reads of a round: ancestors, resampled, ESS, all finished
+                packed=torch.zeros(B + 2 * G + 1, dtype=torch.float64, device=dev),
+                # pages set aside for the end of the round: a row's copy-on-write page, then its new ones
+                fresh=torch.zeros(B, 2 + (K + 1) // self.page_size, dtype=torch.long, device=dev),
             )
             round_ = self._smc_round(buf, G, N, K, draft_temperature, target_temperature, eos, pad, resampler,
                                      ess_threshold)
-            if not device_pages:
-                return buf, round_
             pages = self._smc_pages(buf, G, N, K, [kv for kv in (self.kv_t, self.kv_d) if kv is not None])
 
             def round_and_pages() -> None:
                 round_()
-                # the round's flags for the host, which reads them one round late (no per-round sync)
-                buf["flags"].copy_(torch.cat([buf["do"].double(), buf["ess"], buf["done"].double()]))
                 pages()
 
             return buf, round_and_pages
 
         graph = self._round_graph(key, make, prompts, N, lens, max_new_tokens, pad, table, copies, use_graphs,
-                                  zero=("log_w", "log_Z", "peak", "exhausted"))
+                                  zero=("log_w", "log_Z", "fresh"))
         b = graph.buffers
         # NOTE: the warm-up also wrote KV entries, but every entry a round reads at or after
         # position T-1 is written earlier in that same round, so the first replay overwrites them.
 
         out = EngineOutput(b["tokens"], b["n_gen"], b["log_w"], b["log_Z"])
         n_rounds = -(-max_new_tokens // (K + 1))
-        if device_pages:
-            self._smc_device_rounds(graph, out, G, n_rounds, record_weights)
-            if bool(b["exhausted"]):  # cannot happen when num_pages >= the worst case (checked above)
-                raise SMCDecodeError(f"the KV pool ran out of pages on the device (num_pages={self.num_pages}): "
-                                     f"raise num_pages or pass device_pages=False")
-            table.peak_used = max(table.peak_used, int(b["peak"]))
-        else:
-            self._smc_host_rounds(graph, out, table, G, N, K, lens, n_rounds, record_weights)
+        self._smc_rounds(graph, out, table, G, N, K, lens, n_rounds, record_weights, pipeline)
         out.peak_pages = table.peak_used
         out.tokens = b["tokens"][:, :max_new_tokens].reshape(G, N, -1).clone()
         out.lengths = b["n_gen"].view(G, N).clone()
@@ -509,7 +490,9 @@ class Engine:
         Columns of a row before the page of its first write (position len(prompt) − 2) hold prompt
         pages that every particle of the request shares for ever; from that page on, a particle
         holds at most one page per column of its own. The first round's count is also the least
-        that the host bookkeeping ever needs (all particles still share the prompt pages)."""
+        that the bookkeeping ever needs (all particles still share the prompt pages); the
+        pipelined rounds want about two rounds' fresh pages on top (``_smc_rounds``; with fewer free
+        they wait for the round in flight)."""
         PS = self.page_size
         n_rounds = -(-max_new_tokens // (K + 1))
         first_round, worst = 1, 1
@@ -520,72 +503,105 @@ class Engine:
             worst += shared + N * (-(-(cached + n_rounds * (K + 1)) // PS) - shared)
         return first_round, worst
 
-    def _smc_host_rounds(self, graph: _Graph, out: EngineOutput, table: PageTable, G: int, N: int, K: int,
-                         lens: np.ndarray, n_rounds: int, record_weights: bool) -> None:
-        """Rounds with the page bookkeeping on the host: after each round, one sync (the ancestor
-        indices, flags and ESS), then fork, copy-on-write and fresh pages in ``table``, uploaded."""
-        b, B = graph.buffers, G * N
+    def _smc_rounds(self, graph: _Graph, out: EngineOutput, table: PageTable, G: int, N: int, K: int,
+                    lens: np.ndarray, n_rounds: int, record_weights: bool, pipeline: bool) -> None:
+        """The rounds of the fused SMC-SD and their page bookkeeping.
+
+        Pipelined (``pipeline``): before launching round r the host sets aside, per row, one page
+        for a copy-on-write and the pages of the columns the next round opens (``PageTable.hold``;
+        how many is known in advance: every row advances K + 1 positions a round), uploaded to
+        ``fresh``; the round's graph forks the page table and uses them (``_smc_pages``). Round r + 1
+        is launched before round r's flags are read (its copy to pinned memory waited for with an
+        event), and the host then books round r's fork and the same pages (``reserve(held=...)``)
+        while round r + 1 runs. Pages that round r frees are handed out from round r + 2 on.
+
+        A round without pages set aside (``pipeline`` False, the last round, or too few free pages
+        even after reading the round in flight) gets none (the graph only forks); the host reads it
+        before launching the next and books its pages as usual, uploading the page table and
+        copying pages itself. Once a read round says that every particle has finished, a round
+        launched after it ran as a no-op (``_smc_round``): its flags and weights are dropped."""
+        b, B, PS = graph.buffers, G * N, self.page_size
         rows = np.arange(B)
+        F = b["fresh"].shape[1]
         pinned = self.device.type == "cuda"
-        host = torch.empty(B + 2 * G + 1, dtype=torch.float64, pin_memory=pinned)
-        for r in range(n_rounds):
+        host = torch.empty(2, B + 2 * G + 1, dtype=torch.float64, pin_memory=pinned)
+        events = [torch.cuda.Event() for _ in range(2)] if pinned else None
+        held: dict[int, np.ndarray] = {}  # round -> [B, F] pages set aside for its end (0: none)
+        unread: list[int] = []
+
+        def after(r: int) -> np.ndarray:  # positions each row has cached after round r
+            return lens + (r + 1) * (K + 1)
+
+        def give(r: int) -> bool:
+            """Set pages aside for the end of round r and upload them (zeros: none); False when too
+            few pages were free."""
+            fresh = np.zeros((B, F), dtype=np.int64)
+            ok = True
+            if pipeline and r + 1 < n_rounds:
+                T = after(r)
+                demand = 1 + (-(-(T + K + 1) // PS)) + (T // -PS)  # a copy + the columns it opens
+                try:
+                    pages = table.hold(int(demand.sum()))
+                except MemoryError:
+                    ok = False
+                else:
+                    fresh[np.arange(F)[None] < demand[:, None]] = pages
+                    held[r] = fresh
+            b["fresh"].copy_(torch.from_numpy(fresh), non_blocking=True)
+            return ok
+
+        def launch(r: int) -> None:
             graph.step()
             if record_weights:
                 out.weights.append(b["W"].clone())
-            packed = torch.cat([b["index"].double(), b["do"].double(), b["ess"], b["done"].double()])
-            host.copy_(packed, non_blocking=True)
+            host[r % 2].copy_(b["packed"], non_blocking=True)
             if pinned:
-                torch.cuda.current_stream().synchronize()  # the round's one host sync
+                events[r % 2].record()
+            unread.append(r)
+
+        def read() -> bool:
+            """Read the oldest round in flight and book its pages; True when every particle has
+            finished (the rounds launched after it are dropped)."""
+            r = unread.pop(0)
+            if pinned:
+                events[r % 2].synchronize()
             t0 = time.perf_counter()
-            h = host.numpy()
+            h = host[r % 2].numpy()
             out.rounds += 1
             out.resampled.append(h[B : B + G] > 0)
             out.ess.append(h[B + G : B + 2 * G].copy())
-            if h[-1] > 0:
-                break
-            lens = lens + K + 1
-            table.advance(rows, lens)
-            table.fork(h[:B].astype(np.int64))
-            if r + 1 < n_rounds:
-                self._upload(table, b["pt"], table.reserve(rows, lens + K + 1, write_from=lens - 1))
+            done = bool(h[-1] > 0)
+            if done:
+                for q in [r, *unread]:
+                    if q in held:
+                        table.unhold(held.pop(q))
+                unread.clear()
+                del out.weights[out.rounds :]
+            else:
+                T = after(r)
+                table.advance(rows, T)
+                table.fork(h[:B].astype(np.int64))
+                if r + 1 < n_rounds:
+                    if r in held:  # the graph placed them already
+                        table.reserve(rows, T + K + 1, write_from=T - 1, held=held.pop(r))
+                    else:
+                        self._upload(table, b["pt"], table.reserve(rows, T + K + 1, write_from=T - 1))
             out.host_s += time.perf_counter() - t0
+            return done
 
-    def _smc_device_rounds(self, graph: _Graph, out: EngineOutput, G: int, n_rounds: int,
-                           record_weights: bool) -> None:
-        """Rounds with the page bookkeeping in the graph (``_smc_pages``), launched back to back: each
-        round's flags (resampled, ESS, all finished) go to pinned host memory without a sync, and
-        the host reads the previous round's while the next one runs. So one round runs after the
-        last: a no-op (every particle finished: nothing is written to the outputs, no pages
-        change), whose flags are dropped."""
-        b = graph.buffers
-        pinned = self.device.type == "cuda"
-        history = torch.zeros(n_rounds + 1, 2 * G + 1, dtype=torch.float64, pin_memory=pinned)
-        events = [torch.cuda.Event() if pinned else None for _ in range(2)]
-        weights = []
-        ran = 0
-        for r in range(n_rounds + 1):
-            graph.step()
-            ran += 1
-            t0 = time.perf_counter()
-            if record_weights:
-                weights.append(b["W"].clone())
-            history[r].copy_(b["flags"], non_blocking=True)
-            if pinned:
-                events[r % 2].record()
-            out.host_s += time.perf_counter() - t0
-            if r > 0:
-                if pinned:
-                    events[(r - 1) % 2].synchronize()
-                if history[r - 1, -1] > 0:
-                    break
-        if pinned:
-            events[(ran - 1) % 2].synchronize()
-        h = history[:ran].numpy()
-        done = np.nonzero(h[:, -1] > 0)[0]
-        out.rounds = int(done[0]) + 1 if len(done) else ran
-        out.resampled = [h[r, :G] > 0 for r in range(out.rounds)]
-        out.ess = [h[r, G : 2 * G].copy() for r in range(out.rounds)]
-        out.weights = weights[: out.rounds]
+        for r in range(n_rounds):
+            if unread and unread[-1] not in held and read():  # a round the host books: read before the next
+                return
+            if not give(r) and unread:  # too few free pages: book the round in flight, then try again
+                if read():
+                    return
+                give(r)
+            launch(r)
+            if len(unread) > 1 and read():  # the previous round, while this one runs
+                return
+        while unread:
+            if read():
+                return
 
     @torch.inference_mode()
     def serve(self, requests: list, *, slots: int | None = None, target: EngineTarget | None = None,
@@ -658,6 +674,7 @@ class Engine:
             b["ess"].copy_(ess)
             b["W"].copy_(W)
             b["done"].copy_(finished.all()[None])
+            b["packed"].copy_(torch.cat([idx.double(), do.double(), ess, b["done"].double()]))
             # NOTE: positions stay once all rows have finished, so a round run after the last (the
             # device bookkeeping's overshoot) writes inside the pages its rows own, within the tables
             seq_t.add_(torch.where(b["done"], 0, K + 1))
@@ -665,70 +682,47 @@ class Engine:
         return round_
 
     def _smc_pages(self, b: dict, G: int, N: int, K: int, pools: list[KVPool]):
-        """The page bookkeeping of ``PageTable`` (``fork`` then ``reserve``), for the rows of the
+        """The page bookkeeping of ``PageTable`` (``fork`` then ``reserve``) for the rows of the
         fused SMC-SD round, as device code over the static buffers ``b`` (run after resampling, in
-        the round's graph; static shapes, no host sync).
+        the round's graph; static shapes, no host sync), with the pages the host set aside in
+        ``fresh`` [B, F] (row i: its copy-on-write page, then its new columns' pages; 0 = none).
 
         Every round writes positions [T−1, T+K] of every row (T = ``seq`` before the round), so
         after it (T' = T + K + 1):
           * fork: pt = pt[ancestors] (a pointer exchange: every page stays where it is);
-          * reference counts: a scatter-add of the forked page table, [num_pages];
           * copy-on-write: the one page a row writes that may be shared is the page of position
             T'−1 (the partially filled last page: fully written pages are never written again).
-            A row copies it to a fresh page when a later row of its request holds it too, so the
-            last holder keeps it (as ``PageTable.reserve``, which visits rows in order);
-          * fresh pages for the columns [ceil(T'/PS), ceil((T'+K+1)/PS)) of every row;
-          * the free pages (count 0) in increasing id order by a cumsum over the free mask and a
-            scatter; row i takes the next d_i of them (d_i its copy plus its new columns) from the
-            exclusive cumsum of d.
-        Nothing changes once every row has finished (``done``): the round after the last, which
-        the host launches before it knows, is a no-op. ``peak`` tracks the most pages in use (as
-        ``PageTable.peak_used``); ``exhausted`` is set if the free pages ever fall short (never
-        when the pool holds ``smc_page_bounds``' worst case).
-
-        Page ids differ from the host bookkeeping's (which reuses the last freed page first); which
-        rows share which page does not, nor does anything a row reads."""
+            A row copies it to fresh[i, 0] when a later row of its request holds it too, so the last
+            holder keeps it (as ``PageTable.reserve``, which visits rows in order);
+          * fresh pages fresh[i, 1:] for the columns [ceil(T'/PS), ceil((T'+K+1)/PS)) of every row.
+        With ``fresh`` all zeros it only forks (the host then books and uploads the rest). Nothing
+        changes once every row has finished (``done``): a round launched after the last is a no-op.
+        ``PageTable.reserve(held=fresh)`` repeats this on the host with the same page ids."""
         PS, dev = self.page_size, self.device
-        pt, seq, done = b["pt"], b["seq"], b["done"]
+        pt, seq, done, fresh = b["pt"], b["seq"], b["done"], b["fresh"]
         B, P = pt.shape
-        num_pages = pools[0].kv.shape[2]
+        F = fresh.shape[1]
         cols = torch.arange(P, device=dev)[None]  # [1, P]
         later = torch.ones(N, N, dtype=torch.bool, device=dev).triu(1)  # [i, j]: row j comes after row i
-        page_ids = torch.arange(num_pages, device=dev)
-        ones = torch.ones(B * P, dtype=torch.long, device=dev)
 
         def pages_() -> None:
             go = ~done  # [1]
             table = pt[b["index"]]  # [B, P] the fork
-            ref = torch.zeros(num_pages, dtype=torch.long, device=dev).scatter_add_(0, table.view(-1).long(), ones)
-            ref[:1].fill_(1)  # the null page (unused entries point at it) is never handed out
             last_col = (seq - 1) // PS  # [B] the page of position T'−1
             n_old = last_col + 1  # pages a row holds
             n_new = (seq + K + PS) // PS  # pages it needs for positions < T' + K + 1
             last_page = table.gather(1, last_col[:, None])[:, 0]  # [B]
             same = last_page.view(G, N)[:, :, None] == last_page.view(G, N)[:, None, :]  # [G, N, N]
-            cow = (same & later).any(2).view(B) & go  # a later row holds the page too
-            grow = torch.where(go, n_new - n_old, 0)
-            demand = cow.long() + grow  # [B] fresh pages per row
-            first = torch.cumsum(demand, 0) - demand
-            free = ref == 0
-            rank = torch.cumsum(free.long(), 0) - 1
-            free_ids = torch.zeros(num_pages + 1, dtype=torch.long, device=dev)
-            free_ids.scatter_(0, torch.where(free, rank, num_pages), page_ids)  # [n_free] then junk
-            # slot of each table entry among its row's fresh pages: the copy first, then new columns
-            grows = (cols >= n_old[:, None]) & (cols < n_new[:, None]) & go
-            slot = torch.where(grows, cols - n_old[:, None] + cow[:, None], -1)
-            slot = torch.where((cols == last_col[:, None]) & cow[:, None], 0, slot)  # [B, P]
-            fresh = free_ids[(first[:, None] + slot).clamp(0, num_pages)]  # [B, P]
-            new_table = torch.where(slot >= 0, fresh.to(pt.dtype), table)
-            src = torch.where(cow, last_page.long(), 0)  # rows without a copy copy the null page onto itself
-            dst = torch.where(cow, fresh.gather(1, last_col[:, None])[:, 0], 0)
-            for pool in pools:  # one batched copy over all layers, keys and values
+            cow = (same & later).any(2).view(B) & go & (fresh[:, 0] > 0)  # a later row holds the page too
+            new_page = fresh.gather(1, (cols - n_old[:, None] + 1).clamp(1, F - 1).expand(B, P))  # [B, P]
+            grows = (cols >= n_old[:, None]) & (cols < n_new[:, None]) & go & (new_page > 0)
+            new_table = torch.where(grows, new_page.to(pt.dtype), table)
+            new_table = torch.where((cols == last_col[:, None]) & cow[:, None], fresh[:, :1].to(pt.dtype), new_table)
+            src = torch.where(cow, last_page.long(), 0)  # rows without a copy: (0, 0), skipped
+            dst = torch.where(cow, fresh[:, 0], 0)
+            for pool in pools:  # one launch over all layers, keys and values
                 pool.copy_pages(src, dst)
             pt.copy_(new_table)
-            n_fresh = demand.sum()
-            b["peak"].copy_(torch.maximum(b["peak"], (ref[1:] > 0).sum() + n_fresh))
-            b["exhausted"].copy_(b["exhausted"] | (n_fresh > free.sum()))
 
         return pages_
 

@@ -7,10 +7,12 @@ row that shares it is about to write into it (copy-on-write, ``reserve``). The d
 each have their own pool (their own layer count and head shape); both use one page table, so a page
 id names a page in both pools.
 
-NOTE: the page table lives on the host (numpy) and is uploaded to a static device tensor before each
-CUDA-graph replay; all bookkeeping happens between rounds, after the round's one host sync. The
-fused SMC-SD round can instead do its fork / copy-on-write / fresh pages on the device, in its graph
-(``Engine._smc_pages``: the same sharing, other page ids), when the pool holds the worst case.
+NOTE: the page table lives on the host (numpy). The generic paths upload it to a static device tensor
+before each CUDA-graph replay, after the round's one host sync. The fused SMC-SD round applies its
+own fork, copy-on-write and fresh pages on the device, at the end of its graph (``Engine._smc_pages``),
+from pages the host set aside for it in advance (``PageTable.hold``), and the host repeats the same
+bookkeeping here one round later (``reserve(..., held=...)``, the same page ids): rounds are launched
+back to back, without waiting for the host.
 """
 
 from __future__ import annotations
@@ -47,12 +49,22 @@ class KVPool:
 
     def copy_pages(self, src: Tensor, dst: Tensor) -> None:
         """kv[..., dst, ...] = kv[..., src, ...] for every layer (copy-on-write; dst not in src, and a
-        page named twice in dst gets the same source page each time). A page of one layer's keys (or
-        values) is contiguous, so this is a gather and a scatter of whole pages over a [layers·2,
-        pages, page elements] view (advanced indexing of the 6-D pool was slower: 20 of the 8B's
-        pages 274 vs 226 µs on an H200, benchmarks/splitk_bench.py --copy-pages)."""
+        page named twice in dst gets the same source page each time). Entries with dst == 0 (the
+        null page) or dst == src copy nothing, so a caller with a fixed number of entries (the fused
+        round: one a row) pads with zeros. On CUDA one Triton launch
+        (``kernels.triton_copy_pages``); elsewhere, and the reference, a gather and a scatter of
+        whole pages over a [layers·2, pages, page elements] view (a page of one layer's keys, or
+        values, is contiguous)."""
+        from .model import _use_triton
+
+        if _use_triton(self.kv):
+            from .kernels import triton_copy_pages
+
+            triton_copy_pages(self.kv, src, dst)
+            return
         L, two, P = self.kv.shape[:3]
         flat = self.kv.view(L * two, P, -1)
+        src = torch.where((dst != 0) & (dst != src), src, dst)  # skipped entries copy a page onto itself
         flat.index_copy_(1, dst, flat.index_select(1, src))
 
     def add_pages(self, n: int) -> None:
@@ -99,6 +111,22 @@ class PageTable:
         self.ref[pages] = 1
         return pages
 
+    def hold(self, n: int) -> np.ndarray:
+        """Take ``n`` free pages off the free list without referencing them: set aside for
+        bookkeeping that the device does first (the fused SMC-SD round) and ``reserve(held=...)``
+        books later; ``unhold`` returns the ones that were not used. MemoryError if too few are free."""
+        pages = self._alloc(n)
+        self.ref[pages] = 0
+        return pages
+
+    def unhold(self, pages: np.ndarray) -> None:
+        """Pages of ``hold`` that were not used go back to the free list."""
+        pages = np.asarray(pages, dtype=np.int64)
+        pages = pages[pages != 0]
+        if (self.ref[pages] != 0).any():
+            raise ValueError(f"unhold: pages {pages[self.ref[pages] != 0].tolist()} are in use")
+        self.free.extend(pages.tolist())
+
     def _release(self, pages: np.ndarray) -> None:
         np.subtract.at(self.ref, pages, 1)
         dead = np.unique(pages[self.ref[pages] == 0])
@@ -124,14 +152,19 @@ class PageTable:
             self.n_pages[r] = n
             self.lengths[r] = self.lengths[src_row]
 
-    def reserve(self, rows: np.ndarray, new_lengths: np.ndarray, write_from: np.ndarray | None = None
-                ) -> tuple[list[int], list[int]]:
+    def reserve(self, rows: np.ndarray, new_lengths: np.ndarray, write_from: np.ndarray | None = None,
+                held: np.ndarray | None = None) -> tuple[list[int], list[int]]:
         """Make positions [write_from, new_lengths) of ``rows`` (distinct) writable (write_from
         defaults to the stored length): copy-on-write of every allocated page in that range that
         other rows share (the partially filled last page, in practice), fresh pages after it.
         Returns the (src, dst) page copies to perform on the device pools before the write.
         Vectorised (numpy); same result as visiting rows in order and copying a page while its
-        count exceeds 1."""
+        count exceeds 1.
+
+        ``held`` [len(rows), F] (pages of ``hold``, 0 = none): row i's copy goes to held[i, 0] and its
+        new columns take held[i, 1:] in order, as the fused round's device bookkeeping placed them
+        (``Engine._smc_pages``); the held pages not used go back to the free list. A row with more
+        than one page to copy, or with fewer held pages than it needs, is an error."""
         PS = self.page_size
         rows = np.asarray(rows, dtype=np.int64)
         new_lengths = np.asarray(new_lengths, dtype=np.int64)
@@ -154,7 +187,17 @@ class PageTable:
             copy[order] = self.ref[sp] - rank > 1  # the i-th writer sees count − i
             if copy.any():
                 old = pages[copy]
-                fresh = self._alloc(len(old))
+                if held is None:
+                    fresh = self._alloc(len(old))
+                else:
+                    who = rr[copy]
+                    if len(np.unique(who)) < len(who) or (held[who, 0] == 0).any():
+                        raise ValueError("reserve(held=...): a row has more than one page to copy, or no held page "
+                                         "for its copy")
+                    fresh = held[who, 0].astype(np.int64)
+                    held = held.copy()
+                    held[who, 0] = 0  # used
+                    self.ref[fresh] = 1
                 np.subtract.at(self.ref, old, 1)
                 self.table[r_abs[copy], cc[copy]] = fresh
                 src, dst = old.tolist(), fresh.tolist()
@@ -166,8 +209,20 @@ class PageTable:
                                   f"{self.table.shape[1]}")
             new = (cols >= n[:, None]) & (cols < need_pages[:, None])
             ri, ci = np.nonzero(new)
-            self.table[rows[ri], ci] = self._alloc(len(ri))
+            if held is None:
+                self.table[rows[ri], ci] = self._alloc(len(ri))
+            else:
+                j = ci - n[ri] + 1
+                if (j >= held.shape[1]).any() or (held[ri, np.minimum(j, held.shape[1] - 1)] == 0).any():
+                    raise ValueError("reserve(held=...): a row needs more new pages than it was given")
+                fresh = held[ri, j].astype(np.int64)
+                self.ref[fresh] = 1
+                self.table[rows[ri], ci] = fresh
+                held = held.copy()
+                held[ri, j] = 0
             self.n_pages[rows] = np.maximum(n, need_pages)
+        if held is not None:
+            self.unhold(held.reshape(-1))
         self.peak_used = max(self.peak_used, self.used)
         return src, dst
 

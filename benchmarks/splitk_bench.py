@@ -37,41 +37,47 @@ WQKV_CONFIGS = [[16, 256, 4, 4], [32, 128, 4, 4], [32, 256, 4, 4], [64, 128, 4, 
 # [BLOCK_N, BLOCK_K, warps, stages, splits] at 64 rows (BLOCK_M 64)
 CONFIGS_64 = [[32, 128, 4, 4, 2], [32, 128, 4, 4, 4], [64, 128, 4, 4, 2], [64, 128, 4, 4, 4], [64, 64, 4, 4, 4],
               [128, 64, 4, 4, 2], [64, 128, 8, 3, 2], [32, 256, 4, 3, 2], [64, 128, 4, 4, 1]]
+# ... at 72 rows (BLOCK_M 128: the 8B's verify pass of one request, N = 8 particles × K + 1 = 9 tokens)
+CONFIGS_128 = [[64, 128, 4, 3, 2], [64, 128, 4, 3, 4], [64, 128, 8, 3, 2], [128, 64, 8, 3, 2], [64, 64, 4, 4, 2],
+               [32, 128, 4, 3, 4], [128, 128, 8, 2, 2], [64, 128, 4, 3, 1], [128, 64, 8, 3, 1]]
 
 
-def rows64_section(args, res: dict, best_env: dict) -> None:
-    """The draft's products at 64 rows (8 requests × 8 particles), split-K up to 64 rows
-    (SMCDECODE_SPLITK_ROWS=64), wo and w2 swept in turn; against split-K off (cuBLAS)."""
-    model = Llama.random(PRESETS["llama-3.2-1b"], device="cuda", seed=1)
+def rows_section(args, res: dict, best_env: dict, preset: str, rows: int, configs: list, key: str) -> None:
+    """A model's products at ``rows`` rows (above 16: split-K only for shapes in
+    SMCDECODE_SPLITK_CONFIG), wo and w2 swept in turn (the first's best kept while sweeping the
+    second); against split-K off (cuBLAS). Writes res[key]; where both chosen beat cuBLAS, adds
+    them to ``best_env`` for their row block."""
+    model = Llama.random(PRESETS[preset], device="cuda", seed=1)
     cfg = model.cfg
-    x = torch.randn(64, cfg.dim, device="cuda", dtype=torch.bfloat16)
-    step = {"cuBLAS products alone": 1e6 * gemm_graph_time(model, [64], args.repeats),
+    x = torch.randn(rows, cfg.dim, device="cuda", dtype=torch.bfloat16)
+    block_m = max(16, 1 << (rows - 1).bit_length())
+    step = {"model": preset, "rows": rows, "cuBLAS products alone": 1e6 * gemm_graph_time(model, [rows], args.repeats),
             "split-K off": 1e6 * with_env({"SMCDECODE_SPLITK": "0"},
                                           lambda: graph_time(lambda: products_chain(model, x), args.repeats))}
     chosen: dict = {}
     for shape in (f"{cfg.dim}x{cfg.n_heads * cfg.head_dim}", f"{cfg.dim}x{cfg.intermediate_size}"):
         times = {}
-        for c in CONFIGS_64:
-            env = {"SMCDECODE_SPLITK_ROWS": "64", "SMCDECODE_SPLITK_CONFIG": json.dumps({**chosen, shape: c})}
+        for c in configs:
+            env = {"SMCDECODE_SPLITK_ROWS": "128", "SMCDECODE_SPLITK_CONFIG": json.dumps({**chosen, shape: c})}
             try:
                 times[json.dumps(c)] = 1e6 * with_env(env, lambda: graph_time(lambda: products_chain(model, x),
                                                                              args.repeats))
             except Exception as e:
                 times[json.dumps(c)] = f"{type(e).__name__}: {e}"[:500]
-            print("64 rows", shape, c, times[json.dumps(c)], flush=True)
+            print(rows, "rows", shape, c, times[json.dumps(c)], flush=True)
         num = {k: v for k, v in times.items() if isinstance(v, float)}
         chosen[shape] = json.loads(min(num, key=num.get))
         step[f"sweep {shape}"] = times
-    env = {"SMCDECODE_SPLITK_ROWS": "64", "SMCDECODE_SPLITK_CONFIG": json.dumps(chosen)}
+    env = {"SMCDECODE_SPLITK_ROWS": "128", "SMCDECODE_SPLITK_CONFIG": json.dumps(chosen)}
     ref = with_env({"SMCDECODE_SPLITK": "0"}, lambda: products_chain(model, x)).float()
     y = with_env(env, lambda: products_chain(model, x)).float()
     step["both chosen"] = 1e6 * with_env(env, lambda: graph_time(lambda: products_chain(model, x), args.repeats))
     step["chosen"] = chosen
     step["max_abs_diff_vs_off"] = float((y - ref).abs().max())
-    res["rows64"] = step
+    res[key] = step
     if step["both chosen"] < step["split-K off"]:
-        best_env.update({f"64:{k}": v for k, v in chosen.items()})
-    print("64 rows:", {k: v for k, v in step.items() if not k.startswith("sweep")}, flush=True)
+        best_env.update({f"{block_m}:{k}": v for k, v in chosen.items()})
+    print(rows, "rows:", {k: v for k, v in step.items() if not k.startswith("sweep")}, flush=True)
 
 
 def copy_pages_section(res: dict, repeats: int = 20) -> None:
@@ -110,6 +116,8 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/splitk")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--rows64", action="store_true", help="also sweep split-K for the draft at 64 rows")
+    ap.add_argument("--verify72", action="store_true",
+                    help="also sweep split-K for the target's verify pass of one request (8B at 72 rows)")
     ap.add_argument("--copy-pages", action="store_true", help="also time copy-on-write page copies, old vs new")
     ap.add_argument("--skip-main", action="store_true", help="skip the 8/16-row and 1/8-row tables and sweeps")
     ap.add_argument("--wqkv", action="store_true", help="also sweep wqkv on the skinny kernel (SMCDECODE_SKINNY_ALL)")
@@ -172,7 +180,9 @@ def main() -> None:
                 print(name, M, "wqkv", key, c, times[json.dumps(c)], flush=True)
             res["wqkv"].append({"model": name, "rows": M, "shape": key, "step_us_by_config": times})
     if args.rows64:
-        rows64_section(args, res, best_env)
+        rows_section(args, res, best_env, "llama-3.2-1b", 64, CONFIGS_64, "rows64")
+    if args.verify72:
+        rows_section(args, res, best_env, "llama-3.1-8b", 72, CONFIGS_128, "verify72")
     if args.copy_pages:
         copy_pages_section(res)
     res["best_env"] = {"SMCDECODE_SPLITK_CONFIG": json.dumps(best_env)}

@@ -233,7 +233,8 @@ def test_interpreted_split_k_partials_sum_to_the_product_and_feed_the_norm():
 
     g = torch.Generator().manual_seed(6)
     for M, N, K, cfg, split, S in [(3, 40, 96, (16, 16, 32, 4, 2), 2, 2), (8, 24, 200, (16, 16, 16, 4, 1), 4, 4),
-                                   (5, 32, 100, (16, 32, 64, 4, 2), 4, 2), (40, 48, 96, (64, 16, 32, 4, 2), 2, 2)]:
+                                   (5, 32, 100, (16, 32, 64, 4, 2), 4, 2), (40, 48, 96, (64, 16, 32, 4, 2), 2, 2),
+                                   (72, 32, 64, (128, 16, 32, 4, 2), 2, 2)]:  # (a verify pass's 72 rows)
         x = torch.randn(M, K, generator=g)
         w = torch.randn(N, K, generator=g)
         parts = kernels.triton_skinny_linear(x, w, config=cfg, split=split)
@@ -259,7 +260,7 @@ def test_split_k_settings_are_read_from_the_environment(monkeypatch):
     cfg, split = kernels.splitk_config(8, 2048, 8192, cpu)  # the 1B's w2 at the draft's 8 rows
     assert split > 1 and cfg[0] == 16
     assert kernels.splitk_config(64, 2048, 8192, cpu) == ((64, 64, 128, 4, 4), 4)  # the draft of 8 requests
-    assert kernels.splitk_config(65, 2048, 8192, cpu) is None  # more rows: cuBLAS
+    assert kernels.splitk_config(129, 2048, 8192, cpu) is None  # more rows: cuBLAS
     assert kernels.splitk_config(64, 4096, 14336, cpu) is None  # above 16 rows only the measured shapes
     monkeypatch.setenv("SMCDECODE_SPLITK_ROWS", "16")
     assert kernels.splitk_config(17, 2048, 8192, cpu) is None
@@ -271,7 +272,10 @@ def test_split_k_settings_are_read_from_the_environment(monkeypatch):
     assert kernels.splitk_config(64, 2048, 8192, cpu) == ((64, 64, 128, 4, 4), 2)
     assert kernels.splitk_config(8, 2048, 8192, cpu) == ((16, 32, 128, 4, 4), 4)
     monkeypatch.delenv("SMCDECODE_SPLITK_CONFIG")
-    monkeypatch.setenv("SMCDECODE_SPLITK_ROWS", "128")
+    monkeypatch.setenv("SMCDECODE_SPLITK_CONFIG", '{"128:4096x4096": [64, 128, 4, 3, 2]}')  # 65-128 rows
+    assert kernels.splitk_config(72, 4096, 4096, cpu) == ((128, 64, 128, 4, 3), 2)
+    monkeypatch.delenv("SMCDECODE_SPLITK_CONFIG")
+    monkeypatch.setenv("SMCDECODE_SPLITK_ROWS", "256")
     with pytest.raises(ValueError, match="SMCDECODE_SPLITK_ROWS"):
         kernels.splitk_config(8, 2048, 8192, cpu)
     monkeypatch.delenv("SMCDECODE_SPLITK_ROWS")

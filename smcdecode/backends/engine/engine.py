@@ -532,23 +532,28 @@ class Engine:
         def after(r: int) -> np.ndarray:  # positions each row has cached after round r
             return lens + (r + 1) * (K + 1)
 
+        stage = torch.zeros(2, B, F, dtype=torch.long, pin_memory=pinned)  # the uploads of `fresh`, by round parity
+
         def give(r: int) -> bool:
-            """Set pages aside for the end of round r and upload them (zeros: none); False when too
-            few pages were free."""
+            """Set pages aside for the end of round r and upload them (zeros: none). False, with
+            nothing uploaded, when too few pages are free while a round is in flight (the caller
+            reads that round, which frees pages, and asks again)."""
             fresh = np.zeros((B, F), dtype=np.int64)
-            ok = True
             if pipeline and r + 1 < n_rounds:
                 T = after(r)
                 demand = 1 + (-(-(T + K + 1) // PS)) + (T // -PS)  # a copy + the columns it opens
                 try:
                     pages = table.hold(int(demand.sum()))
                 except MemoryError:
-                    ok = False
+                    if unread:
+                        return False
                 else:
                     fresh[np.arange(F)[None] < demand[:, None]] = pages
                     held[r] = fresh
-            b["fresh"].copy_(torch.from_numpy(fresh), non_blocking=True)
-            return ok
+            # (pinned and not reused before round r has been read: the copy runs after round r − 1)
+            stage[r % 2].numpy()[:] = fresh
+            b["fresh"].copy_(stage[r % 2], non_blocking=True)
+            return True
 
         def launch(r: int) -> None:
             graph.step()

@@ -1194,16 +1194,16 @@ def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=N
 def splitk_config(M: int, N: int, K: int, device: torch.device) -> tuple[tuple[int, int, int, int, int], int] | None:
     """(skinny config, K splits) for a product whose output only feeds a residual add + RMSNorm (a
     layer's wo and w2) at few rows, or None where it stays as it was (no split would be made).
-    SMCDECODE_SPLITK=0 turns it off; SMCDECODE_SPLITK_ROWS (default 64, at most 64) is the most
+    SMCDECODE_SPLITK=0 turns it off; SMCDECODE_SPLITK_ROWS (default 128, at most 128) is the most
     rows it applies to (above 16 rows: the measured shapes only); SMCDECODE_SPLITK_CONFIG (a JSON
-    object, keys "NxK", or "BLOCK_M:NxK" for one row block — 16, 32 or 64 —, values [BLOCK_N,
+    object, keys "NxK", or "BLOCK_M:NxK" for one row block — 16, 32, 64 or 128 —, values [BLOCK_N,
     BLOCK_K, num_warps, num_stages, splits]) overrides shapes one by one (for sweeps)."""
     v = os.environ.get("SMCDECODE_SPLITK", "1")
     if v not in ("0", "1"):
         raise ValueError(f"SMCDECODE_SPLITK={v!r}: use 0 or 1")
-    rows = os.environ.get("SMCDECODE_SPLITK_ROWS", "64")
-    if not rows.isdigit() or int(rows) > 64:
-        raise ValueError(f"SMCDECODE_SPLITK_ROWS={rows!r}: give a row count up to 64, such as 16")
+    rows = os.environ.get("SMCDECODE_SPLITK_ROWS", "128")
+    if not rows.isdigit() or int(rows) > 128:
+        raise ValueError(f"SMCDECODE_SPLITK_ROWS={rows!r}: give a row count up to 128, such as 16")
     if v == "0" or M > int(rows):
         return None
     block_m = max(16, triton.next_power_of_2(M))
@@ -1214,7 +1214,7 @@ def splitk_config(M: int, N: int, K: int, device: torch.device) -> tuple[tuple[i
         if entry is not None:
             bn, bk, warps, stages, split = entry
             return (block_m, bn, bk, warps, stages), split
-    measured = (_SPLITK_MEASURED if M <= 16 else _SPLITK_MEASURED_64).get((N, K))
+    measured = (_SPLITK_MEASURED if M <= 16 else _SPLITK_MEASURED_64 if M <= 64 else _SPLITK_MEASURED_128).get((N, K))
     if measured is not None:
         bn, bk, warps, stages, split = measured
         return (block_m, bn, bk, warps, stages), split
@@ -1236,6 +1236,8 @@ _SPLITK_MEASURED = {(2048, 2048): (64, 128, 4, 4, 4), (2048, 8192): (32, 128, 4,
 # 17–64 rows (the draft of 8 requests × 8 particles), only these: 1B step at 64 rows 1025 -> 980 µs,
 # SMC-SD 8 × N=8 K=8 29.53 -> 29.23 ms a round (session 6, H200)
 _SPLITK_MEASURED_64 = {(2048, 2048): (32, 128, 4, 4, 2), (2048, 8192): (64, 128, 4, 4, 4)}
+# 65–128 rows (the target's verify pass of one request: N·(K+1) = 72 rows): none measured yet
+_SPLITK_MEASURED_128: dict = {}
 
 
 @functools.lru_cache(maxsize=8)

@@ -607,7 +607,7 @@ def _attention_config(B: int, L: int, G: int, Hkv: int, D: int, capacity: int, d
 
 
 def _launch_attention(src: Tensor, stride_qt: int, B: int, L: int, H: int, k_pool: Tensor, v_pool: Tensor,
-                      batch, cos: Tensor | None, sin: Tensor | None, out_dtype, prefetch: Tensor | None = None
+                      batch, cos: Tensor | None, sin: Tensor | None, out_dtype, l2: Tensor | None = None
                       ) -> Tensor:
     _, Hkv, PS, D = k_pool.shape
     G = H // Hkv
@@ -641,8 +641,7 @@ def _launch_attention(src: Tensor, stride_qt: int, B: int, L: int, H: int, k_poo
         ROPE=rope, MERGE=merge, DYN_LOOP=not _INTERPRET,
         MAX_IT=max(1, triton.cdiv(triton.cdiv(P * PS, nsplit), block_n)) if _INTERPRET else 1, PREFETCH=bool(prefetch),
         num_warps=warps, num_stages=stages, **_pdl(dev),
-        **({"PF": prefetch, "PF_LINES": prefetch.numel() * prefetch.element_size() // 128, "L2_PF": 1}
-           if prefetch is not None else {}),
+        **({"PF": l2, "PF_LINES": l2.numel() * l2.element_size() // 128, "L2_PF": 1} if l2 is not None else {}),
     )
     if merge == 1:
         _merge_splits_kernel[(B * Hkv * L * G,)](

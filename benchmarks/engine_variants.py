@@ -132,7 +132,6 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
         ("pdl + skinny all", {"SMCDECODE_PDL": "1", "SMCDECODE_SKINNY_ALL": "1"}),
         ("split-K off", {"SMCDECODE_SPLITK": "0"}),
         ("split-K <=16 rows", {"SMCDECODE_SPLITK_ROWS": "16"}),
-        ("l2 prefetch", {"SMCDECODE_L2_PREFETCH": "1"}),
     ]
     variants = [(n, {**extra_env, **e}) for n, e in variants]
     if only:
@@ -143,7 +142,7 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
                                                           "pipeline off", "default attention config",
                                                           "skinny SiLU <=64 rows", "pdl", "pdl wait-only",
                                                           "skinny all", "pdl + skinny all", "split-K off",
-                                                          "split-K <=16 rows", "l2 prefetch"))):
+                                                          "split-K <=16 rows"))):
         for name, env in variants:
             if names is not None and name not in names:
                 continue

@@ -472,23 +472,3 @@ def test_pdl_engine_outputs_equal_without_pdl(monkeypatch):
         outs.append((smc.tokens.cpu(), smc.log_evidence.cpu(), sd.tokens.cpu(), ar.cpu()))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
-
-
-def test_l2_prefetch_leaves_attention_unchanged(monkeypatch):
-    """SMCDECODE_L2_PREFETCH=1 (each attention launch first asks L2 for a weight's bytes) changes
-    nothing in the output or the written keys/values: bit for bit equal to the launch without it."""
-    from smcdecode.backends.engine.kernels import triton_rope_paged_attention
-
-    torch.manual_seed(3)
-    B, L, H, Hkv, D = 8, 1, 32, 8, 64
-    pool_k, pool_v, positions, batch = _scattered_pages([300, 31, 777, 5, 64, 65, 128, 900], L, Hkv, D)
-    qkv, cos, sin, ref, _, _ = _rope_case(B, L, H, Hkv, D, pool_k, pool_v, positions, batch)
-    weight = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
-    outs = []
-    for on in ("0", "1"):
-        monkeypatch.setenv("SMCDECODE_L2_PREFETCH", on)
-        k, v = pool_k.clone(), pool_v.clone()
-        outs.append((triton_rope_paged_attention(qkv, cos, sin, k, v, batch, H, prefetch=weight), k, v))
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
-    torch.testing.assert_close(outs[1][0].double(), ref, rtol=2e-2, atol=2e-2)

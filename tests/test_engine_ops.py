@@ -514,15 +514,6 @@ for L, D, nsplit, block_n, warps, stages, prefetch in [(1, 64, 4, 32, 4, 2, True
                BLOCK_N=block_n, BLOCK_L=16, ROPE=True, MERGE=2 if nsplit > 1 else 0, DYN_LOOP=True, MAX_IT=1,
                PREFETCH=prefetch),
           warps, stages)
-# with the block's wo weights asked of L2 first (SMCDECODE_L2_PREFETCH): the prefetches must be in the code
-for pdl in (0, 1):
-    k = triton.compile(ASTSource(fn=K._paged_attn_kernel, signature={**attn, "PF": "*bf16", "PF_LINES": "i32", **{
-        c: "constexpr" for c in ("L", "G", "H", "HKV", "D", "PS", "NSPLIT", "MT", "BLOCK_M", "BLOCK_N", "BLOCK_L",
-                                 "ROPE", "MERGE", "DYN_LOOP", "MAX_IT", "PREFETCH", "PDL", "L2_PF")}},
-        constexprs=dict(L=1, G=4, H=32, HKV=8, D=64, PS=16, NSPLIT=8, MT=1, BLOCK_M=16, BLOCK_N=64, BLOCK_L=16,
-                        ROPE=True, MERGE=2, DYN_LOOP=True, MAX_IT=1, PREFETCH=True, PDL=pdl, L2_PF=1)),
-        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3, "launch_pdl": bool(pdl)})
-    assert k.asm["ptx"].count("prefetch.global.L2") >= 1
 build(K._paged_attn_grouped_kernel, {**attn, "B": "i32"},
       dict(L=1, G=4, H=32, HKV=8, D=64, PS=16, NSPLIT=4, MT=1, GS=8, GS_P2=8, BLOCK_M=32, BLOCK_N=64, BLOCK_L=16,
            ROPE=True, MERGE=2, DYN_LOOP=True, MAX_IT=1), 4, 2)

@@ -92,30 +92,6 @@ def _pdl(device: torch.device) -> dict:
 
 
 @triton.jit
-def _l2_prefetch(PF, PF_LINES, c, nc, LINES: tl.constexpr):
-    """Part c of nc: ask L2 for this part's share of the PF_LINES 128-byte lines at PF (fire and
-    forget: ``prefetch.global.L2``; nothing waits for them). Lets a latency-bound kernel start the
-    weight reads of the product that follows it (SMCDECODE_L2_PREFETCH)."""
-    per = tl.cdiv(PF_LINES, nc)
-    start = c * per
-    end = tl.minimum(start + per, PF_LINES)
-    base = PF.to(tl.pointer_type(tl.int8))
-    for l0 in range(start, end, LINES):
-        li = tl.minimum(l0 + tl.arange(0, LINES), end - 1)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [base + li.to(tl.int64) * 128],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
-def l2_prefetch_on(device: torch.device) -> bool:
-    """SMCDECODE_L2_PREFETCH=1: each block's attention launch asks L2 for its wo weights (an
-    experiment; default 0). Off on the CPU and in Triton's interpreter (no inline PTX there)."""
-    v = os.environ.get("SMCDECODE_L2_PREFETCH", "0")
-    if v not in ("0", "1"):
-        raise ValueError(f"SMCDECODE_L2_PREFETCH={v!r}: use 0 (off, the default) or 1")
-    return v == "1" and device.type == "cuda" and not _INTERPRET
-
-
-@triton.jit
 def _block_pages(PT, b, stride_pt, n0, end, PS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Page ids of positions n0 .. n0 + BLOCK_N − 1 of row b (0 at and after ``end``)."""
     n = n0 + tl.arange(0, BLOCK_N)
@@ -202,7 +178,7 @@ def _paged_attn_kernel(
     PS: tl.constexpr, NSPLIT: tl.constexpr, MT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     ROPE: tl.constexpr, MERGE: tl.constexpr, DYN_LOOP: tl.constexpr, MAX_IT: tl.constexpr,
-    PREFETCH: tl.constexpr, PDL: tl.constexpr = 0, PF=None, PF_LINES=0, L2_PF: tl.constexpr = 0,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """One program per (row b, kv head, KV split, query tile). Query rows of a tile are the (l, g)
     pairs m = l·G + g of the row's L tokens × the G query heads of the kv head.
@@ -215,14 +191,11 @@ def _paged_attn_kernel(
     ``_merge_splits_kernel``; 2 — partials, then the last split to finish (an atomic counter per
     (b, kv head, tile), reset by that program) merges them. PREFETCH: each block's page ids are
     loaded one block ahead (before the current block's keys), taking the page-table load off the
-    chain page ids -> keys -> dot -> values of a block. L2_PF: every program first asks L2 for its
-    share of PF_LINES lines at PF (the block's wo weights: ``_l2_prefetch``)."""
+    chain page ids -> keys -> dot -> values of a block."""
     _pdl_enter(PDL)
     pid = tl.program_id(0)  # b * HKV + kvh
     sid = tl.program_id(1)
     mt = tl.program_id(2)
-    if L2_PF:
-        _l2_prefetch(PF, PF_LINES, (pid * NSPLIT + sid) * MT + mt, tl.num_programs(0) * NSPLIT * MT, 128)
     b = pid // HKV
     kvh = pid % HKV
     HALF: tl.constexpr = D // 2
@@ -607,8 +580,7 @@ def _attention_config(B: int, L: int, G: int, Hkv: int, D: int, capacity: int, d
 
 
 def _launch_attention(src: Tensor, stride_qt: int, B: int, L: int, H: int, k_pool: Tensor, v_pool: Tensor,
-                      batch, cos: Tensor | None, sin: Tensor | None, out_dtype, l2: Tensor | None = None
-                      ) -> Tensor:
+                      batch, cos: Tensor | None, sin: Tensor | None, out_dtype) -> Tensor:
     _, Hkv, PS, D = k_pool.shape
     G = H // Hkv
     P = batch.page_table.shape[1]
@@ -641,7 +613,6 @@ def _launch_attention(src: Tensor, stride_qt: int, B: int, L: int, H: int, k_poo
         ROPE=rope, MERGE=merge, DYN_LOOP=not _INTERPRET,
         MAX_IT=max(1, triton.cdiv(triton.cdiv(P * PS, nsplit), block_n)) if _INTERPRET else 1, PREFETCH=bool(prefetch),
         num_warps=warps, num_stages=stages, **_pdl(dev),
-        **({"PF": l2, "PF_LINES": l2.numel() * l2.element_size() // 128, "L2_PF": 1} if l2 is not None else {}),
     )
     if merge == 1:
         _merge_splits_kernel[(B * Hkv * L * G,)](
@@ -709,18 +680,15 @@ def triton_paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, batch) -> 
 
 
 def triton_rope_paged_attention(qkv: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor, batch,
-                                H: int, prefetch: Tensor | None = None) -> Tensor:
+                                H: int) -> Tensor:
     """RoPE + KV-page write + paged attention in one kernel: qkv [B, L, (H + 2Hkv)·D] (the fused
     projection, contiguous), cos/sin tables [max_pos, D/2] (float32) -> [B, L, H, D]; the rotated
     keys and the values of the L new tokens are written to the pools at their positions (pages from
     the page table). For decode/verify shapes (L <= 16). Reference: model.rope_kv_write_reference
-    followed by attention.reference_paged_attention. ``prefetch`` (a contiguous tensor, e.g. the
-    block's wo weight): its bytes are asked of L2 by the launch (``l2_prefetch_on``)."""
+    followed by attention.reference_paged_attention."""
     qkv = qkv.contiguous()
     B, L, W = qkv.shape
-    if prefetch is not None and not (l2_prefetch_on(qkv.device) and prefetch.is_contiguous()):
-        prefetch = None
-    return _launch_attention(qkv, W, B, L, H, k_pool, v_pool, batch, cos, sin, qkv.dtype, prefetch)
+    return _launch_attention(qkv, W, B, L, H, k_pool, v_pool, batch, cos, sin, qkv.dtype)
 
 
 def merge_splits_reference(o_part: Tensor, lse: Tensor, B: int, L: int, H: int, Hkv: int, dtype) -> Tensor:

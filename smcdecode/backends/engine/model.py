@@ -194,14 +194,14 @@ def rope_kv_write(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, k_po
 
 
 def rope_attention(qkv: Tensor, batch, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor, H: int, Hkv: int,
-                   backend: str = "auto", prefetch: Tensor | None = None) -> Tensor:
+                   backend: str = "auto") -> Tensor:
     """RoPE on the fused projection qkv [B, L, (H + 2Hkv)·D], the new keys/values written to the
     pools, and paged attention of the L new queries of each row -> [B, L, H, D].
 
     On CUDA with Triton, for L <= 16 (decode and verify) and D >= 32, one kernel does all three
     (``kernels.triton_rope_paged_attention``; SMCDECODE_FUSED_ROPE=0 disables it); otherwise the
     RoPE + KV-write step and the attention run separately (reference: rope_kv_write_reference, then
-    attention.reference_paged_attention). ``prefetch``: see ``kernels.triton_rope_paged_attention``."""
+    attention.reference_paged_attention)."""
     import os
 
     from .attention import _backend
@@ -211,7 +211,7 @@ def rope_attention(qkv: Tensor, batch, cos: Tensor, sin: Tensor, k_pool: Tensor,
             and os.environ.get("SMCDECODE_FUSED_ROPE", "1") != "0"):
         from .kernels import triton_rope_paged_attention
 
-        return triton_rope_paged_attention(qkv, cos, sin, k_pool, v_pool, batch, H, prefetch=prefetch)
+        return triton_rope_paged_attention(qkv, cos, sin, k_pool, v_pool, batch, H)
     q = rope_kv_write(qkv, batch.positions, cos, sin, k_pool, v_pool, batch.slot_pages, batch.slot_offsets, H, Hkv)
     return paged_attention(q, k_pool, v_pool, batch, backend=backend)
 
@@ -316,7 +316,7 @@ class Block(nn.Module):
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         x, n = add_rms_norm(x, delta, self.attention_norm.weight, cfg.norm_eps)
         o = rope_attention(linear(n, self.wqkv), batch, rope[0], rope[1], kv.k(self.layer), kv.v(self.layer), H,
-                           Hkv, backend=kv.attention_backend, prefetch=self.wo.weight)
+                           Hkv, backend=kv.attention_backend)
         h, n = add_rms_norm(x, linear_to_residual(o.reshape(B, L, H * D), self.wo), self.ffn_norm.weight, cfg.norm_eps)
         return h, linear_to_residual(linear_silu_mul(n, self.w13), self.w2)
 

@@ -719,7 +719,7 @@ class Engine:
             last_page = table.gather(1, last_col[:, None])[:, 0]  # [B]
             same = last_page.view(G, N)[:, :, None] == last_page.view(G, N)[:, None, :]  # [G, N, N]
             cow = (same & later).any(2).view(B) & go & (fresh[:, 0] > 0)  # a later row holds the page too
-            new_page = fresh.gather(1, (cols - n_old[:, None] + 1).clamp(1, F - 1).expand(B, P))  # [B, P]
+            new_page = fresh.gather(1, (cols - n_old[:, None] + 1).clamp(1, F - 1))  # [B, P]
             grows = (cols >= n_old[:, None]) & (cols < n_new[:, None]) & go & (new_page > 0)
             new_table = torch.where(grows, new_page.to(pt.dtype), table)
             new_table = torch.where((cols == last_col[:, None]) & cow[:, None], fresh[:, :1].to(pt.dtype), new_table)

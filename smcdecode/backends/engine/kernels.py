@@ -1236,7 +1236,9 @@ _SPLITK_MEASURED = {(2048, 2048): (64, 128, 4, 4, 4), (2048, 8192): (32, 128, 4,
 # 17–64 rows (the draft of 8 requests × 8 particles), only these: 1B step at 64 rows 1025 -> 980 µs,
 # SMC-SD 8 × N=8 K=8 29.53 -> 29.23 ms a round (session 6, H200)
 _SPLITK_MEASURED_64 = {(2048, 2048): (32, 128, 4, 4, 2), (2048, 8192): (64, 128, 4, 4, 4)}
-# 65–128 rows (the target's verify pass of one request: N·(K+1) = 72 rows): none measured yet
+# 65–128 rows (the target's verify pass of one request: N·(K+1) = 72 rows): none; the 8B's wo and w2 at
+# 72 rows were slower split than on cuBLAS (best pair 5,093 vs 4,811 µs a step, session 7, H200), so
+# this range takes shapes only from SMCDECODE_SPLITK_CONFIG (splitk_bench.py --verify72 sweeps it)
 _SPLITK_MEASURED_128: dict = {}
 
 

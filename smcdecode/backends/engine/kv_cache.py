@@ -176,6 +176,8 @@ class PageTable:
         rr, cc = np.nonzero(hit)  # row-major: the order a loop over rows would visit them
         src: list[int] = []
         dst: list[int] = []
+        if held is not None:
+            held = np.array(held, dtype=np.int64)  # (our copy: used entries are zeroed below)
         if len(rr):
             r_abs = rows[rr]
             pages = self.table[r_abs, cc].astype(np.int64)
@@ -194,8 +196,7 @@ class PageTable:
                     if len(np.unique(who)) < len(who) or (held[who, 0] == 0).any():
                         raise ValueError("reserve(held=...): a row has more than one page to copy, or no held page "
                                          "for its copy")
-                    fresh = held[who, 0].astype(np.int64)
-                    held = held.copy()
+                    fresh = held[who, 0]
                     held[who, 0] = 0  # used
                     self.ref[fresh] = 1
                 np.subtract.at(self.ref, old, 1)
@@ -215,10 +216,9 @@ class PageTable:
                 j = ci - n[ri] + 1
                 if (j >= held.shape[1]).any() or (held[ri, np.minimum(j, held.shape[1] - 1)] == 0).any():
                     raise ValueError("reserve(held=...): a row needs more new pages than it was given")
-                fresh = held[ri, j].astype(np.int64)
+                fresh = held[ri, j]
                 self.ref[fresh] = 1
                 self.table[rows[ri], ci] = fresh
-                held = held.copy()
                 held[ri, j] = 0
             self.n_pages[rows] = np.maximum(n, need_pages)
         if held is not None:

@@ -132,6 +132,9 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
         ("pdl + skinny all", {"SMCDECODE_PDL": "1", "SMCDECODE_SKINNY_ALL": "1"}),
         ("split-K off", {"SMCDECODE_SPLITK": "0"}),
         ("split-K <=16 rows", {"SMCDECODE_SPLITK_ROWS": "16"}),
+        ("fold norm off", {"SMCDECODE_FOLD_NORM": "0"}),
+        ("fold unsplit", {"SMCDECODE_SPLITK_CONFIG": json.dumps({"2048x2048": [16, 256, 4, 4, 1],
+                                                                  "2048x8192": [16, 256, 4, 4, 1]})}),
     ]
     variants = [(n, {**extra_env, **e}) for n, e in variants]
     if only:
@@ -142,7 +145,7 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
                                                           "pipeline off", "default attention config",
                                                           "skinny SiLU <=64 rows", "pdl", "pdl wait-only",
                                                           "skinny all", "pdl + skinny all", "split-K off",
-                                                          "split-K <=16 rows"))):
+                                                          "split-K <=16 rows", "fold norm off", "fold unsplit"))):
         for name, env in variants:
             if names is not None and name not in names:
                 continue
@@ -164,7 +167,7 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
                           ("no fused rope", {"SMCDECODE_FUSED_ROPE": "0"}), ("merge kernel", {"SMCDECODE_ATTN_MERGE": "kernel"}),
                           ("pdl", {"SMCDECODE_PDL": "1"}),
                           ("pdl + skinny all", {"SMCDECODE_PDL": "1", "SMCDECODE_SKINNY_ALL": "1"}),
-                          ("split-K off", {"SMCDECODE_SPLITK": "0"})):
+                          ("split-K off", {"SMCDECODE_SPLITK": "0"}), ("fold norm off", {"SMCDECODE_FOLD_NORM": "0"})):
             if only and name not in only:
                 continue
             env = {**extra_env, **env}

@@ -92,13 +92,15 @@ def test_triton_rope_paged_attention_matches_reference(L, H, Hkv, D, lengths, me
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("split_k", ["default", "forced"])
+@pytest.mark.parametrize("split_k", ["default", "forced", "forced unfolded"])
 def test_bf16_engine_logprobs_match_hf_and_graph_round_runs(split_k, monkeypatch):
-    """(split_k "forced": wo and w2 of the decode steps split K in 2 and 4, their partials summed by
-    the norms, which at these small shapes the default would not do.)"""
+    """(split_k "forced": wo and w2 of the decode steps split K in 2 and 4, which at these small shapes
+    the default would not do, and the norms after them folded into their epilogues (model.Normed);
+    "forced unfolded": the same split, the partials summed by the norms, SMCDECODE_FOLD_NORM=0.)"""
     transformers = pytest.importorskip("transformers")
-    if split_k == "forced":
+    if split_k != "default":
         monkeypatch.setenv("SMCDECODE_SPLITK_CONFIG", '{"256x256": [32, 64, 4, 2, 2], "256x512": [32, 64, 4, 2, 4]}')
+    monkeypatch.setenv("SMCDECODE_FOLD_NORM", "0" if split_k == "forced unfolded" else "1")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
@@ -291,6 +293,43 @@ def test_triton_skinny_linear_matches_torch(M, N, K):
             parts = triton_skinny_linear(x[None], w, split=split, config=(16, 32, 256, 4, 4))
             assert parts.shape == (split, 1, M, N) and parts.dtype == torch.float32
             assert ((parts.sum(0)[0].double() - ref).norm() / ref.norm()) < 1e-3
+
+
+@pytest.mark.parametrize("M,N,K", [(8, 2048, 8192), (8, 2048, 2048), (64, 2048, 8192), (1, 4096, 14336), (9, 4096, 4096)])
+def test_folded_norm_epilogue_matches_reference_in_a_graph(M, N, K):
+    """The product added to the stream with the next RMSNorm folded in (the engine's split for the
+    shape, the last split adding the partials), replayed 3 times in a CUDA graph (its counters reset
+    each time): h, γ ⊙ h and Σ h² as the reference, and 1/rms · (γ ⊙ h) · W13ᵀ through the skinny
+    SiLU·mul and the SiLU·mul kernel's row scale as rms_norm(h) · W13ᵀ (bf16 tolerance)."""
+    pytest.importorskip("triton")
+    from smcdecode.backends.engine import kernels
+    from smcdecode.backends.engine.model import Normed, add_rms_norm_reference, linear_add_norm_reference, silu_mul
+
+    torch.manual_seed(M + K)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5
+    res = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    gamma = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    cfg, split = kernels.splitk_config(M, N, K, x.device) or ((16, 32, 256, 4, 4), 2)
+    kernels.triton_skinny_linear_add_norm(x, w, res, gamma, cfg, split)  # compiles, allocates the counters
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        h, gh, ss = kernels.triton_skinny_linear_add_norm(x, w, res, gamma, cfg, split)
+    ref = linear_add_norm_reference(x, w, res, gamma, 1e-5)
+    for _ in range(3):
+        h.zero_(), gh.zero_(), ss.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert (h.float() - ref.h.float()).abs().max() <= 2e-2 * ref.h.float().abs().max()
+        assert (gh.float() - ref.gh.float()).abs().max() <= 3e-2 * ref.gh.float().abs().max()
+        assert ((ss.sum(0) - ref.sumsq[0]).abs() <= 2e-2 * ref.sumsq[0]).all()
+    assert int(kernels._split_counters(x.device, 1, kind="skinny").abs().sum()) == 0
+    normed = Normed(h, gh, ss, 1e-5)
+    w13 = torch.randn(2 * 512, N, device="cuda", dtype=torch.bfloat16) * N**-0.5
+    want = silu_mul(add_rms_norm_reference(h, None, gamma, 1e-5)[1].float() @ w13.float().T)
+    for got in (kernels.triton_skinny_linear(gh, w13, silu=True, rowscale=normed.rowscale()),
+                kernels.triton_silu_mul(gh @ w13.T, rowscale=normed.rowscale())):
+        assert (got.float() - want).abs().max() <= 3e-2 * want.abs().max()
 
 
 @pytest.mark.parametrize("M,N,K", [(8, 2048, 8192), (1, 4096, 14336), (16, 2048, 2048)])

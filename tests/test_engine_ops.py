@@ -249,6 +249,59 @@ def test_interpreted_split_k_partials_sum_to_the_product_and_feed_the_norm():
         kernels.triton_skinny_linear(x, torch.randn(2 * N, K), silu=True, config=cfg, split=2)
 
 
+def test_interpreted_folded_norm_kernels_match_references():
+    """The folded RMSNorm (model.Normed): the skinny product's RESID epilogue gives h = resid + x·wᵀ,
+    γ ⊙ h and per-column-block Σ h² (unsplit, and split-K added up in order by the last split of each
+    column block, whose counters are all reset); its consumers — the skinny SiLU·mul and the
+    SiLU·mul kernel — scale the rows by 1/rms as the references do."""
+    kernels = _interpreted_kernels()
+    from smcdecode.backends.engine.model import Normed, linear_add_norm_reference, silu_mul
+
+    g = torch.Generator().manual_seed(7)
+    for M, N, K, cfg, split in [(3, 40, 96, (16, 16, 32, 4, 2), 1), (8, 24, 200, (16, 16, 16, 4, 1), 4),
+                                (5, 32, 100, (16, 32, 64, 4, 2), 3), (40, 48, 96, (32, 16, 32, 4, 2), 2)]:
+        x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+        res, gamma = torch.randn(M, N, generator=g), torch.randn(N, generator=g)
+        h, gh, ss = kernels.triton_skinny_linear_add_norm(x, w, res, gamma, cfg, split)
+        ref = linear_add_norm_reference(x, w, res, gamma, 1e-5)
+        assert ss.shape == (-(-N // cfg[1]), M) and ss.dtype == torch.float32
+        torch.testing.assert_close(h, ref.h, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(gh, ref.gh, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(ss.sum(0), ref.sumsq[0], rtol=1e-5, atol=1e-3)
+        normed = Normed(h, gh, ss, 1e-5)
+        torch.testing.assert_close(normed.rstd(), torch.rsqrt(h.pow(2).mean(-1) + 1e-5))
+        w13 = torch.randn(2 * 16, N, generator=g)
+        want = silu_mul(normed.scale(gh @ w13.T))
+        torch.testing.assert_close(kernels.triton_skinny_linear(gh, w13, silu=True, config=(16, 16, 16, 4, 1),
+                                                                rowscale=normed.rowscale()), want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(kernels.triton_silu_mul((gh @ w13.T).contiguous(), rowscale=normed.rowscale()),
+                                   want, rtol=1e-4, atol=1e-4)
+    assert int(kernels._split_counters(x.device, 1, kind="skinny").abs().sum()) == 0  # every counter reset
+    with pytest.raises(ValueError, match="rowscale"):
+        kernels.triton_skinny_linear(gh, w13[:16], config=cfg, split=2, rowscale=normed.rowscale())
+    with pytest.raises(ValueError, match="sumsq"):
+        kernels.triton_silu_mul(gh @ w13.T, rowscale=(ss.double(), 1e-5, N))
+
+
+def test_folded_norm_setting_is_read_from_the_environment(monkeypatch):
+    """SMCDECODE_FOLD_NORM: 0 turns the folded norms off, a bad value names the setting; off the GPU
+    (no Triton path) nothing folds."""
+    from smcdecode.backends.engine import Llama
+    from smcdecode.backends.engine import model as M
+
+    blk = Llama.random(LlamaConfig(64, 128, 1, 4, 2, 96), dtype=torch.float32, device="cpu").layers[0]
+    x = torch.zeros(8, 128)
+    assert not M.fold_norms(x, blk)  # CPU: the torch references, no fold
+    monkeypatch.setattr(M, "_use_triton", lambda x: True)
+    monkeypatch.setattr(M, "_split_config", lambda x, w, rows=None: ((16, 16, 32, 4, 1), 2))
+    assert M.fold_norms(x, blk)
+    monkeypatch.setenv("SMCDECODE_FOLD_NORM", "0")
+    assert not M.fold_norms(x, blk)
+    monkeypatch.setenv("SMCDECODE_FOLD_NORM", "on")
+    with pytest.raises(ValueError, match="SMCDECODE_FOLD_NORM"):
+        M.fold_norms(x, blk)
+
+
 def test_split_k_settings_are_read_from_the_environment(monkeypatch):
     """wo and w2 split K at <= 16 rows (the measured shapes as measured, others with K >= 4096 where
     the column blocks alone do not cover the SMs) and at 17-64 rows (the measured shapes only); SMCDECODE_SPLITK=0 turns it off;
@@ -296,7 +349,10 @@ def test_split_k_settings_are_read_from_the_environment(monkeypatch):
 def test_interpreted_model_forward_matches_reference_path(monkeypatch):
     """The Llama forward with every Triton path forced (fused RoPE + KV write + attention for short
     extensions, tiled attention for the prefill, skinny products with SiLU·mul, split-K wo and w2
-    summed by the norms) equals the torch reference path: prefill, a 2-token and a 1-token step, and a 7-token verify-like step."""
+    summed by the norms) equals the torch reference path: prefill, a 2-token and a 1-token step, and a 7-token verify-like step.
+    Both with the norms after wo and w2 folded into those products (the default where they run split-K:
+    add, γ and Σh² in the product's epilogue, 1/rms applied by the attention kernel and SiLU·mul) and
+    without (SMCDECODE_FOLD_NORM=0)."""
     _interpreted_kernels()
     import numpy as np
 
@@ -307,12 +363,22 @@ def test_interpreted_model_forward_matches_reference_path(monkeypatch):
     cfg = LlamaConfig(64, 128, 2, 4, 2, 96, rope_theta=10000.0)  # head_dim 32
     model = Llama.random(cfg, dtype=torch.float32, device="cpu")
 
-    def run(force: bool):
+    folds = []
+    real_fold = M.linear_add_norm
+
+    def counted(*a):
+        folds.append(1)
+        return real_fold(*a)
+
+    monkeypatch.setattr(M, "linear_add_norm", counted)
+
+    def run(force: bool, fold: str = "1"):
+        monkeypatch.setenv("SMCDECODE_FOLD_NORM", fold)
         monkeypatch.setattr(M, "_use_triton", lambda x: force)
         monkeypatch.setattr(M, "_use_skinny", lambda x, w, silu=False: force)
         # wo and w2 split-K into partials that the next add + RMSNorm sums (split 2: 64 + 64 of 128
-        # columns for wo, 64 + 32 of 96 for w2)
-        monkeypatch.setattr(M, "_split_config", lambda x, w: ((16, 16, 32, 4, 1), 2) if force else None)
+        # columns for wo, 64 + 32 of 96 for w2), or that the last split adds up (folded norms)
+        monkeypatch.setattr(M, "_split_config", lambda x, w, rows=None: ((16, 16, 32, 4, 1), 2) if force else None)
         monkeypatch.setattr(A, "_backend", lambda q, b: "triton" if force else "torch")
         torch.manual_seed(1)
         PS = 4
@@ -326,8 +392,14 @@ def test_interpreted_model_forward_matches_reference_path(monkeypatch):
             outs.append(model(ids[:, a:b], pool, PagedBatch.build(torch.arange(a, b)[None].repeat(2, 1), pt, PS)))
         return outs
 
-    for x, y in zip(run(True), run(False)):
+    ref = run(False)
+    assert not folds
+    for x, y in zip(run(True, fold="0"), ref):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    assert not folds
+    for x, y in zip(run(True), ref):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    assert len(folds) == 4 * 3  # per forward: wo of both layers and w2 of the first (the last's w2 feeds the final norm)
 
 
 def _shared_case(seed, B, L, Hkv, D, PS, P, lengths, shared_pages):
@@ -482,14 +554,25 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+import inspect
+
 from smcdecode.backends.engine import kernels as K
+
+
+def defaults(fn, sig):
+    # parameters with a default that the signature does not name (e.g. a row scale's, off): constants
+    return {n: p.default for n, p in inspect.signature(fn.fn).parameters.items()
+            if p.default is not inspect.Parameter.empty and n not in sig}
+
+
+rowscale = {"SS": "*fp32", "stride_ss": "i32", "rs_eps": "fp32"}
 
 
 def build(fn, sig, consts, warps, stages):
     # each kernel without and with programmatic dependent launch (PDL 1: wait for the previous
     # kernel, then release the next one)
     for pdl in (0, 1):
-        c = {**consts, "PDL": pdl}
+        c = {**defaults(fn, sig), **consts, "PDL": pdl}
         k = triton.compile(ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in c}}, constexprs=c),
                            target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": warps, "num_stages": stages, "launch_pdl": bool(pdl)})
@@ -514,6 +597,12 @@ for L, D, nsplit, block_n, warps, stages, prefetch in [(1, 64, 4, 32, 4, 2, True
                BLOCK_N=block_n, BLOCK_L=16, ROPE=True, MERGE=2 if nsplit > 1 else 0, DYN_LOOP=True, MAX_IT=1,
                PREFETCH=prefetch),
           warps, stages)
+# with a folded norm's row scale (the draft's decode step)
+build(K._paged_attn_kernel, {**attn, **rowscale},
+      dict(L=1, G=4, H=32, HKV=8, D=64, PS=16, NSPLIT=4, MT=1, BLOCK_M=16, BLOCK_N=64, BLOCK_L=16, ROPE=True, MERGE=2,
+           DYN_LOOP=True, MAX_IT=1, PREFETCH=True, RS_T=32, RS_TP2=32, RS_DIM=2048), 4, 3)
+build(K._silu_mul_kernel, {"GU": "*bf16", "OUT": "*bf16", **rowscale},
+      dict(INTER=8192, BLOCK=1024, RS_T=64, RS_TP2=64, RS_DIM=2048), 4, 1)
 build(K._paged_attn_grouped_kernel, {**attn, "B": "i32"},
       dict(L=1, G=4, H=32, HKV=8, D=64, PS=16, NSPLIT=4, MT=1, GS=8, GS_P2=8, BLOCK_M=32, BLOCK_N=64, BLOCK_L=16,
            ROPE=True, MERGE=2, DYN_LOOP=True, MAX_IT=1), 4, 2)
@@ -525,14 +614,25 @@ build(K._copy_pages_kernel, {"KV": "*bf16", "SRC": "*i64", "DST": "*i64", "n_pag
 skinny = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "M": "i32", "stride_xm": "i32"}
 aligned = {(K._skinny_linear_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("X", "W", "Y", "stride_xm")}
 # With PDL (the wait before the loop) the K loop must stay pipelined too.
-# Split-K (float32 partials, K_PER < K) likewise.
-for m, n, k, bn, bk, silu, pdl, split in [(16, 2048, 2048, 16, 256, False, 0, 1), (16, 8192, 2048, 32, 128, True, 0, 1),
-                                          (64, 8192, 2048, 32, 128, True, 0, 1), (16, 128256, 2048, 64, 128, False, 0, 1),
-                                          (16, 2048, 8192, 16, 256, False, 1, 1), (16, 8192, 2048, 32, 128, True, 1, 1),
-                                          (16, 2048, 8192, 32, 256, False, 0, 4), (16, 4096, 14336, 32, 256, False, 1, 2)]:
+# Split-K (float32 partials, K_PER < K) likewise; and a folded norm's epilogues (RESID: the add, γ and
+# Σh², by the last split with split-K; the SiLU·mul's row scale).
+resid = {"R": "*bf16", "H_OUT": "*bf16", "GAMMA": "*bf16", "GH_OUT": "*bf16", "SS": "*fp32", "CNT": "*i32"}
+for m, n, k, bn, bk, silu, pdl, split, fold in [
+        (16, 2048, 2048, 16, 256, False, 0, 1, 0), (16, 8192, 2048, 32, 128, True, 0, 1, 0),
+        (64, 8192, 2048, 32, 128, True, 0, 1, 0), (16, 128256, 2048, 64, 128, False, 0, 1, 0),
+        (16, 2048, 8192, 16, 256, False, 1, 1, 0), (16, 8192, 2048, 32, 128, True, 1, 1, 0),
+        (16, 2048, 8192, 32, 256, False, 0, 4, 0), (16, 4096, 14336, 32, 256, False, 1, 2, 0),
+        (16, 2048, 2048, 64, 128, False, 0, 4, 1), (64, 2048, 8192, 64, 128, False, 1, 4, 1),
+        (16, 2048, 2048, 16, 256, False, 0, 1, 1), (16, 8192, 2048, 32, 128, True, 0, 1, 2)]:
     consts = dict(N=n, K=k, BLOCK_M=m, BLOCK_N=bn, BLOCK_K=bk, SILU=silu, PDL=pdl, SPLIT=split,
                   K_PER=-(-k // split // bk) * bk)
     sig = {**skinny, "Y": "*fp32" if split > 1 else "*bf16"}
+    if fold == 1:
+        sig, consts = {**sig, **resid}, {**consts, "RESID": 1}
+    elif fold == 2:
+        sig = {**sig, "SS_IN": "*fp32", "stride_ss": "i32", "rs_eps": "fp32"}
+        consts = {**consts, "RS_T": 64, "RS_TP2": 64, "RS_DIM": 2048}
+    consts = {**defaults(K._skinny_linear_kernel, sig), **consts}
     kern = triton.compile(ASTSource(fn=K._skinny_linear_kernel, signature={**sig, **dict.fromkeys(consts, "constexpr")},
                                     constexprs=consts, attrs=aligned),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4, "launch_pdl": bool(pdl)})

@@ -99,6 +99,16 @@ def _block_pages(PT, b, stride_pt, n0, end, PS: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
+def _row_rstd(SS, rows, rows_ok, stride_ss, eps, T: tl.constexpr, T_P2: tl.constexpr, DIM: tl.constexpr):
+    """1 / rms of the residual-stream rows ``rows`` from their float32 partial sums of squares
+    SS[t, row] over T column blocks (a folded norm's ``sumsq``, written by the skinny product's
+    RESID epilogue): rsqrt(Σ_t SS[t, row] / DIM + eps). Reference: model.Normed.rstd."""
+    t = tl.arange(0, T_P2)
+    s = tl.load(SS + t[None, :] * stride_ss + rows[:, None], mask=(t[None, :] < T) & rows_ok[:, None], other=0.0)
+    return 1.0 / tl.sqrt(tl.sum(s, 1) / DIM + eps)
+
+
+@triton.jit
 def _attend_cached(q, q1, q2, KP, VP, page, kvh, n0, end, qpos, sm_scale, m_i, l_i, acc,
                    HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr):
     """One block of BLOCK_N cached keys/values (positions n0.., pages ``page``, masked at ``end`` and
@@ -179,6 +189,7 @@ def _paged_attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     ROPE: tl.constexpr, MERGE: tl.constexpr, DYN_LOOP: tl.constexpr, MAX_IT: tl.constexpr,
     PREFETCH: tl.constexpr, PDL: tl.constexpr = 0,
+    SS=None, stride_ss=0, rs_eps=0.0, RS_T: tl.constexpr = 0, RS_TP2: tl.constexpr = 1, RS_DIM: tl.constexpr = 1,
 ):
     """One program per (row b, kv head, KV split, query tile). Query rows of a tile are the (l, g)
     pairs m = l·G + g of the row's L tokens × the G query heads of the kv head.
@@ -191,7 +202,9 @@ def _paged_attn_kernel(
     ``_merge_splits_kernel``; 2 — partials, then the last split to finish (an atomic counter per
     (b, kv head, tile), reset by that program) merges them. PREFETCH: each block's page ids are
     loaded one block ahead (before the current block's keys), taking the page-table load off the
-    chain page ids -> keys -> dot -> values of a block."""
+    chain page ids -> keys -> dot -> values of a block. RS_T > 0 (with ROPE): the projection's rows are
+    not yet scaled by their RMSNorm's 1/rms (a folded norm, model.Normed): q and the new keys and
+    values are multiplied by it here, from the RS_T partial sums of squares SS[t, b·L + l]."""
     _pdl_enter(PDL)
     pid = tl.program_id(0)  # b * HKV + kvh
     sid = tl.program_id(1)
@@ -217,6 +230,10 @@ def _paged_attn_kernel(
         s_ = tl.load(SIN + qpos[:, None] * HALF + dh[None, :])
         q1f = q1.to(tl.float32)
         q2f = q2.to(tl.float32)
+        if RS_T > 0:
+            rq = _row_rstd(SS, b * L + l_idx, m_valid, stride_ss, rs_eps, RS_T, RS_TP2, RS_DIM)
+            q1f = q1f * rq[:, None]
+            q2f = q2f * rq[:, None]
         q1 = (q1f * c - q2f * s_).to(KP.dtype.element_ty)
         q2 = (q2f * c + q1f * s_).to(KP.dtype.element_ty)
         q = q1
@@ -248,9 +265,14 @@ def _paged_attn_kernel(
             k_row = Q + (b * L + jj) * stride_qt + (H + kvh) * D
             k1f = tl.load(k_row[:, None] + dh[None, :]).to(tl.float32)
             k2f = tl.load(k_row[:, None] + HALF + dh[None, :]).to(tl.float32)
+            v = tl.load(Q + (b * L + jj)[:, None] * stride_qt + (H + HKV + kvh) * D + d[None, :])
+            if RS_T > 0:
+                rk = _row_rstd(SS, b * L + jj, j_valid, stride_ss, rs_eps, RS_T, RS_TP2, RS_DIM)
+                k1f = k1f * rk[:, None]
+                k2f = k2f * rk[:, None]
+                v = (v.to(tl.float32) * rk[:, None]).to(KP.dtype.element_ty)
             k1 = (k1f * ck - k2f * sk).to(KP.dtype.element_ty)
             k2 = (k2f * ck + k1f * sk).to(KP.dtype.element_ty)
-            v = tl.load(Q + (b * L + jj)[:, None] * stride_qt + (H + HKV + kvh) * D + d[None, :])
             s = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * sm_scale  # [BLOCK_M, BLOCK_L]
             ok = (kpos[None, :] <= qpos[:, None]) & j_valid[None, :]
             s = tl.where(ok, s, float("-inf"))
@@ -483,16 +505,17 @@ def _num_sms(device_index: int) -> int:
 _COUNTERS: dict = {}
 
 
-def _split_counters(device: torch.device, n: int) -> Tensor | None:
+def _split_counters(device: torch.device, n: int, kind: str = "attn") -> Tensor | None:
     """A zeroed int32 buffer of >= n counters, kept for the process (each merging program resets its
-    counter, so it stays zero between launches). None when it would have to be allocated inside a
-    CUDA-graph capture (the caller then merges with a separate kernel)."""
-    buf = _COUNTERS.get(device)
+    counter, so it stays zero between launches), one per ``kind`` of kernel. None when it would have
+    to be allocated inside a CUDA-graph capture (the caller then merges some other way)."""
+    key = (device, kind)
+    buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
+        _COUNTERS[key] = buf
     return buf
 
 
@@ -580,14 +603,14 @@ def _attention_config(B: int, L: int, G: int, Hkv: int, D: int, capacity: int, d
 
 
 def _launch_attention(src: Tensor, stride_qt: int, B: int, L: int, H: int, k_pool: Tensor, v_pool: Tensor,
-                      batch, cos: Tensor | None, sin: Tensor | None, out_dtype) -> Tensor:
+                      batch, cos: Tensor | None, sin: Tensor | None, out_dtype, rowscale=None) -> Tensor:
     _, Hkv, PS, D = k_pool.shape
     G = H // Hkv
     P = batch.page_table.shape[1]
     pos = batch.positions
     if pos.dtype != torch.long or not pos.is_contiguous():
         pos = pos.long().contiguous()
-    gs = _attention_group(B, L, G, getattr(batch, "group", 1))
+    gs = 1 if rowscale is not None else _attention_group(B, L, G, getattr(batch, "group", 1))
     if gs > 1:
         out = _launch_grouped_attention(src, stride_qt, B, L, H, k_pool, v_pool, batch, pos, cos, sin, out_dtype, gs)
         if out is not None:
@@ -612,7 +635,7 @@ def _launch_attention(src: Tensor, stride_qt: int, B: int, L: int, H: int, k_poo
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_L=max(16, triton.next_power_of_2(L)),
         ROPE=rope, MERGE=merge, DYN_LOOP=not _INTERPRET,
         MAX_IT=max(1, triton.cdiv(triton.cdiv(P * PS, nsplit), block_n)) if _INTERPRET else 1, PREFETCH=bool(prefetch),
-        num_warps=warps, num_stages=stages, **_pdl(dev),
+        num_warps=warps, num_stages=stages, **_pdl(dev), **_rowscale_args(rowscale),
     )
     if merge == 1:
         _merge_splits_kernel[(B * Hkv * L * G,)](
@@ -620,6 +643,18 @@ def _launch_attention(src: Tensor, stride_qt: int, B: int, L: int, H: int, k_poo
             NSPLIT_P2=max(2, triton.next_power_of_2(nsplit)), BLOCK_M=block_m, num_warps=1, **_pdl(dev),
         )
     return out
+
+
+def _rowscale_args(rowscale, ss_name: str = "SS") -> dict:
+    """Kernel arguments of a row scale (sumsq [T, rows] float32, eps, dim): see ``_row_rstd``."""
+    if rowscale is None:
+        return {}
+    ss, eps, dim = rowscale
+    if ss.dtype != torch.float32 or ss.dim() != 2 or ss.stride(1) != 1:
+        raise ValueError(f"sumsq: expected float32 partial sums [T, rows] with unit row stride, got "
+                         f"{ss.dtype} {tuple(ss.shape)} strides {ss.stride()}")
+    return {ss_name: ss, "stride_ss": ss.stride(0), "rs_eps": float(eps), "RS_T": ss.shape[0],
+            "RS_TP2": max(2, triton.next_power_of_2(ss.shape[0])), "RS_DIM": dim}
 
 
 def _attention_group(B: int, L: int, G: int, hint: int) -> int:
@@ -680,15 +715,19 @@ def triton_paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, batch) -> 
 
 
 def triton_rope_paged_attention(qkv: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor, batch,
-                                H: int) -> Tensor:
+                                H: int, rowscale=None) -> Tensor:
     """RoPE + KV-page write + paged attention in one kernel: qkv [B, L, (H + 2Hkv)·D] (the fused
     projection, contiguous), cos/sin tables [max_pos, D/2] (float32) -> [B, L, H, D]; the rotated
     keys and the values of the L new tokens are written to the pools at their positions (pages from
     the page table). For decode/verify shapes (L <= 16). Reference: model.rope_kv_write_reference
-    followed by attention.reference_paged_attention."""
+    followed by attention.reference_paged_attention.
+
+    ``rowscale`` = (sumsq [T, B·L] float32, eps, dim): qkv's rows are the product of a folded norm's
+    γ ⊙ h (model.Normed), not yet scaled by 1 / rms(h); they are scaled here (q, and the new keys and
+    values before they are written). Reference: scale qkv's rows by model.Normed.rstd first."""
     qkv = qkv.contiguous()
     B, L, W = qkv.shape
-    return _launch_attention(qkv, W, B, L, H, k_pool, v_pool, batch, cos, sin, qkv.dtype)
+    return _launch_attention(qkv, W, B, L, H, k_pool, v_pool, batch, cos, sin, qkv.dtype, rowscale)
 
 
 def merge_splits_reference(o_part: Tensor, lse: Tensor, B: int, L: int, H: int, Hkv: int, dtype) -> Tensor:
@@ -793,26 +832,37 @@ def triton_add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: fl
 
 
 @triton.jit
-def _silu_mul_kernel(GU, OUT, INTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+def _silu_mul_kernel(GU, OUT, INTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0,
+                     SS=None, stride_ss=0, rs_eps=0.0, RS_T: tl.constexpr = 0, RS_TP2: tl.constexpr = 1,
+                     RS_DIM: tl.constexpr = 1):
+    """RS_T > 0: gate and up are first scaled by the row's 1/rms (a folded norm; see ``_row_rstd``)."""
     _pdl_enter(PDL)
     row = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < INTER
     g = tl.load(GU + row * 2 * INTER + c, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(GU + row * 2 * INTER + INTER + c, mask=ok, other=0.0).to(tl.float32)
+    if RS_T > 0:
+        r = tl.sum(_row_rstd(SS, row + tl.arange(0, 1), tl.full([1], 1, tl.int1), stride_ss, rs_eps, RS_T, RS_TP2,
+                             RS_DIM), 0)
+        g = (g * r).to(OUT.dtype.element_ty).to(tl.float32)
+        u = (u * r).to(OUT.dtype.element_ty).to(tl.float32)
     # torch: silu(gate) rounded to the dtype, then times up
     s = (g / (1.0 + tl.exp(-g))).to(OUT.dtype.element_ty).to(tl.float32)
     tl.store(OUT + row * INTER + c, (s * u).to(OUT.dtype.element_ty), mask=ok)
 
 
-def triton_silu_mul(gate_up: Tensor) -> Tensor:
-    """silu(gate) · up for gate_up = [gate | up] [..., 2I] (contiguous). Reference: model.silu_mul."""
+def triton_silu_mul(gate_up: Tensor, rowscale=None) -> Tensor:
+    """silu(gate) · up for gate_up = [gate | up] [..., 2I] (contiguous). Reference: model.silu_mul.
+    ``rowscale`` = (sumsq [T, rows], eps, dim): gate and up are first scaled row by row by a folded
+    norm's 1/rms (each rounded to the dtype, as a product of the scaled input would be); reference:
+    model.silu_mul of the rows times model.Normed.rstd."""
     I2 = gate_up.shape[-1]
     gu = gate_up.reshape(-1, I2)
     out = torch.empty(gu.shape[0], I2 // 2, device=gu.device, dtype=gu.dtype)
     block = 1024
     _silu_mul_kernel[(gu.shape[0], triton.cdiv(I2 // 2, block))](gu, out, INTER=I2 // 2, BLOCK=block, num_warps=4,
-                                                                  **_pdl(gu.device))
+                                                                  **_pdl(gu.device), **_rowscale_args(rowscale))
     return out.view(*gate_up.shape[:-1], I2 // 2)
 
 
@@ -1040,16 +1090,43 @@ def triton_copy_pages(kv: Tensor, src: Tensor, dst: Tensor) -> None:
 
 
 @triton.jit
+def _resid_epilogue(delta, R, H_OUT, GAMMA, GH_OUT, SS, rm, rn, m_ok, n_ok, M, pid_n, N: tl.constexpr):
+    """h = R + delta (rounded as torch adds in the stream's dtype) -> H_OUT; γ ⊙ h -> GH_OUT; the
+    sum of h² over this block's columns -> SS[pid_n, rows]. See ``_skinny_linear_kernel``'s RESID."""
+    ok = m_ok[:, None] & n_ok[None, :]
+    at = rm[:, None] * N + rn[None, :]
+    x = tl.load(R + at, mask=ok, other=0.0)
+    h = x + delta.to(x.dtype)
+    tl.store(H_OUT + at, h, mask=ok)
+    hf = h.to(tl.float32)
+    g = tl.load(GAMMA + rn, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(GH_OUT + at, (hf * g[None, :]).to(GH_OUT.dtype.element_ty), mask=ok)
+    tl.store(SS + pid_n * M + rm, tl.sum(tl.where(ok, hf * hf, 0.0), 1), mask=m_ok)
+
+
+@triton.jit
 def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
-                          K_PER: tl.constexpr, PDL: tl.constexpr = 0, SPLIT: tl.constexpr = 1):
+                          K_PER: tl.constexpr, PDL: tl.constexpr = 0, SPLIT: tl.constexpr = 1,
+                          R=None, H_OUT=None, GAMMA=None, GH_OUT=None, SS=None, CNT=None, RESID: tl.constexpr = 0,
+                          SS_IN=None, stride_ss=0, rs_eps=0.0, RS_T: tl.constexpr = 0, RS_TP2: tl.constexpr = 1,
+                          RS_DIM: tl.constexpr = 1):
     """Y[M, N] = X[M, K] · W[N, K]ᵀ, one program per BLOCK_N output columns × BLOCK_M rows, streaming
     its W rows once. SILU: W is [2N, K] = [gate; up] and Y = silu(X·gateᵀ) · (X·upᵀ), rounded as the
     unfused path rounds (the product to Y's dtype, silu to Y's dtype, then the product).
     Program (n, m, s) sums K columns [s·K_PER, (s+1)·K_PER) (K_PER = K: no split). SPLIT > 1 (not
     with SILU): each of the SPLIT programs of a column block stores its float32 partial at Y[s] (Y is
     float32 [SPLIT, M, N]); whoever reads Y adds the SPLIT partials in order
-    (``triton_add_rms_norm(..., parts=Y)``), so no atomics and no extra launch."""
+    (``triton_add_rms_norm(..., parts=Y)``), so no atomics and no extra launch.
+
+    Folded RMSNorm (model.Normed): RESID adds the product to the residual stream R [M, N] in the
+    epilogue and prepares the next RMSNorm without a launch of its own: h = R + X·Wᵀ -> H_OUT,
+    γ ⊙ h -> GH_OUT (GAMMA: the next norm's weight), and this program's Σ h² over its BLOCK_N
+    columns -> SS[pid_n, row] (float32 [cdiv(N, BLOCK_N), M]). With SPLIT > 1 the partials go to Y
+    as above and the last split of a column block to finish (an atomic counter in CNT, reset by
+    it) adds them up in order and runs that epilogue. RS_T > 0 (not with RESID): the product's rows
+    are scaled by the 1/rms of a folded norm from its RS_T partial sums SS_IN (``_row_rstd``), before
+    SiLU·mul's rounding."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -1071,15 +1148,34 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexp
             wu = tl.load(W + (N + rn)[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
                          other=0.0)
             acc_u += tl.dot(x, tl.trans(wu))
+    if RS_T > 0:
+        r = _row_rstd(SS_IN, rm, m_ok, stride_ss, rs_eps, RS_T, RS_TP2, RS_DIM)
+        acc = acc * r[:, None]
+        acc_u = acc_u * r[:, None]
     if SILU:
         g = acc.to(Y.dtype.element_ty).to(tl.float32)
         u = acc_u.to(Y.dtype.element_ty).to(tl.float32)
         sg = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
         acc = sg * u
-    out = Y + rm[:, None] * N + rn[None, :]
-    if SPLIT > 1:
-        out += tl.program_id(2) * M * N
-    tl.store(out, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    if RESID and SPLIT == 1:
+        _resid_epilogue(acc, R, H_OUT, GAMMA, GH_OUT, SS, rm, rn, m_ok, n_ok, M, pid_n, N)
+    else:
+        out = Y + rm[:, None] * N + rn[None, :]
+        if SPLIT > 1:
+            out += tl.program_id(2) * M * N
+        tl.store(out, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        if RESID:  # SPLIT > 1: the last split of this column block to finish adds them up
+            tl.debug_barrier()  # every thread's partial is stored before the release below
+            tile = pid_m * tl.num_programs(0) + pid_n
+            done = tl.atomic_add(CNT + tile, 1, sem="acq_rel")
+            if done == SPLIT - 1:
+                ok = m_ok[:, None] & n_ok[None, :]
+                at = rm[:, None] * N + rn[None, :]
+                d = tl.load(Y + at, mask=ok, other=0.0, cache_modifier=".cg")
+                for sp in tl.static_range(1, SPLIT):  # in order, as the norm of a SplitSum adds them
+                    d += tl.load(Y + sp * M * N + at, mask=ok, other=0.0, cache_modifier=".cg")
+                _resid_epilogue(d, R, H_OUT, GAMMA, GH_OUT, SS, rm, rn, m_ok, n_ok, M, pid_n, N)
+                tl.store(CNT + tile, 0)  # ready for the next launch
 
 
 def skinny_config(M: int, N: int, K: int, device: torch.device, silu: bool = False
@@ -1158,7 +1254,8 @@ def skinny_silu_max_rows() -> int:
     return int(v)
 
 
-def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=None, split: int = 1) -> Tensor:
+def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=None, split: int = 1,
+                         rowscale=None) -> Tensor:
     """x [..., K] (unit stride in K) · weight [N, K]ᵀ -> [..., N]; with ``silu`` the weight is [gate; up]
     ([2N, K]) and the result silu(x·gateᵀ)·(x·upᵀ) [..., N]. For few rows (decode), where cuBLAS's
     kernels leave bandwidth unused on small matrices. References: torch.nn.functional.linear, and
@@ -1166,7 +1263,11 @@ def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=N
 
     ``split`` > 1 splits K over that many programs a column block and returns their float32
     partial sums [split, ..., N] instead (their sum over the first dim is the product; reference:
-    ``model.SplitSum.total``); ``triton_add_rms_norm(..., parts=...)`` consumes them."""
+    ``model.SplitSum.total``); ``triton_add_rms_norm(..., parts=...)`` consumes them.
+
+    ``rowscale`` = (sumsq [T, rows], eps, dim) (not with split): x is a folded norm's γ ⊙ h and the
+    product's rows are scaled by 1 / rms(h) before SiLU·mul (reference: the product's rows times
+    model.Normed.rstd, then silu_mul)."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -1177,6 +1278,8 @@ def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=N
     if split < 1 or (split > 1 and silu):
         raise ValueError(f"split={split!r}: use a positive number of K splits (and 1 with silu=True: SiLU·mul "
                          "needs the whole sum)")
+    if split > 1 and rowscale is not None:
+        raise ValueError(f"split={split!r} with a rowscale: scale the rows of the summed product (split=1)")
     k_per = triton.cdiv(triton.cdiv(K, split), bk) * bk  # each split a whole number of K blocks
     split = triton.cdiv(K, k_per)
     if split > 1:
@@ -1185,10 +1288,47 @@ def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=N
         y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     _skinny_linear_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm), split)](
         x2, weight, y, M, x2.stride(0), N=N, K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SILU=silu,
-        SPLIT=split, K_PER=k_per if split > 1 else K, num_warps=warps, num_stages=stages, **_pdl(x.device))
+        SPLIT=split, K_PER=k_per if split > 1 else K, num_warps=warps, num_stages=stages, **_pdl(x.device),
+        **_rowscale_args(rowscale, "SS_IN"))
     if split > 1:
         return y.view(split, *x.shape[:-1], N)
     return y.view(*x.shape[:-1], N)
+
+
+def triton_skinny_linear_add_norm(x: Tensor, weight: Tensor, resid: Tensor, gamma: Tensor, config, split: int = 1
+                                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """A product added to the residual stream, with the next RMSNorm folded into the epilogue:
+    (h, gh, sumsq) with h = resid + x·Wᵀ (the product rounded to the stream's dtype, then added),
+    gh = γ ⊙ h rounded, sumsq [cdiv(N, BLOCK_N), rows] float32 partial sums of h² (their sum over
+    the first dim is Σ h² of each row). ``config``/``split`` as ``triton_skinny_linear``'s; with
+    split > 1 the last split of each column block adds the float32 partials in order and runs the
+    epilogue (no extra launch). Reference: model.linear_add_norm_reference."""
+    K = x.shape[-1]
+    N = weight.shape[0]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    r2 = resid.reshape(M, N).contiguous()
+    bm, bn, bk, warps, stages = config
+    k_per = triton.cdiv(triton.cdiv(K, split), bk) * bk
+    split = triton.cdiv(K, k_per)
+    h = torch.empty(M, N, device=x.device, dtype=resid.dtype)
+    gh = torch.empty(M, N, device=x.device, dtype=resid.dtype)
+    cols = triton.cdiv(N, bn)
+    ss = torch.empty(cols, M, device=x.device, dtype=torch.float32)
+    cnt = None
+    if split > 1:
+        cnt = _split_counters(x.device, cols * triton.cdiv(M, bm), kind="skinny")
+        if cnt is None:  # (counters would have to be allocated inside a graph capture: no split)
+            split, k_per = 1, K
+    y = torch.empty(split, M, N, device=x.device, dtype=torch.float32) if split > 1 else h
+    _skinny_linear_kernel[(cols, triton.cdiv(M, bm), split)](
+        x2, weight, y, M, x2.stride(0), N=N, K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SILU=False,
+        SPLIT=split, K_PER=k_per if split > 1 else K, R=r2, H_OUT=h, GAMMA=gamma, GH_OUT=gh, SS=ss,
+        CNT=cnt if cnt is not None else ss, RESID=1, num_warps=warps, num_stages=stages, **_pdl(x.device))
+    shape = (*x.shape[:-1], N)
+    return h.view(shape), gh.view(shape), ss
 
 
 def splitk_config(M: int, N: int, K: int, device: torch.device) -> tuple[tuple[int, int, int, int, int], int] | None:

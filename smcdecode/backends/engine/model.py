@@ -172,6 +172,39 @@ class SplitSum:
         return SplitSum(self.parts[(slice(None), *(idx if isinstance(idx, tuple) else (idx,)))])
 
 
+@dataclass
+class Normed:
+    """The residual stream after a product was added, with the next RMSNorm folded into that
+    product's epilogue instead of a launch of its own: ``h`` the stream, ``gh`` = γ ⊙ h (rounded;
+    the input of the norm's products) and ``sumsq`` [T, rows] float32, partial sums of h² over T
+    column blocks. rms_norm(h) · Wᵀ = rstd · (γ ⊙ h) · Wᵀ row by row, so the products take ``gh``
+    and their consumers scale the rows by ``rstd`` (the attention kernel, SiLU·mul)."""
+
+    h: Tensor
+    gh: Tensor
+    sumsq: Tensor
+    eps: float
+
+    def rstd(self) -> Tensor:
+        """1 / rms(h) of each row, float32 [rows] (reference of kernels._row_rstd)."""
+        return torch.rsqrt(self.sumsq.sum(0) / self.h.shape[-1] + self.eps)
+
+    def rowscale(self) -> tuple[Tensor, float, int]:
+        """The kernels' form: (sumsq, eps, dim)."""
+        return self.sumsq, self.eps, self.h.shape[-1]
+
+    def scale(self, y: Tensor) -> Tensor:
+        """y [..., n] (a product of ``gh``, same rows) with each row times rstd, in y's dtype."""
+        return (y.float() * self.rstd().reshape(*y.shape[:-1], 1)).to(y.dtype)
+
+
+def linear_add_norm_reference(x: Tensor, weight: Tensor, resid: Tensor, gamma: Tensor, eps: float) -> Normed:
+    """resid + x · Wᵀ as a ``Normed`` for the RMSNorm of weight ``gamma`` (one column block)."""
+    h = resid + F.linear(x, weight)
+    hf = h.float()
+    return Normed(h, (hf * gamma.float()).to(h.dtype), hf.pow(2).sum(-1).reshape(1, -1), eps)
+
+
 def add_rms_norm(x: Tensor, delta: Tensor | SplitSum | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     split = isinstance(delta, SplitSum)
     if _use_triton(x):
@@ -194,14 +227,15 @@ def rope_kv_write(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, k_po
 
 
 def rope_attention(qkv: Tensor, batch, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor, H: int, Hkv: int,
-                   backend: str = "auto") -> Tensor:
+                   backend: str = "auto", normed: Normed | None = None) -> Tensor:
     """RoPE on the fused projection qkv [B, L, (H + 2Hkv)·D], the new keys/values written to the
     pools, and paged attention of the L new queries of each row -> [B, L, H, D].
 
     On CUDA with Triton, for L <= 16 (decode and verify) and D >= 32, one kernel does all three
     (``kernels.triton_rope_paged_attention``; SMCDECODE_FUSED_ROPE=0 disables it); otherwise the
     RoPE + KV-write step and the attention run separately (reference: rope_kv_write_reference, then
-    attention.reference_paged_attention)."""
+    attention.reference_paged_attention). ``normed``: qkv is the product of a folded norm's γ ⊙ h,
+    its rows still to be scaled by 1 / rms(h) (done in the fused kernel, else first)."""
     import os
 
     from .attention import _backend
@@ -211,17 +245,20 @@ def rope_attention(qkv: Tensor, batch, cos: Tensor, sin: Tensor, k_pool: Tensor,
             and os.environ.get("SMCDECODE_FUSED_ROPE", "1") != "0"):
         from .kernels import triton_rope_paged_attention
 
-        return triton_rope_paged_attention(qkv, cos, sin, k_pool, v_pool, batch, H)
+        return triton_rope_paged_attention(qkv, cos, sin, k_pool, v_pool, batch, H,
+                                           rowscale=normed.rowscale() if normed is not None else None)
+    if normed is not None:
+        qkv = normed.scale(qkv)
     q = rope_kv_write(qkv, batch.positions, cos, sin, k_pool, v_pool, batch.slot_pages, batch.slot_offsets, H, Hkv)
     return paged_attention(q, k_pool, v_pool, batch, backend=backend)
 
 
-def fused_silu_mul(gate_up: Tensor) -> Tensor:
+def fused_silu_mul(gate_up: Tensor, normed: Normed | None = None) -> Tensor:
     if _use_triton(gate_up):
         from .kernels import triton_silu_mul
 
-        return triton_silu_mul(gate_up.contiguous())
-    return silu_mul(gate_up)
+        return triton_silu_mul(gate_up.contiguous(), rowscale=normed.rowscale() if normed is not None else None)
+    return silu_mul(gate_up if normed is None else normed.scale(gate_up))
 
 
 def _use_skinny(x: Tensor, weight: Tensor, silu: bool = False) -> bool:
@@ -247,9 +284,10 @@ def linear(x: Tensor, layer: nn.Linear) -> Tensor:
     return layer(x)
 
 
-def _split_config(x: Tensor, weight: Tensor):
+def _split_config(x: Tensor, weight: Tensor, rows: int | None = None):
     """(skinny config, K splits) where a product feeding a residual add + RMSNorm runs split-K on the
-    skinny kernel (kernels.splitk_config: few rows; SMCDECODE_SPLITK=0 disables it), else None."""
+    skinny kernel (kernels.splitk_config: few rows; SMCDECODE_SPLITK=0 disables it), else None.
+    ``rows``: of the product (default: x's)."""
     import os
 
     if not _use_triton(x) or x.dtype != weight.dtype or weight.dtype not in (torch.bfloat16, torch.float16):
@@ -259,7 +297,7 @@ def _split_config(x: Tensor, weight: Tensor):
     from .kernels import splitk_config
 
     N, K = weight.shape
-    return splitk_config(x.numel() // K, N, K, x.device)
+    return splitk_config(x.numel() // K if rows is None else rows, N, K, x.device)
 
 
 def linear_to_residual(x: Tensor, layer: nn.Linear) -> Tensor | SplitSum:
@@ -276,13 +314,45 @@ def linear_to_residual(x: Tensor, layer: nn.Linear) -> Tensor | SplitSum:
     return linear(x, layer)
 
 
-def linear_silu_mul(x: Tensor, layer: nn.Linear) -> Tensor:
-    """silu(x·gateᵀ) · (x·upᵀ) for the fused [gate; up] projection ``layer`` (no bias)."""
+def linear_silu_mul(x: Tensor, layer: nn.Linear, normed: Normed | None = None) -> Tensor:
+    """silu(x·gateᵀ) · (x·upᵀ) for the fused [gate; up] projection ``layer`` (no bias). ``normed``:
+    x is its ``gh`` and the products' rows are scaled by its rstd before SiLU·mul."""
     if _use_skinny(x, layer.weight, silu=True):
         from .kernels import triton_skinny_linear
 
-        return triton_skinny_linear(x, layer.weight, silu=True)
-    return fused_silu_mul(layer(x))
+        return triton_skinny_linear(x, layer.weight, silu=True,
+                                    rowscale=normed.rowscale() if normed is not None else None)
+    return fused_silu_mul(layer(x), normed)
+
+
+def fold_norms(x: Tensor, block: Block) -> bool:
+    """Whether a block's two RMSNorms after it (its ffn norm, and the next block's attention norm) fold
+    into the epilogues of its wo and w2 (``linear_add_norm``): where both products run split-K on the
+    skinny kernel (few rows, Triton on CUDA; see ``_split_config``) and the projections have no bias
+    (a bias would have to be added after the row scale). Saves a norm launch for each (2 of a
+    layer's ~7). SMCDECODE_FOLD_NORM=0 turns it off."""
+    import os
+
+    v = os.environ.get("SMCDECODE_FOLD_NORM", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"SMCDECODE_FOLD_NORM={v!r}: use 0 or 1")
+    if v == "0" or block.cfg.attention_bias or not _use_triton(x):
+        return False
+    rows = x.numel() // x.shape[-1]
+    return _split_config(x, block.wo.weight, rows) is not None and _split_config(x, block.w2.weight, rows) is not None
+
+
+def linear_add_norm(x: Tensor, layer: nn.Linear, resid: Tensor, gamma: Tensor, eps: float) -> Normed:
+    """resid + x · Wᵀ with the next RMSNorm (weight ``gamma``) folded in: a ``Normed``. On the GPU one
+    launch (kernels.triton_skinny_linear_add_norm, split-K as ``linear_to_residual``); reference:
+    linear_add_norm_reference."""
+    cfg = _split_config(x, layer.weight)
+    if cfg is not None:
+        from .kernels import triton_skinny_linear_add_norm
+
+        h, gh, ss = triton_skinny_linear_add_norm(x, layer.weight, resid, gamma, cfg[0], cfg[1])
+        return Normed(h, gh, ss, eps)
+    return linear_add_norm_reference(x, layer.weight, resid, gamma, eps)
 
 
 class RMSNorm(nn.Module):
@@ -307,17 +377,33 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, x: Tensor, delta: Tensor | SplitSum | None, rope: tuple[Tensor, Tensor], kv, batch
-                ) -> tuple[Tensor, Tensor | SplitSum]:
+    def forward(self, x: Tensor | Normed, delta: Tensor | SplitSum | None, rope: tuple[Tensor, Tensor], kv, batch,
+                next_norm: Tensor | None = None) -> tuple[Tensor | Normed, Tensor | SplitSum | None]:
         """Residual stream x [B, L, dim] plus the previous block's pending branch output ``delta``
-        (added here, fused with the norm) -> (stream, this block's MLP output, still to be added)."""
+        (added here, fused with the norm) -> (stream, this block's MLP output, still to be added).
+
+        Where ``fold_norms`` holds, the norms after wo and w2 are folded into those products: x may
+        arrive as the previous block's ``Normed`` (delta None), and with ``next_norm`` (the next
+        block's attention-norm weight) the block returns its own ``Normed`` and None."""
         cfg = self.cfg
-        B, L, _ = x.shape
+        eps = cfg.norm_eps
+        B, L, _ = (x.h if isinstance(x, Normed) else x).shape
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        x, n = add_rms_norm(x, delta, self.attention_norm.weight, cfg.norm_eps)
+        if isinstance(x, Normed):
+            normed, x, n = x, x.h, x.gh
+        else:
+            normed = None
+            x, n = add_rms_norm(x, delta, self.attention_norm.weight, eps)
         o = rope_attention(linear(n, self.wqkv), batch, rope[0], rope[1], kv.k(self.layer), kv.v(self.layer), H,
-                           Hkv, backend=kv.attention_backend)
-        h, n = add_rms_norm(x, linear_to_residual(o.reshape(B, L, H * D), self.wo), self.ffn_norm.weight, cfg.norm_eps)
+                           Hkv, backend=kv.attention_backend, normed=normed)
+        o = o.reshape(B, L, H * D)
+        if fold_norms(o, self):
+            mid = linear_add_norm(o, self.wo, x, self.ffn_norm.weight, eps)
+            g = linear_silu_mul(mid.gh, self.w13, normed=mid)
+            if next_norm is not None:
+                return linear_add_norm(g, self.w2, mid.h, next_norm, eps), None
+            return mid.h, linear_to_residual(g, self.w2)
+        h, n = add_rms_norm(x, linear_to_residual(o, self.wo), self.ffn_norm.weight, eps)
         return h, linear_to_residual(linear_silu_mul(n, self.w13), self.w2)
 
 
@@ -360,8 +446,9 @@ class Llama(nn.Module):
             self.set_rope_cache(min(self.cfg.max_position, 4096))
         rope = (self.rope_cos, self.rope_sin)
         x, delta = self.tok_embeddings(tokens), None
-        for layer in self.layers:
-            x, delta = layer(x, delta, rope, kv, batch)
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1].attention_norm.weight if i + 1 < len(self.layers) else None
+            x, delta = layer(x, delta, rope, kv, batch, nxt)
         if last_only:
             x, delta = x[:, -1:], delta[:, -1:]
         return linear(add_rms_norm(x, delta, self.norm.weight, self.cfg.norm_eps)[1], self.output)

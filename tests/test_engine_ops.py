@@ -283,6 +283,20 @@ def test_interpreted_folded_norm_kernels_match_references():
         kernels.triton_silu_mul(gh @ w13.T, rowscale=(ss.double(), 1e-5, N))
 
 
+def test_interpreted_embed_rms_norm_matches_lookup_then_norm():
+    """The embedding lookup with the first RMSNorm in one launch equals the lookup, then the norm."""
+    kernels = _interpreted_kernels()
+    from smcdecode.backends.engine.model import add_rms_norm_reference
+
+    g = torch.Generator().manual_seed(8)
+    table, w = torch.randn(50, 48, generator=g), torch.randn(48, generator=g)
+    tokens = torch.randint(0, 50, (3, 5), generator=g)
+    x, y = kernels.triton_embed_rms_norm(tokens, table, w, 1e-5)
+    assert x.shape == y.shape == (3, 5, 48)
+    torch.testing.assert_close(x, table[tokens], rtol=0, atol=0)
+    torch.testing.assert_close(y, add_rms_norm_reference(table[tokens], None, w, 1e-5)[1], rtol=1e-5, atol=1e-5)
+
+
 def test_folded_norm_setting_is_read_from_the_environment(monkeypatch):
     """SMCDECODE_FOLD_NORM: 0 turns the folded norms off, a bad value names the setting; off the GPU
     (no Triton path) nothing folds."""
@@ -399,7 +413,9 @@ def test_interpreted_model_forward_matches_reference_path(monkeypatch):
     assert not folds
     for x, y in zip(run(True), ref):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
-    assert len(folds) == 4 * 3  # per forward: wo of both layers and w2 of the first (the last's w2 feeds the final norm)
+    # per forward of at most 16 rows (not the 40-row prefill): wo of both layers and w2 of the first
+    # (the last layer's w2 feeds the final norm)
+    assert len(folds) == 3 * 3
 
 
 def _shared_case(seed, B, L, Hkv, D, PS, P, lengths, shared_pages):

@@ -776,14 +776,19 @@ def _merge_splits_kernel(OP, LSE, OUT, L: tl.constexpr, G: tl.constexpr, H: tl.c
 @triton.jit
 def _add_rms_norm_kernel(X, DELTA, W, H_OUT, Y, stride_x, stride_d, eps, DIM: tl.constexpr,
                          BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, PDL: tl.constexpr = 0,
-                         NSPLIT: tl.constexpr = 0, stride_s=0):
+                         NSPLIT: tl.constexpr = 0, stride_s=0, TOK=None, GATHER: tl.constexpr = 0):
     """NSPLIT > 0: DELTA holds NSPLIT float32 partial sums (split stride stride_s), added in order and
-    rounded to the stream's dtype first, as the unsplit product would have been."""
+    rounded to the stream's dtype first, as the unsplit product would have been. GATHER: X is an
+    embedding table and row r's input is its row TOK[r] (stored to H_OUT: the stream)."""
     _pdl_enter(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     ok = c < DIM
-    x = tl.load(X + row * stride_x + c, mask=ok, other=0.0)
+    if GATHER:
+        x = tl.load(X + tl.load(TOK + row) * stride_x + c, mask=ok, other=0.0)
+        tl.store(H_OUT + row * DIM + c, x, mask=ok)
+    else:
+        x = tl.load(X + row * stride_x + c, mask=ok, other=0.0)
     if NSPLIT > 0:
         d = tl.load(DELTA + row * stride_d + c, mask=ok, other=0.0)
         for s in tl.static_range(1, NSPLIT):
@@ -829,6 +834,24 @@ def triton_add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: fl
                                HAS_DELTA=has_delta, NSPLIT=nsplit, stride_s=stride_s,
                                num_warps=max(1, min(16, block // 512)), **_pdl(x.device))
     return (h.view(shape) if has_delta else x), y.view(shape)
+
+
+def triton_embed_rms_norm(tokens: Tensor, table: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(x, y) with x = table[tokens] (the embedding lookup, [..., dim]) and y = weight · x / rms(x): the
+    lookup and the first RMSNorm in one launch. Reference: model.add_rms_norm_reference of the lookup."""
+    dim = table.shape[1]
+    tok = tokens.reshape(-1)
+    if tok.dtype != torch.long or not tok.is_contiguous():
+        tok = tok.long().contiguous()
+    M = tok.shape[0]
+    x = torch.empty(M, dim, device=table.device, dtype=table.dtype)
+    y = torch.empty(M, dim, device=table.device, dtype=table.dtype)
+    block = triton.next_power_of_2(dim)
+    _add_rms_norm_kernel[(M,)](table, table, weight, x, y, table.stride(0), 0, eps, DIM=dim, BLOCK=block,
+                               HAS_DELTA=False, TOK=tok, GATHER=1, num_warps=max(1, min(16, block // 512)),
+                               **_pdl(table.device))
+    shape = (*tokens.shape, dim)
+    return x.view(shape), y.view(shape)
 
 
 @triton.jit
@@ -1008,6 +1031,22 @@ def _sample_merge_kernel(PART, LOGITS, stride_r, inv_temp, GATHER, TOK, LOGP_TOK
         tl.store(LOGP_GATHER + r, xg - lse)
 
 
+def _sample_chunk(R: int, V: int, block: int, device: torch.device) -> int:
+    """Logits a split program reads: 8 blocks, halved (down to one block) while the R rows' splits
+    cover fewer than 4 programs per SM — a draft step's 8 rows × 128,256 logits would otherwise be
+    128 programs each racing 8,192 elements. SMCDECODE_SAMPLE_CHUNK fixes it (a multiple of 1024)."""
+    v = os.environ.get("SMCDECODE_SAMPLE_CHUNK")
+    if v is not None:
+        if not v.isdigit() or int(v) < block or int(v) % block:
+            raise ValueError(f"SMCDECODE_SAMPLE_CHUNK={v!r}: give a multiple of {block}, such as 8192")
+        return int(v)
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
+    chunk = 8 * block
+    while chunk > block and R * triton.cdiv(V, chunk) < 4 * sms:
+        chunk //= 2
+    return chunk
+
+
 def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, gather: Tensor | None = None,
                             sample_every: int = 1) -> tuple[Tensor, Tensor, Tensor | None]:
     """For each row of ``logits`` [R, V] (unit stride in V) with x = logits / temperature:
@@ -1024,7 +1063,7 @@ def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, ga
     if sample_every < 1:
         raise ValueError(f"sample_every = {sample_every}: must be >= 1 (1: every row draws a token)")
     block = 1024
-    chunk = 8 * block
+    chunk = _sample_chunk(R, V, block, logits.device)
     if V < chunk:
         block = max(16, min(block, triton.next_power_of_2(V)))
         chunk = triton.cdiv(V, block) * block

@@ -182,7 +182,7 @@ class Normed:
 
     h: Tensor
     gh: Tensor
-    sumsq: Tensor
+    sumsq: Tensor | None  # None: ``gh`` is rms_norm(h) itself (no row scale left to apply)
     eps: float
 
     def rstd(self) -> Tensor:
@@ -214,6 +214,16 @@ def add_rms_norm(x: Tensor, delta: Tensor | SplitSum | None, weight: Tensor, eps
             return triton_add_rms_norm(x, None, weight, eps, parts=delta.parts)
         return triton_add_rms_norm(x, delta, weight, eps)
     return add_rms_norm_reference(x, delta.total(x.dtype) if split else delta, weight, eps)
+
+
+def embed_norm(tokens: Tensor, table: Tensor, weight: Tensor, eps: float) -> Tensor | Normed:
+    """The embedding lookup of ``tokens``; on the GPU with the first layer's RMSNorm (weight ``weight``)
+    in the same launch, as a ``Normed`` without a row scale (kernels.triton_embed_rms_norm)."""
+    if _use_triton(table):
+        from .kernels import triton_embed_rms_norm
+
+        return Normed(*triton_embed_rms_norm(tokens, table, weight, eps), None, eps)
+    return F.embedding(tokens, table)
 
 
 def rope_kv_write(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor,
@@ -325,12 +335,19 @@ def linear_silu_mul(x: Tensor, layer: nn.Linear, normed: Normed | None = None) -
     return fused_silu_mul(layer(x), normed)
 
 
+FOLD_MAX_ROWS = 16
+
+
 def fold_norms(x: Tensor, block: Block) -> bool:
     """Whether a block's two RMSNorms after it (its ffn norm, and the next block's attention norm) fold
     into the epilogues of its wo and w2 (``linear_add_norm``): where both products run split-K on the
-    skinny kernel (few rows, Triton on CUDA; see ``_split_config``) and the projections have no bias
-    (a bias would have to be added after the row scale). Saves a norm launch for each (2 of a
-    layer's ~7). SMCDECODE_FOLD_NORM=0 turns it off."""
+    skinny kernel (few rows, Triton on CUDA; see ``_split_config``), at most 16 rows, and the
+    projections have no bias (a bias would have to be added after the row scale). Saves a norm launch
+    for each (2 of a layer's 7). SMCDECODE_FOLD_NORM=0 turns it off.
+
+    Measured on an H200 (session 8, docs/benchmarks.md; SMC-SD N=8 K=8, 512-token outputs): 1
+    request (the draft at 8 and 16 rows) 14.88 -> 14.47 ms a round; 8 requests (64 rows, where the
+    last split's epilogue costs more than the norm launch it saves) 28.67 -> 28.99, hence the limit."""
     import os
 
     v = os.environ.get("SMCDECODE_FOLD_NORM", "1")
@@ -339,7 +356,7 @@ def fold_norms(x: Tensor, block: Block) -> bool:
     if v == "0" or block.cfg.attention_bias or not _use_triton(x):
         return False
     rows = x.numel() // x.shape[-1]
-    return _split_config(x, block.wo.weight, rows) is not None and _split_config(x, block.w2.weight, rows) is not None
+    return rows <= FOLD_MAX_ROWS and _split_config(x, block.wo.weight, rows) is not None and _split_config(x, block.w2.weight, rows) is not None
 
 
 def linear_add_norm(x: Tensor, layer: nn.Linear, resid: Tensor, gamma: Tensor, eps: float) -> Normed:
@@ -390,7 +407,7 @@ class Block(nn.Module):
         B, L, _ = (x.h if isinstance(x, Normed) else x).shape
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         if isinstance(x, Normed):
-            normed, x, n = x, x.h, x.gh
+            normed, x, n = (x if x.sumsq is not None else None), x.h, x.gh
         else:
             normed = None
             x, n = add_rms_norm(x, delta, self.attention_norm.weight, eps)
@@ -445,7 +462,8 @@ class Llama(nn.Module):
         if self.rope_cos is None:
             self.set_rope_cache(min(self.cfg.max_position, 4096))
         rope = (self.rope_cos, self.rope_sin)
-        x, delta = self.tok_embeddings(tokens), None
+        x, delta = embed_norm(tokens, self.tok_embeddings.weight, self.layers[0].attention_norm.weight,
+                              self.cfg.norm_eps), None
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1].attention_norm.weight if i + 1 < len(self.layers) else None
             x, delta = layer(x, delta, rope, kv, batch, nxt)

@@ -133,6 +133,12 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
         ("split-K off", {"SMCDECODE_SPLITK": "0"}),
         ("split-K <=16 rows", {"SMCDECODE_SPLITK_ROWS": "16"}),
         ("fold norm off", {"SMCDECODE_FOLD_NORM": "0"}),
+        ("qkv split off", {"SMCDECODE_QKV_SPLIT": "0"}),
+        ("qkv split 16x256/2", {"SMCDECODE_QKV_SPLIT": "[16, 256, 4, 4, 2]"}),
+        ("qkv split 32x256/2", {"SMCDECODE_QKV_SPLIT": "[32, 256, 4, 4, 2]"}),
+        ("qkv split 16x128/4", {"SMCDECODE_QKV_SPLIT": "[16, 128, 4, 4, 4]"}),
+        ("sample chunk 8192", {"SMCDECODE_SAMPLE_CHUNK": "8192"}),
+        ("fold + qkv split off", {"SMCDECODE_FOLD_NORM": "0", "SMCDECODE_QKV_SPLIT": "0", "SMCDECODE_SAMPLE_CHUNK": "8192"}),
         ("fold unsplit", {"SMCDECODE_SPLITK_CONFIG": json.dumps({"2048x2048": [16, 256, 4, 4, 1],
                                                                   "2048x8192": [16, 256, 4, 4, 1]})}),
     ]
@@ -167,7 +173,8 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
                           ("no fused rope", {"SMCDECODE_FUSED_ROPE": "0"}), ("merge kernel", {"SMCDECODE_ATTN_MERGE": "kernel"}),
                           ("pdl", {"SMCDECODE_PDL": "1"}),
                           ("pdl + skinny all", {"SMCDECODE_PDL": "1", "SMCDECODE_SKINNY_ALL": "1"}),
-                          ("split-K off", {"SMCDECODE_SPLITK": "0"}), ("fold norm off", {"SMCDECODE_FOLD_NORM": "0"})):
+                          ("split-K off", {"SMCDECODE_SPLITK": "0"}), ("fold norm off", {"SMCDECODE_FOLD_NORM": "0"}),
+                          ("sample chunk 8192", {"SMCDECODE_SAMPLE_CHUNK": "8192"})):
             if only and name not in only:
                 continue
             env = {**extra_env, **env}

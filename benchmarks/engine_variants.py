@@ -111,10 +111,9 @@ def run_variant(engine: Engine, env: dict, fn, repeats: int) -> float:
     return with_env(env, measure)
 
 
-def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: int, repeats: int,
-                only: list[str] | None = None, skip_ar: bool = False, extra_env: dict | None = None) -> None:
-    extra_env = extra_env or {}
-    variants = [
+def _variants() -> list[tuple[str, dict]]:
+    """(name, settings) of the end-to-end variants."""
+    return [
         ("default", {}),
         ("no fused rope", {"SMCDECODE_FUSED_ROPE": "0"}),
         ("merge kernel", {"SMCDECODE_ATTN_MERGE": "kernel"}),
@@ -138,10 +137,16 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
         ("qkv split 32x256/2", {"SMCDECODE_QKV_SPLIT": "[32, 256, 4, 4, 2]"}),
         ("qkv split 16x128/4", {"SMCDECODE_QKV_SPLIT": "[16, 128, 4, 4, 4]"}),
         ("sample chunk 8192", {"SMCDECODE_SAMPLE_CHUNK": "8192"}),
-        ("fold + qkv split off", {"SMCDECODE_FOLD_NORM": "0", "SMCDECODE_QKV_SPLIT": "0", "SMCDECODE_SAMPLE_CHUNK": "8192"}),
+        ("fold, qkv split, chunk off", {"SMCDECODE_FOLD_NORM": "0", "SMCDECODE_QKV_SPLIT": "0", "SMCDECODE_SAMPLE_CHUNK": "8192"}),
         ("fold unsplit", {"SMCDECODE_SPLITK_CONFIG": json.dumps({"2048x2048": [16, 256, 4, 4, 1],
                                                                   "2048x8192": [16, 256, 4, 4, 1]})}),
     ]
+
+
+def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: int, repeats: int,
+                only: list[str] | None = None, skip_ar: bool = False, extra_env: dict | None = None) -> None:
+    extra_env = extra_env or {}
+    variants = _variants()
     variants = [(n, {**extra_env, **e}) for n, e in variants]
     if only:
         variants = [v for v in variants if v[0] in only]
@@ -192,6 +197,53 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
             rows.append(r)
             print(r, flush=True)
     res["e2e"] = rows
+
+
+def interleaved_section(target: Llama, draft: Llama, prompts: list[list[int]], res: dict, out_len: int,
+                        repeats: int, names: list[str], groups: tuple[int, ...] = (1,)) -> None:
+    """SMC-SD N=8 K=8 under the variants ``names`` (the e2e table's settings), measured interleaved:
+    one Engine per variant (each captures its own graphs under its settings), then ``repeats`` passes
+    that run every variant once in turn, so slow drifts of the machine hit all variants alike.
+    Reports each variant's median and the median of its per-pass difference from the first variant."""
+    table = dict(_variants())
+    rows = []
+    for G in groups:
+        P = prompts[:G]
+        pages = G * 12 * (-(-(out_len + 16) // 16) + 1) + G * 16 + 64
+        engines = []
+        for name in names:
+            env = table[name]
+            eng = Engine(target, draft, num_pages=pages, page_size=16, max_context=256 + out_len + 16)
+
+            def fn(eng=eng, short=True):
+                return eng.smc_sd(P, particles=8, block_size=8, max_new_tokens=3 * 9 if short else out_len)
+
+            with_env(env, lambda: (fn(), fn(short=False)))  # capture, then one full run
+            engines.append((name, env, fn))
+        times = {name: [] for name in names}
+        for _ in range(repeats):
+            for name, env, fn in engines:
+                def timed(fn=fn):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    fn(short=False)
+                    torch.cuda.synchronize()
+                    return time.perf_counter() - t0
+                times[name].append(with_env(env, timed))
+        rounds = -(-out_len // 9)
+        base = times[names[0]]
+        for name in names:
+            ts = times[name]
+            r = {"strategy": f"SMC-SD {G}x N=8 K=8 (interleaved)", "variant": name, "env": table[name],
+                 "ms_per_round": 1e3 * statistics.median(ts) / rounds,
+                 "ms_per_round_all": [1e3 * t / rounds for t in ts],
+                 "diff_vs_first_ms": 1e3 * statistics.median([a - b for a, b in zip(ts, base)]) / rounds}
+            rows.append(r)
+            print(f"interleaved G={G} {name:28s} {r['ms_per_round']:7.3f} ms/round  "
+                  f"diff vs {names[0]}: {r['diff_vs_first_ms']:+.3f} ms", flush=True)
+        del engines
+        torch.cuda.empty_cache()
+    res["interleaved"] = rows
 
 
 def sweep_section(engine: Engine, prompts: list[list[int]], res: dict, out: Path, no_group: bool = False) -> None:
@@ -279,6 +331,7 @@ def main() -> None:
     ap.add_argument("--sections", default="gemm,e2e,profile")
     ap.add_argument("--only", default="", help="comma-separated e2e variant names (default: all)")
     ap.add_argument("--skip-ar", action="store_true", help="e2e: SMC-SD variants only")
+    ap.add_argument("--groups", default="1", help="interleave: request counts (comma-separated), e.g. 1,8")
     ap.add_argument("--no-group", action="store_true", help="leave the opt-in grouped attention out of the sweep")
     ap.add_argument("--extra-env", default="", help="a JSON file of settings added to every e2e variant "
                     "(e.g. pdl_bench.py's best_env.json)")
@@ -311,6 +364,14 @@ def main() -> None:
             print(traceback.format_exc(), flush=True)
         (out / "variants.json").write_text(json.dumps(res, indent=1, default=str))
         print(f"[e2e section done at {time.perf_counter() - t0:.0f} s]", flush=True)
+    if "interleave" in secs:
+        try:
+            interleaved_section(target, draft, prompts, res, args.out_len, args.repeats, args.only.split(","),
+                                tuple(int(g) for g in args.groups.split(",")))
+        except Exception:
+            print(traceback.format_exc(), flush=True)
+        (out / "variants.json").write_text(json.dumps(res, indent=1, default=str))
+        print(f"[interleaved section done at {time.perf_counter() - t0:.0f} s]", flush=True)
     if "sweep" in secs:
         try:
             sweep_section(engine, prompts, res, out, no_group=args.no_group)

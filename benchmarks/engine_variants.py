@@ -137,7 +137,9 @@ def _variants() -> list[tuple[str, dict]]:
         ("qkv split 32x256/2", {"SMCDECODE_QKV_SPLIT": "[32, 256, 4, 4, 2]"}),
         ("qkv split 16x128/4", {"SMCDECODE_QKV_SPLIT": "[16, 128, 4, 4, 4]"}),
         ("sample chunk 8192", {"SMCDECODE_SAMPLE_CHUNK": "8192"}),
-        ("fold, qkv split, chunk off", {"SMCDECODE_FOLD_NORM": "0", "SMCDECODE_QKV_SPLIT": "0", "SMCDECODE_SAMPLE_CHUNK": "8192"}),
+        ("fold+qkv split off", {"SMCDECODE_FOLD_NORM": "0", "SMCDECODE_QKV_SPLIT": "0"}),
+        ("fold+qkv split+chunk off", {"SMCDECODE_FOLD_NORM": "0", "SMCDECODE_QKV_SPLIT": "0",
+                                      "SMCDECODE_SAMPLE_CHUNK": "8192"}),
         ("fold unsplit", {"SMCDECODE_SPLITK_CONFIG": json.dumps({"2048x2048": [16, 256, 4, 4, 1],
                                                                   "2048x8192": [16, 256, 4, 4, 1]})}),
     ]
@@ -329,7 +331,7 @@ def main() -> None:
     ap.add_argument("--out-len", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--sections", default="gemm,e2e,profile")
-    ap.add_argument("--only", default="", help="comma-separated e2e variant names (default: all)")
+    ap.add_argument("--only", default="", help="comma-separated e2e variant names (default: all; names have no commas)")
     ap.add_argument("--skip-ar", action="store_true", help="e2e: SMC-SD variants only")
     ap.add_argument("--groups", default="1", help="interleave: request counts (comma-separated), e.g. 1,8")
     ap.add_argument("--no-group", action="store_true", help="leave the opt-in grouped attention out of the sweep")

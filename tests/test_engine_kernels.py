@@ -95,13 +95,11 @@ def test_triton_rope_paged_attention_matches_reference(L, H, Hkv, D, lengths, me
 @pytest.mark.parametrize("split_k", ["default", "forced", "forced unfolded"])
 def test_bf16_engine_logprobs_match_hf_and_graph_round_runs(split_k, monkeypatch):
     """(split_k "forced": wo and w2 of the decode steps split K in 2 and 4, which at these small shapes
-    the default would not do, and the norms after them folded into their epilogues (model.Normed),
-    and the fused QKV projection split in 2, its partials added by the attention kernel;
+    the default would not do, and the norms after them folded into their epilogues (model.Normed);
     "forced unfolded": the same split, the partials summed by the norms, SMCDECODE_FOLD_NORM=0.)"""
     transformers = pytest.importorskip("transformers")
     if split_k != "default":
         monkeypatch.setenv("SMCDECODE_SPLITK_CONFIG", '{"256x256": [32, 64, 4, 2, 2], "256x512": [32, 64, 4, 2, 4]}')
-        monkeypatch.setenv("SMCDECODE_QKV_SPLIT", "[32, 64, 4, 2, 2]")  # the QKV partials added in the attention
     monkeypatch.setenv("SMCDECODE_FOLD_NORM", "0" if split_k == "forced unfolded" else "1")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,

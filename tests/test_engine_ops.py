@@ -316,26 +316,6 @@ def test_folded_norm_setting_is_read_from_the_environment(monkeypatch):
         M.fold_norms(x, blk)
 
 
-def test_qkv_split_setting_is_read_from_the_environment(monkeypatch):
-    """The fused QKV projection splits K at <= 16 rows for the measured shape (the 1B draft's), not
-    above 16 rows or for other shapes; SMCDECODE_QKV_SPLIT=0 turns it off, a list sets it, a bad
-    value names the setting."""
-    from smcdecode.backends.engine import kernels
-
-    monkeypatch.delenv("SMCDECODE_QKV_SPLIT", raising=False)
-    cfg, split = kernels.qkv_split_config(8, 3072, 2048)
-    assert split > 1 and cfg[0] == 16
-    assert kernels.qkv_split_config(17, 3072, 2048) is None and kernels.qkv_split_config(8, 6144, 4096) is None
-    monkeypatch.setenv("SMCDECODE_QKV_SPLIT", "0")
-    assert kernels.qkv_split_config(8, 3072, 2048) is None
-    monkeypatch.setenv("SMCDECODE_QKV_SPLIT", "[16, 256, 4, 3, 2]")
-    assert kernels.qkv_split_config(8, 6144, 4096) == ((16, 16, 256, 4, 3), 2)
-    for bad in ("[16, 256, 4, 3]", "yes", "[24, 256, 4, 3, 2]"):
-        monkeypatch.setenv("SMCDECODE_QKV_SPLIT", bad)
-        with pytest.raises(ValueError, match="SMCDECODE_QKV_SPLIT"):
-            kernels.qkv_split_config(8, 3072, 2048)
-
-
 def test_split_k_settings_are_read_from_the_environment(monkeypatch):
     """wo and w2 split K at <= 16 rows (the measured shapes as measured, others with K >= 4096 where
     the column blocks alone do not cover the SMs) and at 17-64 rows (the measured shapes only); SMCDECODE_SPLITK=0 turns it off;
@@ -405,16 +385,6 @@ def test_interpreted_model_forward_matches_reference_path(monkeypatch):
         return real_fold(*a)
 
     monkeypatch.setattr(M, "linear_add_norm", counted)
-    import smcdecode.backends.engine.kernels as KR
-
-    split_qkv = []
-    real_attn = KR.triton_rope_paged_attention
-
-    def attn(qkv, *a, **kw):
-        split_qkv.append(qkv.dim() == 4 and qkv.shape[0] == 3)
-        return real_attn(qkv, *a, **kw)
-
-    monkeypatch.setattr(KR, "triton_rope_paged_attention", attn)
 
     def run(force: bool, fold: str = "1"):
         monkeypatch.setenv("SMCDECODE_FOLD_NORM", fold)
@@ -423,10 +393,6 @@ def test_interpreted_model_forward_matches_reference_path(monkeypatch):
         # wo and w2 split-K into partials that the next add + RMSNorm sums (split 2: 64 + 64 of 128
         # columns for wo, 64 + 32 of 96 for w2), or that the last split adds up (folded norms)
         monkeypatch.setattr(M, "_split_config", lambda x, w, rows=None: ((16, 16, 32, 4, 1), 2) if force else None)
-        # the fused QKV projection split-K at <= 16 rows, its partials added by the RoPE attention
-        # kernel (in 3: 48 + 48 + 32 of K = 128)
-        monkeypatch.setattr(M, "_qkv_split", lambda x, w: ((16, 32, 16, 4, 1), 3)
-                            if force and x.numel() // x.shape[-1] <= 16 else None)
         monkeypatch.setattr(A, "_backend", lambda q, b: "triton" if force else "torch")
         torch.manual_seed(1)
         PS = 4
@@ -450,7 +416,6 @@ def test_interpreted_model_forward_matches_reference_path(monkeypatch):
     # per forward of at most 16 rows (not the 40-row prefill): wo of both layers and w2 of the first
     # (the last layer's w2 feeds the final norm)
     assert len(folds) == 3 * 3
-    assert sum(split_qkv) == 2 * 2 * 3  # both Triton runs: both layers of the three short forwards
 
 
 def _shared_case(seed, B, L, Hkv, D, PS, P, lengths, shared_pages):
@@ -652,10 +617,6 @@ for L, D, nsplit, block_n, warps, stages, prefetch in [(1, 64, 4, 32, 4, 2, True
 build(K._paged_attn_kernel, {**attn, **rowscale},
       dict(L=1, G=4, H=32, HKV=8, D=64, PS=16, NSPLIT=4, MT=1, BLOCK_M=16, BLOCK_N=64, BLOCK_L=16, ROPE=True, MERGE=2,
            DYN_LOOP=True, MAX_IT=1, PREFETCH=True, RS_T=32, RS_TP2=32, RS_DIM=2048), 4, 3)
-# with the fused projection's split-K partials (float32) added in the kernel, and a row scale
-build(K._paged_attn_kernel, {**attn, "Q": "*fp32", **rowscale, "stride_qs": "i32"},
-      dict(L=2, G=4, H=32, HKV=8, D=64, PS=16, NSPLIT=4, MT=1, BLOCK_M=16, BLOCK_N=64, BLOCK_L=16, ROPE=True, MERGE=2,
-           DYN_LOOP=True, MAX_IT=1, PREFETCH=True, RS_T=32, RS_TP2=32, RS_DIM=2048, QSPLIT=4), 4, 3)
 build(K._silu_mul_kernel, {"GU": "*bf16", "OUT": "*bf16", **rowscale},
       dict(INTER=8192, BLOCK=1024, RS_T=64, RS_TP2=64, RS_DIM=2048), 4, 1)
 build(K._paged_attn_grouped_kernel, {**attn, "B": "i32"},

@@ -99,16 +99,6 @@ def _block_pages(PT, b, stride_pt, n0, end, PS: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _load_proj(ptrs, mask, QSPLIT: tl.constexpr, stride_qs):
-    """float32 values of the projection at ``ptrs``: one load, or with QSPLIT > 1 the sum in order of
-    the QSPLIT float32 split-K partials (``stride_qs`` apart) of the skinny product."""
-    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    for sp in tl.static_range(1, QSPLIT):
-        x += tl.load(ptrs + sp * stride_qs, mask=mask, other=0.0)
-    return x
-
-
-@triton.jit
 def _row_rstd(SS, rows, rows_ok, stride_ss, eps, T: tl.constexpr, T_P2: tl.constexpr, DIM: tl.constexpr):
     """1 / rms of the residual-stream rows ``rows`` from their float32 partial sums of squares
     SS[t, row] over T column blocks (a folded norm's ``sumsq``, written by the skinny product's
@@ -200,7 +190,6 @@ def _paged_attn_kernel(
     ROPE: tl.constexpr, MERGE: tl.constexpr, DYN_LOOP: tl.constexpr, MAX_IT: tl.constexpr,
     PREFETCH: tl.constexpr, PDL: tl.constexpr = 0,
     SS=None, stride_ss=0, rs_eps=0.0, RS_T: tl.constexpr = 0, RS_TP2: tl.constexpr = 1, RS_DIM: tl.constexpr = 1,
-    QSPLIT: tl.constexpr = 1, stride_qs=0,
 ):
     """One program per (row b, kv head, KV split, query tile). Query rows of a tile are the (l, g)
     pairs m = l·G + g of the row's L tokens × the G query heads of the kv head.
@@ -215,9 +204,7 @@ def _paged_attn_kernel(
     loaded one block ahead (before the current block's keys), taking the page-table load off the
     chain page ids -> keys -> dot -> values of a block. RS_T > 0 (with ROPE): the projection's rows are
     not yet scaled by their RMSNorm's 1/rms (a folded norm, model.Normed): q and the new keys and
-    values are multiplied by it here, from the RS_T partial sums of squares SS[t, b·L + l]. QSPLIT > 1
-    (with ROPE): Q holds the QSPLIT float32 split-K partials of the projection (``stride_qs`` apart),
-    added here in order and rounded to the cache's dtype, as the unsplit product would be."""
+    values are multiplied by it here, from the RS_T partial sums of squares SS[t, b·L + l]."""
     _pdl_enter(PDL)
     pid = tl.program_id(0)  # b * HKV + kvh
     sid = tl.program_id(1)
@@ -237,13 +224,12 @@ def _paged_attn_kernel(
     # s = q1·k1ᵀ + q2·k2ᵀ (needs D >= 32: each half is a dot's inner dimension)
     q_row = Q + (b * L + l_idx) * stride_qt + (kvh * G + g_idx) * D
     if ROPE:
-        q1f = _load_proj(q_row[:, None] + dh[None, :], m_valid[:, None], QSPLIT, stride_qs)
-        q2f = _load_proj(q_row[:, None] + HALF + dh[None, :], m_valid[:, None], QSPLIT, stride_qs)
+        q1 = tl.load(q_row[:, None] + dh[None, :], mask=m_valid[:, None], other=0.0)
+        q2 = tl.load(q_row[:, None] + HALF + dh[None, :], mask=m_valid[:, None], other=0.0)
         c = tl.load(COS + qpos[:, None] * HALF + dh[None, :])
         s_ = tl.load(SIN + qpos[:, None] * HALF + dh[None, :])
-        if QSPLIT > 1:
-            q1f = q1f.to(KP.dtype.element_ty).to(tl.float32)
-            q2f = q2f.to(KP.dtype.element_ty).to(tl.float32)
+        q1f = q1.to(tl.float32)
+        q2f = q2.to(tl.float32)
         if RS_T > 0:
             rq = _row_rstd(SS, b * L + l_idx, m_valid, stride_ss, rs_eps, RS_T, RS_TP2, RS_DIM)
             q1f = q1f * rq[:, None]
@@ -277,21 +263,14 @@ def _paged_attn_kernel(
             ck = tl.load(COS + kpos[:, None] * HALF + dh[None, :])
             sk = tl.load(SIN + kpos[:, None] * HALF + dh[None, :])
             k_row = Q + (b * L + jj) * stride_qt + (H + kvh) * D
-            every = jj[:, None] >= 0
-            k1f = _load_proj(k_row[:, None] + dh[None, :], every, QSPLIT, stride_qs)
-            k2f = _load_proj(k_row[:, None] + HALF + dh[None, :], every, QSPLIT, stride_qs)
-            vf = _load_proj(Q + (b * L + jj)[:, None] * stride_qt + (H + HKV + kvh) * D + d[None, :], every, QSPLIT,
-                            stride_qs)
-            if QSPLIT > 1:
-                k1f = k1f.to(KP.dtype.element_ty).to(tl.float32)
-                k2f = k2f.to(KP.dtype.element_ty).to(tl.float32)
-                vf = vf.to(KP.dtype.element_ty).to(tl.float32)
+            k1f = tl.load(k_row[:, None] + dh[None, :]).to(tl.float32)
+            k2f = tl.load(k_row[:, None] + HALF + dh[None, :]).to(tl.float32)
+            v = tl.load(Q + (b * L + jj)[:, None] * stride_qt + (H + HKV + kvh) * D + d[None, :])
             if RS_T > 0:
                 rk = _row_rstd(SS, b * L + jj, j_valid, stride_ss, rs_eps, RS_T, RS_TP2, RS_DIM)
                 k1f = k1f * rk[:, None]
                 k2f = k2f * rk[:, None]
-                vf = vf * rk[:, None]
-            v = vf.to(KP.dtype.element_ty)
+                v = (v.to(tl.float32) * rk[:, None]).to(KP.dtype.element_ty)
             k1 = (k1f * ck - k2f * sk).to(KP.dtype.element_ty)
             k2 = (k2f * ck + k1f * sk).to(KP.dtype.element_ty)
             s = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * sm_scale  # [BLOCK_M, BLOCK_L]
@@ -624,16 +603,14 @@ def _attention_config(B: int, L: int, G: int, Hkv: int, D: int, capacity: int, d
 
 
 def _launch_attention(src: Tensor, stride_qt: int, B: int, L: int, H: int, k_pool: Tensor, v_pool: Tensor,
-                      batch, cos: Tensor | None, sin: Tensor | None, out_dtype, rowscale=None, qsplit: int = 1
-                      ) -> Tensor:
+                      batch, cos: Tensor | None, sin: Tensor | None, out_dtype, rowscale=None) -> Tensor:
     _, Hkv, PS, D = k_pool.shape
     G = H // Hkv
     P = batch.page_table.shape[1]
     pos = batch.positions
     if pos.dtype != torch.long or not pos.is_contiguous():
         pos = pos.long().contiguous()
-    plain = rowscale is not None or qsplit > 1  # (the grouped kernel takes neither)
-    gs = 1 if plain else _attention_group(B, L, G, getattr(batch, "group", 1))
+    gs = 1 if rowscale is not None else _attention_group(B, L, G, getattr(batch, "group", 1))
     if gs > 1:
         out = _launch_grouped_attention(src, stride_qt, B, L, H, k_pool, v_pool, batch, pos, cos, sin, out_dtype, gs)
         if out is not None:
@@ -659,7 +636,6 @@ def _launch_attention(src: Tensor, stride_qt: int, B: int, L: int, H: int, k_poo
         ROPE=rope, MERGE=merge, DYN_LOOP=not _INTERPRET,
         MAX_IT=max(1, triton.cdiv(triton.cdiv(P * PS, nsplit), block_n)) if _INTERPRET else 1, PREFETCH=bool(prefetch),
         num_warps=warps, num_stages=stages, **_pdl(dev), **_rowscale_args(rowscale),
-        **({"QSPLIT": qsplit, "stride_qs": src.stride(0)} if qsplit > 1 else {}),
     )
     if merge == 1:
         _merge_splits_kernel[(B * Hkv * L * G,)](
@@ -748,15 +724,8 @@ def triton_rope_paged_attention(qkv: Tensor, cos: Tensor, sin: Tensor, k_pool: T
 
     ``rowscale`` = (sumsq [T, B·L] float32, eps, dim): qkv's rows are the product of a folded norm's
     γ ⊙ h (model.Normed), not yet scaled by 1 / rms(h); they are scaled here (q, and the new keys and
-    values before they are written). Reference: scale qkv's rows by model.Normed.rstd first.
-
-    qkv may also be the float32 split-K partials [S, B, L, (H + 2Hkv)·D] of the projection
-    (``triton_skinny_linear(split=S)``): they are added up here (reference: their sum, rounded to the
-    cache's dtype)."""
+    values before they are written). Reference: scale qkv's rows by model.Normed.rstd first."""
     qkv = qkv.contiguous()
-    if qkv.dim() == 4:
-        S, B, L, W = qkv.shape
-        return _launch_attention(qkv, W, B, L, H, k_pool, v_pool, batch, cos, sin, k_pool.dtype, rowscale, S)
     B, L, W = qkv.shape
     return _launch_attention(qkv, W, B, L, H, k_pool, v_pool, batch, cos, sin, qkv.dtype, rowscale)
 
@@ -1399,39 +1368,6 @@ def triton_skinny_linear_add_norm(x: Tensor, weight: Tensor, resid: Tensor, gamm
         CNT=cnt if cnt is not None else ss, RESID=1, num_warps=warps, num_stages=stages, **_pdl(x.device))
     shape = (*x.shape[:-1], N)
     return h.view(shape), gh.view(shape), ss
-
-
-def qkv_split_config(M: int, N: int, K: int) -> tuple[tuple[int, int, int, int, int], int] | None:
-    """(skinny config, K splits) for a fused QKV projection whose float32 split-K partials the RoPE
-    attention kernel adds up itself (few rows: a draft's decode step), or None (cuBLAS, as before).
-    SMCDECODE_QKV_SPLIT: 0 turns it off; a JSON list [BLOCK_N, BLOCK_K, num_warps, num_stages,
-    splits] applies to every fused projection of at most 16 rows (for sweeps)."""
-    v = os.environ.get("SMCDECODE_QKV_SPLIT")
-    if M > 16 or v == "0":
-        return None
-    if v:
-        try:
-            entry = json.loads(v)
-        except ValueError:
-            entry = None
-        ok = isinstance(entry, list) and len(entry) == 5 and all(isinstance(e, int) for e in entry)
-        if ok:
-            bn, bk, warps, stages, split = entry
-            ok = bn >= 16 and bk >= 16 and not (bn & (bn - 1)) and not (bk & (bk - 1)) \
-                and warps in (1, 2, 4, 8, 16) and stages >= 1 and split >= 1
-        if not ok:
-            raise ValueError(f"SMCDECODE_QKV_SPLIT={v!r}: use 0 (off) or [block_n, block_k, warps, stages, splits], "
-                             "block_n and block_k powers of two >= 16, warps one of 1, 2, 4, 8, 16, splits >= 1")
-    else:
-        entry = _QKV_SPLIT_MEASURED.get((N, K))
-        if entry is None:
-            return None
-    bn, bk, warps, stages, split = entry
-    return (max(16, triton.next_power_of_2(M)), bn, bk, warps, stages), split
-
-
-# (N, K) -> [BLOCK_N, BLOCK_K, warps, stages, splits] of the fused QKV projection at <= 16 rows
-_QKV_SPLIT_MEASURED = {(3072, 2048): (32, 128, 4, 4, 4)}
 
 
 def splitk_config(M: int, N: int, K: int, device: torch.device) -> tuple[tuple[int, int, int, int, int], int] | None:

@@ -12,7 +12,6 @@ D head dim, PS tokens per page.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -237,7 +236,7 @@ def rope_kv_write(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, k_po
     return rope_kv_write_reference(qkv, positions, cos, sin, k_pool, v_pool, pages, offsets, H, Hkv)
 
 
-def rope_attention(qkv: Tensor | SplitSum, batch, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor, H: int, Hkv: int,
+def rope_attention(qkv: Tensor, batch, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor, H: int, Hkv: int,
                    backend: str = "auto", normed: Normed | None = None) -> Tensor:
     """RoPE on the fused projection qkv [B, L, (H + 2Hkv)·D], the new keys/values written to the
     pools, and paged attention of the L new queries of each row -> [B, L, H, D].
@@ -246,23 +245,18 @@ def rope_attention(qkv: Tensor | SplitSum, batch, cos: Tensor, sin: Tensor, k_po
     (``kernels.triton_rope_paged_attention``; SMCDECODE_FUSED_ROPE=0 disables it); otherwise the
     RoPE + KV-write step and the attention run separately (reference: rope_kv_write_reference, then
     attention.reference_paged_attention). ``normed``: qkv is the product of a folded norm's γ ⊙ h,
-    its rows still to be scaled by 1 / rms(h) (done in the fused kernel, else first). qkv may be a
-    ``SplitSum`` (``linear_qkv``): the fused kernel adds the partials, else they are added first."""
+    its rows still to be scaled by 1 / rms(h) (done in the fused kernel, else first)."""
     import os
 
     from .attention import _backend
 
-    split = isinstance(qkv, SplitSum)
-    probe = qkv.parts if split else qkv
-    L, D = probe.shape[-2], k_pool.shape[-1]
-    if (L <= 16 and D >= 32 and _use_triton(probe) and _backend(probe, backend) == "triton"
+    L, D = qkv.shape[1], k_pool.shape[-1]
+    if (L <= 16 and D >= 32 and _use_triton(qkv) and _backend(qkv, backend) == "triton"
             and os.environ.get("SMCDECODE_FUSED_ROPE", "1") != "0"):
         from .kernels import triton_rope_paged_attention
 
-        return triton_rope_paged_attention(probe, cos, sin, k_pool, v_pool, batch, H,
+        return triton_rope_paged_attention(qkv, cos, sin, k_pool, v_pool, batch, H,
                                            rowscale=normed.rowscale() if normed is not None else None)
-    if split:
-        qkv = qkv.total(k_pool.dtype)
     if normed is not None:
         qkv = normed.scale(qkv)
     q = rope_kv_write(qkv, batch.positions, cos, sin, k_pool, v_pool, batch.slot_pages, batch.slot_offsets, H, Hkv)
@@ -314,31 +308,6 @@ def _split_config(x: Tensor, weight: Tensor, rows: int | None = None):
 
     N, K = weight.shape
     return splitk_config(x.numel() // K if rows is None else rows, N, K, x.device)
-
-
-def linear_qkv(x: Tensor, layer: nn.Linear) -> Tensor | SplitSum:
-    """The fused QKV projection; at few rows (kernels.qkv_split_config: a draft's decode step) split-K
-    on the skinny kernel, its float32 partials left for the RoPE attention kernel to add (a
-    ``SplitSum``): more programs than cuBLAS's launch for a 12 MB matrix, and no reduce launch."""
-    cfg = _qkv_split(x, layer.weight) if layer.bias is None else None
-    if cfg is not None:
-        from .kernels import triton_skinny_linear
-
-        y = triton_skinny_linear(x, layer.weight, config=cfg[0], split=cfg[1])
-        return SplitSum(y) if y.dim() == x.dim() + 1 else y
-    return linear(x, layer)
-
-
-def _qkv_split(x: Tensor, weight: Tensor):
-    """(skinny config, K splits) of ``linear_qkv``'s split product, or None (cuBLAS)."""
-    if not _use_triton(x) or x.dtype != weight.dtype or weight.dtype not in (torch.bfloat16, torch.float16):
-        return None
-    if os.environ.get("SMCDECODE_SKINNY", "1") == "0":
-        return None
-    from .kernels import qkv_split_config
-
-    N, K = weight.shape
-    return qkv_split_config(x.numel() // K, N, K)
 
 
 def linear_to_residual(x: Tensor, layer: nn.Linear) -> Tensor | SplitSum:
@@ -442,7 +411,7 @@ class Block(nn.Module):
         else:
             normed = None
             x, n = add_rms_norm(x, delta, self.attention_norm.weight, eps)
-        o = rope_attention(linear_qkv(n, self.wqkv), batch, rope[0], rope[1], kv.k(self.layer), kv.v(self.layer), H,
+        o = rope_attention(linear(n, self.wqkv), batch, rope[0], rope[1], kv.k(self.layer), kv.v(self.layer), H,
                            Hkv, backend=kv.attention_backend, normed=normed)
         o = o.reshape(B, L, H * D)
         if fold_norms(o, self):

@@ -134,6 +134,7 @@ def _variants() -> list[tuple[str, dict]]:
         ("fold norm off", {"SMCDECODE_FOLD_NORM": "0"}),
         ("sample chunk 8192", {"SMCDECODE_SAMPLE_CHUNK": "8192"}),
         ("fold+chunk off", {"SMCDECODE_FOLD_NORM": "0", "SMCDECODE_SAMPLE_CHUNK": "8192"}),
+        ("fold wo unsplit", {"SMCDECODE_SPLITK_CONFIG": json.dumps({"2048x2048": [16, 256, 4, 4, 1]})}),
         ("fold unsplit", {"SMCDECODE_SPLITK_CONFIG": json.dumps({"2048x2048": [16, 256, 4, 4, 1],
                                                                   "2048x8192": [16, 256, 4, 4, 1]})}),
     ]

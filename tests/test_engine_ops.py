@@ -264,10 +264,10 @@ def test_interpreted_folded_norm_kernels_match_references():
         res, gamma = torch.randn(M, N, generator=g), torch.randn(N, generator=g)
         h, gh, ss = kernels.triton_skinny_linear_add_norm(x, w, res, gamma, cfg, split)
         ref = linear_add_norm_reference(x, w, res, gamma, 1e-5)
-        assert ss.shape == (-(-N // cfg[1]), M) and ss.dtype == torch.float32
+        assert ss.shape == (M, -(-N // cfg[1])) and ss.dtype == torch.float32
         torch.testing.assert_close(h, ref.h, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(gh, ref.gh, rtol=1e-5, atol=1e-4)
-        torch.testing.assert_close(ss.sum(0), ref.sumsq[0], rtol=1e-5, atol=1e-3)
+        torch.testing.assert_close(ss.sum(1), ref.sumsq[:, 0], rtol=1e-5, atol=1e-3)
         normed = Normed(h, gh, ss, 1e-5)
         torch.testing.assert_close(normed.rstd(), torch.rsqrt(h.pow(2).mean(-1) + 1e-5))
         w13 = torch.randn(2 * 16, N, generator=g)

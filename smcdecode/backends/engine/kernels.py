@@ -101,10 +101,11 @@ def _block_pages(PT, b, stride_pt, n0, end, PS: tl.constexpr, BLOCK_N: tl.conste
 @triton.jit
 def _row_rstd(SS, rows, rows_ok, stride_ss, eps, T: tl.constexpr, T_P2: tl.constexpr, DIM: tl.constexpr):
     """1 / rms of the residual-stream rows ``rows`` from their float32 partial sums of squares
-    SS[t, row] over T column blocks (a folded norm's ``sumsq``, written by the skinny product's
-    RESID epilogue): rsqrt(Σ_t SS[t, row] / DIM + eps). Reference: model.Normed.rstd."""
+    SS[row, t] over T column blocks (a folded norm's ``sumsq``, written by the skinny product's
+    RESID epilogue; a row's T partials are contiguous, one vector load): rsqrt(Σ_t SS[row, t] / DIM
+    + eps). Reference: model.Normed.rstd."""
     t = tl.arange(0, T_P2)
-    s = tl.load(SS + t[None, :] * stride_ss + rows[:, None], mask=(t[None, :] < T) & rows_ok[:, None], other=0.0)
+    s = tl.load(SS + rows[:, None] * stride_ss + t[None, :], mask=(t[None, :] < T) & rows_ok[:, None], other=0.0)
     return 1.0 / tl.sqrt(tl.sum(s, 1) / DIM + eps)
 
 
@@ -646,15 +647,15 @@ def _launch_attention(src: Tensor, stride_qt: int, B: int, L: int, H: int, k_poo
 
 
 def _rowscale_args(rowscale, ss_name: str = "SS") -> dict:
-    """Kernel arguments of a row scale (sumsq [T, rows] float32, eps, dim): see ``_row_rstd``."""
+    """Kernel arguments of a row scale (sumsq [rows, T] float32, eps, dim): see ``_row_rstd``."""
     if rowscale is None:
         return {}
     ss, eps, dim = rowscale
     if ss.dtype != torch.float32 or ss.dim() != 2 or ss.stride(1) != 1:
-        raise ValueError(f"sumsq: expected float32 partial sums [T, rows] with unit row stride, got "
+        raise ValueError(f"sumsq: expected float32 partial sums [rows, T], contiguous in T, got "
                          f"{ss.dtype} {tuple(ss.shape)} strides {ss.stride()}")
-    return {ss_name: ss, "stride_ss": ss.stride(0), "rs_eps": float(eps), "RS_T": ss.shape[0],
-            "RS_TP2": max(2, triton.next_power_of_2(ss.shape[0])), "RS_DIM": dim}
+    return {ss_name: ss, "stride_ss": ss.stride(0), "rs_eps": float(eps), "RS_T": ss.shape[1],
+            "RS_TP2": max(2, triton.next_power_of_2(ss.shape[1])), "RS_DIM": dim}
 
 
 def _attention_group(B: int, L: int, G: int, hint: int) -> int:
@@ -722,7 +723,7 @@ def triton_rope_paged_attention(qkv: Tensor, cos: Tensor, sin: Tensor, k_pool: T
     the page table). For decode/verify shapes (L <= 16). Reference: model.rope_kv_write_reference
     followed by attention.reference_paged_attention.
 
-    ``rowscale`` = (sumsq [T, B·L] float32, eps, dim): qkv's rows are the product of a folded norm's
+    ``rowscale`` = (sumsq [B·L, T] float32, eps, dim): qkv's rows are the product of a folded norm's
     γ ⊙ h (model.Normed), not yet scaled by 1 / rms(h); they are scaled here (q, and the new keys and
     values before they are written). Reference: scale qkv's rows by model.Normed.rstd first."""
     qkv = qkv.contiguous()
@@ -877,7 +878,7 @@ def _silu_mul_kernel(GU, OUT, INTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.
 
 def triton_silu_mul(gate_up: Tensor, rowscale=None) -> Tensor:
     """silu(gate) · up for gate_up = [gate | up] [..., 2I] (contiguous). Reference: model.silu_mul.
-    ``rowscale`` = (sumsq [T, rows], eps, dim): gate and up are first scaled row by row by a folded
+    ``rowscale`` = (sumsq [rows, T], eps, dim): gate and up are first scaled row by row by a folded
     norm's 1/rms (each rounded to the dtype, as a product of the scaled input would be); reference:
     model.silu_mul of the rows times model.Normed.rstd."""
     I2 = gate_up.shape[-1]
@@ -1140,7 +1141,7 @@ def _resid_epilogue(delta, R, H_OUT, GAMMA, GH_OUT, SS, rm, rn, m_ok, n_ok, M, p
     hf = h.to(tl.float32)
     g = tl.load(GAMMA + rn, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(GH_OUT + at, (hf * g[None, :]).to(GH_OUT.dtype.element_ty), mask=ok)
-    tl.store(SS + pid_n * M + rm, tl.sum(tl.where(ok, hf * hf, 0.0), 1), mask=m_ok)
+    tl.store(SS + rm * tl.num_programs(0) + pid_n, tl.sum(tl.where(ok, hf * hf, 0.0), 1), mask=m_ok)
 
 
 @triton.jit
@@ -1175,6 +1176,8 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexp
     n_ok = rn < N
     k_first = tl.program_id(2) * K_PER  # (K_PER = K without a split: one program on the K axis)
     _pdl_enter(PDL)
+    if RS_T > 0:  # (loaded before the K loop: its latency hides behind the weights')
+        r = _row_rstd(SS_IN, rm, m_ok, stride_ss, rs_eps, RS_T, RS_TP2, RS_DIM)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K_PER, BLOCK_K):
@@ -1188,7 +1191,6 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexp
                          other=0.0)
             acc_u += tl.dot(x, tl.trans(wu))
     if RS_T > 0:
-        r = _row_rstd(SS_IN, rm, m_ok, stride_ss, rs_eps, RS_T, RS_TP2, RS_DIM)
         acc = acc * r[:, None]
         acc_u = acc_u * r[:, None]
     if SILU:
@@ -1304,7 +1306,7 @@ def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=N
     partial sums [split, ..., N] instead (their sum over the first dim is the product; reference:
     ``model.SplitSum.total``); ``triton_add_rms_norm(..., parts=...)`` consumes them.
 
-    ``rowscale`` = (sumsq [T, rows], eps, dim) (not with split): x is a folded norm's γ ⊙ h and the
+    ``rowscale`` = (sumsq [rows, T], eps, dim) (not with split): x is a folded norm's γ ⊙ h and the
     product's rows are scaled by 1 / rms(h) before SiLU·mul (reference: the product's rows times
     model.Normed.rstd, then silu_mul)."""
     K = x.shape[-1]
@@ -1338,8 +1340,8 @@ def triton_skinny_linear_add_norm(x: Tensor, weight: Tensor, resid: Tensor, gamm
                                   ) -> tuple[Tensor, Tensor, Tensor]:
     """A product added to the residual stream, with the next RMSNorm folded into the epilogue:
     (h, gh, sumsq) with h = resid + x·Wᵀ (the product rounded to the stream's dtype, then added),
-    gh = γ ⊙ h rounded, sumsq [cdiv(N, BLOCK_N), rows] float32 partial sums of h² (their sum over
-    the first dim is Σ h² of each row). ``config``/``split`` as ``triton_skinny_linear``'s; with
+    gh = γ ⊙ h rounded, sumsq [rows, cdiv(N, BLOCK_N)] float32 partial sums of h² (their sum over
+    the last dim is Σ h² of each row). ``config``/``split`` as ``triton_skinny_linear``'s; with
     split > 1 the last split of each column block adds the float32 partials in order and runs the
     epilogue (no extra launch). Reference: model.linear_add_norm_reference."""
     K = x.shape[-1]
@@ -1355,7 +1357,7 @@ def triton_skinny_linear_add_norm(x: Tensor, weight: Tensor, resid: Tensor, gamm
     h = torch.empty(M, N, device=x.device, dtype=resid.dtype)
     gh = torch.empty(M, N, device=x.device, dtype=resid.dtype)
     cols = triton.cdiv(N, bn)
-    ss = torch.empty(cols, M, device=x.device, dtype=torch.float32)
+    ss = torch.empty(M, cols, device=x.device, dtype=torch.float32)
     cnt = None
     if split > 1:
         cnt = _split_counters(x.device, cols * triton.cdiv(M, bm), kind="skinny")

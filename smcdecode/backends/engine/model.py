@@ -176,7 +176,7 @@ class SplitSum:
 class Normed:
     """The residual stream after a product was added, with the next RMSNorm folded into that
     product's epilogue instead of a launch of its own: ``h`` the stream, ``gh`` = γ ⊙ h (rounded;
-    the input of the norm's products) and ``sumsq`` [T, rows] float32, partial sums of h² over T
+    the input of the norm's products) and ``sumsq`` [rows, T] float32, partial sums of h² over T
     column blocks. rms_norm(h) · Wᵀ = rstd · (γ ⊙ h) · Wᵀ row by row, so the products take ``gh``
     and their consumers scale the rows by ``rstd`` (the attention kernel, SiLU·mul)."""
 
@@ -187,7 +187,7 @@ class Normed:
 
     def rstd(self) -> Tensor:
         """1 / rms(h) of each row, float32 [rows] (reference of kernels._row_rstd)."""
-        return torch.rsqrt(self.sumsq.sum(0) / self.h.shape[-1] + self.eps)
+        return torch.rsqrt(self.sumsq.sum(-1) / self.h.shape[-1] + self.eps)
 
     def rowscale(self) -> tuple[Tensor, float, int]:
         """The kernels' form: (sumsq, eps, dim)."""
@@ -202,7 +202,7 @@ def linear_add_norm_reference(x: Tensor, weight: Tensor, resid: Tensor, gamma: T
     """resid + x · Wᵀ as a ``Normed`` for the RMSNorm of weight ``gamma`` (one column block)."""
     h = resid + F.linear(x, weight)
     hf = h.float()
-    return Normed(h, (hf * gamma.float()).to(h.dtype), hf.pow(2).sum(-1).reshape(1, -1), eps)
+    return Normed(h, (hf * gamma.float()).to(h.dtype), hf.pow(2).sum(-1).reshape(-1, 1), eps)
 
 
 def add_rms_norm(x: Tensor, delta: Tensor | SplitSum | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:

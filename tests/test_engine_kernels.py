@@ -295,15 +295,11 @@ def test_triton_skinny_linear_matches_torch(M, N, K):
             assert ((parts.sum(0)[0].double() - ref).norm() / ref.norm()) < 1e-3
 
 
-@pytest.mark.parametrize("M,N,K", [(8, 2048, 8192), (8, 2048, 2048), (64, 2048, 8192), (1, 4096, 14336), (9, 4096, 4096)])
-def test_folded_norm_epilogue_matches_reference_in_a_graph(M, N, K):
-    """The product added to the stream with the next RMSNorm folded in (the engine's split for the
-    shape, the last split adding the partials), replayed 3 times in a CUDA graph (its counters reset
-    each time): h, γ ⊙ h and Σ h² as the reference, and 1/rms · (γ ⊙ h) · W13ᵀ through the skinny
-    SiLU·mul and the SiLU·mul kernel's row scale as rms_norm(h) · W13ᵀ (bf16 tolerance)."""
+def _residual_case(M: int, N: int, K: int):
+    """A product feeding a residual add + RMSNorm (bf16): (kernels, x [M, K], w [N, K], residual
+    [M, N], γ [N], the engine's split-K config for the shape (or a 2-way split), splits)."""
     pytest.importorskip("triton")
     from smcdecode.backends.engine import kernels
-    from smcdecode.backends.engine.model import Normed, add_rms_norm_reference, linear_add_norm_reference, silu_mul
 
     torch.manual_seed(M + K)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -311,6 +307,18 @@ def test_folded_norm_epilogue_matches_reference_in_a_graph(M, N, K):
     res = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
     gamma = torch.randn(N, device="cuda", dtype=torch.bfloat16)
     cfg, split = kernels.splitk_config(M, N, K, x.device) or ((16, 32, 256, 4, 4), 2)
+    return kernels, x, w, res, gamma, cfg, split
+
+
+@pytest.mark.parametrize("M,N,K", [(8, 2048, 8192), (8, 2048, 2048), (64, 2048, 8192), (1, 4096, 14336), (9, 4096, 4096)])
+def test_folded_norm_epilogue_matches_reference_in_a_graph(M, N, K):
+    """The product added to the stream with the next RMSNorm folded in (the engine's split for the
+    shape, the last split adding the partials), replayed 3 times in a CUDA graph (its counters reset
+    each time): h, γ ⊙ h and Σ h² as the reference, and 1/rms · (γ ⊙ h) · W13ᵀ through the skinny
+    SiLU·mul and the SiLU·mul kernel's row scale as rms_norm(h) · W13ᵀ (bf16 tolerance)."""
+    from smcdecode.backends.engine.model import Normed, add_rms_norm_reference, linear_add_norm_reference, silu_mul
+
+    kernels, x, w, res, gamma, cfg, split = _residual_case(M, N, K)
     kernels.triton_skinny_linear_add_norm(x, w, res, gamma, cfg, split)  # compiles, allocates the counters
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -336,16 +344,9 @@ def test_folded_norm_epilogue_matches_reference_in_a_graph(M, N, K):
 def test_split_k_partials_feed_the_norm_as_the_unsplit_product_would(M, N, K):
     """The add + RMSNorm that sums split-K partials equals the one that adds the product computed
     whole (bf16 tolerance: the float32 sums differ in order), with the engine's default split."""
-    pytest.importorskip("triton")
-    from smcdecode.backends.engine import kernels
     from smcdecode.backends.engine.model import add_rms_norm_reference
 
-    torch.manual_seed(M + K)
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5
-    res = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-    gamma = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-    cfg, split = kernels.splitk_config(M, N, K, x.device) or ((16, 32, 256, 4, 4), 2)
+    kernels, x, w, res, gamma, cfg, split = _residual_case(M, N, K)
     parts = kernels.triton_skinny_linear(x, w, config=cfg, split=split)
     h, y = kernels.triton_add_rms_norm(res, None, gamma, 1e-5, parts=parts)
     h_ref, y_ref = add_rms_norm_reference(res, x @ w.T, gamma, 1e-5)

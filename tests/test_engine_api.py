@@ -98,6 +98,18 @@ def test_what_the_engine_cannot_run_is_refused():
         sd.SMC(sd.LM(target_model), sd.Draft(draft_model), engine_options={"page_size": 8})
     with pytest.raises(sd.SMCDecodeError, match="at least 2 tokens"):
         sd.SMC(sd.LM(target_model), sd.Draft(draft_model), backend="engine").run([1], 2, progress=False)
+    with pytest.raises(sd.SMCDecodeError, match=rf"outside the vocabulary \[0, {V}\): \[{V + 3}\]"):
+        sd.SMC(sd.LM(target_model), sd.Draft(draft_model), backend="engine").run([1, V + 3, 2], 2, progress=False)
+    # the Engine itself (its Triton embedding lookup would read outside the table)
+    from smcdecode.backends.engine import Engine, Llama, LlamaConfig
+
+    tiny = LlamaConfig(V, 32, 1, 2, 1, 64, rope_theta=10000.0)
+    engine = Engine(Llama.random(tiny, dtype=torch.float32, device="cpu"),
+                    Llama.random(tiny, dtype=torch.float32, device="cpu", seed=1), num_pages=64, page_size=4,
+                    max_context=64)
+    for bad in (V + 3, -1):
+        with pytest.raises(sd.SMCDecodeError, match=rf"prompt token id {bad} is outside the model's vocabulary"):
+            engine.smc_sd([[1, bad, 2]], particles=2, block_size=2, max_new_tokens=2)
 
 
 @pytest.mark.slow

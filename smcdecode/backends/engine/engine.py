@@ -188,6 +188,12 @@ class Engine:
         todo = [(r, s) for r, s in zip(rows, seqs) if s]
         if not todo:
             return 0
+        V = model.cfg.vocab_size
+        for _, s in todo:  # (the embedding lookup of an out-of-range id would read outside the table)
+            if min(s) < 0 or max(s) >= V:
+                bad = next(t for t in s if not 0 <= t < V)
+                raise SMCDecodeError(f"prompt token id {bad} is outside the model's vocabulary [0, {V}): "
+                                     "encode prompts with the model's own tokenizer")
         budget = max_tokens or self.PREFILL_TOKENS
         P, PS, dev = pt_dev.shape[1], self.page_size, self.device
         cap = P * PS

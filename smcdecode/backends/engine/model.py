@@ -346,8 +346,9 @@ def fold_norms(x: Tensor, block: Block) -> bool:
     for each (2 of a layer's 7). SMCDECODE_FOLD_NORM=0 turns it off.
 
     Measured on an H200 (session 8, docs/benchmarks.md; SMC-SD N=8 K=8, 512-token outputs): 1
-    request (the draft at 8 and 16 rows) 14.88 -> 14.47 ms a round; 8 requests (64 rows, where the
-    last split's epilogue costs more than the norm launch it saves) 28.67 -> 28.99, hence the limit."""
+    request (the draft at 8 and 16 rows) 14.34 -> 14.03 ms a round (interleaved A/B); 8 requests (64
+    rows, where the last split's epilogue costs more than the norm launch it saves) 28.67 -> 28.99,
+    hence the limit."""
     import os
 
     v = os.environ.get("SMCDECODE_FOLD_NORM", "1")
@@ -356,7 +357,8 @@ def fold_norms(x: Tensor, block: Block) -> bool:
     if v == "0" or block.cfg.attention_bias or not _use_triton(x):
         return False
     rows = x.numel() // x.shape[-1]
-    return rows <= FOLD_MAX_ROWS and _split_config(x, block.wo.weight, rows) is not None and _split_config(x, block.w2.weight, rows) is not None
+    return (rows <= FOLD_MAX_ROWS and _split_config(x, block.wo.weight, rows) is not None
+            and _split_config(x, block.w2.weight, rows) is not None)
 
 
 def linear_add_norm(x: Tensor, layer: nn.Linear, resid: Tensor, gamma: Tensor, eps: float) -> Normed:

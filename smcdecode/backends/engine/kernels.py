@@ -205,7 +205,7 @@ def _paged_attn_kernel(
     loaded one block ahead (before the current block's keys), taking the page-table load off the
     chain page ids -> keys -> dot -> values of a block. RS_T > 0 (with ROPE): the projection's rows are
     not yet scaled by their RMSNorm's 1/rms (a folded norm, model.Normed): q and the new keys and
-    values are multiplied by it here, from the RS_T partial sums of squares SS[t, b·L + l]."""
+    values are multiplied by it here, from the RS_T partial sums of squares SS[b·L + l, t]."""
     _pdl_enter(PDL)
     pid = tl.program_id(0)  # b * HKV + kvh
     sid = tl.program_id(1)
@@ -1132,7 +1132,7 @@ def triton_copy_pages(kv: Tensor, src: Tensor, dst: Tensor) -> None:
 @triton.jit
 def _resid_epilogue(delta, R, H_OUT, GAMMA, GH_OUT, SS, rm, rn, m_ok, n_ok, M, pid_n, N: tl.constexpr):
     """h = R + delta (rounded as torch adds in the stream's dtype) -> H_OUT; γ ⊙ h -> GH_OUT; the
-    sum of h² over this block's columns -> SS[pid_n, rows]. See ``_skinny_linear_kernel``'s RESID."""
+    sum of h² over this block's columns -> SS[rows, pid_n]. See ``_skinny_linear_kernel``'s RESID."""
     ok = m_ok[:, None] & n_ok[None, :]
     at = rm[:, None] * N + rn[None, :]
     x = tl.load(R + at, mask=ok, other=0.0)
@@ -1162,7 +1162,7 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexp
     Folded RMSNorm (model.Normed): RESID adds the product to the residual stream R [M, N] in the
     epilogue and prepares the next RMSNorm without a launch of its own: h = R + X·Wᵀ -> H_OUT,
     γ ⊙ h -> GH_OUT (GAMMA: the next norm's weight), and this program's Σ h² over its BLOCK_N
-    columns -> SS[pid_n, row] (float32 [cdiv(N, BLOCK_N), M]). With SPLIT > 1 the partials go to Y
+    columns -> SS[row, pid_n] (float32 [M, cdiv(N, BLOCK_N)]). With SPLIT > 1 the partials go to Y
     as above and the last split of a column block to finish (an atomic counter in CNT, reset by
     it) adds them up in order and runs that epilogue. RS_T > 0 (not with RESID): the product's rows
     are scaled by the 1/rms of a folded norm from its RS_T partial sums SS_IN (``_row_rstd``), before

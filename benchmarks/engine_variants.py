@@ -111,9 +111,12 @@ def run_variant(engine: Engine, env: dict, fn, repeats: int) -> float:
     return with_env(env, measure)
 
 
+_EXTRA_VARIANTS: list[tuple[str, dict]] = []  # --extra-variants
+
+
 def _variants() -> list[tuple[str, dict]]:
-    """(name, settings) of the end-to-end variants."""
-    return [
+    """(name, settings) of the end-to-end variants (and those of --extra-variants)."""
+    return _EXTRA_VARIANTS + [
         ("default", {}),
         ("no fused rope", {"SMCDECODE_FUSED_ROPE": "0"}),
         ("merge kernel", {"SMCDECODE_ATTN_MERGE": "kernel"}),
@@ -137,6 +140,9 @@ def _variants() -> list[tuple[str, dict]]:
         ("fold wo unsplit", {"SMCDECODE_SPLITK_CONFIG": json.dumps({"2048x2048": [16, 256, 4, 4, 1]})}),
         ("fold unsplit", {"SMCDECODE_SPLITK_CONFIG": json.dumps({"2048x2048": [16, 256, 4, 4, 1],
                                                                   "2048x8192": [16, 256, 4, 4, 1]})}),
+        ("cublaslt off", {"SMCDECODE_CUBLASLT": "0"}),
+        ("silu <=16 rows", {"SMCDECODE_SKINNY_SILU_ROWS": "16"}),
+        ("session 8 products", {"SMCDECODE_CUBLASLT": "0", "SMCDECODE_SKINNY_SILU_ROWS": "16"}),
     ]
 
 
@@ -332,7 +338,12 @@ def main() -> None:
     ap.add_argument("--no-group", action="store_true", help="leave the opt-in grouped attention out of the sweep")
     ap.add_argument("--extra-env", default="", help="a JSON file of settings added to every e2e variant "
                     "(e.g. pdl_bench.py's best_env.json)")
+    ap.add_argument("--extra-variants", default="", help="a JSON file {name: {setting: value}} of variants added "
+                    "to the table (values that are not strings are written as JSON)")
     args = ap.parse_args()
+    if args.extra_variants:
+        for name, env in json.loads(Path(args.extra_variants).read_text()).items():
+            _EXTRA_VARIANTS.append((name, {k: v if isinstance(v, str) else json.dumps(v) for k, v in env.items()}))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res: dict = {"device": torch.cuda.get_device_name(0)}

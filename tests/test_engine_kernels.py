@@ -271,7 +271,8 @@ def test_triton_copy_pages_matches_reference_in_a_graph():
 
 
 @pytest.mark.parametrize("M,N,K", [(8, 3072, 2048), (16, 2048, 8192), (1, 6144, 4096), (5, 100, 72), (64, 512, 256),
-                                   (8, 2048, 2048), (1, 40000, 2048), (16, 8192, 2048), (64, 8192, 2048)])
+                                   (8, 2048, 2048), (1, 40000, 2048), (16, 8192, 2048), (64, 8192, 2048),
+                                   (100, 8192, 2048), (128, 8192, 2048)])
 def test_triton_skinny_linear_matches_torch(M, N, K):
     pytest.importorskip("triton")
     from smcdecode.backends.engine.kernels import triton_skinny_linear
@@ -293,6 +294,30 @@ def test_triton_skinny_linear_matches_torch(M, N, K):
             parts = triton_skinny_linear(x[None], w, split=split, config=(16, 32, 256, 4, 4))
             assert parts.shape == (split, 1, M, N) and parts.dtype == torch.float32
             assert ((parts.sum(0)[0].double() - ref).norm() / ref.norm()) < 1e-3
+
+
+@pytest.mark.parametrize("M,N,K", [(72, 4096, 14336), (576, 4096, 4096)])
+def test_cublaslt_products_match_and_restore_the_library(M, N, K, monkeypatch):
+    """The measured shapes go through cuBLASLt (model.dense) with the same result as cuBLAS, within
+    bf16 rounding, also in a CUDA graph; torch's preferred BLAS library is left as it was."""
+    from smcdecode.backends.engine.model import cublaslt_wins, dense
+
+    monkeypatch.delenv("SMCDECODE_CUBLASLT", raising=False)
+    torch.manual_seed(M)
+    layer = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    before = torch.backends.cuda.preferred_blas_library()
+    ref = x.double() @ layer.weight.double().T
+    out = dense(x, layer)
+    assert torch.backends.cuda.preferred_blas_library() == before
+    assert ((out.double() - ref).norm() / ref.norm()) < 1e-2
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = dense(x, layer)
+    g.replay()
+    torch.cuda.synchronize()
+    assert ((y.double() - ref).norm() / ref.norm()) < 1e-2
+    assert cublaslt_wins(M, N, K, torch.cuda.get_device_capability()) == (torch.cuda.get_device_capability()[0] == 9)
 
 
 def _residual_case(M: int, N: int, K: int):

@@ -184,7 +184,8 @@ def test_interpreted_skinny_linear_matches_torch():
     from smcdecode.backends.engine.model import silu_mul
 
     g = torch.Generator().manual_seed(5)
-    for M, N, K, cfg in [(3, 40, 48, (16, 16, 16, 4, 2)), (17, 16, 64, (16, 16, 32, 4, 2)), (8, 24, 40, None)]:
+    for M, N, K, cfg in [(3, 40, 48, (16, 16, 16, 4, 2)), (17, 16, 64, (16, 16, 32, 4, 2)), (8, 24, 40, None),
+                         (70, 80, 96, (64, 64, 64, 4, 2)), (100, 72, 64, (128, 64, 64, 8, 2))]:  # 2 tiles; 1 of 128
         x = torch.randn(M, K, generator=g)
         w = torch.randn(N, K, generator=g)
         torch.testing.assert_close(kernels.triton_skinny_linear(x, w, config=cfg), x @ w.T, rtol=1e-4, atol=1e-4)
@@ -245,8 +246,46 @@ def test_interpreted_split_k_partials_sum_to_the_product_and_feed_the_norm():
         h_ref, y_ref = add_rms_norm_reference(res, SplitSum(parts).total(res.dtype), gamma, 1e-5)
         torch.testing.assert_close(h, h_ref, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+        # reduce=True: the last split adds the partials up in order, in the kernel; the product itself
+        # comes back (twice: the counters are reset for the next launch)
+        for _ in range(2):
+            y_sum = kernels.triton_skinny_linear(x[None], w, config=cfg, split=split, reduce=True)
+            assert y_sum.shape == (1, M, N) and y_sum.dtype == x.dtype
+            torch.testing.assert_close(y_sum[0], parts.sum(0), rtol=1e-6, atol=1e-5)
     with pytest.raises(ValueError, match="split"):
         kernels.triton_skinny_linear(x, torch.randn(2 * N, K), silu=True, config=cfg, split=2)
+
+
+def test_reduced_split_k_settings_are_read_from_the_environment(monkeypatch):
+    """SMCDECODE_REDUCED_SPLITK_CONFIG adds shapes (by BLOCK_M, or any rows) to the measured table;
+    SMCDECODE_SPLITK=0 turns it off; a bad entry names the setting; the model's products use it."""
+    import json
+
+    kernels = _interpreted_kernels()
+    from smcdecode.backends.engine import model
+
+    monkeypatch.delenv("SMCDECODE_SPLITK", raising=False)
+    monkeypatch.setenv("SMCDECODE_REDUCED_SPLITK_CONFIG", json.dumps({"16:40x96": [16, 32, 4, 2, 2],
+                                                                       "24x200": [16, 16, 4, 1, 4]}))
+    assert kernels.reduced_splitk_config(8, 40, 96) == ((16, 16, 32, 4, 2), 2)
+    assert kernels.reduced_splitk_config(20, 40, 96) is None  # another BLOCK_M
+    assert kernels.reduced_splitk_config(40, 24, 200) == ((64, 16, 16, 4, 1), 4)
+    assert kernels.reduced_splitk_config(200, 24, 200) is None  # more than 128 rows
+    monkeypatch.setenv("SMCDECODE_SPLITK", "0")
+    assert kernels.reduced_splitk_config(8, 40, 96) is None
+    monkeypatch.setenv("SMCDECODE_SPLITK", "1")
+    monkeypatch.setattr(model, "_use_triton", lambda x: True)  # the interpreter stands in for the GPU
+    calls = []
+    skinny = kernels.triton_skinny_linear
+    monkeypatch.setattr(kernels, "triton_skinny_linear", lambda *a, **k: calls.append(k) or skinny(*a, **k))
+    layer = torch.nn.Linear(96, 40, bias=False).half()  # (half: the skinny kernel's dtypes)
+    x = torch.randn(2, 3, 96).half()
+    out = model.linear(x, layer)
+    assert calls == [{"config": (16, 16, 32, 4, 2), "split": 2, "reduce": True}]
+    torch.testing.assert_close(out.float(), x.float() @ layer.weight.float().T, rtol=1e-2, atol=1e-2)
+    monkeypatch.setenv("SMCDECODE_REDUCED_SPLITK_CONFIG", json.dumps({"40x96": [16, 32, 4, 2]}))
+    with pytest.raises(ValueError, match="SMCDECODE_REDUCED_SPLITK_CONFIG"):
+        kernels.reduced_splitk_config(8, 40, 96)
 
 
 def test_interpreted_folded_norm_kernels_match_references():
@@ -307,7 +346,7 @@ def test_folded_norm_setting_is_read_from_the_environment(monkeypatch):
     x = torch.zeros(8, 128)
     assert not M.fold_norms(x, blk)  # CPU: the torch references, no fold
     monkeypatch.setattr(M, "_use_triton", lambda x: True)
-    monkeypatch.setattr(M, "_split_config", lambda x, w, rows=None: ((16, 16, 32, 4, 1), 2))
+    monkeypatch.setattr(M, "_split_config", lambda x, w, rows=None, reduced=False: None if reduced else ((16, 16, 32, 4, 1), 2))
     assert M.fold_norms(x, blk)
     monkeypatch.setenv("SMCDECODE_FOLD_NORM", "0")
     assert not M.fold_norms(x, blk)
@@ -392,7 +431,7 @@ def test_interpreted_model_forward_matches_reference_path(monkeypatch):
         monkeypatch.setattr(M, "_use_skinny", lambda x, w, silu=False: force)
         # wo and w2 split-K into partials that the next add + RMSNorm sums (split 2: 64 + 64 of 128
         # columns for wo, 64 + 32 of 96 for w2), or that the last split adds up (folded norms)
-        monkeypatch.setattr(M, "_split_config", lambda x, w, rows=None: ((16, 16, 32, 4, 1), 2) if force else None)
+        monkeypatch.setattr(M, "_split_config", lambda x, w, rows=None, reduced=False: ((16, 16, 32, 4, 1), 2) if force and not reduced else None)
         monkeypatch.setattr(A, "_backend", lambda q, b: "triton" if force else "torch")
         torch.manual_seed(1)
         PS = 4
@@ -683,19 +722,49 @@ def test_kernels_compile_for_a_gpu_target():
 
 
 def test_skinny_silu_row_limit_is_read_from_the_environment(monkeypatch):
-    """w13 + SiLU·mul goes to the skinny kernel up to SMCDECODE_SKINNY_SILU_ROWS rows (default 16, as
-    the other products); a bad value is refused."""
+    """w13 + SiLU·mul goes to the skinny kernel at up to 16 rows and at 33 to
+    SMCDECODE_SKINNY_SILU_ROWS rows (default 128; 17-32 rows were not measured), each row range with
+    its block shape; a bad value is refused."""
     kernels = _interpreted_kernels()
     monkeypatch.delenv("SMCDECODE_SKINNY_SILU_ROWS", raising=False)
+    monkeypatch.delenv("SMCDECODE_SKINNY_CONFIG", raising=False)
     assert kernels.skinny_wins(16, 8192, 2048, 64e6, silu=True)
     assert not kernels.skinny_wins(17, 8192, 2048, 64e6, silu=True)
+    assert not kernels.skinny_wins(32, 8192, 2048, 64e6, silu=True)
+    assert kernels.skinny_wins(33, 8192, 2048, 64e6, silu=True) and kernels.skinny_wins(128, 8192, 2048, 64e6, True)
+    assert not kernels.skinny_wins(129, 8192, 2048, 64e6, silu=True)
     assert not kernels.skinny_wins(16, 8192, 2048, 235e6, silu=True)
+    cpu = torch.device("cpu")
+    assert kernels.skinny_config(8, 8192, 2048, cpu, silu=True) == (16, 32, 128, 4, 4)
+    assert kernels.skinny_config(64, 8192, 2048, cpu, silu=True) == (64, 64, 128, 4, 4)
+    assert kernels.skinny_config(128, 8192, 2048, cpu, silu=True) == (128, 64, 64, 8, 5)
     assert not kernels.skinny_wins(64, 2048, 2048, 8e6, silu=False) and kernels.skinny_wins(16, 2048, 2048, 8e6, False)
     monkeypatch.setenv("SMCDECODE_SKINNY_SILU_ROWS", "64")
     assert kernels.skinny_wins(64, 8192, 2048, 64e6, silu=True) and not kernels.skinny_wins(65, 8192, 2048, 64e6, True)
     monkeypatch.setenv("SMCDECODE_SKINNY_SILU_ROWS", "many")
     with pytest.raises(ValueError, match="SMCDECODE_SKINNY_SILU_ROWS='many'"):
         kernels.skinny_wins(8, 8192, 2048, 64e6, silu=True)
+
+
+def test_cublaslt_choice_is_per_measured_shape_and_read_from_the_environment(monkeypatch):
+    """SMCDECODE_CUBLASLT: auto sends only the measured shapes to cuBLASLt, and only on sm_90; 1 all;
+    0 none; a bad value names the setting. On the CPU ``dense`` is the layer itself."""
+    from smcdecode.backends.engine import model
+
+    monkeypatch.delenv("SMCDECODE_CUBLASLT", raising=False)
+    assert model.cublaslt_wins(72, 4096, 14336, (9, 0)) and model.cublaslt_wins(576, 128256, 4096, (9, 0))
+    assert not model.cublaslt_wins(72, 4096, 14336, (8, 0))  # measured on Hopper only
+    assert not model.cublaslt_wins(72, 6144, 4096, (9, 0)) and not model.cublaslt_wins(73, 4096, 14336, (9, 0))
+    monkeypatch.setenv("SMCDECODE_CUBLASLT", "1")
+    assert model.cublaslt_wins(73, 4096, 14336, (8, 0))
+    monkeypatch.setenv("SMCDECODE_CUBLASLT", "0")
+    assert not model.cublaslt_wins(72, 4096, 14336, (9, 0))
+    monkeypatch.setenv("SMCDECODE_CUBLASLT", "yes")
+    with pytest.raises(ValueError, match="SMCDECODE_CUBLASLT='yes'"):
+        model.cublaslt_wins(72, 4096, 14336, (9, 0))
+    layer = torch.nn.Linear(8, 4, bias=False)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(model.dense(x, layer), layer(x))
 
 
 def test_attention_settings_refuse_bad_values_by_name(monkeypatch):
@@ -737,9 +806,14 @@ def test_pdl_and_skinny_settings_are_read_from_the_environment(monkeypatch):
         kernels.skinny_wins(8, 3072, 2048, 12e6, silu=False)
     cpu = torch.device("cpu")
     default = kernels.skinny_config(8, 3072, 2048, cpu)
+    default_silu = kernels.skinny_config(8, 8192, 2048, cpu, silu=True)
     monkeypatch.setenv("SMCDECODE_SKINNY_CONFIG", json.dumps({"3072x2048": [32, 128, 8, 6]}))
     assert kernels.skinny_config(8, 3072, 2048, cpu) == (16, 32, 128, 8, 6)
     assert kernels.skinny_config(8, 3072, 2048, cpu, silu=True) != (16, 32, 128, 8, 6)  # "silu:" keys apart
+    # "@M": for M rows only; a fifth entry sets BLOCK_M
+    monkeypatch.setenv("SMCDECODE_SKINNY_CONFIG", json.dumps({"silu:8192x2048@64": [64, 128, 64, 4, 3]}))
+    assert kernels.skinny_config(64, 8192, 2048, cpu, silu=True) == (64, 128, 64, 4, 3)
+    assert kernels.skinny_config(8, 8192, 2048, cpu, silu=True) == default_silu
     monkeypatch.setenv("SMCDECODE_SKINNY_CONFIG", json.dumps({"3072x2048": [24, 128, 8, 6]}))
     with pytest.raises(ValueError, match="powers of two"):
         kernels.skinny_config(8, 3072, 2048, cpu)

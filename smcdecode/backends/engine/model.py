@@ -286,28 +286,73 @@ def _use_skinny(x: Tensor, weight: Tensor, silu: bool = False) -> bool:
     return skinny_wins(x.numel() // K, N // 2 if silu else N, K, weight.numel() * weight.element_size(), silu)
 
 
-def linear(x: Tensor, layer: nn.Linear) -> Tensor:
-    if layer.bias is None and _use_skinny(x, layer.weight):
-        from .kernels import triton_skinny_linear
+# Products where cuBLASLt measured faster than cuBLAS (both through torch; H200, bf16, every layer's
+# own weights, CUDA-graph replay: benchmarks/gemm_variants.py, session 9, docs/benchmarks.md):
+# (rows, N, K), with µs for all layers, cuBLAS -> cuBLASLt.
+CUBLASLT_SHAPES = {
+    (72, 4096, 14336),  # 8B w2 in the verify pass of 8 particles × 9 tokens: 1,144 -> 1,034
+    (576, 4096, 4096),  # 8B wo, verify pass of 8 requests: 1,014 -> 900
+    (576, 128256, 4096),  # 8B head, the same: 1,051 -> 934
+    (128, 2048, 8192),  # 1B w2, first draft step of 8 requests (2 tokens a particle): 277 -> 254
+}
 
-        return triton_skinny_linear(x, layer.weight)
+
+def cublaslt_wins(M: int, N: int, K: int, capability: tuple[int, int]) -> bool:
+    """Whether an [M, K] · [N, K]ᵀ product goes to cuBLASLt: SMCDECODE_CUBLASLT=auto (default) for
+    the measured shapes of ``CUBLASLT_SHAPES`` on Hopper (sm_90, where they were measured), 1 for
+    every product that is not on a Triton kernel, 0 never."""
+    import os
+
+    v = os.environ.get("SMCDECODE_CUBLASLT", "auto")
+    if v not in ("auto", "0", "1"):
+        raise ValueError(f"SMCDECODE_CUBLASLT={v!r}: use auto (measured shapes, the default), 1 (always) or 0 (never)")
+    return v == "1" or (v == "auto" and capability[0] == 9 and (M, N, K) in CUBLASLT_SHAPES)
+
+
+def dense(x: Tensor, layer: nn.Linear) -> Tensor:
+    """``layer(x)`` through torch's BLAS: cuBLASLt where ``cublaslt_wins``, else the default library."""
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+        N, K = layer.weight.shape
+        if cublaslt_wins(x.numel() // K, N, K, torch.cuda.get_device_capability(x.device)):
+            prev = torch.backends.cuda.preferred_blas_library()
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            try:
+                return layer(x)
+            finally:
+                torch.backends.cuda.preferred_blas_library(prev)
     return layer(x)
 
 
-def _split_config(x: Tensor, weight: Tensor, rows: int | None = None):
+def linear(x: Tensor, layer: nn.Linear) -> Tensor:
+    if layer.bias is None:
+        cfg = _split_config(x, layer.weight, reduced=True)
+        if cfg is not None:  # split-K, the partials added up in the kernel
+            from .kernels import triton_skinny_linear
+
+            return triton_skinny_linear(x, layer.weight, config=cfg[0], split=cfg[1], reduce=True)
+        if _use_skinny(x, layer.weight):
+            from .kernels import triton_skinny_linear
+
+            return triton_skinny_linear(x, layer.weight)
+    return dense(x, layer)
+
+
+def _split_config(x: Tensor, weight: Tensor, rows: int | None = None, reduced: bool = False):
     """(skinny config, K splits) where a product feeding a residual add + RMSNorm runs split-K on the
     skinny kernel (kernels.splitk_config: few rows; SMCDECODE_SPLITK=0 disables it), else None.
-    ``rows``: of the product (default: x's)."""
+    ``rows``: of the product (default: x's). ``reduced``: a product whose split-K partials the kernel
+    adds up itself (kernels.reduced_splitk_config)."""
     import os
 
     if not _use_triton(x) or x.dtype != weight.dtype or weight.dtype not in (torch.bfloat16, torch.float16):
         return None
     if os.environ.get("SMCDECODE_SKINNY", "1") == "0":
         return None
-    from .kernels import splitk_config
+    from .kernels import reduced_splitk_config, splitk_config
 
     N, K = weight.shape
-    return splitk_config(x.numel() // K if rows is None else rows, N, K, x.device)
+    M = x.numel() // K if rows is None else rows
+    return reduced_splitk_config(M, N, K) if reduced else splitk_config(M, N, K, x.device)
 
 
 def linear_to_residual(x: Tensor, layer: nn.Linear) -> Tensor | SplitSum:
@@ -332,7 +377,7 @@ def linear_silu_mul(x: Tensor, layer: nn.Linear, normed: Normed | None = None) -
 
         return triton_skinny_linear(x, layer.weight, silu=True,
                                     rowscale=normed.rowscale() if normed is not None else None)
-    return fused_silu_mul(layer(x), normed)
+    return fused_silu_mul(dense(x, layer), normed)
 
 
 FOLD_MAX_ROWS = 16

@@ -1,0 +1,189 @@
+"""Weight products at the row counts of the engine's strategies, each library and layout measured in
+one process on one GPU (development measurements; the published benchmark is bench_engine.py):
+
+1. w13 + SiLU·mul of the draft at 64 and 128 rows (8 requests × 8 particles, and the first draft
+   step of a round, which carries two tokens a particle): cuBLAS + the engine's SiLU·mul kernel
+   against the Triton skinny kernel with SiLU·mul in its epilogue, over block shapes;
+2. the wqkv products split over K with the partials added up in the kernel (the skinny kernel's
+   ``reduce``), against cuBLAS and the unsplit skinny product (--sections reduce);
+3. every product of draft and target at the strategies' row counts through cuBLAS three ways:
+   ``F.linear`` (cuBLAS), ``F.linear`` with torch's preferred BLAS library set to cuBLASLt, and the
+   transposed problem ``W · xᵀ``.
+
+Every layer's own weights (nothing stays in L2), replayed in a CUDA graph, median of 15 replays.
+
+    PYTHONPATH=$PWD python benchmarks/gemm_variants.py --out /tmp/gemm
+"""
+
+# ruff: noqa: B023  (the closures run before their loop advances)
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from bench_engine import graph_time  # benchmarks/ is on sys.path when run as a script
+
+from smcdecode.backends.engine import PRESETS, Llama, kernels
+
+
+def _classes(model: Llama, M: int) -> dict:
+    cfg = model.cfg
+    x = torch.randn(M, cfg.dim, device="cuda", dtype=torch.bfloat16)
+    xo = torch.randn(M, cfg.n_heads * cfg.head_dim, device="cuda", dtype=torch.bfloat16)
+    xi = torch.randn(M, cfg.intermediate_size, device="cuda", dtype=torch.bfloat16)
+    return {
+        "wqkv": ([b.wqkv.weight for b in model.layers], x),
+        "wo": ([b.wo.weight for b in model.layers], xo),
+        "w13": ([b.w13.weight for b in model.layers], x),
+        "w2": ([b.w2.weight for b in model.layers], xi),
+        "head": ([model.output.weight], x),
+    }
+
+
+def silu_section(draft: Llama, rows: list[int], res: dict) -> None:
+    out = []
+    ws = [b.w13.weight for b in draft.layers]
+    nbytes = sum(w.numel() * w.element_size() for w in ws)
+    grid = [(bm, bn, bk, w, s) for bm in (64, 128) for bn, bk, w, s in
+            itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4, 5))]
+    for M in rows:
+        x = torch.randn(M, draft.cfg.dim, device="cuda", dtype=torch.bfloat16)
+
+        def cub():
+            for w in ws:
+                kernels.triton_silu_mul(F.linear(x, w))
+
+        t_cub = graph_time(cub)
+        ref = kernels.triton_silu_mul(F.linear(x, ws[0])).float()
+        row = {"M": M, "cublas_plus_silu_us": 1e6 * t_cub, "cublas_TBps": nbytes / t_cub / 1e12, "configs": []}
+        for c in grid:
+            if c[0] > max(64, M):
+                continue
+
+            def sk(c=c):
+                for w in ws:
+                    kernels.triton_skinny_linear(x, w, silu=True, config=c)
+
+            try:
+                t = graph_time(sk)
+                err = (kernels.triton_skinny_linear(x, ws[0], silu=True, config=c).float() - ref).abs().max().item()
+            except Exception as e:  # a configuration that does not fit (shared memory) or compile
+                row["configs"].append({"config": list(c), "error": repr(e)[:200]})
+                continue
+            row["configs"].append({"config": list(c), "us": 1e6 * t, "TBps": nbytes / t / 1e12, "max_abs_err": err})
+        ok = [r for r in row["configs"] if "us" in r]
+        ok.sort(key=lambda r: r["us"])
+        row["best"] = ok[:5]
+        out.append(row)
+        print(f"w13+silu M={M}: cuBLAS+silu {row['cublas_plus_silu_us']:.1f} us; best skinny "
+              + "; ".join(f"{r['config']} {r['us']:.1f} us" for r in ok[:5]), flush=True)
+    res["w13_silu"] = out
+
+
+def reduce_section(target: Llama, draft: Llama, res: dict, out: Path) -> None:
+    """wqkv split over K with the partials added up in the kernel (triton_skinny_linear(reduce=True))
+    against cuBLAS and the unsplit skinny product; writes the shapes where a split won by 3 % or more
+    as an engine_variants.py --extra-variants file (reduce_variants.json)."""
+    rows, won = [], {}
+    grid = [(bn, bk, 4, st, sp) for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4) for sp in (2, 4)]
+    for name, model, Ms in (("draft", draft, (8, 16, 64)), ("target", target, (1, 8))):
+        ws = [b.wqkv.weight for b in model.layers]
+        N, K = ws[0].shape
+        nbytes = sum(w.numel() * w.element_size() for w in ws)
+        for M in Ms:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            bm = max(16, 1 << (M - 1).bit_length())
+            t_cub = graph_time(lambda: [F.linear(x, w) for w in ws])
+            t_sk = graph_time(lambda: [kernels.triton_skinny_linear(x, w) for w in ws])
+            ref = F.linear(x, ws[0]).float()
+            row = {"model": name, "M": M, "N": N, "K": K, "cublas_us": 1e6 * t_cub, "skinny_us": 1e6 * t_sk,
+                   "cublas_TBps": nbytes / t_cub / 1e12, "configs": []}
+            for bn, bk, warps, st, sp in grid:
+                cfg = (bm, bn, bk, warps, st)
+                try:
+                    t = graph_time(lambda: [kernels.triton_skinny_linear(x, w, config=cfg, split=sp, reduce=True)
+                                            for w in ws])
+                    y = kernels.triton_skinny_linear(x, ws[0], config=cfg, split=sp, reduce=True).float()
+                    err = ((y - ref).norm() / ref.norm()).item()
+                except Exception as e:
+                    row["configs"].append({"config": [bn, bk, warps, st, sp], "error": repr(e)[:200]})
+                    continue
+                row["configs"].append({"config": [bn, bk, warps, st, sp], "us": 1e6 * t, "rel_err": err})
+            ok = sorted((r for r in row["configs"] if "us" in r), key=lambda r: r["us"])
+            row["best"] = ok[:5]
+            rows.append(row)
+            print(f"wqkv {name} M={M}: cuBLAS {row['cublas_us']:.1f} us, skinny {row['skinny_us']:.1f}, reduced split "
+                  + "; ".join(f"{r['config']} {r['us']:.1f}" for r in ok[:4]), flush=True)
+            if ok and ok[0]["us"] < 0.97 * row["cublas_us"]:
+                won[f"{bm}:{N}x{K}"] = ok[0]["config"]
+    res["reduced_splitk"] = rows
+    (out / "reduce_variants.json").write_text(json.dumps({"reduced split-K": {"SMCDECODE_REDUCED_SPLITK_CONFIG": won}}))
+    print("reduced split-K wins:", json.dumps(won), flush=True)
+
+
+def cublas_section(target: Llama, draft: Llama, res: dict) -> None:
+    out = []
+    for name, model, Ms in (("draft", draft, (8, 16, 64, 128)), ("target", target, (1, 72, 576))):
+        for M in Ms:
+            for cls, (ws, inp) in _classes(model, M).items():
+                nbytes = sum(w.numel() * w.element_size() for w in ws)
+                row = {"model": name, "M": M, "class": cls}
+
+                def lin():
+                    for w in ws:
+                        F.linear(inp, w)
+
+                def swapped():
+                    for w in ws:
+                        torch.mm(w, inp.t())
+
+                row["cublas_us"] = 1e6 * graph_time(lin)
+                row["swapped_us"] = 1e6 * graph_time(swapped)
+                prev = torch.backends.cuda.preferred_blas_library()
+                try:
+                    torch.backends.cuda.preferred_blas_library("cublaslt")
+                    row["cublaslt_us"] = 1e6 * graph_time(lin)
+                except Exception as e:
+                    row["cublaslt_error"] = repr(e)[:200]
+                finally:
+                    torch.backends.cuda.preferred_blas_library(prev)
+                best = min(v for k, v in row.items() if k.endswith("_us"))
+                row["cublas_TBps"] = nbytes / row["cublas_us"] / 1e6
+                row["best_TBps"] = nbytes / best / 1e6
+                out.append(row)
+                print(f"{name:6s} M={M:4d} {cls:5s} cuBLAS {row['cublas_us']:8.1f}  swapped {row['swapped_us']:8.1f}  "
+                      f"cuBLASLt {row.get('cublaslt_us', float('nan')):8.1f} us  ({row['cublas_TBps']:.2f} TB/s)",
+                      flush=True)
+    res["cublas"] = out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/gemm")
+    ap.add_argument("--sections", default="silu,cublas")
+    ap.add_argument("--silu-rows", default="64,128")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res: dict = {"device": torch.cuda.get_device_name(0), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                 "torch": torch.__version__, "method": "each layer's own weights, CUDA-graph replay, median of 15"}
+    target = Llama.random(PRESETS["llama-3.1-8b"], device="cuda", seed=1)
+    draft = Llama.random(PRESETS["llama-3.2-1b"], device="cuda", seed=2)
+    t0 = time.perf_counter()
+    for sec, fn in (("silu", lambda: silu_section(draft, [int(m) for m in args.silu_rows.split(",")], res)),
+                    ("reduce", lambda: reduce_section(target, draft, res, out)),
+                    ("cublas", lambda: cublas_section(target, draft, res))):
+        if sec in args.sections.split(","):
+            fn()
+            (out / "gemm_variants.json").write_text(json.dumps(res, indent=1))
+            print(f"[{sec} done at {time.perf_counter() - t0:.0f} s]", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -4,9 +4,7 @@ one process on one GPU (development measurements; the published benchmark is ben
 1. w13 + SiLU·mul of the draft at 64 and 128 rows (8 requests × 8 particles, and the first draft
    step of a round, which carries two tokens a particle): cuBLAS + the engine's SiLU·mul kernel
    against the Triton skinny kernel with SiLU·mul in its epilogue, over block shapes;
-2. the wqkv products split over K with the partials added up in the kernel (the skinny kernel's
-   ``reduce``), against cuBLAS and the unsplit skinny product (--sections reduce);
-3. every product of draft and target at the strategies' row counts through cuBLAS three ways:
+2. every product of draft and target at the strategies' row counts through cuBLAS three ways:
    ``F.linear`` (cuBLAS), ``F.linear`` with torch's preferred BLAS library set to cuBLASLt, and the
    transposed problem ``W · xᵀ``.
 
@@ -86,47 +84,6 @@ def silu_section(draft: Llama, rows: list[int], res: dict) -> None:
     res["w13_silu"] = out
 
 
-def reduce_section(target: Llama, draft: Llama, res: dict, out: Path) -> None:
-    """wqkv split over K with the partials added up in the kernel (triton_skinny_linear(reduce=True))
-    against cuBLAS and the unsplit skinny product; writes the shapes where a split won by 3 % or more
-    as an engine_variants.py --extra-variants file (reduce_variants.json)."""
-    rows, won = [], {}
-    grid = [(bn, bk, 4, st, sp) for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4) for sp in (2, 4)]
-    for name, model, Ms in (("draft", draft, (8, 16, 64)), ("target", target, (1, 8))):
-        ws = [b.wqkv.weight for b in model.layers]
-        N, K = ws[0].shape
-        nbytes = sum(w.numel() * w.element_size() for w in ws)
-        for M in Ms:
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            bm = max(16, 1 << (M - 1).bit_length())
-            t_cub = graph_time(lambda: [F.linear(x, w) for w in ws])
-            t_sk = graph_time(lambda: [kernels.triton_skinny_linear(x, w) for w in ws])
-            ref = F.linear(x, ws[0]).float()
-            row = {"model": name, "M": M, "N": N, "K": K, "cublas_us": 1e6 * t_cub, "skinny_us": 1e6 * t_sk,
-                   "cublas_TBps": nbytes / t_cub / 1e12, "configs": []}
-            for bn, bk, warps, st, sp in grid:
-                cfg = (bm, bn, bk, warps, st)
-                try:
-                    t = graph_time(lambda: [kernels.triton_skinny_linear(x, w, config=cfg, split=sp, reduce=True)
-                                            for w in ws])
-                    y = kernels.triton_skinny_linear(x, ws[0], config=cfg, split=sp, reduce=True).float()
-                    err = ((y - ref).norm() / ref.norm()).item()
-                except Exception as e:
-                    row["configs"].append({"config": [bn, bk, warps, st, sp], "error": repr(e)[:200]})
-                    continue
-                row["configs"].append({"config": [bn, bk, warps, st, sp], "us": 1e6 * t, "rel_err": err})
-            ok = sorted((r for r in row["configs"] if "us" in r), key=lambda r: r["us"])
-            row["best"] = ok[:5]
-            rows.append(row)
-            print(f"wqkv {name} M={M}: cuBLAS {row['cublas_us']:.1f} us, skinny {row['skinny_us']:.1f}, reduced split "
-                  + "; ".join(f"{r['config']} {r['us']:.1f}" for r in ok[:4]), flush=True)
-            if ok and ok[0]["us"] < 0.97 * row["cublas_us"]:
-                won[f"{bm}:{N}x{K}"] = ok[0]["config"]
-    res["reduced_splitk"] = rows
-    (out / "reduce_variants.json").write_text(json.dumps({"reduced split-K": {"SMCDECODE_REDUCED_SPLITK_CONFIG": won}}))
-    print("reduced split-K wins:", json.dumps(won), flush=True)
-
-
 def cublas_section(target: Llama, draft: Llama, res: dict) -> None:
     out = []
     for name, model, Ms in (("draft", draft, (8, 16, 64, 128)), ("target", target, (1, 72, 576))):
@@ -177,7 +134,6 @@ def main() -> None:
     draft = Llama.random(PRESETS["llama-3.2-1b"], device="cuda", seed=2)
     t0 = time.perf_counter()
     for sec, fn in (("silu", lambda: silu_section(draft, [int(m) for m in args.silu_rows.split(",")], res)),
-                    ("reduce", lambda: reduce_section(target, draft, res, out)),
                     ("cublas", lambda: cublas_section(target, draft, res))):
         if sec in args.sections.split(","):
             fn()

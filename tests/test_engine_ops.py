@@ -246,46 +246,8 @@ def test_interpreted_split_k_partials_sum_to_the_product_and_feed_the_norm():
         h_ref, y_ref = add_rms_norm_reference(res, SplitSum(parts).total(res.dtype), gamma, 1e-5)
         torch.testing.assert_close(h, h_ref, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
-        # reduce=True: the last split adds the partials up in order, in the kernel; the product itself
-        # comes back (twice: the counters are reset for the next launch)
-        for _ in range(2):
-            y_sum = kernels.triton_skinny_linear(x[None], w, config=cfg, split=split, reduce=True)
-            assert y_sum.shape == (1, M, N) and y_sum.dtype == x.dtype
-            torch.testing.assert_close(y_sum[0], parts.sum(0), rtol=1e-6, atol=1e-5)
     with pytest.raises(ValueError, match="split"):
         kernels.triton_skinny_linear(x, torch.randn(2 * N, K), silu=True, config=cfg, split=2)
-
-
-def test_reduced_split_k_settings_are_read_from_the_environment(monkeypatch):
-    """SMCDECODE_REDUCED_SPLITK_CONFIG adds shapes (by BLOCK_M, or any rows) to the measured table;
-    SMCDECODE_SPLITK=0 turns it off; a bad entry names the setting; the model's products use it."""
-    import json
-
-    kernels = _interpreted_kernels()
-    from smcdecode.backends.engine import model
-
-    monkeypatch.delenv("SMCDECODE_SPLITK", raising=False)
-    monkeypatch.setenv("SMCDECODE_REDUCED_SPLITK_CONFIG", json.dumps({"16:40x96": [16, 32, 4, 2, 2],
-                                                                       "24x200": [16, 16, 4, 1, 4]}))
-    assert kernels.reduced_splitk_config(8, 40, 96) == ((16, 16, 32, 4, 2), 2)
-    assert kernels.reduced_splitk_config(20, 40, 96) is None  # another BLOCK_M
-    assert kernels.reduced_splitk_config(40, 24, 200) == ((64, 16, 16, 4, 1), 4)
-    assert kernels.reduced_splitk_config(200, 24, 200) is None  # more than 128 rows
-    monkeypatch.setenv("SMCDECODE_SPLITK", "0")
-    assert kernels.reduced_splitk_config(8, 40, 96) is None
-    monkeypatch.setenv("SMCDECODE_SPLITK", "1")
-    monkeypatch.setattr(model, "_use_triton", lambda x: True)  # the interpreter stands in for the GPU
-    calls = []
-    skinny = kernels.triton_skinny_linear
-    monkeypatch.setattr(kernels, "triton_skinny_linear", lambda *a, **k: calls.append(k) or skinny(*a, **k))
-    layer = torch.nn.Linear(96, 40, bias=False).half()  # (half: the skinny kernel's dtypes)
-    x = torch.randn(2, 3, 96).half()
-    out = model.linear(x, layer)
-    assert calls == [{"config": (16, 16, 32, 4, 2), "split": 2, "reduce": True}]
-    torch.testing.assert_close(out.float(), x.float() @ layer.weight.float().T, rtol=1e-2, atol=1e-2)
-    monkeypatch.setenv("SMCDECODE_REDUCED_SPLITK_CONFIG", json.dumps({"40x96": [16, 32, 4, 2]}))
-    with pytest.raises(ValueError, match="SMCDECODE_REDUCED_SPLITK_CONFIG"):
-        kernels.reduced_splitk_config(8, 40, 96)
 
 
 def test_interpreted_folded_norm_kernels_match_references():
@@ -346,7 +308,7 @@ def test_folded_norm_setting_is_read_from_the_environment(monkeypatch):
     x = torch.zeros(8, 128)
     assert not M.fold_norms(x, blk)  # CPU: the torch references, no fold
     monkeypatch.setattr(M, "_use_triton", lambda x: True)
-    monkeypatch.setattr(M, "_split_config", lambda x, w, rows=None, reduced=False: None if reduced else ((16, 16, 32, 4, 1), 2))
+    monkeypatch.setattr(M, "_split_config", lambda x, w, rows=None: ((16, 16, 32, 4, 1), 2))
     assert M.fold_norms(x, blk)
     monkeypatch.setenv("SMCDECODE_FOLD_NORM", "0")
     assert not M.fold_norms(x, blk)
@@ -431,7 +393,7 @@ def test_interpreted_model_forward_matches_reference_path(monkeypatch):
         monkeypatch.setattr(M, "_use_skinny", lambda x, w, silu=False: force)
         # wo and w2 split-K into partials that the next add + RMSNorm sums (split 2: 64 + 64 of 128
         # columns for wo, 64 + 32 of 96 for w2), or that the last split adds up (folded norms)
-        monkeypatch.setattr(M, "_split_config", lambda x, w, rows=None, reduced=False: ((16, 16, 32, 4, 1), 2) if force and not reduced else None)
+        monkeypatch.setattr(M, "_split_config", lambda x, w, rows=None: ((16, 16, 32, 4, 1), 2) if force else None)
         monkeypatch.setattr(A, "_backend", lambda q, b: "triton" if force else "torch")
         torch.manual_seed(1)
         PS = 4

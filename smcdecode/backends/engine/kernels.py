@@ -1150,7 +1150,7 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexp
                           K_PER: tl.constexpr, PDL: tl.constexpr = 0, SPLIT: tl.constexpr = 1,
                           R=None, H_OUT=None, GAMMA=None, GH_OUT=None, SS=None, CNT=None, RESID: tl.constexpr = 0,
                           SS_IN=None, stride_ss=0, rs_eps=0.0, RS_T: tl.constexpr = 0, RS_TP2: tl.constexpr = 1,
-                          RS_DIM: tl.constexpr = 1, Y_SUM=None, REDUCE: tl.constexpr = 0):
+                          RS_DIM: tl.constexpr = 1):
     """Y[M, N] = X[M, K] · W[N, K]ᵀ, one program per BLOCK_N output columns × BLOCK_M rows, streaming
     its W rows once. SILU: W is [2N, K] = [gate; up] and Y = silu(X·gateᵀ) · (X·upᵀ), rounded as the
     unfused path rounds (the product to Y's dtype, silu to Y's dtype, then the product).
@@ -1166,11 +1166,7 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexp
     as above and the last split of a column block to finish (an atomic counter in CNT, reset by
     it) adds them up in order and runs that epilogue. RS_T > 0 (not with RESID): the product's rows
     are scaled by the 1/rms of a folded norm from its RS_T partial sums SS_IN (``_row_rstd``), before
-    SiLU·mul's rounding.
-
-    REDUCE (with SPLIT > 1, not with RESID): the last split of a column block to finish (the same
-    counter) adds the partials up in order and stores the product in Y_SUM [M, N] (X's dtype): a
-    split-K product with no reduce launch, for a consumer that needs the product itself."""
+    SiLU·mul's rounding."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -1209,7 +1205,7 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexp
         if SPLIT > 1:
             out += tl.program_id(2) * M * N
         tl.store(out, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-        if RESID or REDUCE:  # SPLIT > 1: the last split of this column block to finish adds them up
+        if RESID:  # SPLIT > 1: the last split of this column block to finish adds them up
             tl.debug_barrier()  # every thread's partial is stored before the release below
             tile = pid_m * tl.num_programs(0) + pid_n
             done = tl.atomic_add(CNT + tile, 1, sem="acq_rel")
@@ -1219,10 +1215,7 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexp
                 d = tl.load(Y + at, mask=ok, other=0.0, cache_modifier=".cg")
                 for sp in tl.static_range(1, SPLIT):  # in order, as the norm of a SplitSum adds them
                     d += tl.load(Y + sp * M * N + at, mask=ok, other=0.0, cache_modifier=".cg")
-                if RESID:
-                    _resid_epilogue(d, R, H_OUT, GAMMA, GH_OUT, SS, rm, rn, m_ok, n_ok, M, pid_n, N)
-                else:
-                    tl.store(Y_SUM + at, d.to(Y_SUM.dtype.element_ty), mask=ok)
+                _resid_epilogue(d, R, H_OUT, GAMMA, GH_OUT, SS, rm, rn, m_ok, n_ok, M, pid_n, N)
                 tl.store(CNT + tile, 0)  # ready for the next launch
 
 
@@ -1310,7 +1303,7 @@ def skinny_silu_max_rows() -> int:
 
 
 def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=None, split: int = 1,
-                         rowscale=None, reduce: bool = False) -> Tensor:
+                         rowscale=None) -> Tensor:
     """x [..., K] (unit stride in K) · weight [N, K]ᵀ -> [..., N]; with ``silu`` the weight is [gate; up]
     ([2N, K]) and the result silu(x·gateᵀ)·(x·upᵀ) [..., N]. For few rows (decode), where cuBLAS's
     kernels leave bandwidth unused on small matrices. References: torch.nn.functional.linear, and
@@ -1319,9 +1312,6 @@ def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=N
     ``split`` > 1 splits K over that many programs a column block and returns their float32
     partial sums [split, ..., N] instead (their sum over the first dim is the product; reference:
     ``model.SplitSum.total``); ``triton_add_rms_norm(..., parts=...)`` consumes them.
-
-    ``reduce`` (with ``split``): the last split of each column block adds the partials up in order
-    and the product itself is returned in x's dtype (no reduce launch; reference: F.linear).
 
     ``rowscale`` = (sumsq [rows, T], eps, dim) (not with split): x is a folded norm's γ ⊙ h and the
     product's rows are scaled by 1 / rms(h) before SiLU·mul (reference: the product's rows times
@@ -1340,22 +1330,14 @@ def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=N
         raise ValueError(f"split={split!r} with a rowscale: scale the rows of the summed product (split=1)")
     k_per = triton.cdiv(triton.cdiv(K, split), bk) * bk  # each split a whole number of K blocks
     split = triton.cdiv(K, k_per)
-    cnt = None
-    if reduce and split > 1:
-        cnt = _split_counters(x.device, triton.cdiv(N, bn) * triton.cdiv(M, bm), kind="skinny")
-        if cnt is None:  # (counters would have to be allocated inside a graph capture: no split)
-            split, k_per = 1, K
     if split > 1:
         y = torch.empty(split, M, N, device=x.device, dtype=torch.float32)
     else:
         y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    y_sum = torch.empty(M, N, device=x.device, dtype=x.dtype) if cnt is not None else None
     _skinny_linear_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm), split)](
         x2, weight, y, M, x2.stride(0), N=N, K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SILU=silu,
         SPLIT=split, K_PER=k_per if split > 1 else K, num_warps=warps, num_stages=stages, **_pdl(x.device),
-        **_rowscale_args(rowscale, "SS_IN"), **({"CNT": cnt, "Y_SUM": y_sum, "REDUCE": 1} if cnt is not None else {}))
-    if y_sum is not None:
-        return y_sum.view(*x.shape[:-1], N)
+        **_rowscale_args(rowscale, "SS_IN"))
     if split > 1:
         return y.view(split, *x.shape[:-1], N)
     return y.view(*x.shape[:-1], N)
@@ -1434,29 +1416,6 @@ def splitk_config(M: int, N: int, K: int, device: torch.device) -> tuple[tuple[i
     return ((block_m, bn, bk, 4, 4), split) if split > 1 else None
 
 
-def reduced_splitk_config(M: int, N: int, K: int) -> tuple[tuple[int, int, int, int, int], int] | None:
-    """(skinny config, K splits) for a product at few rows that runs split-K with its partials added
-    up in the kernel (``triton_skinny_linear(reduce=True)``: the Llama-3.2-1B's wqkv, whose 3,072
-    columns give few column blocks), or None: the measured shapes of ``_REDUCED_SPLITK_MEASURED``
-    (keyed by BLOCK_M, 16 for up to 16 rows); SMCDECODE_REDUCED_SPLITK_CONFIG (a JSON object as
-    SMCDECODE_SPLITK_CONFIG's) overrides shapes one by one, and SMCDECODE_SPLITK=0 turns it off."""
-    if os.environ.get("SMCDECODE_SPLITK", "1") == "0" or M > 128:
-        return None
-    block_m = max(16, triton.next_power_of_2(M))
-    table = _REDUCED_SPLITK_MEASURED
-    text = os.environ.get("SMCDECODE_REDUCED_SPLITK_CONFIG")
-    if text:
-        table = {**table, **_parse_splitk_configs(text, "SMCDECODE_REDUCED_SPLITK_CONFIG")}
-    entry = table.get(f"{block_m}:{N}x{K}", table.get(f"{N}x{K}"))
-    if entry is None:
-        return None
-    bn, bk, warps, stages, split = entry
-    return ((block_m, bn, bk, warps, stages), split) if split > 1 else None
-
-
-# "BLOCK_M:NxK" -> [BLOCK_N, BLOCK_K, warps, stages, splits], from benchmarks/gemm_variants.py (H200)
-_REDUCED_SPLITK_MEASURED: dict = {}
-
 # (N, K) -> [BLOCK_N, BLOCK_K, warps, stages, splits]: the fastest of benchmarks/splitk_bench.py's
 # sweep inside a whole decode step (H200, session 6): the Llama-3.2-1B draft's wo and w2 at 8 rows
 # (step 919 -> 862 µs with both), the Llama-3.1-8B's wo and w2 at 1 row (4278 -> 4139 µs).
@@ -1472,7 +1431,7 @@ _SPLITK_MEASURED_128: dict = {}
 
 
 @functools.lru_cache(maxsize=8)
-def _parse_splitk_configs(text: str, setting: str = "SMCDECODE_SPLITK_CONFIG") -> dict[str, tuple[int, int, int, int, int]]:
+def _parse_splitk_configs(text: str) -> dict[str, tuple[int, int, int, int, int]]:
     table = {}
     for key, entry in json.loads(text).items():
         ok = isinstance(entry, list) and len(entry) == 5 and all(isinstance(v, int) for v in entry)
@@ -1481,7 +1440,7 @@ def _parse_splitk_configs(text: str, setting: str = "SMCDECODE_SPLITK_CONFIG") -
             ok = bn >= 16 and bk >= 16 and not (bn & (bn - 1)) and not (bk & (bk - 1)) \
                 and warps in (1, 2, 4, 8, 16) and stages >= 1 and split >= 1
         if not ok:
-            raise ValueError(f"{setting}[{key!r}] = {entry!r}: expected [block_n, block_k, warps, "
+            raise ValueError(f"SMCDECODE_SPLITK_CONFIG[{key!r}] = {entry!r}: expected [block_n, block_k, warps, "
                              "stages, splits], block_n and block_k powers of two >= 16, warps one of 1, 2, 4, 8, 16, "
                              "splits >= 1")
         table[key] = tuple(entry)

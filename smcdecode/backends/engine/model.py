@@ -324,35 +324,27 @@ def dense(x: Tensor, layer: nn.Linear) -> Tensor:
 
 
 def linear(x: Tensor, layer: nn.Linear) -> Tensor:
-    if layer.bias is None:
-        cfg = _split_config(x, layer.weight, reduced=True)
-        if cfg is not None:  # split-K, the partials added up in the kernel
-            from .kernels import triton_skinny_linear
+    if layer.bias is None and _use_skinny(x, layer.weight):
+        from .kernels import triton_skinny_linear
 
-            return triton_skinny_linear(x, layer.weight, config=cfg[0], split=cfg[1], reduce=True)
-        if _use_skinny(x, layer.weight):
-            from .kernels import triton_skinny_linear
-
-            return triton_skinny_linear(x, layer.weight)
+        return triton_skinny_linear(x, layer.weight)
     return dense(x, layer)
 
 
-def _split_config(x: Tensor, weight: Tensor, rows: int | None = None, reduced: bool = False):
+def _split_config(x: Tensor, weight: Tensor, rows: int | None = None):
     """(skinny config, K splits) where a product feeding a residual add + RMSNorm runs split-K on the
     skinny kernel (kernels.splitk_config: few rows; SMCDECODE_SPLITK=0 disables it), else None.
-    ``rows``: of the product (default: x's). ``reduced``: a product whose split-K partials the kernel
-    adds up itself (kernels.reduced_splitk_config)."""
+    ``rows``: of the product (default: x's)."""
     import os
 
     if not _use_triton(x) or x.dtype != weight.dtype or weight.dtype not in (torch.bfloat16, torch.float16):
         return None
     if os.environ.get("SMCDECODE_SKINNY", "1") == "0":
         return None
-    from .kernels import reduced_splitk_config, splitk_config
+    from .kernels import splitk_config
 
     N, K = weight.shape
-    M = x.numel() // K if rows is None else rows
-    return reduced_splitk_config(M, N, K) if reduced else splitk_config(M, N, K, x.device)
+    return splitk_config(x.numel() // K if rows is None else rows, N, K, x.device)
 
 
 def linear_to_residual(x: Tensor, layer: nn.Linear) -> Tensor | SplitSum:

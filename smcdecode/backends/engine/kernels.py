@@ -531,11 +531,14 @@ def _split_counters(device: torch.device, n: int, kind: str = "attn") -> Tensor 
 # From the sweep on an H200 (2026-11-21 10:30 UTC, docs/engine_results/attention_sweep_s3.json): per
 # launch 8–12 % faster than the defaults at the benchmark's shapes; end to end no measurable change
 # (SMC-SD N=8 K=8: 21.83 vs 21.82 ms a round at 1 request — with a since-removed fused norm on —, 29.93 vs 29.99 ms
-# at 8 requests; docs/benchmarks.md). The published benchmark ran with this table.
+# at 8 requests; docs/benchmarks.md). Session 9 (interleaved, 1,024-token outputs, H200) halved the
+# programs per SM of decode:64 (4 -> 2) and verify:128 (2 -> 1), i.e. the KV splits of one request's
+# launches (8 -> 4 and 4 -> 2): SMC-SD 1 × N=8 K=8 13.85 -> 13.80 ms a round; 8 requests run one
+# split either way; doubling them instead cost +0.47 to +1.9 ms a round (docs/benchmarks.md).
 ATTN_CONFIGS: dict[str, tuple[int, int, int, float, int]] = {
-    "decode:64": (64, 4, 3, 4.0, 1),  # the 1B draft's decode steps (prefetch of page ids on)
+    "decode:64": (64, 4, 3, 2.0, 1),  # the 1B draft's decode steps (prefetch of page ids on)
     "decode:128": (128, 4, 2, 2.0, 0),  # the 8B target's autoregressive step
-    "verify:128": (64, 4, 3, 2.0, 1),  # the 8B target's (K+1)-token verify pass
+    "verify:128": (64, 4, 3, 1.0, 1),  # the 8B target's (K+1)-token verify pass
     "group": (128, 4, 3, 4.0, 0),  # the opt-in grouped kernel
 }
 

@@ -143,6 +143,7 @@ def _variants() -> list[tuple[str, dict]]:
         ("cublaslt off", {"SMCDECODE_CUBLASLT": "0"}),
         ("silu <=16 rows", {"SMCDECODE_SKINNY_SILU_ROWS": "16"}),
         ("session 8 products", {"SMCDECODE_CUBLASLT": "0", "SMCDECODE_SKINNY_SILU_ROWS": "16"}),
+        ("sample noise 1x", {"SMCDECODE_SAMPLE_NOISE": "1x"}),
     ]
 
 

@@ -4,7 +4,8 @@ one process on one GPU (development measurements; the published benchmark is ben
 1. w13 + SiLU·mul of the draft at 64 and 128 rows (8 requests × 8 particles, and the first draft
    step of a round, which carries two tokens a particle): cuBLAS + the engine's SiLU·mul kernel
    against the Triton skinny kernel with SiLU·mul in its epilogue, over block shapes;
-2. every product of draft and target at the strategies' row counts through cuBLAS three ways:
+2. (--sections sample) the sampler under both SMCDECODE_SAMPLE_NOISE settings;
+3. every product of draft and target at the strategies' row counts through cuBLAS three ways:
    ``F.linear`` (cuBLAS), ``F.linear`` with torch's preferred BLAS library set to cuBLASLt, and the
    transposed problem ``W · xᵀ``.
 
@@ -84,6 +85,25 @@ def silu_section(draft: Llama, rows: list[int], res: dict) -> None:
     res["w13_silu"] = out
 
 
+def sample_section(res: dict) -> None:
+    """The sampler (kernels.triton_sample_and_score) on 128,256-entry rows at the strategies' row
+    counts, under both SMCDECODE_SAMPLE_NOISE settings; µs a call, replayed in a CUDA graph."""
+    from bench_engine import with_env
+
+    out = []
+    for R, every in ((8, 1), (64, 1), (72, 9), (576, 9)):
+        logits = torch.randn(R, 128256, device="cuda", dtype=torch.bfloat16) * 3
+        seed = torch.tensor(7, device="cuda")
+        row = {"rows": R, "sample_every": every}
+        for noise in ("4x", "1x"):
+            def run():
+                kernels.triton_sample_and_score(logits, 0.7, seed, sample_every=every)
+            row[f"noise_{noise}_us"] = 1e6 * with_env({"SMCDECODE_SAMPLE_NOISE": noise}, lambda: graph_time(run, 30))
+        out.append(row)
+        print(f"sample rows={R} every={every}: 4x {row['noise_4x_us']:.1f} us, 1x {row['noise_1x_us']:.1f} us", flush=True)
+    res["sample"] = out
+
+
 def cublas_section(target: Llama, draft: Llama, res: dict) -> None:
     out = []
     for name, model, Ms in (("draft", draft, (8, 16, 64, 128)), ("target", target, (1, 72, 576))):
@@ -123,19 +143,23 @@ def cublas_section(target: Llama, draft: Llama, res: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/gemm")
-    ap.add_argument("--sections", default="silu,cublas")
+    ap.add_argument("--sections", default="silu,cublas", help="comma-separated: silu, cublas, sample")
     ap.add_argument("--silu-rows", default="64,128")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res: dict = {"device": torch.cuda.get_device_name(0), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                  "torch": torch.__version__, "method": "each layer's own weights, CUDA-graph replay, median of 15"}
-    target = Llama.random(PRESETS["llama-3.1-8b"], device="cuda", seed=1)
-    draft = Llama.random(PRESETS["llama-3.2-1b"], device="cuda", seed=2)
+    secs = args.sections.split(",")
+    target = draft = None
+    if "silu" in secs or "cublas" in secs:
+        target = Llama.random(PRESETS["llama-3.1-8b"], device="cuda", seed=1)
+        draft = Llama.random(PRESETS["llama-3.2-1b"], device="cuda", seed=2)
     t0 = time.perf_counter()
     for sec, fn in (("silu", lambda: silu_section(draft, [int(m) for m in args.silu_rows.split(",")], res)),
-                    ("cublas", lambda: cublas_section(target, draft, res))):
-        if sec in args.sections.split(","):
+                    ("cublas", lambda: cublas_section(target, draft, res)),
+                    ("sample", lambda: sample_section(res))):
+        if sec in secs:
             fn()
             (out / "gemm_variants.json").write_text(json.dumps(res, indent=1))
             print(f"[{sec} done at {time.perf_counter() - t0:.0f} s]", flush=True)

@@ -493,6 +493,47 @@ def test_sample_and_score_reference_sample_every_draws_only_the_last_row_of_each
     assert chi2 < 30.0, chi2  # 7 degrees of freedom: P(chi2 > 30) ≈ 1e-4
 
 
+def test_interpreted_sample_and_score_draws_the_softmax():
+    """The Triton sampler's draws (noise: one Philox call per four elements, over several blocks and
+    quarters of a block) follow softmax(x / T): chi-square over six support tokens placed in every
+    block and quarter; the scores are exact."""
+    kernels = _interpreted_kernels()
+    R, V, T = 600, 3100, 0.7  # one split of four 1024-blocks a row (the last one masked in part)
+    # blocks 0, 0, 0, 1, 2, 2 and quarters 0, 1, 2, 0, 0, 3 of 256 lanes; 5 and 261 share a lane (and a
+    # logit): noise shared across quarters would tie their keys and 261 would never win
+    support = torch.tensor([5, 261, 700, 1030, 2100, 3004])
+    values = torch.tensor([0.4, 0.4, -0.3, 0.8, 0.2, -0.6])
+    logits = torch.full((R, V), -1e4)
+    logits[:, support] = values
+    tok, lp_tok, _ = kernels.triton_sample_and_score(logits, T, torch.tensor(2024))
+    p = torch.softmax(values.double() / T, 0)
+    counts = torch.stack([(tok == s).sum() for s in support]).double()
+    assert int(counts.sum()) == R
+    chi2 = float(((counts - R * p) ** 2 / (R * p)).sum())
+    assert chi2 < 25.7, chi2  # 5 degrees of freedom: P(chi2 > 25.7) ≈ 1e-4
+    torch.testing.assert_close(lp_tok, torch.log_softmax(logits / T, -1).gather(1, tok[:, None])[:, 0])
+
+
+def test_sample_noise_setting(monkeypatch):
+    """SMCDECODE_SAMPLE_NOISE=1x: the noise of each element from a Philox call of its own (the kernel
+    before session 9), keyed by (seed, r·V + c): other draws than 4x's, the same scores, and a bad value
+    names the setting."""
+    kernels = _interpreted_kernels()
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(40, 300, generator=g)
+    seed = torch.tensor(5)
+    tok4, lp4, _ = kernels.triton_sample_and_score(logits, 1.0, seed)
+    monkeypatch.setenv("SMCDECODE_SAMPLE_NOISE", "1x")
+    tok1, lp1, _ = kernels.triton_sample_and_score(logits, 1.0, seed)
+    assert not torch.equal(tok1, tok4)
+    logp = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(lp1, logp.gather(1, tok1[:, None])[:, 0])
+    torch.testing.assert_close(lp4, logp.gather(1, tok4[:, None])[:, 0])
+    monkeypatch.setenv("SMCDECODE_SAMPLE_NOISE", "2x")
+    with pytest.raises(ValueError, match="SMCDECODE_SAMPLE_NOISE='2x'"):
+        kernels.triton_sample_and_score(logits, 1.0, seed)
+
+
 def test_interpreted_sample_and_score_skips_rows_but_draws_the_same_tokens():
     """sample_every = K + 1 (verify): the same log-sum-exp and gathered log-probs on every row, and the
     rows that draw get exactly the token (and log-prob) of the full kernel (the noise is keyed by the

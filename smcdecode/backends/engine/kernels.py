@@ -943,40 +943,70 @@ def triton_rope_kv_write(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tenso
 
 
 @triton.jit
+def _race_step(LOGITS, r, c, stride_r, inv_temp, bits, m, acc, best_key, best_idx, best_x, V: tl.constexpr,
+               RACE: tl.constexpr, seed=0, NOISE1: tl.constexpr = 0):
+    """Elements c of row r folded into the per-lane running max, Σ exp(x − max) and (RACE) best
+    exponential-race key, its index and x; ``bits``: each element's 32 random bits (NOISE1: a Philox
+    call of its own for each element instead, keyed by (seed, r·V + c), as before session 9)."""
+    ok = c < V
+    if RACE and NOISE1:
+        bits = tl.randint(seed, r * V + c)
+    x = tl.load(LOGITS + r * stride_r + c, mask=ok, other=float("-inf")).to(tl.float32) * inv_temp
+    m_new = tl.maximum(m, x)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    acc = acc * tl.exp(m - m_safe) + tl.exp(x - m_safe)
+    if RACE:
+        # U in (0, 1) strictly, on a 2^-23 grid (tl.rand can round up to exactly 1.0, which would
+        # give E = 0 and an infinite key whatever the logit)
+        u = (bits.to(tl.uint32, bitcast=True) >> 9).to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
+        key = x - tl.log(-tl.log(u))  # Gumbel-max = exponential race: x − log E, E = −log U
+        better = key > best_key
+        best_key = tl.where(better, key, best_key)
+        best_idx = tl.where(better, c, best_idx)
+        best_x = tl.where(better, x, best_x)
+    return m_new, acc, best_key, best_idx, best_x
+
+
+@triton.jit
 def _sample_split_chunk(LOGITS, seed, r, s, stride_r, inv_temp, V: tl.constexpr, CHUNK: tl.constexpr,
-                        BLOCK: tl.constexpr, RACE: tl.constexpr):
+                        BLOCK: tl.constexpr, RACE: tl.constexpr, NOISE1: tl.constexpr):
     """Per-lane running max and Σ exp(x − max) over split s of row r, and (RACE) the lane's best
-    exponential-race key with its index and x."""
-    m = tl.full([BLOCK], float("-inf"), tl.float32)  # running max of x (per lane)
-    acc = tl.zeros([BLOCK], tl.float32)  # Σ exp(x − m) per lane
-    best_key = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_idx = tl.zeros([BLOCK], tl.int32)
-    best_x = tl.zeros([BLOCK], tl.float32)
+    exponential-race key with its index and x. A block of BLOCK elements is four quarters of BLOCK/4
+    lanes; one Philox call (``tl.randint4x``, keyed by the row, the block and the lane) gives a lane
+    its 32 random bits in all four quarters, so the noise costs a quarter of a call per element and
+    an element's noise depends only on (seed, row, element)."""
+    Q: tl.constexpr = BLOCK // 4
+    q = tl.arange(0, Q)
+    m = tl.full([Q], float("-inf"), tl.float32)  # running max of x (per lane)
+    acc = tl.zeros([Q], tl.float32)  # Σ exp(x − m) per lane
+    best_key = tl.full([Q], float("-inf"), tl.float32)
+    best_idx = tl.zeros([Q], tl.int32)
+    best_x = tl.zeros([Q], tl.float32)
+    n_blocks = (V + BLOCK - 1) // BLOCK  # blocks of a row
     for c0 in range(0, CHUNK, BLOCK):
-        c = s * CHUNK + c0 + tl.arange(0, BLOCK)
-        ok = c < V
-        x = tl.load(LOGITS + r * stride_r + c, mask=ok, other=float("-inf")).to(tl.float32) * inv_temp
-        m_new = tl.maximum(m, x)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        acc = acc * tl.exp(m - m_safe) + tl.exp(x - m_safe)
-        m = m_new
-        if RACE:
-            # U in (0, 1) strictly, on a 2^-23 grid (tl.rand can round up to exactly 1.0, which would
-            # give E = 0 and an infinite key whatever the logit)
-            bits = tl.randint(seed, r * V + c).to(tl.uint32, bitcast=True) >> 9
-            u = bits.to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
-            key = x - tl.log(-tl.log(u))  # Gumbel-max = exponential race: x − log E, E = −log U
-            better = key > best_key
-            best_key = tl.where(better, key, best_key)
-            best_idx = tl.where(better, c, best_idx)
-            best_x = tl.where(better, x, best_x)
+        base = s * CHUNK + c0
+        if RACE and not NOISE1:
+            b0, b1, b2, b3 = tl.randint4x(seed, (r * n_blocks + base // BLOCK) * Q + q)
+        else:  # (no noise: the bits are not read)
+            b0 = q
+            b1 = q
+            b2 = q
+            b3 = q
+        m, acc, best_key, best_idx, best_x = _race_step(LOGITS, r, base + q, stride_r, inv_temp, b0, m, acc,
+                                                        best_key, best_idx, best_x, V, RACE, seed, NOISE1)
+        m, acc, best_key, best_idx, best_x = _race_step(LOGITS, r, base + Q + q, stride_r, inv_temp, b1, m, acc,
+                                                        best_key, best_idx, best_x, V, RACE, seed, NOISE1)
+        m, acc, best_key, best_idx, best_x = _race_step(LOGITS, r, base + 2 * Q + q, stride_r, inv_temp, b2, m,
+                                                        acc, best_key, best_idx, best_x, V, RACE, seed, NOISE1)
+        m, acc, best_key, best_idx, best_x = _race_step(LOGITS, r, base + 3 * Q + q, stride_r, inv_temp, b3, m,
+                                                        acc, best_key, best_idx, best_x, V, RACE, seed, NOISE1)
     return m, acc, best_key, best_idx, best_x
 
 
 @triton.jit
 def _sample_split_kernel(LOGITS, SEED, stride_r, inv_temp, PART, V: tl.constexpr, CHUNK: tl.constexpr,
                          BLOCK: tl.constexpr, NSPLIT: tl.constexpr, SAMPLE_EVERY: tl.constexpr,
-                         PDL: tl.constexpr = 0):
+                         PDL: tl.constexpr = 0, NOISE1: tl.constexpr = 0):
     """Split s of row r: (max, Σ exp(x − max), best race key, its index, its x) into PART. Rows with
     r % SAMPLE_EVERY != SAMPLE_EVERY − 1 run no race (no noise drawn; key −inf). The noise of an
     element is keyed by (seed, r·V + c) whatever SAMPLE_EVERY, so a sampled row draws the same token."""
@@ -986,16 +1016,16 @@ def _sample_split_kernel(LOGITS, SEED, stride_r, inv_temp, PART, V: tl.constexpr
     seed = tl.load(SEED)
     if r % SAMPLE_EVERY == SAMPLE_EVERY - 1:  # (always, for SAMPLE_EVERY = 1)
         m, acc, best_key, best_idx, best_x = _sample_split_chunk(LOGITS, seed, r, s, stride_r, inv_temp, V, CHUNK,
-                                                                 BLOCK, True)
+                                                                 BLOCK, True, NOISE1)
     else:
         m, acc, best_key, best_idx, best_x = _sample_split_chunk(LOGITS, seed, r, s, stride_r, inv_temp, V, CHUNK,
-                                                                 BLOCK, False)
+                                                                 BLOCK, False, NOISE1)
     M = tl.max(m, 0)
     M_safe = tl.where(M == float("-inf"), 0.0, M)
     total = tl.sum(acc * tl.exp(m - M_safe), 0)
     K = tl.max(best_key, 0)
     j = tl.argmax(best_key, 0)
-    sel = tl.arange(0, BLOCK) == j
+    sel = tl.arange(0, BLOCK // 4) == j
     idx = tl.sum(tl.where(sel, best_idx, 0), 0)
     xb = tl.sum(tl.where(sel, best_x, 0.0), 0)
     out = PART + (r * NSPLIT + s) * 5
@@ -1033,6 +1063,15 @@ def _sample_merge_kernel(PART, LOGITS, stride_r, inv_temp, GATHER, TOK, LOGP_TOK
         g = tl.load(GATHER + r)
         xg = tl.load(LOGITS + r * stride_r + g).to(tl.float32) * inv_temp
         tl.store(LOGP_GATHER + r, xg - lse)
+
+
+def _sample_noise() -> str:
+    """SMCDECODE_SAMPLE_NOISE: 4x (default) — one Philox call gives four elements their noise; 1x —
+    a call for each element (as before session 9; for A/B runs)."""
+    v = os.environ.get("SMCDECODE_SAMPLE_NOISE", "4x")
+    if v not in ("4x", "1x"):
+        raise ValueError(f"SMCDECODE_SAMPLE_NOISE={v!r}: use 4x (the default) or 1x")
+    return v
 
 
 def _sample_chunk(R: int, V: int, block: int, device: torch.device) -> int:
@@ -1075,7 +1114,7 @@ def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, ga
     part = torch.empty(R, nsplit, 5, device=logits.device, dtype=torch.float32)
     _sample_split_kernel[(R, nsplit)](logits, seed, logits.stride(0), 1.0 / temperature, part, V=V, CHUNK=chunk,
                                       BLOCK=block, NSPLIT=nsplit, SAMPLE_EVERY=sample_every, num_warps=4,
-                                      **_pdl(logits.device))
+                                      NOISE1=_sample_noise() == "1x", **_pdl(logits.device))
     tok = torch.empty(R, device=logits.device, dtype=torch.long)
     logp_tok = torch.empty(R, device=logits.device, dtype=torch.float32)
     logp_gather = torch.empty(R, device=logits.device, dtype=torch.float32) if gather is not None else None

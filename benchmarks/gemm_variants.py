@@ -87,20 +87,24 @@ def silu_section(draft: Llama, rows: list[int], res: dict) -> None:
 
 def sample_section(res: dict) -> None:
     """The sampler (kernels.triton_sample_and_score) on 128,256-entry rows at the strategies' row
-    counts, under both SMCDECODE_SAMPLE_NOISE settings; µs a call, replayed in a CUDA graph."""
+    counts, under the SMCDECODE_SAMPLE_RACE and SMCDECODE_SAMPLE_NOISE settings (ratio race / 4x noise:
+    the defaults); µs a call, replayed in a CUDA graph."""
     from bench_engine import with_env
 
+    settings = {"ratio_4x": {}, "gumbel_4x": {"SMCDECODE_SAMPLE_RACE": "gumbel"},
+                "gumbel_1x": {"SMCDECODE_SAMPLE_RACE": "gumbel", "SMCDECODE_SAMPLE_NOISE": "1x"}}
     out = []
     for R, every in ((8, 1), (64, 1), (72, 9), (576, 9)):
         logits = torch.randn(R, 128256, device="cuda", dtype=torch.bfloat16) * 3
         seed = torch.tensor(7, device="cuda")
         row = {"rows": R, "sample_every": every}
-        for noise in ("4x", "1x"):
+        for name, env in settings.items():
             def run():
                 kernels.triton_sample_and_score(logits, 0.7, seed, sample_every=every)
-            row[f"noise_{noise}_us"] = 1e6 * with_env({"SMCDECODE_SAMPLE_NOISE": noise}, lambda: graph_time(run, 30))
+            row[f"{name}_us"] = 1e6 * with_env(env, lambda: graph_time(run, 30))
         out.append(row)
-        print(f"sample rows={R} every={every}: 4x {row['noise_4x_us']:.1f} us, 1x {row['noise_1x_us']:.1f} us", flush=True)
+        print(f"sample rows={R} every={every}: " + ", ".join(f"{n} {row[n + '_us']:.1f} us" for n in settings),
+              flush=True)
     res["sample"] = out
 
 

@@ -493,15 +493,19 @@ def test_sample_and_score_reference_sample_every_draws_only_the_last_row_of_each
     assert chi2 < 30.0, chi2  # 7 degrees of freedom: P(chi2 > 30) ≈ 1e-4
 
 
-def test_interpreted_sample_and_score_draws_the_softmax():
+@pytest.mark.parametrize("support", [[5, 261, 700, 1030, 2100, 3004], [5, 261, 517, 773, 1029, 2821]],
+                         ids=["lanes", "one-lane"])
+def test_interpreted_sample_and_score_draws_the_softmax(support):
     """The Triton sampler's draws (noise: one Philox call per four elements, over several blocks and
     quarters of a block) follow softmax(x / T): chi-square over six support tokens placed in every
     block and quarter; the scores are exact."""
     kernels = _interpreted_kernels()
     R, V, T = 600, 3100, 0.7  # one split of four 1024-blocks a row (the last one masked in part)
-    # blocks 0, 0, 0, 1, 2, 2 and quarters 0, 1, 2, 0, 0, 3 of 256 lanes; 5 and 261 share a lane (and a
-    # logit): noise shared across quarters would tie their keys and 261 would never win
-    support = torch.tensor([5, 261, 700, 1030, 2100, 3004])
+    # "lanes": blocks 0, 0, 0, 1, 2, 2 and quarters 0, 1, 2, 0, 0, 3 of 256 lanes; 5 and 261 share a
+    # lane (and a logit): noise shared across quarters would tie their keys and 261 would never win.
+    # "one-lane": all six in lane 5 (quarters 0-3 of block 0, block 1, block 2's last quarter), so the
+    # race within a lane (its comparisons and the rescaling as the lane's max grows) decides every draw
+    support = torch.tensor(support)
     values = torch.tensor([0.4, 0.4, -0.3, 0.8, 0.2, -0.6])
     logits = torch.full((R, V), -1e4)
     logits[:, support] = values
@@ -531,6 +535,37 @@ def test_sample_noise_setting(monkeypatch):
     torch.testing.assert_close(lp4, logp.gather(1, tok4[:, None])[:, 0])
     monkeypatch.setenv("SMCDECODE_SAMPLE_NOISE", "2x")
     with pytest.raises(ValueError, match="SMCDECODE_SAMPLE_NOISE='2x'"):
+        kernels.triton_sample_and_score(logits, 1.0, seed)
+
+
+def test_sample_race_setting_ratio_and_gumbel_draw_the_same_tokens(monkeypatch):
+    """The default race (a block's four quarters at once, compared as exp(x − m) / E) and the Gumbel
+    race quarter by quarter (SMCDECODE_SAMPLE_RACE=gumbel, before session 10) pick the same element
+    from the same noise, and give the same scores; logits of several scales and a masked tail (V not
+    a multiple of the block), two splits a row, half the rows with their support in one lane (32
+    elements raced within the lane); a bad value names the setting."""
+    kernels = _interpreted_kernels()
+    monkeypatch.setenv("SMCDECODE_SAMPLE_CHUNK", "8192")  # eight blocks a program: long races within a lane
+    g = torch.Generator().manual_seed(10)
+    R, V = 96, 9000
+    logits = torch.randn(R, V, generator=g) * torch.tensor([0.5, 3.0, 20.0]).repeat(R // 3)[:, None]
+    logits[::4, 100:] = float("-inf")  # rows whose support is one block's first lanes
+    lane = torch.ones(V, dtype=torch.bool)
+    lane[7::256] = False
+    logits[1::2, lane] = float("-inf")  # rows whose support is one lane: its race decides the draw
+    gather = torch.randint(0, 100, (R,), generator=g)
+    seed = torch.tensor(31)
+    tok, lp_tok, lp_g = kernels.triton_sample_and_score(logits, 0.9, seed, gather)
+    monkeypatch.setenv("SMCDECODE_SAMPLE_RACE", "gumbel")
+    tok_g, lp_tok_g, lp_g_g = kernels.triton_sample_and_score(logits, 0.9, seed, gather)
+    assert torch.equal(tok, tok_g)
+    assert (tok[::4] < 100).all()
+    torch.testing.assert_close(lp_tok, lp_tok_g, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lp_g, lp_g_g, rtol=0, atol=1e-5)
+    logp = torch.log_softmax(logits / 0.9, -1)
+    torch.testing.assert_close(lp_tok, logp.gather(1, tok[:, None])[:, 0], rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("SMCDECODE_SAMPLE_RACE", "max")
+    with pytest.raises(ValueError, match="SMCDECODE_SAMPLE_RACE='max'"):
         kernels.triton_sample_and_score(logits, 1.0, seed)
 
 

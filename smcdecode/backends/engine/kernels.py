@@ -534,9 +534,12 @@ def _split_counters(device: torch.device, n: int, kind: str = "attn") -> Tensor 
 # at 8 requests; docs/benchmarks.md). Session 9 (interleaved, 1,024-token outputs, H200) halved the
 # programs per SM of decode:64 (4 -> 2) and verify:128 (2 -> 1), i.e. the KV splits of one request's
 # launches (8 -> 4 and 4 -> 2): SMC-SD 1 × N=8 K=8 13.85 -> 13.80 ms a round; 8 requests run one
-# split either way; doubling them instead cost +0.47 to +1.9 ms a round (docs/benchmarks.md).
+# split either way; doubling them instead cost +0.47 to +1.9 ms a round (docs/benchmarks.md). Session
+# 10 (same method, two calls): decode:64 on 2 warps instead of 4, −0.08 ms a round at 1 request and
+# −0.39 / −0.42 ms at 8 (1 warp: −0.48 at 8 but +0.10 at 1); 128-key blocks, 2 stages, fewer splits,
+# and verify on 2 or 8 warps, 2 stages or 32-key blocks were not faster.
 ATTN_CONFIGS: dict[str, tuple[int, int, int, float, int]] = {
-    "decode:64": (64, 4, 3, 2.0, 1),  # the 1B draft's decode steps (prefetch of page ids on)
+    "decode:64": (64, 2, 3, 2.0, 1),  # the 1B draft's decode steps (prefetch of page ids on)
     "decode:128": (128, 4, 2, 2.0, 0),  # the 8B target's autoregressive step
     "verify:128": (64, 4, 3, 1.0, 1),  # the 8B target's (K+1)-token verify pass
     "group": (128, 4, 3, 4.0, 0),  # the opt-in grouped kernel
@@ -956,10 +959,7 @@ def _race_step(LOGITS, r, c, stride_r, inv_temp, bits, m, acc, best_key, best_id
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     acc = acc * tl.exp(m - m_safe) + tl.exp(x - m_safe)
     if RACE:
-        # U in (0, 1) strictly, on a 2^-23 grid (tl.rand can round up to exactly 1.0, which would
-        # give E = 0 and an infinite key whatever the logit)
-        u = (bits.to(tl.uint32, bitcast=True) >> 9).to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
-        key = x - tl.log(-tl.log(u))  # Gumbel-max = exponential race: x − log E, E = −log U
+        key = x - tl.log(-tl.log(_uniform(bits)))  # Gumbel-max = exponential race: x − log E, E = −log U
         better = key > best_key
         best_key = tl.where(better, key, best_key)
         best_idx = tl.where(better, c, best_idx)
@@ -968,18 +968,84 @@ def _race_step(LOGITS, r, c, stride_r, inv_temp, bits, m, acc, best_key, best_id
 
 
 @triton.jit
+def _ratio_block(LOGITS, r, c, Q: tl.constexpr, stride_r, inv_temp, b0, b1, b2, b3, m, acc, best_e, best_E,
+                 best_idx, best_x, V: tl.constexpr, RACE: tl.constexpr, seed=0, NOISE1: tl.constexpr = 0):
+    """Elements c, c + Q, c + 2Q, c + 3Q (the four quarters of a block; ``b0``..``b3`` their random
+    bits) folded into the per-lane running max m, Σ exp(x − m) and (RACE) the race's best element.
+    The max is taken over the four first, so a lane pays five ``exp`` for four elements (one rescale)
+    instead of eight. The race compares p / E = exp(x − m) / E (E = −log U exponential; the same
+    argmax as the Gumbel key x − log E, without its second log and reusing exp(x − m)) as products,
+    e·E_best > e_best·E (no division); e_best is rescaled with the sum when the max grows, and the
+    split's key x_best − log E_best is formed once per lane at the end."""
+    c1 = c + Q
+    c2 = c1 + Q
+    c3 = c2 + Q
+    row = LOGITS + r * stride_r
+    x0 = tl.load(row + c, mask=c < V, other=float("-inf")).to(tl.float32) * inv_temp
+    x1 = tl.load(row + c1, mask=c1 < V, other=float("-inf")).to(tl.float32) * inv_temp
+    x2 = tl.load(row + c2, mask=c2 < V, other=float("-inf")).to(tl.float32) * inv_temp
+    x3 = tl.load(row + c3, mask=c3 < V, other=float("-inf")).to(tl.float32) * inv_temp
+    m_new = tl.maximum(tl.maximum(m, x0), tl.maximum(tl.maximum(x1, x2), x3))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    e0 = tl.exp(x0 - m_safe)
+    e1 = tl.exp(x1 - m_safe)
+    e2 = tl.exp(x2 - m_safe)
+    e3 = tl.exp(x3 - m_safe)
+    acc = acc * alpha + ((e0 + e1) + (e2 + e3))
+    if RACE:
+        if NOISE1:
+            b0 = tl.randint(seed, r * V + c)
+            b1 = tl.randint(seed, r * V + c1)
+            b2 = tl.randint(seed, r * V + c2)
+            b3 = tl.randint(seed, r * V + c3)
+        best_e = best_e * alpha
+        best_e, best_E, best_idx, best_x = _ratio_pick(e0, x0, c, b0, best_e, best_E, best_idx, best_x)
+        best_e, best_E, best_idx, best_x = _ratio_pick(e1, x1, c1, b1, best_e, best_E, best_idx, best_x)
+        best_e, best_E, best_idx, best_x = _ratio_pick(e2, x2, c2, b2, best_e, best_E, best_idx, best_x)
+        best_e, best_E, best_idx, best_x = _ratio_pick(e3, x3, c3, b3, best_e, best_E, best_idx, best_x)
+    return m_new, acc, best_e, best_E, best_idx, best_x
+
+
+@triton.jit
+def _ratio_pick(e, x, c, bits, best_e, best_E, best_idx, best_x):
+    """One element (e = exp(x − m), its index c and random bits) against the lane's best (e_best,
+    E_best): it wins when e / E > e_best / E_best. An element with e = 0 (masked, or below exp's range
+    relative to the lane's max) never wins."""
+    E = -tl.log(_uniform(bits))
+    better = e * best_E > best_e * E
+    best_e = tl.where(better, e, best_e)
+    best_E = tl.where(better, E, best_E)
+    best_idx = tl.where(better, c, best_idx)
+    best_x = tl.where(better, x, best_x)
+    return best_e, best_E, best_idx, best_x
+
+
+@triton.jit
+def _uniform(bits):
+    """U in (0, 1) strictly, on a 2^-23 grid, from 32 random bits (tl.rand can round up to exactly
+    1.0, which would give E = 0 and an infinite key whatever the logit)."""
+    return (bits.to(tl.uint32, bitcast=True) >> 9).to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
+
+
+@triton.jit
 def _sample_split_chunk(LOGITS, seed, r, s, stride_r, inv_temp, V: tl.constexpr, CHUNK: tl.constexpr,
-                        BLOCK: tl.constexpr, RACE: tl.constexpr, NOISE1: tl.constexpr):
+                        BLOCK: tl.constexpr, RACE: tl.constexpr, NOISE1: tl.constexpr, GUMBEL: tl.constexpr):
     """Per-lane running max and Σ exp(x − max) over split s of row r, and (RACE) the lane's best
     exponential-race key with its index and x. A block of BLOCK elements is four quarters of BLOCK/4
     lanes; one Philox call (``tl.randint4x``, keyed by the row, the block and the lane) gives a lane
     its 32 random bits in all four quarters, so the noise costs a quarter of a call per element and
-    an element's noise depends only on (seed, row, element)."""
+    an element's noise depends only on (seed, row, element). The four quarters are folded in at once
+    (``_ratio_block``); GUMBEL folds them one by one with Gumbel keys (``_race_step``, as before
+    session 10; SMCDECODE_SAMPLE_RACE=gumbel, for A/B runs)."""
     Q: tl.constexpr = BLOCK // 4
     q = tl.arange(0, Q)
     m = tl.full([Q], float("-inf"), tl.float32)  # running max of x (per lane)
     acc = tl.zeros([Q], tl.float32)  # Σ exp(x − m) per lane
-    best_key = tl.full([Q], float("-inf"), tl.float32)
+    best_key = tl.full([Q], float("-inf"), tl.float32)  # GUMBEL: the best key; else e_best = exp(x_best − m)
+    if not GUMBEL:
+        best_key = tl.zeros([Q], tl.float32)
+    best_E = tl.full([Q], 1.0, tl.float32)
     best_idx = tl.zeros([Q], tl.int32)
     best_x = tl.zeros([Q], tl.float32)
     n_blocks = (V + BLOCK - 1) // BLOCK  # blocks of a row
@@ -987,26 +1053,33 @@ def _sample_split_chunk(LOGITS, seed, r, s, stride_r, inv_temp, V: tl.constexpr,
         base = s * CHUNK + c0
         if RACE and not NOISE1:
             b0, b1, b2, b3 = tl.randint4x(seed, (r * n_blocks + base // BLOCK) * Q + q)
-        else:  # (no noise: the bits are not read)
+        else:  # (no noise, or drawn per element: the bits are not read)
             b0 = q
             b1 = q
             b2 = q
             b3 = q
-        m, acc, best_key, best_idx, best_x = _race_step(LOGITS, r, base + q, stride_r, inv_temp, b0, m, acc,
-                                                        best_key, best_idx, best_x, V, RACE, seed, NOISE1)
-        m, acc, best_key, best_idx, best_x = _race_step(LOGITS, r, base + Q + q, stride_r, inv_temp, b1, m, acc,
-                                                        best_key, best_idx, best_x, V, RACE, seed, NOISE1)
-        m, acc, best_key, best_idx, best_x = _race_step(LOGITS, r, base + 2 * Q + q, stride_r, inv_temp, b2, m,
-                                                        acc, best_key, best_idx, best_x, V, RACE, seed, NOISE1)
-        m, acc, best_key, best_idx, best_x = _race_step(LOGITS, r, base + 3 * Q + q, stride_r, inv_temp, b3, m,
-                                                        acc, best_key, best_idx, best_x, V, RACE, seed, NOISE1)
+        if GUMBEL:
+            m, acc, best_key, best_idx, best_x = _race_step(LOGITS, r, base + q, stride_r, inv_temp, b0, m, acc,
+                                                            best_key, best_idx, best_x, V, RACE, seed, NOISE1)
+            m, acc, best_key, best_idx, best_x = _race_step(LOGITS, r, base + Q + q, stride_r, inv_temp, b1, m,
+                                                            acc, best_key, best_idx, best_x, V, RACE, seed, NOISE1)
+            m, acc, best_key, best_idx, best_x = _race_step(LOGITS, r, base + 2 * Q + q, stride_r, inv_temp, b2,
+                                                            m, acc, best_key, best_idx, best_x, V, RACE, seed, NOISE1)
+            m, acc, best_key, best_idx, best_x = _race_step(LOGITS, r, base + 3 * Q + q, stride_r, inv_temp, b3,
+                                                            m, acc, best_key, best_idx, best_x, V, RACE, seed, NOISE1)
+        else:
+            m, acc, best_key, best_E, best_idx, best_x = _ratio_block(LOGITS, r, base + q, Q, stride_r, inv_temp,
+                                                                      b0, b1, b2, b3, m, acc, best_key, best_E,
+                                                                      best_idx, best_x, V, RACE, seed, NOISE1)
+    if not GUMBEL:  # the lane's key x_best − log E_best (−inf where nothing won)
+        best_key = tl.where(best_key > 0, best_x - tl.log(best_E), float("-inf"))
     return m, acc, best_key, best_idx, best_x
 
 
 @triton.jit
 def _sample_split_kernel(LOGITS, SEED, stride_r, inv_temp, PART, V: tl.constexpr, CHUNK: tl.constexpr,
                          BLOCK: tl.constexpr, NSPLIT: tl.constexpr, SAMPLE_EVERY: tl.constexpr,
-                         PDL: tl.constexpr = 0, NOISE1: tl.constexpr = 0):
+                         PDL: tl.constexpr = 0, NOISE1: tl.constexpr = 0, GUMBEL: tl.constexpr = 0):
     """Split s of row r: (max, Σ exp(x − max), best race key, its index, its x) into PART. Rows with
     r % SAMPLE_EVERY != SAMPLE_EVERY − 1 run no race (no noise drawn; key −inf). The noise of an
     element is keyed by (seed, r·V + c) whatever SAMPLE_EVERY, so a sampled row draws the same token."""
@@ -1016,10 +1089,10 @@ def _sample_split_kernel(LOGITS, SEED, stride_r, inv_temp, PART, V: tl.constexpr
     seed = tl.load(SEED)
     if r % SAMPLE_EVERY == SAMPLE_EVERY - 1:  # (always, for SAMPLE_EVERY = 1)
         m, acc, best_key, best_idx, best_x = _sample_split_chunk(LOGITS, seed, r, s, stride_r, inv_temp, V, CHUNK,
-                                                                 BLOCK, True, NOISE1)
+                                                                 BLOCK, True, NOISE1, GUMBEL)
     else:
         m, acc, best_key, best_idx, best_x = _sample_split_chunk(LOGITS, seed, r, s, stride_r, inv_temp, V, CHUNK,
-                                                                 BLOCK, False, NOISE1)
+                                                                 BLOCK, False, NOISE1, GUMBEL)
     M = tl.max(m, 0)
     M_safe = tl.where(M == float("-inf"), 0.0, M)
     total = tl.sum(acc * tl.exp(m - M_safe), 0)
@@ -1074,6 +1147,16 @@ def _sample_noise() -> str:
     return v
 
 
+def _sample_race() -> str:
+    """SMCDECODE_SAMPLE_RACE: ratio (default) — a block's four quarters folded in at once, the race
+    compared as exp(x − m) / E; gumbel — quarter by quarter with Gumbel keys x − log E (as before
+    session 10; for A/B runs). Both draw the same tokens from the same noise, up to float rounding."""
+    v = os.environ.get("SMCDECODE_SAMPLE_RACE", "ratio")
+    if v not in ("ratio", "gumbel"):
+        raise ValueError(f"SMCDECODE_SAMPLE_RACE={v!r}: use ratio (the default) or gumbel")
+    return v
+
+
 def _sample_chunk(R: int, V: int, block: int, device: torch.device) -> int:
     """Logits a split program reads: 8 blocks, halved (down to one block) while the R rows' splits
     cover fewer than 4 programs per SM — a draft step's 8 rows × 128,256 logits would otherwise be
@@ -1114,7 +1197,8 @@ def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, ga
     part = torch.empty(R, nsplit, 5, device=logits.device, dtype=torch.float32)
     _sample_split_kernel[(R, nsplit)](logits, seed, logits.stride(0), 1.0 / temperature, part, V=V, CHUNK=chunk,
                                       BLOCK=block, NSPLIT=nsplit, SAMPLE_EVERY=sample_every, num_warps=4,
-                                      NOISE1=_sample_noise() == "1x", **_pdl(logits.device))
+                                      NOISE1=_sample_noise() == "1x", GUMBEL=_sample_race() == "gumbel",
+                                      **_pdl(logits.device))
     tok = torch.empty(R, device=logits.device, dtype=torch.long)
     logp_tok = torch.empty(R, device=logits.device, dtype=torch.float32)
     logp_gather = torch.empty(R, device=logits.device, dtype=torch.float32) if gather is not None else None

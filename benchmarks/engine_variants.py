@@ -112,6 +112,9 @@ def run_variant(engine: Engine, env: dict, fn, repeats: int) -> float:
 
 
 _EXTRA_VARIANTS: list[tuple[str, dict]] = []  # --extra-variants
+# the attention launch table before session 10 (decode:64 on 4 warps)
+_S9_ATTN = json.dumps({"decode:64": [64, 4, 3, 2.0, 1], "decode:128": [128, 4, 2, 2.0, 0],
+                       "verify:128": [64, 4, 3, 1.0, 1], "group": [128, 4, 3, 4.0, 0]})
 
 
 def _variants() -> list[tuple[str, dict]]:
@@ -145,15 +148,8 @@ def _variants() -> list[tuple[str, dict]]:
         ("session 8 products", {"SMCDECODE_CUBLASLT": "0", "SMCDECODE_SKINNY_SILU_ROWS": "16"}),
         ("sample noise 1x", {"SMCDECODE_SAMPLE_NOISE": "1x"}),
         ("sample race gumbel", {"SMCDECODE_SAMPLE_RACE": "gumbel"}),
-        ("session 9 attention", {"SMCDECODE_ATTN_CONFIG": json.dumps({"decode:64": [64, 4, 3, 2.0, 1],
-                                                                      "decode:128": [128, 4, 2, 2.0, 0],
-                                                                      "verify:128": [64, 4, 3, 1.0, 1],
-                                                                      "group": [128, 4, 3, 4.0, 0]})}),
-        ("session 9 sampler and attention", {"SMCDECODE_SAMPLE_RACE": "gumbel",
-                                             "SMCDECODE_ATTN_CONFIG": json.dumps({"decode:64": [64, 4, 3, 2.0, 1],
-                                                                                  "decode:128": [128, 4, 2, 2.0, 0],
-                                                                                  "verify:128": [64, 4, 3, 1.0, 1],
-                                                                                  "group": [128, 4, 3, 4.0, 0]})}),
+        ("session 9 attention", {"SMCDECODE_ATTN_CONFIG": _S9_ATTN}),
+        ("session 9 sampler and attention", {"SMCDECODE_SAMPLE_RACE": "gumbel", "SMCDECODE_ATTN_CONFIG": _S9_ATTN}),
     ]
 
 

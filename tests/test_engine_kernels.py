@@ -92,15 +92,18 @@ def test_triton_rope_paged_attention_matches_reference(L, H, Hkv, D, lengths, me
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("split_k", ["default", "forced", "forced unfolded"])
+@pytest.mark.parametrize("split_k", ["default", "forced", "forced unfolded", "forced, fold <= 64 rows"])
 def test_bf16_engine_logprobs_match_hf_and_graph_round_runs(split_k, monkeypatch):
     """(split_k "forced": wo and w2 of the decode steps split K in 2 and 4, which at these small shapes
     the default would not do, and the norms after them folded into their epilogues (model.Normed);
-    "forced unfolded": the same split, the partials summed by the norms, SMCDECODE_FOLD_NORM=0.)"""
+    "forced unfolded": the same split, the partials summed by the norms, SMCDECODE_FOLD_NORM=0;
+    "forced, fold <= 64 rows": SMCDECODE_FOLD_ROWS=64, so the 30-row prefill whose keys the compared
+    positions read folds too, in 32-row blocks.)"""
     transformers = pytest.importorskip("transformers")
     if split_k != "default":
         monkeypatch.setenv("SMCDECODE_SPLITK_CONFIG", '{"256x256": [32, 64, 4, 2, 2], "256x512": [32, 64, 4, 2, 4]}')
     monkeypatch.setenv("SMCDECODE_FOLD_NORM", "0" if split_k == "forced unfolded" else "1")
+    monkeypatch.setenv("SMCDECODE_FOLD_ROWS", "64" if "64" in split_k else "16")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,

@@ -315,6 +315,14 @@ def test_folded_norm_setting_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("SMCDECODE_FOLD_NORM", "on")
     with pytest.raises(ValueError, match="SMCDECODE_FOLD_NORM"):
         M.fold_norms(x, blk)
+    monkeypatch.setenv("SMCDECODE_FOLD_NORM", "1")
+    x64 = torch.zeros(64, 128)  # SMCDECODE_FOLD_ROWS: the most rows that fold (default 16)
+    assert not M.fold_norms(x64, blk)
+    monkeypatch.setenv("SMCDECODE_FOLD_ROWS", "64")
+    assert M.fold_norms(x64, blk) and not M.fold_norms(torch.zeros(65, 128), blk)
+    monkeypatch.setenv("SMCDECODE_FOLD_ROWS", "many")
+    with pytest.raises(ValueError, match="SMCDECODE_FOLD_ROWS"):
+        M.fold_norms(x64, blk)
 
 
 def test_split_k_settings_are_read_from_the_environment(monkeypatch):

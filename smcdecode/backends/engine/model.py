@@ -375,12 +375,22 @@ def linear_silu_mul(x: Tensor, layer: nn.Linear, normed: Normed | None = None) -
 FOLD_MAX_ROWS = 16
 
 
+def fold_max_rows() -> int:
+    """Most rows whose norms ``fold_norms`` folds: SMCDECODE_FOLD_ROWS, default ``FOLD_MAX_ROWS``."""
+    import os
+
+    v = os.environ.get("SMCDECODE_FOLD_ROWS", str(FOLD_MAX_ROWS))
+    if not v.isdigit():
+        raise ValueError(f"SMCDECODE_FOLD_ROWS={v!r}: give a row count such as 16 or 64")
+    return int(v)
+
+
 def fold_norms(x: Tensor, block: Block) -> bool:
     """Whether a block's two RMSNorms after it (its ffn norm, and the next block's attention norm) fold
     into the epilogues of its wo and w2 (``linear_add_norm``): where both products run split-K on the
-    skinny kernel (few rows, Triton on CUDA; see ``_split_config``), at most 16 rows, and the
-    projections have no bias (a bias would have to be added after the row scale). Saves a norm launch
-    for each (2 of a layer's 7). SMCDECODE_FOLD_NORM=0 turns it off.
+    skinny kernel (few rows, Triton on CUDA; see ``_split_config``), at most ``fold_max_rows()`` rows
+    (16; SMCDECODE_FOLD_ROWS), and the projections have no bias (a bias would have to be added after
+    the row scale). Saves a norm launch for each (2 of a layer's 7). SMCDECODE_FOLD_NORM=0 turns it off.
 
     Measured on an H200 (session 8, docs/benchmarks.md; SMC-SD N=8 K=8, 512-token outputs): 1
     request (the draft at 8 and 16 rows) 14.34 -> 14.03 ms a round (interleaved A/B); 8 requests (64
@@ -394,7 +404,7 @@ def fold_norms(x: Tensor, block: Block) -> bool:
     if v == "0" or block.cfg.attention_bias or not _use_triton(x):
         return False
     rows = x.numel() // x.shape[-1]
-    return (rows <= FOLD_MAX_ROWS and _split_config(x, block.wo.weight, rows) is not None
+    return (rows <= fold_max_rows() and _split_config(x, block.wo.weight, rows) is not None
             and _split_config(x, block.w2.weight, rows) is not None)
 
 

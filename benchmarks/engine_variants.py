@@ -132,6 +132,8 @@ def _variants() -> list[tuple[str, dict]]:
         ("default attention config", {"SMCDECODE_ATTN_CONFIG": "{}"}),
         ("skinny SiLU <=64 rows", {"SMCDECODE_SKINNY_SILU_ROWS": "64"}),
         ("pdl", {"SMCDECODE_PDL": "1"}),
+        ("pdl off", {"SMCDECODE_PDL": "0"}),
+        ("transposed off", {"SMCDECODE_TRANSPOSED": "0"}),
         ("pdl wait-only", {"SMCDECODE_PDL": "2"}),
         ("skinny all", {"SMCDECODE_SKINNY_ALL": "1"}),
         ("pdl + skinny all", {"SMCDECODE_PDL": "1", "SMCDECODE_SKINNY_ALL": "1"}),
@@ -187,6 +189,8 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
         for name, env in (("default", {}), ("no skinny", {"SMCDECODE_SKINNY": "0"}),
                           ("no fused rope", {"SMCDECODE_FUSED_ROPE": "0"}), ("merge kernel", {"SMCDECODE_ATTN_MERGE": "kernel"}),
                           ("pdl", {"SMCDECODE_PDL": "1"}),
+        ("pdl off", {"SMCDECODE_PDL": "0"}),
+        ("transposed off", {"SMCDECODE_TRANSPOSED": "0"}),
                           ("pdl + skinny all", {"SMCDECODE_PDL": "1", "SMCDECODE_SKINNY_ALL": "1"}),
                           ("split-K off", {"SMCDECODE_SPLITK": "0"}), ("fold norm off", {"SMCDECODE_FOLD_NORM": "0"}),
                           ("sample chunk 8192", {"SMCDECODE_SAMPLE_CHUNK": "8192"})):

@@ -92,15 +92,20 @@ def test_triton_rope_paged_attention_matches_reference(L, H, Hkv, D, lengths, me
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("split_k", ["default", "forced", "forced unfolded", "forced, fold <= 64 rows"])
+@pytest.mark.parametrize("split_k", ["default", "forced", "forced unfolded", "forced, fold <= 64 rows",
+                                     "transposed"])
 def test_bf16_engine_logprobs_match_hf_and_graph_round_runs(split_k, monkeypatch):
     """(split_k "forced": wo and w2 of the decode steps split K in 2 and 4, which at these small shapes
     the default would not do, and the norms after them folded into their epilogues (model.Normed);
     "forced unfolded": the same split, the partials summed by the norms, SMCDECODE_FOLD_NORM=0;
     "forced, fold <= 64 rows": SMCDECODE_FOLD_ROWS=64, so the 30-row prefill whose keys the compared
-    positions read folds too, in 32-row blocks.)"""
+    positions read folds too, in 32-row blocks; "transposed": SMCDECODE_TRANSPOSED=1 and no split, so
+    every wo and w2 runs as W·xᵀ and the norms read its transposed output.)"""
     transformers = pytest.importorskip("transformers")
-    if split_k != "default":
+    if split_k == "transposed":
+        monkeypatch.setenv("SMCDECODE_TRANSPOSED", "1")
+        monkeypatch.setenv("SMCDECODE_SPLITK", "0")
+    elif split_k != "default":
         monkeypatch.setenv("SMCDECODE_SPLITK_CONFIG", '{"256x256": [32, 64, 4, 2, 2], "256x512": [32, 64, 4, 2, 4]}')
     monkeypatch.setenv("SMCDECODE_FOLD_NORM", "0" if split_k == "forced unfolded" else "1")
     monkeypatch.setenv("SMCDECODE_FOLD_ROWS", "64" if "64" in split_k else "16")
@@ -156,8 +161,11 @@ def test_triton_merge_splits_matches_reference(B, L, H, Hkv, S):
     assert torch.isfinite(out).all() and err < 1e-2, float(err)
 
 
-@pytest.mark.parametrize("M,dim,strided", [(7, 576, False), (72, 4096, True), (3, 2048, True), (256, 64, False)])
+@pytest.mark.parametrize("M,dim,strided", [(7, 576, False), (72, 4096, True), (3, 2048, True), (256, 64, False),
+                                           (192, 4096, "transposed"), (5, 576, "transposed")])
 def test_triton_add_rms_norm_and_silu_mul_match_reference(M, dim, strided):
+    """(strided True: the last-position slice of a last_only forward; "transposed": a delta with unit
+    stride between rows, as cuBLAS writes W·xᵀ for model.linear_to_residual.)"""
     pytest.importorskip("triton")
     from smcdecode.backends.engine.kernels import triton_add_rms_norm, triton_silu_mul
     from smcdecode.backends.engine.model import add_rms_norm_reference, silu_mul
@@ -166,7 +174,10 @@ def test_triton_add_rms_norm_and_silu_mul_match_reference(M, dim, strided):
     x = torch.randn(M, 3, dim, device="cuda", dtype=torch.bfloat16)
     d = torch.randn(M, 3, dim, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(dim, device="cuda", dtype=torch.bfloat16)
-    if strided:  # the last-position slice, as in a last_only forward
+    if strided == "transposed":
+        d = d.reshape(-1, dim).t().contiguous().t().reshape(M, 3, dim)
+        assert d.reshape(-1, dim).stride() == (1, 3 * M)
+    elif strided:  # the last-position slice, as in a last_only forward
         x, d = x[:, -1:], d[:, -1:]
     h, y = triton_add_rms_norm(x, d, w, 1e-5)
     h_ref, y_ref = add_rms_norm_reference(x, d, w, 1e-5)

@@ -250,6 +250,47 @@ def test_interpreted_split_k_partials_sum_to_the_product_and_feed_the_norm():
         kernels.triton_skinny_linear(x, torch.randn(2 * N, K), silu=True, config=cfg, split=2)
 
 
+def test_interpreted_add_rms_norm_reads_a_transposed_delta():
+    """A delta stored transposed (the view (W·xᵀ)ᵀ of a product cuBLAS ran on the transposed
+    problem, model.linear_to_residual) gives the reference's h and norm: read in 4-row tiles (rows
+    not a multiple of 4, a width that is not a power of two), and a slice of it whose rows are not
+    adjacent in memory (the last position of each sequence) through a copy."""
+    kernels = _interpreted_kernels()
+    from smcdecode.backends.engine.model import add_rms_norm_reference
+
+    g = torch.Generator().manual_seed(11)
+    for B, L, dim in [(2, 9, 48), (1, 7, 40), (3, 1, 64)]:
+        x = torch.randn(B, L, dim, generator=g)
+        W, a = torch.randn(dim, 24, generator=g), torch.randn(B * L, 24, generator=g)
+        d = torch.mm(W, a.t()).t().reshape(B, L, dim)  # [B, L, dim], unit stride between rows
+        assert d.stride(-1) == B * L and d.reshape(-1, dim).stride(0) == 1
+        gamma = torch.randn(dim, generator=g)
+        for xs, ds in ((x, d), (x[:, -1:], d[:, -1:])):
+            h, y = kernels.triton_add_rms_norm(xs, ds, gamma, 1e-5)
+            h_ref, y_ref = add_rms_norm_reference(xs, ds, gamma, 1e-5)
+            assert h.shape == y.shape == xs.shape
+            torch.testing.assert_close(h, h_ref, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_transposed_product_setting_is_read_from_the_environment(monkeypatch):
+    """SMCDECODE_TRANSPOSED: auto takes the measured shapes on sm_90 only, 1 every shape, 0 none; a bad
+    value names the setting."""
+    from smcdecode.backends.engine.model import TRANSPOSED_SHAPES, transposed_wins
+
+    shape = next(iter(TRANSPOSED_SHAPES))
+    monkeypatch.delenv("SMCDECODE_TRANSPOSED", raising=False)
+    assert transposed_wins(*shape, (9, 0)) and not transposed_wins(*shape, (8, 0))
+    assert not transposed_wins(8, 4096, 14336, (9, 0))
+    monkeypatch.setenv("SMCDECODE_TRANSPOSED", "1")
+    assert transposed_wins(8, 4096, 14336, (8, 0))
+    monkeypatch.setenv("SMCDECODE_TRANSPOSED", "0")
+    assert not transposed_wins(*shape, (9, 0))
+    monkeypatch.setenv("SMCDECODE_TRANSPOSED", "yes")
+    with pytest.raises(ValueError, match="SMCDECODE_TRANSPOSED"):
+        transposed_wins(*shape, (9, 0))
+
+
 def test_interpreted_folded_norm_kernels_match_references():
     """The folded RMSNorm (model.Normed): the skinny product's RESID epilogue gives h = resid + x·wᵀ,
     γ ⊙ h and per-column-block Σ h² (unsplit, and split-K added up in order by the last split of each

@@ -75,9 +75,11 @@ def _pdl_capable(device_index: int) -> bool:
 
 def pdl_mode(device: torch.device) -> int:
     """SMCDECODE_PDL: 0 (off), 1 (a kernel releases the next one as soon as its own wait is over)
-    or 2 (released when it ends); default 0. Off on the CPU, under Triton's interpreter and before
-    sm_90 (Hopper), whatever the setting."""
-    v = os.environ.get("SMCDECODE_PDL", "0")
+    or 2 (released when it ends); default 1 (session 11, H200, interleaved SMC-SD N=8 K=8: −0.07 ms
+    a round at 1 request, −0.05 and −0.10 ms at 8 on two machines; sessions 5 and 8 had measured
+    it slower, before the folded norms and the later kernels). Off on the CPU, under Triton's
+    interpreter and before sm_90 (Hopper), whatever the setting."""
+    v = os.environ.get("SMCDECODE_PDL", "1")
     if v not in ("0", "1", "2"):
         raise ValueError(f"SMCDECODE_PDL={v!r}: use 0 (off), 1 (early release) or 2 (release at the end)")
     if v == "0" or device.type != "cuda" or _INTERPRET or not _pdl_capable(device.index or 0):
@@ -812,17 +814,52 @@ def _add_rms_norm_kernel(X, DELTA, W, H_OUT, Y, stride_x, stride_d, eps, DIM: tl
     tl.store(Y + row * DIM + c, y.to(Y.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _add_t_rms_norm_kernel(X, DT, W, H_OUT, Y, M, stride_x, stride_dt, eps, DIM: tl.constexpr,
+                           BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr = 0):
+    """``_add_rms_norm_kernel`` for a delta stored transposed — row r's entry c at DT + c·stride_dt + r,
+    as cuBLAS writes the transposed problem W·xᵀ (model.linear_to_residual) — BLOCK_M rows a program,
+    so that each column's BLOCK_M entries are one contiguous read."""
+    _pdl_enter(PDL)
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = tl.arange(0, BLOCK)
+    ok = (rm < M)[:, None] & (c < DIM)[None, :]
+    x = tl.load(X + rm[:, None] * stride_x + c[None, :], mask=ok, other=0.0)
+    x = x + tl.load(DT + c[None, :] * stride_dt + rm[:, None], mask=ok, other=0.0)  # in the stream's dtype
+    tl.store(H_OUT + rm[:, None] * DIM + c[None, :], x, mask=ok)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / DIM + eps)
+    w = tl.load(W + c, mask=c < DIM, other=0.0)
+    y = (xf * rstd[:, None]).to(x.dtype).to(tl.float32) * w.to(tl.float32)[None, :]
+    tl.store(Y + rm[:, None] * DIM + c[None, :], y.to(Y.dtype.element_ty), mask=ok)
+
+
 def triton_add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float,
                         parts: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(h, y) with h = x + delta (x when delta is None) and y = weight · h / rms(h), over the last dim.
-    x, delta [..., dim] with unit stride in the last dim (row-strided views are fine). ``parts``
-    instead of ``delta``: float32 partial sums [S, ..., dim] of a split-K product
-    (``triton_skinny_linear(split=S)``), delta = their sum rounded to x's dtype.
+    x [..., dim] with unit stride in the last dim (row-strided views are fine); delta the same, or
+    transposed (unit stride between rows: the view ``(W · xᵀ)ᵀ`` of a product cuBLAS ran on the
+    transposed problem), read BLOCK_M rows a program. ``parts`` instead of ``delta``: float32
+    partial sums [S, ..., dim] of a split-K product (``triton_skinny_linear(split=S)``), delta =
+    their sum rounded to x's dtype.
     Reference: model.add_rms_norm_reference (with model.SplitSum.total for ``parts``)."""
     dim = x.shape[-1]
     shape = x.shape
     x2 = x.reshape(-1, dim)
     M = x2.shape[0]
+    if delta is not None and parts is None and delta.stride(-1) != 1 and dim > 1:
+        dt = delta.reshape(-1, dim)
+        if dt.stride(0) != 1:
+            dt = dt.contiguous()
+        else:
+            h = torch.empty(M, dim, device=x.device, dtype=x.dtype)
+            y = torch.empty(M, dim, device=x.device, dtype=x.dtype)
+            block_m = 4
+            _add_t_rms_norm_kernel[(triton.cdiv(M, block_m),)](
+                x2, dt, weight, h, y, M, x2.stride(0), dt.stride(1), eps, DIM=dim,
+                BLOCK=triton.next_power_of_2(dim), BLOCK_M=block_m, num_warps=8, **_pdl(x.device))
+            return h.view(shape), y.view(shape)
+        delta = dt
     nsplit, stride_s = 0, 0
     if parts is not None:
         if delta is not None:

@@ -347,10 +347,33 @@ def _split_config(x: Tensor, weight: Tensor, rows: int | None = None):
     return splitk_config(x.numel() // K if rows is None else rows, N, K, x.device)
 
 
+# Products read only by the next residual add + RMSNorm where cuBLAS on the transposed problem W · xᵀ
+# measured faster than x · Wᵀ by either library (benchmarks/gemm_variants.py, session 9, H200: µs for
+# all layers, cuBLAS -> transposed): (rows, N, K).
+TRANSPOSED_SHAPES = {
+    (576, 4096, 14336),  # 8B w2, verify pass of 8 requests × 8 particles × 9 tokens: 3,373 -> 3,155
+}
+
+
+def transposed_wins(M: int, N: int, K: int, capability: tuple[int, int]) -> bool:
+    """Whether ``linear_to_residual`` runs [M, K] · [N, K]ᵀ as W · xᵀ (its output then transposed in
+    memory, which the add + RMSNorm reads as such): SMCDECODE_TRANSPOSED=auto (default) for the
+    measured shapes of ``TRANSPOSED_SHAPES`` on Hopper (sm_90), 1 for every such product not on a
+    Triton kernel, 0 never."""
+    import os
+
+    v = os.environ.get("SMCDECODE_TRANSPOSED", "auto")
+    if v not in ("auto", "0", "1"):
+        raise ValueError(f"SMCDECODE_TRANSPOSED={v!r}: use auto (measured shapes, the default), 1 (always) or 0 (never)")
+    return v == "1" or (v == "auto" and capability[0] == 9 and (M, N, K) in TRANSPOSED_SHAPES)
+
+
 def linear_to_residual(x: Tensor, layer: nn.Linear) -> Tensor | SplitSum:
     """``linear`` for a product whose only reader is the next residual add + RMSNorm (a block's wo and
     w2): at few rows its K is split over more programs (the 1B's 2048-column products have only 64
-    column blocks of 32 for 132 SMs) and the float32 partials go to the norm as a ``SplitSum``."""
+    column blocks of 32 for 132 SMs) and the float32 partials go to the norm as a ``SplitSum``; where
+    ``transposed_wins`` it is computed as W · xᵀ and returned as the transposed view of that (unit
+    stride between rows), which ``kernels.triton_add_rms_norm`` reads without a copy."""
     if layer.bias is None:
         cfg = _split_config(x, layer.weight)
         if cfg is not None:
@@ -358,6 +381,10 @@ def linear_to_residual(x: Tensor, layer: nn.Linear) -> Tensor | SplitSum:
 
             y = triton_skinny_linear(x, layer.weight, config=cfg[0], split=cfg[1])
             return SplitSum(y) if y.dim() == x.dim() + 1 else y
+        N, K = layer.weight.shape
+        if (_use_triton(x) and x.dtype == layer.weight.dtype and not _use_skinny(x, layer.weight)
+                and transposed_wins(x.numel() // K, N, K, torch.cuda.get_device_capability(x.device))):
+            return torch.mm(layer.weight, x.reshape(-1, K).t()).t().reshape(*x.shape[:-1], N)
     return linear(x, layer)
 
 

@@ -214,11 +214,12 @@ def e2e_section(engine: Engine, prompts: list[list[int]], res: dict, out_len: in
 
 
 def interleaved_section(target: Llama, draft: Llama, prompts: list[list[int]], res: dict, out_len: int,
-                        repeats: int, names: list[str], groups: tuple[int, ...] = (1,)) -> None:
-    """SMC-SD N=8 K=8 under the variants ``names`` (the e2e table's settings), measured interleaved:
-    one Engine per variant (each captures its own graphs under its settings), then ``repeats`` passes
-    that run every variant once in turn, so slow drifts of the machine hit all variants alike.
-    Reports each variant's median and the median of its per-pass difference from the first variant."""
+                        repeats: int, names: list[str], groups: tuple[int, ...] = (1,), strategy: str = "smc") -> None:
+    """SMC-SD N=8 K=8 (``strategy`` "smc") or autoregressive decoding ("ar") under the variants
+    ``names`` (the e2e table's settings), measured interleaved: one Engine per variant (each captures
+    its own graphs under its settings), then ``repeats`` passes that run every variant once in turn,
+    so slow drifts of the machine hit all variants alike. Reports each variant's median and the
+    median of its per-pass difference from the first variant, in ms a round (SMC-SD) or a token (AR)."""
     table = dict(_variants())
     rows = []
     for G in groups:
@@ -230,6 +231,8 @@ def interleaved_section(target: Llama, draft: Llama, prompts: list[list[int]], r
             eng = Engine(target, draft, num_pages=pages, page_size=16, max_context=256 + out_len + 16)
 
             def fn(eng=eng, short=True):
+                if strategy == "ar":
+                    return eng.autoregressive(P, max_new_tokens=27 if short else out_len)
                 return eng.smc_sd(P, particles=8, block_size=8, max_new_tokens=3 * 9 if short else out_len)
 
             with_env(env, lambda: (fn(), fn(short=False)))  # capture, then one full run
@@ -244,16 +247,18 @@ def interleaved_section(target: Llama, draft: Llama, prompts: list[list[int]], r
                     torch.cuda.synchronize()
                     return time.perf_counter() - t0
                 times[name].append(with_env(env, timed))
-        rounds = -(-out_len // 9)
+        rounds = out_len if strategy == "ar" else -(-out_len // 9)
         base = times[names[0]]
         for name in names:
             ts = times[name]
-            r = {"strategy": f"SMC-SD {G}x N=8 K=8 (interleaved)", "variant": name, "env": table[name],
+            what = "AR" if strategy == "ar" else "SMC-SD"
+            r = {"strategy": f"{what} {G}x" + ("" if strategy == "ar" else " N=8 K=8") + " (interleaved)",
+                 "variant": name, "env": table[name],
                  "ms_per_round": 1e3 * statistics.median(ts) / rounds,
                  "ms_per_round_all": [1e3 * t / rounds for t in ts],
                  "diff_vs_first_ms": 1e3 * statistics.median([a - b for a, b in zip(ts, base)]) / rounds}
             rows.append(r)
-            print(f"interleaved G={G} {name:28s} {r['ms_per_round']:7.3f} ms/round  "
+            print(f"interleaved {what} G={G} {name:28s} {r['ms_per_round']:7.3f} ms/round  "
                   f"diff vs {names[0]}: {r['diff_vs_first_ms']:+.3f} ms", flush=True)
         del engines
         torch.cuda.empty_cache()
@@ -346,6 +351,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated e2e variant names (default: all; names have no commas)")
     ap.add_argument("--skip-ar", action="store_true", help="e2e: SMC-SD variants only")
     ap.add_argument("--groups", default="1", help="interleave: request counts (comma-separated), e.g. 1,8")
+    ap.add_argument("--strategy", default="smc", choices=("smc", "ar"),
+                    help="interleave: SMC-SD N=8 K=8 (ms a round) or autoregressive decoding (ms a token)")
     ap.add_argument("--no-group", action="store_true", help="leave the opt-in grouped attention out of the sweep")
     ap.add_argument("--extra-env", default="", help="a JSON file of settings added to every e2e variant "
                     "(e.g. pdl_bench.py's best_env.json)")
@@ -386,7 +393,7 @@ def main() -> None:
     if "interleave" in secs:
         try:
             interleaved_section(target, draft, prompts, res, args.out_len, args.repeats, args.only.split(","),
-                                tuple(int(g) for g in args.groups.split(",")))
+                                tuple(int(g) for g in args.groups.split(",")), args.strategy)
         except Exception:
             print(traceback.format_exc(), flush=True)
         (out / "variants.json").write_text(json.dumps(res, indent=1, default=str))

@@ -883,6 +883,15 @@ def test_pdl_and_skinny_settings_are_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("SMCDECODE_PDL", "yes")
     with pytest.raises(ValueError, match="SMCDECODE_PDL='yes'"):
         kernels.pdl_mode(torch.device("cpu"))
+    # auto (the default): on, except inside auto_pdl_off (autoregressive decoding); explicit values win
+    monkeypatch.delenv("SMCDECODE_PDL")
+    assert kernels.pdl_setting() == 1
+    with kernels.auto_pdl_off():
+        assert kernels.pdl_setting() == 0
+        monkeypatch.setenv("SMCDECODE_PDL", "2")
+        assert kernels.pdl_setting() == 2
+    monkeypatch.setenv("SMCDECODE_PDL", "auto")
+    assert kernels.pdl_setting() == 1
     monkeypatch.delenv("SMCDECODE_SKINNY_ALL", raising=False)
     assert not kernels.skinny_wins(8, 3072, 2048, 12e6, silu=False)  # wqkv: cuBLAS by default
     monkeypatch.setenv("SMCDECODE_SKINNY_ALL", "1")

@@ -192,6 +192,30 @@ def test_autoregressive_reuses_its_step_and_checks_input():
         e.autoregressive([[1, 2], []], max_new_tokens=3)
 
 
+def test_autoregressive_launches_its_kernels_with_pdl_auto_off(monkeypatch):
+    """SMCDECODE_PDL=auto reads as off inside Engine.autoregressive (its step is captured there; PDL
+    measured slower for it) and as on again after it, also when it raises."""
+    pytest.importorskip("triton")
+    from smcdecode.backends.engine import engine as E
+    from smcdecode.backends.engine import kernels
+
+    monkeypatch.delenv("SMCDECODE_PDL", raising=False)
+    seen = []
+    start = E.Engine._start
+
+    def spy(self, *a, **k):
+        seen.append(kernels.pdl_setting())
+        return start(self, *a, **k)
+
+    monkeypatch.setattr(E.Engine, "_start", spy)
+    e = Engine(tiny_llama(seed=4), None, num_pages=64, page_size=4, max_context=16)
+    e.autoregressive([[1, 2, 3]], max_new_tokens=2)
+    assert seen == [0] and kernels.pdl_setting() == 1
+    with pytest.raises(SMCDecodeError):
+        e.autoregressive([[1, 2]], max_new_tokens=0)
+    assert kernels.pdl_setting() == 1
+
+
 @torch.inference_mode()
 def test_autoregressive_stops_soon_after_every_row_sampled_eos():
     """With eos_token_id: each row equals the run without it up to and including its first EOS

@@ -15,6 +15,7 @@ Weights follow samplers/smc_sd.py (α = 1, no constraints or rewards in this sli
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -75,6 +76,22 @@ def sample_and_score(logits: Tensor, temperature: float, seed: Tensor, gather: T
 
         return triton_sample_and_score(logits, temperature, seed, gather, sample_every)
     return sample_and_score_reference(logits, temperature, gather, sample_every=sample_every)
+
+
+def _without_auto_pdl(fn):
+    """``fn`` with its kernels launched (and captured) without PDL unless SMCDECODE_PDL asks for it
+    (``kernels.auto_pdl_off``): for autoregressive decoding, where PDL measured slower."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        try:
+            from .kernels import auto_pdl_off
+        except ImportError:  # no Triton: no PDL either
+            return fn(*args, **kwargs)
+        with auto_pdl_off():
+            return fn(*args, **kwargs)
+
+    return wrapped
 
 
 @dataclass
@@ -855,6 +872,7 @@ class Engine:
 
         return round_
 
+    @_without_auto_pdl
     @torch.inference_mode()
     def autoregressive(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
                        samples: int = 1, use_graphs: bool | None = None, seed: int = 0,

@@ -30,6 +30,7 @@ logits in one read; rows that need no token (verify's scored rows) can skip the 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -73,17 +74,43 @@ def _pdl_capable(device_index: int) -> bool:
     return gdc_wait is not None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+_AUTO_PDL_OFF = [0]  # depth of ``auto_pdl_off()`` contexts
+
+
+@contextlib.contextmanager
+def auto_pdl_off():
+    """Within it, SMCDECODE_PDL=auto (the default) reads as off: ``Engine.autoregressive`` launches
+    (and captures) its steps in it, where PDL measured slower."""
+    _AUTO_PDL_OFF[0] += 1
+    try:
+        yield
+    finally:
+        _AUTO_PDL_OFF[0] -= 1
+
+
 def pdl_mode(device: torch.device) -> int:
-    """SMCDECODE_PDL: 0 (off), 1 (a kernel releases the next one as soon as its own wait is over)
-    or 2 (released when it ends); default 1 (session 11, H200, interleaved SMC-SD N=8 K=8: −0.07 ms
-    a round at 1 request, −0.05 and −0.10 ms at 8 on two machines; sessions 5 and 8 had measured
-    it slower, before the folded norms and the later kernels). Off on the CPU, under Triton's
-    interpreter and before sm_90 (Hopper), whatever the setting."""
-    v = os.environ.get("SMCDECODE_PDL", "1")
-    if v not in ("0", "1", "2"):
-        raise ValueError(f"SMCDECODE_PDL={v!r}: use 0 (off), 1 (early release) or 2 (release at the end)")
-    if v == "0" or device.type != "cuda" or _INTERPRET or not _pdl_capable(device.index or 0):
+    """SMCDECODE_PDL: 0 (off), 1 (a kernel releases the next one as soon as its own wait is over),
+    2 (released when it ends) or auto (the default): 1, except inside ``auto_pdl_off()``, 0. Measured
+    in session 11 (H200, interleaved, 1,024-token outputs): PDL 1 makes SMC-SD N=8 K=8 0.07 ms a
+    round faster at 1 request and 0.05 / 0.10 ms at 8 (two machines), and autoregressive decoding
+    0.07 ms a token slower (1.5 %; sessions 5 and 8 had measured SMC-SD slower too, before the
+    folded norms and the later kernels). Off on the CPU, under Triton's interpreter and before sm_90
+    (Hopper), whatever the setting."""
+    v = pdl_setting()
+    if v == 0 or device.type != "cuda" or _INTERPRET or not _pdl_capable(device.index or 0):
         return 0
+    return v
+
+
+def pdl_setting() -> int:
+    """SMCDECODE_PDL resolved (``pdl_mode`` before its device checks): auto -> 1, or 0 inside
+    ``auto_pdl_off()``."""
+    v = os.environ.get("SMCDECODE_PDL", "auto")
+    if v not in ("auto", "0", "1", "2"):
+        raise ValueError(f"SMCDECODE_PDL={v!r}: use auto (the default), 0 (off), 1 (early release) or 2 "
+                         "(release at the end)")
+    if v == "auto":
+        return 0 if _AUTO_PDL_OFF[0] else 1
     return int(v)
 
 

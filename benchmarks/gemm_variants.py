@@ -108,6 +108,57 @@ def sample_section(res: dict) -> None:
     res["sample"] = out
 
 
+def tnorm_section(target: Llama, res: dict) -> None:
+    """The 8B's w2 at the verify pass's 576 rows followed by the add + RMSNorm, all 32 layers: cuBLAS's
+    x·Wᵀ + the row kernel, against W·xᵀ + the transposed-delta kernel under SMCDECODE_TNORM_CONFIG
+    settings; and each norm alone (µs for 32 launches, graph replay)."""
+    from bench_engine import with_env
+
+    M, cfg = 576, target.cfg
+    ws = [b.w2.weight for b in target.layers]
+    xi = torch.randn(M, cfg.intermediate_size, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(M, cfg.dim, device="cuda", dtype=torch.bfloat16)
+    g = torch.ones(cfg.dim, device="cuda", dtype=torch.bfloat16)
+    d = F.linear(xi, ws[0])
+    dt = torch.mm(ws[0], xi.t()).t()
+    out = {"rows": M}
+
+    def plain():
+        for w in ws:
+            kernels.triton_add_rms_norm(r, F.linear(xi, w), g, 1e-5)
+
+    def plain_norm():
+        for _ in ws:
+            kernels.triton_add_rms_norm(r, d, g, 1e-5)
+
+    out["cublas_plus_norm_us"] = 1e6 * graph_time(plain)
+    out["norm_alone_us"] = 1e6 * graph_time(plain_norm)
+    ref = kernels.triton_add_rms_norm(r, d, g, 1e-5)[1].float()
+    for bm, warps in ((2, 4), (4, 4), (4, 8), (8, 4), (8, 8), (8, 16), (16, 8), (16, 16)):
+        env = {"SMCDECODE_TNORM_CONFIG": f"{bm},{warps}"}
+
+        def tr():
+            for w in ws:
+                kernels.triton_add_rms_norm(r, torch.mm(w, xi.t()).t(), g, 1e-5)
+
+        def tr_norm():
+            for _ in ws:
+                kernels.triton_add_rms_norm(r, dt, g, 1e-5)
+
+        try:
+            row = {"transposed_plus_norm_us": 1e6 * with_env(env, lambda: graph_time(tr)),
+                   "norm_alone_us": 1e6 * with_env(env, lambda: graph_time(tr_norm)),
+                   "max_abs_err": with_env(env, lambda: (kernels.triton_add_rms_norm(r, dt, g, 1e-5)[1].float()
+                                                          - ref).abs().max().item())}
+        except Exception as e:
+            row = {"error": repr(e)[:200]}
+        out[f"t{bm}x{warps}"] = row
+        print(f"tnorm {bm} rows, {warps} warps: {row}", flush=True)
+    print(f"tnorm baseline: cuBLAS + norm {out['cublas_plus_norm_us']:.1f} us, norm alone {out['norm_alone_us']:.1f} us",
+          flush=True)
+    res["tnorm"] = out
+
+
 def cublas_section(target: Llama, draft: Llama, res: dict) -> None:
     out = []
     for name, model, Ms in (("draft", draft, (8, 16, 64, 128)), ("target", target, (1, 72, 576))):
@@ -147,7 +198,7 @@ def cublas_section(target: Llama, draft: Llama, res: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/gemm")
-    ap.add_argument("--sections", default="silu,cublas", help="comma-separated: silu, cublas, sample")
+    ap.add_argument("--sections", default="silu,cublas", help="comma-separated: silu, cublas, sample, tnorm")
     ap.add_argument("--silu-rows", default="64,128")
     args = ap.parse_args()
     out = Path(args.out)
@@ -156,13 +207,14 @@ def main() -> None:
                  "torch": torch.__version__, "method": "each layer's own weights, CUDA-graph replay, median of 15"}
     secs = args.sections.split(",")
     target = draft = None
-    if "silu" in secs or "cublas" in secs:
+    if "silu" in secs or "cublas" in secs or "tnorm" in secs:
         target = Llama.random(PRESETS["llama-3.1-8b"], device="cuda", seed=1)
         draft = Llama.random(PRESETS["llama-3.2-1b"], device="cuda", seed=2)
     t0 = time.perf_counter()
     for sec, fn in (("silu", lambda: silu_section(draft, [int(m) for m in args.silu_rows.split(",")], res)),
                     ("cublas", lambda: cublas_section(target, draft, res)),
-                    ("sample", lambda: sample_section(res))):
+                    ("sample", lambda: sample_section(res)),
+                    ("tnorm", lambda: tnorm_section(target, res))):
         if sec in secs:
             fn()
             (out / "gemm_variants.json").write_text(json.dumps(res, indent=1))

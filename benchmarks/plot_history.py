@@ -42,7 +42,7 @@ def kernel_kind(name: str) -> str:
         return "weight products"
     if name.startswith("_paged_attn") or name.startswith("_merge_splits"):
         return "attention"
-    if name.startswith(("_add_rms_norm", "_embed_rms_norm")):
+    if name.startswith(("_add_rms_norm", "_add_t_rms_norm", "_embed_rms_norm")):
         return "norms"
     if name.startswith("_silu_mul"):
         return "SiLU·mul"

@@ -861,6 +861,19 @@ def _add_t_rms_norm_kernel(X, DT, W, H_OUT, Y, M, stride_x, stride_dt, eps, DIM:
     tl.store(Y + rm[:, None] * DIM + c[None, :], y.to(Y.dtype.element_ty), mask=ok)
 
 
+def _tnorm_config() -> tuple[int, int]:
+    """(rows a program, warps) of ``_add_t_rms_norm_kernel``: SMCDECODE_TNORM_CONFIG "BLOCK_M,WARPS"
+    (for sweeps), default 4 rows on 8 warps."""
+    v = os.environ.get("SMCDECODE_TNORM_CONFIG", "4,8")
+    try:
+        bm, warps = (int(t) for t in v.split(","))
+    except ValueError:
+        bm = warps = 0
+    if bm < 1 or bm & (bm - 1) or warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"SMCDECODE_TNORM_CONFIG={v!r}: give BLOCK_M,WARPS, a power of two and one of 1, 2, 4, 8, 16")
+    return bm, warps
+
+
 def triton_add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float,
                         parts: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(h, y) with h = x + delta (x when delta is None) and y = weight · h / rms(h), over the last dim.
@@ -881,10 +894,10 @@ def triton_add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: fl
         else:
             h = torch.empty(M, dim, device=x.device, dtype=x.dtype)
             y = torch.empty(M, dim, device=x.device, dtype=x.dtype)
-            block_m = 4
+            block_m, warps = _tnorm_config()
             _add_t_rms_norm_kernel[(triton.cdiv(M, block_m),)](
                 x2, dt, weight, h, y, M, x2.stride(0), dt.stride(1), eps, DIM=dim,
-                BLOCK=triton.next_power_of_2(dim), BLOCK_M=block_m, num_warps=8, **_pdl(x.device))
+                BLOCK=triton.next_power_of_2(dim), BLOCK_M=block_m, num_warps=warps, **_pdl(x.device))
             return h.view(shape), y.view(shape)
         delta = dt
     nsplit, stride_s = 0, 0

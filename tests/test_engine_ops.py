@@ -267,12 +267,13 @@ def test_interpreted_add_rms_norm_reads_a_transposed_delta():
         gamma = torch.randn(dim, generator=g)
         for xs, ds in ((x, d), (x[:, -1:], d[:, -1:])):
             h, y = kernels.triton_add_rms_norm(xs, ds, gamma, 1e-5)
-            if xs is x:  # another tile: 8 rows a program
-                with pytest.MonkeyPatch.context() as mp:
-                    mp.setenv("SMCDECODE_TNORM_CONFIG", "8,4")
-                    h8, y8 = kernels.triton_add_rms_norm(xs, ds, gamma, 1e-5)
-                torch.testing.assert_close(h8, h, rtol=0, atol=0)
-                torch.testing.assert_close(y8, y, rtol=1e-6, atol=1e-6)
+            if xs is x:  # other tiles: 8 rows a program; two passes over 16-column blocks
+                for setting in ("8,4", "2,4,16"):
+                    with pytest.MonkeyPatch.context() as mp:
+                        mp.setenv("SMCDECODE_TNORM_CONFIG", setting)
+                        h8, y8 = kernels.triton_add_rms_norm(xs, ds, gamma, 1e-5)
+                    torch.testing.assert_close(h8, h, rtol=0, atol=0)
+                    torch.testing.assert_close(y8, y, rtol=1e-6, atol=1e-6)
             h_ref, y_ref = add_rms_norm_reference(xs, ds, gamma, 1e-5)
             assert h.shape == y.shape == xs.shape
             torch.testing.assert_close(h, h_ref, rtol=1e-6, atol=1e-6)
@@ -296,10 +297,12 @@ def test_transposed_product_setting_is_read_from_the_environment(monkeypatch):
     with pytest.raises(ValueError, match="SMCDECODE_TRANSPOSED"):
         transposed_wins(*shape, (9, 0))
     kernels = _interpreted_kernels()  # the transposed-delta norm's tile: SMCDECODE_TNORM_CONFIG
-    assert kernels._tnorm_config() == (4, 8)
+    assert kernels._tnorm_config() == (4, 8, 0)
     monkeypatch.setenv("SMCDECODE_TNORM_CONFIG", "8,16")
-    assert kernels._tnorm_config() == (8, 16)
-    for bad in ("3,8", "8", "8,3"):
+    assert kernels._tnorm_config() == (8, 16, 0)
+    monkeypatch.setenv("SMCDECODE_TNORM_CONFIG", "8,4,512")
+    assert kernels._tnorm_config() == (8, 4, 512)
+    for bad in ("3,8", "8", "8,3", "8,4,24", "8,4,8", "8,4,512,1"):
         monkeypatch.setenv("SMCDECODE_TNORM_CONFIG", bad)
         with pytest.raises(ValueError, match="SMCDECODE_TNORM_CONFIG"):
             kernels._tnorm_config()

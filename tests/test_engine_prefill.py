@@ -193,8 +193,8 @@ def test_autoregressive_reuses_its_step_and_checks_input():
 
 
 def test_autoregressive_launches_its_kernels_with_pdl_auto_off(monkeypatch):
-    """SMCDECODE_PDL=auto reads as off inside Engine.autoregressive (its step is captured there; PDL
-    measured slower for it) and as on again after it, also when it raises."""
+    """SMCDECODE_PDL=auto reads as off inside Engine.autoregressive and Engine.speculative (their
+    steps are captured there) and as on again after them, also when they raise; SMC-SD keeps it on."""
     pytest.importorskip("triton")
     from smcdecode.backends.engine import engine as E
     from smcdecode.backends.engine import kernels
@@ -214,6 +214,10 @@ def test_autoregressive_launches_its_kernels_with_pdl_auto_off(monkeypatch):
     with pytest.raises(SMCDecodeError):
         e.autoregressive([[1, 2]], max_new_tokens=0)
     assert kernels.pdl_setting() == 1
+    e = Engine(tiny_llama(seed=4), tiny_llama(seed=5, layers=1), num_pages=128, page_size=4, max_context=24)
+    e.speculative([[1, 2, 3]], block_size=2, max_new_tokens=3)
+    e.smc_sd([[1, 2, 3]], particles=2, block_size=2, max_new_tokens=3)
+    assert seen[1:] == [0, 1] and kernels.pdl_setting() == 1
 
 
 @torch.inference_mode()

@@ -80,7 +80,9 @@ def sample_and_score(logits: Tensor, temperature: float, seed: Tensor, gather: T
 
 def _without_auto_pdl(fn):
     """``fn`` with its kernels launched (and captured) without PDL unless SMCDECODE_PDL asks for it
-    (``kernels.auto_pdl_off``): for autoregressive decoding, where PDL measured slower."""
+    (``kernels.auto_pdl_off``): for autoregressive decoding, where PDL measured slower, and exact
+    speculative decoding, whose one-request round (1-row draft steps, like AR's) was slower in the
+    run that had it (9.04 -> 9.20 ms, session 10 -> 11; not A/B-measured), so it keeps its old launches."""
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
@@ -756,6 +758,7 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------
 
+    @_without_auto_pdl
     @torch.inference_mode()
     def speculative(self, prompts: list[list[int]], *, block_size: int, max_new_tokens: int, samples: int = 1,
                     draft_temperature: float = 1.0, target_temperature: float = 1.0,

@@ -79,8 +79,8 @@ _AUTO_PDL_OFF = [0]  # depth of ``auto_pdl_off()`` contexts
 
 @contextlib.contextmanager
 def auto_pdl_off():
-    """Within it, SMCDECODE_PDL=auto (the default) reads as off: ``Engine.autoregressive`` launches
-    (and captures) its steps in it, where PDL measured slower."""
+    """Within it, SMCDECODE_PDL=auto (the default) reads as off: ``Engine.autoregressive`` and
+    ``Engine.speculative`` launch (and capture) their steps in it (PDL measured slower for AR)."""
     _AUTO_PDL_OFF[0] += 1
     try:
         yield

@@ -163,13 +163,13 @@ def test_triton_merge_splits_matches_reference(B, L, H, Hkv, S):
 
 @pytest.mark.parametrize("M,dim,strided", [(7, 576, False), (72, 4096, True), (3, 2048, True), (256, 64, False),
                                            (192, 4096, "transposed"), (5, 576, "transposed"),
-                                           (192, 4096, "transposed, 8 rows in 512-column passes")])
+                                           (192, 4096, "transposed, 8 rows on 16 warps")])
 def test_triton_add_rms_norm_and_silu_mul_match_reference(M, dim, strided, monkeypatch):
     """(strided True: the last-position slice of a last_only forward; "transposed": a delta with unit
     stride between rows, as cuBLAS writes W·xᵀ for model.linear_to_residual.)"""
     pytest.importorskip("triton")
-    if strided and "passes" in str(strided):
-        monkeypatch.setenv("SMCDECODE_TNORM_CONFIG", "8,4,512")
+    if strided and "warps" in str(strided):
+        monkeypatch.setenv("SMCDECODE_TNORM_CONFIG", "8,16")
         strided = "transposed"
     from smcdecode.backends.engine.kernels import triton_add_rms_norm, triton_silu_mul
     from smcdecode.backends.engine.model import add_rms_norm_reference, silu_mul

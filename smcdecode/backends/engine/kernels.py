@@ -843,63 +843,37 @@ def _add_rms_norm_kernel(X, DELTA, W, H_OUT, Y, stride_x, stride_d, eps, DIM: tl
 
 @triton.jit
 def _add_t_rms_norm_kernel(X, DT, W, H_OUT, Y, M, stride_x, stride_dt, eps, DIM: tl.constexpr,
-                           BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           PDL: tl.constexpr = 0):
+                           BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr = 0):
     """``_add_rms_norm_kernel`` for a delta stored transposed — row r's entry c at DT + c·stride_dt + r,
     as cuBLAS writes the transposed problem W·xᵀ (model.linear_to_residual) — BLOCK_M rows a program,
-    so that each column's BLOCK_M entries are one contiguous read. BLOCK_N >= DIM: the rows in one
-    tile; else two passes over column blocks of BLOCK_N (Σ h², then h and the output, x and the
-    delta read again), with smaller tiles to transpose."""
+    so that each column's BLOCK_M entries are one contiguous read. (Two passes over column blocks,
+    to transpose smaller tiles, measured 1.5–3× slower on an H200: session 11.)"""
     _pdl_enter(PDL)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = rm < M
-    if BLOCK_N >= DIM:
-        c = tl.arange(0, BLOCK)
-        ok = m_ok[:, None] & (c < DIM)[None, :]
-        x = tl.load(X + rm[:, None] * stride_x + c[None, :], mask=ok, other=0.0)
-        x = x + tl.load(DT + c[None, :] * stride_dt + rm[:, None], mask=ok, other=0.0)  # in the stream's dtype
-        tl.store(H_OUT + rm[:, None] * DIM + c[None, :], x, mask=ok)
-        xf = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / DIM + eps)
-        w = tl.load(W + c, mask=c < DIM, other=0.0)
-        y = (xf * rstd[:, None]).to(x.dtype).to(tl.float32) * w.to(tl.float32)[None, :]
-        tl.store(Y + rm[:, None] * DIM + c[None, :], y.to(Y.dtype.element_ty), mask=ok)
-    else:
-        ss = tl.zeros([BLOCK_M], tl.float32)
-        for n0 in range(0, DIM, BLOCK_N):
-            c = n0 + tl.arange(0, BLOCK_N)
-            ok = m_ok[:, None] & (c < DIM)[None, :]
-            x = tl.load(X + rm[:, None] * stride_x + c[None, :], mask=ok, other=0.0)
-            x = x + tl.load(DT + c[None, :] * stride_dt + rm[:, None], mask=ok, other=0.0)
-            xf = x.to(tl.float32)
-            ss += tl.sum(xf * xf, 1)
-        rstd = 1.0 / tl.sqrt(ss / DIM + eps)
-        for n0 in range(0, DIM, BLOCK_N):
-            c = n0 + tl.arange(0, BLOCK_N)
-            ok = m_ok[:, None] & (c < DIM)[None, :]
-            x = tl.load(X + rm[:, None] * stride_x + c[None, :], mask=ok, other=0.0)
-            x = x + tl.load(DT + c[None, :] * stride_dt + rm[:, None], mask=ok, other=0.0)
-            tl.store(H_OUT + rm[:, None] * DIM + c[None, :], x, mask=ok)
-            w = tl.load(W + c, mask=c < DIM, other=0.0)
-            y = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * w.to(tl.float32)[None, :]
-            tl.store(Y + rm[:, None] * DIM + c[None, :], y.to(Y.dtype.element_ty), mask=ok)
+    c = tl.arange(0, BLOCK)
+    ok = (rm < M)[:, None] & (c < DIM)[None, :]
+    x = tl.load(X + rm[:, None] * stride_x + c[None, :], mask=ok, other=0.0)
+    x = x + tl.load(DT + c[None, :] * stride_dt + rm[:, None], mask=ok, other=0.0)  # in the stream's dtype
+    tl.store(H_OUT + rm[:, None] * DIM + c[None, :], x, mask=ok)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / DIM + eps)
+    w = tl.load(W + c, mask=c < DIM, other=0.0)
+    y = (xf * rstd[:, None]).to(x.dtype).to(tl.float32) * w.to(tl.float32)[None, :]
+    tl.store(Y + rm[:, None] * DIM + c[None, :], y.to(Y.dtype.element_ty), mask=ok)
 
 
-def _tnorm_config() -> tuple[int, int, int]:
-    """(rows a program, warps, columns a pass: 0 = all) of ``_add_t_rms_norm_kernel``:
-    SMCDECODE_TNORM_CONFIG "BLOCK_M,WARPS" or "BLOCK_M,WARPS,BLOCK_N" (for sweeps), default 4 rows
-    on 8 warps in one pass."""
+def _tnorm_config() -> tuple[int, int]:
+    """(rows a program, warps) of ``_add_t_rms_norm_kernel``: SMCDECODE_TNORM_CONFIG "BLOCK_M,WARPS"
+    (for sweeps), default 4 rows on 8 warps."""
     v = os.environ.get("SMCDECODE_TNORM_CONFIG", "4,8")
     try:
-        bm, warps, *bn = (int(t) for t in v.split(","))
+        bm, warps = (int(t) for t in v.split(","))
     except ValueError:
         bm = warps = 0
-        bn = []
-    bn = bn[0] if len(bn) == 1 else 0 if not bn else -1
-    if bm < 1 or bm & (bm - 1) or warps not in (1, 2, 4, 8, 16) or bn < 0 or (bn and (bn < 16 or bn & (bn - 1))):
-        raise ValueError(f"SMCDECODE_TNORM_CONFIG={v!r}: give BLOCK_M,WARPS[,BLOCK_N], BLOCK_M a power of two, "
-                         "WARPS one of 1, 2, 4, 8, 16, BLOCK_N a power of two >= 16 (or 0: one pass)")
-    return bm, warps, bn
+    if bm < 1 or bm & (bm - 1) or warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"SMCDECODE_TNORM_CONFIG={v!r}: give BLOCK_M,WARPS, BLOCK_M a power of two and WARPS "
+                         "one of 1, 2, 4, 8, 16")
+    return bm, warps
 
 
 def triton_add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float,
@@ -922,11 +896,10 @@ def triton_add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: fl
         else:
             h = torch.empty(M, dim, device=x.device, dtype=x.dtype)
             y = torch.empty(M, dim, device=x.device, dtype=x.dtype)
-            block_m, warps, block_n = _tnorm_config()
-            block = triton.next_power_of_2(dim)
+            block_m, warps = _tnorm_config()
             _add_t_rms_norm_kernel[(triton.cdiv(M, block_m),)](
-                x2, dt, weight, h, y, M, x2.stride(0), dt.stride(1), eps, DIM=dim, BLOCK=block, BLOCK_M=block_m,
-                BLOCK_N=block_n or block, num_warps=warps, **_pdl(x.device))
+                x2, dt, weight, h, y, M, x2.stride(0), dt.stride(1), eps, DIM=dim,
+                BLOCK=triton.next_power_of_2(dim), BLOCK_M=block_m, num_warps=warps, **_pdl(x.device))
             return h.view(shape), y.view(shape)
         delta = dt
     nsplit, stride_s = 0, 0

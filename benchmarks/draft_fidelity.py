@@ -53,9 +53,10 @@ def _strategies(args, target):
         out["target"] = Autoregressive(lm, samples=1)
     if {"smc_k4", "smc_k8", "sd_k4"} & set(args.methods):  # the distilled draft, loaded only when used
         draft = load_default_draft(target) if args.draft == "default" else load_draft(target, args.draft)
-        out["smc_k4"] = SMC(lm, Draft(draft, Tq), particles=args.particles, block_size=4)
-        out["smc_k8"] = SMC(lm, Draft(draft, Tq), particles=args.particles, block_size=8)
-        out["sd_k4"] = SpeculativeDecoding(lm, Draft(draft, Tq), block_size=4)
+        made = {"smc_k4": lambda: SMC(lm, Draft(draft, Tq), particles=args.particles, block_size=4),
+                "smc_k8": lambda: SMC(lm, Draft(draft, Tq), particles=args.particles, block_size=8),
+                "sd_k4": lambda: SpeculativeDecoding(lm, Draft(draft, Tq), block_size=4)}
+        out.update({name: make() for name, make in made.items() if name in args.methods})
     if "smc_trunc_k4" in args.methods:
         trunc = truncated_draft(target, args.truncated)
         out["smc_trunc_k4"] = SMC(lm, Draft(trunc, Tq), particles=args.particles, block_size=4)

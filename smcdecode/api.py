@@ -198,6 +198,12 @@ class SMC(_Strategy):
         self.proposal = as_proposal(proposal, self.model)
         if self.proposal is None:
             self.block_size = 0
+        elif self.proposal.reads_target and backend != "reference":
+            raise SMCDecodeError(
+                f"feature draft {self.proposal.model.name!r} runs on backend='reference' only (the engine's "
+                "rounds do not pass it the target's hidden states yet): use backend='reference', or a layer "
+                "draft (load_default_draft(model, kind='layers')) on the engine"
+            )
 
     def _run(self, ids, groups, max_new_tokens, g, bar):
         if self.backend == "engine":
@@ -230,6 +236,11 @@ class SpeculativeDecoding(_Strategy):
         self.proposal = as_proposal(proposal, self.model)
         if self.proposal is None:
             raise SMCDecodeError("speculative decoding needs a draft proposal: pass Draft(model, temperature)")
+        if self.proposal.reads_target:
+            raise SMCDecodeError(
+                f"exact speculative decoding does not run feature drafts ({self.proposal.model.name!r} reads the "
+                "target's hidden states): use SMC with it, or a layer draft (load_default_draft(model, kind='layers'))"
+            )
         self.block_size = check_positive_int("block_size", block_size, "draft at least 1 token per round")
         self.samples = check_positive_int("samples", samples)
 

@@ -41,7 +41,17 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .drafts import build_draft, load_draft, load_own_state, own_parameters, own_state, save_draft, size_bytes
+from .drafts import (
+    build_draft,
+    draft_info,
+    load_draft,
+    load_own_state,
+    own_parameters,
+    own_state,
+    save_draft,
+    size_bytes,
+)
+from .drafts.feature import FeatureDraftModel, build_feature_draft, target_hidden
 from .errors import SMCDecodeError
 from .models import HFModel
 
@@ -57,6 +67,8 @@ class DistillConfig:
 
     layers: int = 4
     init_layers: list[int] | None = None
+    kind: str = "layers"
+    unroll: int = 4
     temperatures: list[float] = field(default_factory=lambda: [0.7])
     samples_per_prompt: int = 4
     max_prompt_tokens: int = 256
@@ -82,7 +94,7 @@ class DistillConfig:
     self_prompt_temperature: float = 1.0
 
     def check(self) -> None:
-        for name in ("layers", "samples_per_prompt", "max_prompt_tokens", "max_new_tokens", "steps", "batch_size",
+        for name in ("layers", "unroll", "samples_per_prompt", "max_prompt_tokens", "max_new_tokens", "steps", "batch_size",
                      "checkpoint_every", "generation_batch_size", "validation_prompts"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -93,6 +105,12 @@ class DistillConfig:
             raise SMCDecodeError(f"lr must be a finite number > 0, got {self.lr!r}")
         if self.holdout < 0:
             raise SMCDecodeError(f"holdout must be >= 0, got {self.holdout!r}")
+        if self.kind not in ("layers", "feature"):
+            raise SMCDecodeError(f"kind must be 'layers' (decoder layers over tokens) or 'feature' (reads the "
+                                 f"target's hidden state, EAGLE-style), got {self.kind!r}")
+        if self.kind == "feature" and self.on_policy:
+            raise SMCDecodeError("on_policy sampling needs a draft that generates on its own; a feature draft reads "
+                                 "the target's hidden states: use on_policy=0 with kind='feature'")
         if self.generator not in ("hf", "engine"):
             raise SMCDecodeError(f"generator must be 'hf' or 'engine', got {self.generator!r}")
         if isinstance(self.self_prompts, bool) or not isinstance(self.self_prompts, int) or self.self_prompts < 0:
@@ -112,8 +130,10 @@ class DistillConfig:
 
     # fields that change what is trained; a checkpoint made with other values is not resumed
     # (steps and time_budget_s may change: run again with more steps to train longer)
-    TRAINING_FIELDS = ("layers", "init_layers", "temperatures", "batch_size", "lr", "warmup_steps", "min_lr_ratio",
-                       "grad_clip", "seed")
+    TRAINING_FIELDS = ("layers", "init_layers", "kind", "unroll", "temperatures", "batch_size", "lr", "warmup_steps",
+                       "min_lr_ratio", "grad_clip", "seed")
+    # what a checkpoint written before a field existed had
+    FIELD_DEFAULTS = {"kind": "layers", "unroll": 4}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -440,44 +460,70 @@ def evaluate_draft(
     draft_temperature: float | None = None,
     batch_size: int = 16,
     progress: bool = False,
+    unroll: int | None = None,
 ) -> dict:
     """Held-out figures of ``draft`` against ``target`` at ``temperature`` over the response
     positions of ``corpus``: mean acceptance Σ min(p, q), χ² = Σ p²/q − 1 (mean, median, and the
     mean of log(1 + χ²)), KL(p || q), and the positions counted. Runs in float32. q is the draft at
-    ``draft_temperature`` (default: ``temperature``): the proposal SMC-SD / SD would use with it."""
+    ``draft_temperature`` (default: ``temperature``): the proposal SMC-SD / SD would use with it.
+
+    A feature draft is evaluated as SMC-SD runs it: at drafted position s = 1..``unroll`` (default:
+    its training unroll) of a round, reading the target's feature s positions back and its own
+    outputs since; ``by_draft_step`` has the figures per s, the headline figures average them."""
     if draft_temperature is None:
         draft_temperature = temperature
     if not (draft_temperature > 0 and math.isfinite(draft_temperature)):
         raise SMCDecodeError(f"draft_temperature must be a finite number > 0, got {draft_temperature!r}")
     device = target.device
-    acc, chi, kl = [], [], []
+    feature = isinstance(draft, FeatureDraftModel)
+    steps = (unroll or draft_info(draft).get("config", {}).get("training", {}).get("config", {}).get("unroll", 4)) \
+        if feature else 1
+    acc, chi, kl = [[] for _ in range(steps)], [[] for _ in range(steps)], [[] for _ in range(steps)]
     bar = _bar(progress, len(corpus), "evaluating", "seq")
     for start in range(0, len(corpus), batch_size):
         seqs = corpus[start : start + batch_size]
         ids, pos = _batch(seqs, device)
-        log_p = torch.log_softmax(_logits(target.hf, ids, pos) / temperature, -1)
-        log_q = torch.log_softmax(_logits(draft.hf, ids, pos) / draft_temperature, -1)
-        acc.append(torch.minimum(log_p, log_q).exp().sum(-1).double().cpu())
-        chi.append(torch.logsumexp(2 * log_p - log_q, -1).double().cpu())  # log(1 + χ²)
-        kl.append((log_p.exp() * (log_p - log_q)).sum(-1).double().cpu())
+        if feature:
+            hidden, z_t = target_hidden(target.hf, ids, use_cache=False)
+            log_p = torch.log_softmax(z_t[pos] / temperature, -1)
+            z_ds = [draft.net.logits(h)[pos] for h in draft.net.unrolled(ids, hidden, steps)]
+        else:
+            log_p = torch.log_softmax(_logits(target.hf, ids, pos) / temperature, -1)
+            z_ds = [_logits(draft.hf, ids, pos)]
+        for s, z_d in enumerate(z_ds):
+            log_q = torch.log_softmax(z_d / draft_temperature, -1)
+            acc[s].append(torch.minimum(log_p, log_q).exp().sum(-1).double().cpu())
+            chi[s].append(torch.logsumexp(2 * log_p - log_q, -1).double().cpu())  # log(1 + χ²)
+            kl[s].append((log_p.exp() * (log_p - log_q)).sum(-1).double().cpu())
         if bar is not None:
             bar.update(len(seqs))
     if bar is not None:
         bar.close()
-    if not acc:
+    if not acc[0]:
         raise SMCDecodeError("the evaluation corpus is empty")
-    a, log1p_chi2, k = torch.cat(acc), torch.cat(chi), torch.cat(kl)
-    chi2 = torch.expm1(log1p_chi2)
-    return {
+    per_step = [_figures(torch.cat(a), torch.cat(c), torch.cat(k)) for a, c, k in zip(acc, chi, kl)]
+    report = {
         "temperature": temperature,
         **({"draft_temperature": draft_temperature} if draft_temperature != temperature else {}),
+        **_figures(torch.cat([torch.cat(a) for a in acc]), torch.cat([torch.cat(c) for c in chi]),
+                   torch.cat([torch.cat(k) for k in kl])),
+        "sequences": len(corpus),
+    }
+    if feature:  # the headline figures average the drafted positions 1..unroll of a round
+        report["positions"] = per_step[0]["positions"]
+        report["by_draft_step"] = per_step
+    return report
+
+
+def _figures(a: Tensor, log1p_chi2: Tensor, k: Tensor) -> dict:
+    chi2 = torch.expm1(log1p_chi2)
+    return {
         "acceptance": float(a.mean()),
         "chi2_mean": float(chi2.mean()),
         "chi2_median": float(chi2.median()),
         "log1p_chi2_mean": float(log1p_chi2.mean()),
         "kl": float(k.mean()),
         "positions": int(a.numel()),
-        "sequences": len(corpus),
     }
 
 
@@ -507,6 +553,16 @@ def _lr_factor(step: int, progress: float, cfg: DistillConfig) -> float:
     return warm * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
 
 
+def _unrolled_loss(target: HFModel, draft: FeatureDraftModel, ids: Tensor, pos: Tensor, config: DistillConfig) -> Tensor:
+    """A feature draft's loss: the mean over unrolled steps s = 1..``config.unroll`` of the KL at
+    the response positions, step s reading its own outputs of the s − 1 positions before."""
+    with torch.no_grad():
+        hidden, z_t = target_hidden(target.hf, ids, use_cache=False)
+        z_t = z_t[pos]
+    outs = draft.net.unrolled(ids, hidden, config.unroll)
+    return sum(kl_loss(z_t, draft.net.logits(h)[pos], config.temperatures) for h in outs) / len(outs)
+
+
 def train_draft(
     target: HFModel,
     draft: HFModel,
@@ -529,7 +585,9 @@ def train_draft(
     device = target.device
     for p in target.hf.parameters():
         p.requires_grad_(False)
-    params = own_parameters(draft.hf)
+    params = own_parameters(draft)
+    feature = isinstance(draft, FeatureDraftModel)
+    module = draft.net if feature else draft.hf
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -539,7 +597,7 @@ def train_draft(
     ckpt = Path(checkpoint) if checkpoint is not None else None
     if ckpt is not None and ckpt.exists():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        saved = {k: state["config"].get(k) for k in DistillConfig.TRAINING_FIELDS}
+        saved = {k: state["config"].get(k, DistillConfig.FIELD_DEFAULTS.get(k)) for k in DistillConfig.TRAINING_FIELDS}
         now = {k: dataclasses.asdict(config)[k] for k in DistillConfig.TRAINING_FIELDS}
         if saved != now:
             changed = {k: (saved[k], now[k]) for k in now if saved[k] != now[k]}
@@ -569,9 +627,9 @@ def train_draft(
         tmp.replace(ckpt)
 
     def check_validation() -> None:
-        draft.hf.eval()
-        fig = evaluate_draft(target, draft, validation, temperature=config.temperatures[0])
-        draft.hf.train()
+        module.eval()
+        fig = evaluate_draft(target, draft, validation, temperature=config.temperatures[0], unroll=config.unroll)
+        module.train()
         history.append({"step": step, "seconds": round(elapsed, 1), "validation_kl": fig["kl"],
                         "validation_acceptance": fig["acceptance"]})
         if fig["kl"] < best["kl"]:
@@ -582,7 +640,7 @@ def train_draft(
 
     use_bf16 = device.type == "cuda"
     nb = len(_epoch_batches(corpus, config.batch_size, config.seed, 0))
-    draft.hf.train()
+    module.train()
     bar = _bar(progress, config.steps, "distilling", "step", initial=step)
     t0, window = time.perf_counter() - elapsed, []
     epoch_seen, batches = -1, []
@@ -596,10 +654,13 @@ def train_draft(
             for g in opt.param_groups:
                 g["lr"] = config.lr * _lr_factor(step, progress_of(step, elapsed), config)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                with torch.no_grad():
-                    z_t = _logits(target.hf, ids, pos)
-                z_d = _logits(draft.hf, ids, pos)
-            loss = kl_loss(z_t, z_d, config.temperatures)
+                if feature:
+                    loss = _unrolled_loss(target, draft, ids, pos, config)
+                else:
+                    with torch.no_grad():
+                        z_t = _logits(target.hf, ids, pos)
+                    z_d = _logits(draft.hf, ids, pos)
+                    loss = kl_loss(z_t, z_d, config.temperatures)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
@@ -624,7 +685,7 @@ def train_draft(
     finally:
         if bar is not None:
             bar.close()
-        draft.hf.eval()
+        module.eval()
     save()
     if validate and best["state"] is not None and best["step"] != step:
         load_own_state(draft, best["state"])
@@ -683,13 +744,18 @@ def distill(
     warm = None
     if init_draft is not None:
         draft = load_draft(target, init_draft)
-        warm = draft.hf.smcdecode_draft["config"]
+        warm = draft_info(draft)["config"]
+        if warm.get("kind", "layers") != config.kind:
+            raise SMCDecodeError(f"--init-draft {str(init_draft)!r} is a {warm.get('kind', 'layers')} draft: pass "
+                                 f"--kind {warm.get('kind', 'layers')}")
         if config.layers != warm["num_layers"] or (config.init_layers not in (None, warm["init_layers"])):
             raise SMCDecodeError(
                 f"--init-draft {str(init_draft)!r} has {warm['num_layers']} layers initialised from "
                 f"{warm['init_layers']}; pass --layers {warm['num_layers']} (and no other --init-layers)"
             )
         log(f"warm start from {init_draft} ({warm.get('training', {}).get('steps')} steps)")
+    elif config.kind == "feature":
+        draft = build_feature_draft(target, config.layers, config.init_layers)
     else:
         draft = build_draft(target, config.layers, config.init_layers)
     if corpus_file.exists():
@@ -809,8 +875,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--extra-prompts", nargs="+", default=[], metavar="FILE",
                    help="more prompt files used for training only (never held out; e.g. GSM8K, MATH500)")
     p.add_argument("--out", required=True, help="output directory (draft, corpus, checkpoint, eval.json)")
+    p.add_argument("--kind", choices=["layers", "feature"], default=d.kind,
+                   help="layers: decoder layers over tokens; feature: decoder layers that also read the target's "
+                   "last hidden state (EAGLE-style; SMC-SD on the reference backend)")
     p.add_argument("--layers", type=int, default=d.layers, help="decoder layers of the draft")
-    p.add_argument("--init-layers", help="comma-separated target layers to initialise from (default: evenly spaced)")
+    p.add_argument("--init-layers", help="comma-separated target layers to initialise from (default: evenly "
+                   "spaced for layer drafts, the last ones for feature drafts)")
+    p.add_argument("--unroll", type=int, default=d.unroll,
+                   help="feature drafts: drafted positions per round trained on (step s reads its own outputs)")
     p.add_argument("--temperature", type=float, nargs="+", default=d.temperatures,
                    help="temperature(s) T of KL(p_T || q_T); the first is also the sampling temperature of the corpus")
     p.add_argument("--samples-per-prompt", type=int, default=d.samples_per_prompt, help="target samples per training prompt")
@@ -865,7 +937,7 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError:
                 raise SMCDecodeError(f"--init-layers must be comma-separated integers, got {args.init_layers!r}") from None
         config = DistillConfig(
-            layers=args.layers, init_layers=init, temperatures=list(args.temperature),
+            layers=args.layers, init_layers=init, kind=args.kind, unroll=args.unroll, temperatures=list(args.temperature),
             samples_per_prompt=args.samples_per_prompt, max_prompt_tokens=args.max_prompt_tokens,
             max_new_tokens=args.max_new_tokens, holdout=args.holdout, steps=args.steps,
             time_budget_s=args.time_budget, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,

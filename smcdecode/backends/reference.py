@@ -39,8 +39,15 @@ class HFRunner:
             self.length = len(prefix_ids)
 
     @torch.inference_mode()
-    def extend(self, tokens: Tensor) -> Tensor:
-        # tokens: [B, L]
+    def extend(self, tokens: Tensor, hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        # tokens: [B, L]; with hidden=True also the final hidden states [B, L, D] (after the final
+        # norm: what a feature draft reads)
+        if hidden:
+            from ..drafts.feature import target_hidden
+
+            h, logits = target_hidden(self.model, tokens.to(self.device), past_key_values=self.cache, use_cache=True)
+            self.length += tokens.shape[1]
+            return logits, h
         out = self.model(input_ids=tokens.to(self.device), past_key_values=self.cache, use_cache=True)
         self.length += tokens.shape[1]
         return out.logits.float()

@@ -34,7 +34,7 @@ from ..errors import SMCDecodeError
 from ..models import HFModel
 
 FORMAT = "smcdecode-draft"
-VERSION = 1
+VERSION = 2  # 2: feature drafts ("kind": "feature"); layer drafts are still written as 1
 CONFIG_FILE = "draft.json"
 WEIGHTS_FILE = "draft.safetensors"
 WEIGHT_FORMATS = ("int8", "bfloat16", "float32")
@@ -103,21 +103,53 @@ def build_draft(target: HFModel, num_layers: int = 4, init_layers: Sequence[int]
     return HFModel(hf, target.tokenizer, name=f"{target.name}-draft{num_layers}")
 
 
-def own_parameters(hf: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The parameters a draft owns (its layers and final norm); the rest are the target's."""
-    inner = _decoder(hf)
+def own_parameters(draft) -> list[torch.nn.Parameter]:
+    """The parameters a draft owns (its layers and final norm, and a feature draft's ``fc``); the
+    rest are the target's. ``draft``: a draft model, or a layer draft's ``.hf`` module."""
+    from .feature import FeatureDraftModel
+
+    if isinstance(draft, FeatureDraftModel):
+        return list(draft.net.parameters())
+    inner = _decoder(draft.hf if isinstance(draft, HFModel) else draft)
     return [*inner.layers.parameters(), *inner.norm.parameters()]
 
 
-def own_state(draft: HFModel) -> dict[str, Tensor]:
-    """The draft's own weights by saved name: ``layers.{j}.{param}``, ``norm.{param}``."""
+def own_state(draft) -> dict[str, Tensor]:
+    """The draft's own weights by saved name: ``layers.{j}.{param}``, ``norm.{param}`` (and a
+    feature draft's ``fc.weight``)."""
+    from .feature import FeatureDraftModel
+
+    if isinstance(draft, FeatureDraftModel):
+        return dict(draft.net.state_dict())
     inner = _decoder(draft.hf)
     state = {f"layers.{k}": v for k, v in inner.layers.state_dict().items()}
     state.update({f"norm.{k}": v for k, v in inner.norm.state_dict().items()})
     return state
 
 
-def load_own_state(draft: HFModel, state: dict[str, Tensor]) -> None:
+def draft_info(draft) -> dict:
+    """What a distilled draft records about itself (kind, init layers, target, saved config); {} for
+    any other model."""
+    from .feature import FeatureDraftModel
+
+    if isinstance(draft, FeatureDraftModel):
+        return draft.smcdecode_draft
+    return getattr(getattr(draft, "hf", None), "smcdecode_draft", None) or {}
+
+
+def load_own_state(draft, state: dict[str, Tensor]) -> None:
+    from .feature import FeatureDraftModel
+
+    if isinstance(draft, FeatureDraftModel):
+        try:
+            with torch.no_grad():
+                draft.net.load_state_dict({k: v.to(draft.net.fc.weight.dtype) for k, v in state.items()}, strict=True)
+        except RuntimeError as e:
+            raise SMCDecodeError(
+                f"feature-draft weights do not fit this target's shapes ({str(e).splitlines()[0][:200]}): "
+                "the draft was distilled from a different target architecture"
+            ) from None
+        return
     inner = _decoder(draft.hf)
     layers = {k[len("layers."):]: v for k, v in state.items() if k.startswith("layers.")}
     norm = {k[len("norm."):]: v for k, v in state.items() if k.startswith("norm.")}
@@ -207,19 +239,21 @@ def save_draft(draft: HFModel, path: str | Path, *, weights: str = "int8", metad
     only its own layers and norm, as int8 (per-row scales), bfloat16 or float32."""
     from safetensors.torch import save_file
 
-    info = getattr(draft.hf, "smcdecode_draft", None)
-    if info is None:
+    info = draft_info(draft)
+    if not info:
         raise SMCDecodeError(f"model {draft.name!r} is not a distilled draft: make one with build_draft(target, ...)")
     if weights not in WEIGHT_FORMATS:
         raise SMCDecodeError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_file(_quantize(own_state(draft), weights), str(path / WEIGHTS_FILE))
+    feature = info.get("kind") == "feature"
     config = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": VERSION if feature else 1,  # readers before version 2 know only layer drafts
+        "kind": "feature" if feature else "layers",
         "target": info["target"],
-        "num_layers": len(_decoder(draft.hf).layers),
+        "num_layers": len(draft.net.layers) if feature else len(_decoder(draft.hf).layers),
         "init_layers": info["init_layers"],
         "weights": weights,
         **(metadata or {}),
@@ -246,10 +280,11 @@ def read_draft_config(path: str | Path) -> dict:
     return config
 
 
-def load_draft(target: HFModel, path: str | Path) -> HFModel:
+def load_draft(target: HFModel, path: str | Path):
     """Load a draft saved by :func:`save_draft` onto ``target`` (it shares the target's embeddings
-    and head, and takes the target's dtype and device). A draft made for another target — another
-    vocabulary, width or embedding table — is a :class:`SMCDecodeError`."""
+    and head, and takes the target's dtype and device): an :class:`HFModel` for a layer draft, a
+    :class:`~smcdecode.drafts.feature.FeatureDraftModel` for a feature draft. A draft made for
+    another target — another vocabulary, width or embedding table — is a :class:`SMCDecodeError`."""
     from safetensors.torch import load_file
 
     if not isinstance(target, HFModel):
@@ -257,14 +292,23 @@ def load_draft(target: HFModel, path: str | Path) -> HFModel:
     path = Path(path)
     config = read_draft_config(path)
     check_target(config.get("target", {}), target, where=f"draft {str(path)!r}")
-    draft = build_draft(target, int(config["num_layers"]), [int(i) for i in config["init_layers"]])
+    kind = config.get("kind", "layers")
+    if kind not in ("layers", "feature"):
+        raise SMCDecodeError(f"draft {str(path)!r} has kind {kind!r}; this smcdecode knows 'layers' and 'feature'")
+    init = [int(i) for i in config["init_layers"]]
+    if kind == "feature":
+        from .feature import build_feature_draft
+
+        draft = build_feature_draft(target, int(config["num_layers"]), init)
+    else:
+        draft = build_draft(target, int(config["num_layers"]), init)
     weights = path / WEIGHTS_FILE if path.is_dir() else path.parent / WEIGHTS_FILE
     state = _dequantize(load_file(str(weights)))
     load_own_state(draft, state)
-    for p in own_parameters(draft.hf):
+    for p in own_parameters(draft):
         p.requires_grad_(False)
-    draft.hf.smcdecode_draft["config"] = config
-    draft.name = f"{target.name}-distilled{config['num_layers']}"
+    draft_info(draft)["config"] = config
+    draft.name = f"{target.name}-{'feature' if kind == 'feature' else 'distilled'}{config['num_layers']}"
     return draft
 
 
@@ -296,7 +340,7 @@ def proposal_temperature(draft, target_temperature: float) -> float:
     shipped one proposes at 5/7 of the target's temperature (0.5 for 0.7), where SMC-SD's answers
     matched the target's mean log-likelihood on held-out prompts (docs/drafts.md, "Proposal
     temperature"). Any other model: ``target_temperature``."""
-    config = getattr(getattr(draft, "hf", None), "smcdecode_draft", {}).get("config", {})
+    config = draft_info(draft).get("config", {})
     scale = float(config.get("proposal_temperature_scale", 1.0))
     if not (scale > 0 and math.isfinite(scale)):
         raise SMCDecodeError(f"proposal_temperature_scale in the draft's draft.json must be > 0, got {scale!r}")
@@ -314,6 +358,7 @@ __all__ = [
     "build_draft",
     "check_target",
     "default_init_layers",
+    "draft_info",
     "load_default_draft",
     "load_draft",
     "own_parameters",

@@ -21,8 +21,19 @@ class Draft:
     def __repr__(self) -> str:
         return f"Draft({self.model.name}, T={self.temperature:g})"
 
+    @property
+    def reads_target(self) -> bool:
+        """A feature draft: it reads the target's hidden states (SMC on the reference backend only)."""
+        return bool(getattr(self.model, "uses_target_features", False))
+
     def check_compatible(self, target_model: Model) -> None:
         m = self.model
+        if self.reads_target and m.target is not target_model:
+            raise SMCDecodeError(
+                f"feature draft {m.name!r} reads the hidden states of the model it was loaded for "
+                f"({m.target.name!r}), not of this target ({target_model.name!r}): load it with "
+                "load_draft(target_model, ...) for the same model object the target LM uses"
+            )
         if m.vocab_size != target_model.vocab_size:
             raise SMCDecodeError(
                 f"draft vocabulary ({m.vocab_size}) differs from target vocabulary "

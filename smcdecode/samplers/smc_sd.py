@@ -11,6 +11,11 @@ One round, per particle with history h (DESIGN.md §2):
 Then, per group, resample when ESS < τ·N (always when τ = 1) and fold the mean weight into log Ẑ.
 With no draft (proposal = the target) k = 0: a plain particle filter with the locally optimal
 proposal π_loc, one token per round.
+
+A feature draft (``smcdecode.drafts.feature``) also reads the target's final hidden states: the
+round's first drafted token reads the target's feature of the previous position, the later ones
+the draft's own outputs; after the target's pass the draft's cache is cut back and the round's
+tokens are fed again with the target's features at the start of the next round.
 """
 
 from __future__ import annotations
@@ -69,6 +74,9 @@ def smc_sd(
     t_runner = model.start(prompt_ids[:-1], B)
     d_runner = draft.model.start(prompt_ids[:-1], B) if K > 0 else None
     pending = torch.full((B, 1), prompt_ids[-1], dtype=torch.long)  # tokens the draft has not seen
+    feature = K > 0 and getattr(draft.model, "uses_target_features", False)
+    # a feature draft: the feature paired with each pending token (the target's, of the position before)
+    pending_features = d_runner.tail_feature[:, None] if feature else None
     last = torch.full((B,), prompt_ids[-1], dtype=torch.long)  # token the target has not seen
 
     tokens = torch.full((B, max_new_tokens), eos, dtype=torch.long)
@@ -93,7 +101,11 @@ def smc_sd(
         masks = []
         states = constraints.states
         if k > 0:
-            logits = d_runner.extend(pending)[:, -1].cpu()
+            if feature:
+                logits, hidden = d_runner.extend(pending, pending_features)
+                logits, hidden, committed = logits[:, -1].cpu(), hidden[:, -1:], d_runner.length
+            else:
+                logits = d_runner.extend(pending)[:, -1].cpu()
             for i in range(k):
                 mask = constraints.allowed(states)
                 masks.append(mask)
@@ -103,12 +115,21 @@ def smc_sd(
                 log_q[:, i] = lq.gather(1, d[:, None])[:, 0]
                 states = constraints.advanced(d, states)
                 if i < k - 1:
-                    logits = d_runner.extend(d[:, None])[:, -1].cpu()
+                    if feature:
+                        logits, hidden = d_runner.extend(d[:, None], hidden)
+                        logits = logits[:, -1].cpu()
+                    else:
+                        logits = d_runner.extend(d[:, None])[:, -1].cpu()
             out.draft_tokens += int(active.sum()) * k
 
         # 2. one target pass over [last, d_1..d_k]
         feed = torch.cat([last[:, None], drafts], dim=1)
-        log_p = lm.log_probs(t_runner.extend(feed).cpu()).double()  # [B, k+1, V]
+        if feature:
+            t_logits, t_hidden = t_runner.extend(feed, hidden=True)
+            d_runner.crop(committed)  # the drafted positions read draft features: fed again next round
+        else:
+            t_logits = t_runner.extend(feed)
+        log_p = lm.log_probs(t_logits.cpu()).double()  # [B, k+1, V]
 
         # 4. incremental weights of the drafted tokens, up to and including the first EOS
         term = alpha * log_p[:, :k].gather(2, drafts[:, :, None])[:, :, 0] - log_q
@@ -133,7 +154,10 @@ def smc_sd(
             n_new = torch.where(any_eos, n_new, k + 1)
             block = torch.cat([drafts, b[:, None]], dim=1)
             states = constraints.advanced(b, states)
-            pending = torch.stack([drafts[:, -1], b], dim=1) if k > 0 else b[:, None]
+            if feature:  # the round's tokens again, each with the target's feature of the position before
+                pending, pending_features = block, t_hidden.to(pending_features.dtype)
+            else:
+                pending = torch.stack([drafts[:, -1], b], dim=1) if k > 0 else b[:, None]
             last = b
         constraints.states = states
 
@@ -173,6 +197,8 @@ def smc_sd(
             log_w = torch.where(do[:, None], 0.0, lw).flatten()
             tokens, lengths, finished = tokens[index], lengths[index], finished[index]
             pending, last = pending[index], last[index]
+            if feature:
+                pending_features = pending_features[index.to(pending_features.device)]
             constraints.fork(index)
             rewards.fork(index)
             t_runner.reorder(index)

@@ -44,6 +44,7 @@ from torch import Tensor
 from .drafts import (
     build_draft,
     draft_info,
+    load_default_draft,
     load_draft,
     load_own_state,
     own_parameters,
@@ -69,6 +70,7 @@ class DistillConfig:
     init_layers: list[int] | None = None
     kind: str = "layers"
     unroll: int = 4
+    feature_from: str | None = None
     temperatures: list[float] = field(default_factory=lambda: [0.7])
     samples_per_prompt: int = 4
     max_prompt_tokens: int = 256
@@ -108,6 +110,8 @@ class DistillConfig:
         if self.kind not in ("layers", "feature"):
             raise SMCDecodeError(f"kind must be 'layers' (decoder layers over tokens) or 'feature' (reads the "
                                  f"target's hidden state, EAGLE-style), got {self.kind!r}")
+        if self.feature_from is not None and self.kind != "feature":
+            raise SMCDecodeError(f"feature_from ({self.feature_from!r}) initialises a feature draft: pass kind='feature'")
         if self.kind == "feature" and self.on_policy:
             raise SMCDecodeError("on_policy sampling needs a draft that generates on its own; a feature draft reads "
                                  "the target's hidden states: use on_policy=0 with kind='feature'")
@@ -130,10 +134,10 @@ class DistillConfig:
 
     # fields that change what is trained; a checkpoint made with other values is not resumed
     # (steps and time_budget_s may change: run again with more steps to train longer)
-    TRAINING_FIELDS = ("layers", "init_layers", "kind", "unroll", "temperatures", "batch_size", "lr", "warmup_steps",
+    TRAINING_FIELDS = ("layers", "init_layers", "kind", "unroll", "feature_from", "temperatures", "batch_size", "lr", "warmup_steps",
                        "min_lr_ratio", "grad_clip", "seed")
     # what a checkpoint written before a field existed had
-    FIELD_DEFAULTS = {"kind": "layers", "unroll": 4}
+    FIELD_DEFAULTS = {"kind": "layers", "unroll": 4, "feature_from": None}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -755,7 +759,13 @@ def distill(
             )
         log(f"warm start from {init_draft} ({warm.get('training', {}).get('steps')} steps)")
     elif config.kind == "feature":
-        draft = build_feature_draft(target, config.layers, config.init_layers)
+        source = None
+        if config.feature_from is not None:
+            source = load_default_draft(target) if config.feature_from == "default" else \
+                load_draft(target, config.feature_from)
+            log(f"feature draft initialised from the layer draft {config.feature_from} (its layers and norm; "
+                "the feature input at zero)")
+        draft = build_feature_draft(target, config.layers, config.init_layers, from_draft=source)
     else:
         draft = build_draft(target, config.layers, config.init_layers)
     if corpus_file.exists():
@@ -881,6 +891,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=d.layers, help="decoder layers of the draft")
     p.add_argument("--init-layers", help="comma-separated target layers to initialise from (default: evenly "
                    "spaced for layer drafts, the last ones for feature drafts)")
+    p.add_argument("--feature-from", metavar="DIR",
+                   help="feature drafts: start from this layer draft ('default': the shipped one) — its layers and "
+                   "norm, the feature input at zero — instead of target layers")
     p.add_argument("--unroll", type=int, default=d.unroll,
                    help="feature drafts: drafted positions per round trained on (step s reads its own outputs)")
     p.add_argument("--temperature", type=float, nargs="+", default=d.temperatures,
@@ -937,7 +950,8 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError:
                 raise SMCDecodeError(f"--init-layers must be comma-separated integers, got {args.init_layers!r}") from None
         config = DistillConfig(
-            layers=args.layers, init_layers=init, kind=args.kind, unroll=args.unroll, temperatures=list(args.temperature),
+            layers=args.layers, init_layers=init, kind=args.kind, unroll=args.unroll,
+            feature_from=args.feature_from, temperatures=list(args.temperature),
             samples_per_prompt=args.samples_per_prompt, max_prompt_tokens=args.max_prompt_tokens,
             max_new_tokens=args.max_new_tokens, holdout=args.holdout, steps=args.steps,
             time_budget_s=args.time_budget, batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,

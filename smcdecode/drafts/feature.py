@@ -295,12 +295,31 @@ def _check_layer(target_layer: nn.Module, layer: _Layer) -> None:
         )
 
 
-def build_feature_draft(target: HFModel, num_layers: int = 1, init_layers: Sequence[int] | None = None
-                        ) -> FeatureDraftModel:
+def build_feature_draft(target: HFModel, num_layers: int = 1, init_layers: Sequence[int] | None = None,
+                        from_draft: HFModel | None = None) -> FeatureDraftModel:
     """A feature draft for ``target``: ``num_layers`` decoder layers initialised from the target's
     layers ``init_layers`` (default: its last ``num_layers``), its own copy of the final norm,
-    and ``fc`` initialised to [I I] (input = f_{j-1} + e(x_j)). Trainable; the target is not."""
+    and ``fc`` initialised to [I I] (input = f_{j-1} + e(x_j)). Trainable; the target is not.
+
+    With ``from_draft`` (a layer draft of ``target``, e.g. the shipped one) its layers and norm are
+    copied instead and ``fc`` starts at [0 I]: the new draft starts as exactly that draft (it
+    ignores the features) and training teaches it to read them."""
     from . import _decoder, target_fingerprint
+
+    if from_draft is not None:
+        source = _decoder(from_draft.hf)
+        if num_layers != len(source.layers):
+            raise SMCDecodeError(f"num_layers ({num_layers}) must equal the layers of from_draft "
+                                 f"{from_draft.name!r} ({len(source.layers)})")
+        model = build_feature_draft(target, num_layers, init_layers)
+        with torch.no_grad():
+            for layer, theirs in zip(model.net.layers, source.layers):
+                _check_layer(theirs, layer)
+                layer.load_state_dict(theirs.state_dict())
+            model.net.norm.weight.copy_(source.norm.weight)
+            model.net.fc.weight[:, : model.net.dim].zero_()
+        model.smcdecode_draft["init_from"] = from_draft.name
+        return model
 
     if not isinstance(target, HFModel):
         raise SMCDecodeError(f"target must be an HFModel (load_model(...)), got {type(target).__name__}")

@@ -4,7 +4,8 @@ A layer draft (:func:`smcdecode.drafts.build_draft`) sees only tokens. A *featur
 the target's own final hidden state f_j (after its final norm: ``head(f_j)`` are the target's
 logits) of every position the target has verified. Its input at the position of token x_j is
 
-    z_j = W [f_{j-1} ; e(x_j)]                 (W: a D × 2D matrix, e: the target's embeddings)
+    z_j = W [n(f_{j-1}) ; e(x_j)]              (W: a D × 2D matrix, e: the target's embeddings,
+                                                n: an RMSNorm to the embeddings' scale)
 
 then ``L`` decoder layers of the target's shape (own weights, initialised from the target's last
 layers), its own final norm and the target's LM head: q(· | x_≤j) = softmax(head(norm(h_j)) / T).
@@ -136,7 +137,7 @@ def unrolled_mask(length: int, step: int, device) -> Tensor:
 
 
 class FeatureDraftNet(nn.Module):
-    """The trainable part of a feature draft: ``fc`` (D × 2D), ``layers`` and ``norm``. The
+    """The trainable part of a feature draft: ``feature_norm``, ``fc`` (D × 2D), ``layers`` and ``norm``. The
     target's embeddings, rotary tables and head are used, not owned (not in ``parameters()``)."""
 
     def __init__(self, target_hf: nn.Module, num_layers: int):
@@ -148,6 +149,7 @@ class FeatureDraftNet(nn.Module):
         head_dim = int(getattr(cfg, "head_dim", None) or dim // heads)
         eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
         bias = bool(getattr(cfg, "attention_bias", False)) or getattr(cfg, "model_type", "") == "qwen2"
+        self.feature_norm = _RMSNorm(dim, eps)  # features at the embeddings' scale (set by build_feature_draft)
         self.fc = nn.Linear(2 * dim, dim, bias=False)
         self.layers = nn.ModuleList(
             [_Layer(dim, heads, kv_heads, head_dim, int(cfg.intermediate_size), eps, bias) for _ in range(num_layers)]
@@ -162,7 +164,7 @@ class FeatureDraftNet(nn.Module):
 
     def inputs(self, features: Tensor, tokens: Tensor) -> Tensor:
         emb = self.target_hf.get_input_embeddings()(tokens)
-        return self.fc(torch.cat([features.to(emb.dtype), emb], dim=-1))
+        return self.fc(torch.cat([self.feature_norm(features.to(emb.dtype)), emb], dim=-1))
 
     def logits(self, hidden: Tensor) -> Tensor:
         return head_logits(self.target_hf, self.norm(hidden))
@@ -179,7 +181,7 @@ class FeatureDraftNet(nn.Module):
         past: list[list[tuple[Tensor, Tensor]]] = [[] for _ in self.layers]
         outs = []
         for s in range(steps):
-            x = self.fc(torch.cat([prev.to(emb.dtype), emb], dim=-1))
+            x = self.fc(torch.cat([self.feature_norm(prev.to(emb.dtype)), emb], dim=-1))
             mask = unrolled_mask(T, s, input_ids.device)
             for layer, kv in zip(self.layers, past):
                 x, new = layer(x, cos, sin, kv, mask)
@@ -337,6 +339,11 @@ def build_feature_draft(target: HFModel, num_layers: int = 1, init_layers: Seque
             _check_layer(inner.layers[i], layer)
             layer.load_state_dict(inner.layers[i].state_dict())
         net.norm.weight.copy_(inner.norm.weight)
+        # the feature input is RMS-normalised to the scale of the token embeddings (SmolLM2: final
+        # hidden states ~2 per unit, embeddings ~0.14): neither input swamps the other, and a
+        # zero-initialised feature weight grows on the embeddings' scale under Adam
+        emb = target.hf.get_input_embeddings().weight.detach().float()
+        net.feature_norm.weight.fill_(float(emb.pow(2).mean().sqrt()))
         eye = torch.eye(net.dim)
         net.fc.weight.copy_(torch.cat([eye, eye], dim=1))
     net = net.to(device=param.device, dtype=param.dtype)

@@ -202,7 +202,7 @@ class SMC(_Strategy):
             raise SMCDecodeError(
                 f"feature draft {self.proposal.model.name!r} runs on backend='reference' only (the engine's "
                 "rounds do not pass it the target's hidden states yet): use backend='reference', or a layer "
-                "draft (load_default_draft(model, kind='layers')) on the engine"
+                "draft (load_default_draft(model) or load_draft(model, DIR)) on the engine"
             )
 
     def _run(self, ids, groups, max_new_tokens, g, bar):
@@ -239,7 +239,7 @@ class SpeculativeDecoding(_Strategy):
         if self.proposal.reads_target:
             raise SMCDecodeError(
                 f"exact speculative decoding does not run feature drafts ({self.proposal.model.name!r} reads the "
-                "target's hidden states): use SMC with it, or a layer draft (load_default_draft(model, kind='layers'))"
+                "target's hidden states): use SMC with it, or a layer draft (load_default_draft(model) or load_draft(model, DIR))"
             )
         self.block_size = check_positive_int("block_size", block_size, "draft at least 1 token per round")
         self.samples = check_positive_int("samples", samples)

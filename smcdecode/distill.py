@@ -52,7 +52,7 @@ from .drafts import (
     save_draft,
     size_bytes,
 )
-from .drafts.feature import FeatureDraftModel, build_feature_draft, target_hidden
+from .drafts.feature import FeatureDraftModel, build_feature_draft, head_logits, target_hidden
 from .errors import SMCDecodeError
 from .models import HFModel
 
@@ -425,11 +425,7 @@ def _engine_sampler(target: HFModel, max_context: int, batch_size: int):
 def _logits(hf: torch.nn.Module, input_ids: Tensor, positions: Tensor) -> Tensor:
     """Next-token logits [P, V] at the selected ``positions`` ([B, T] bool) only."""
     hidden = hf.model(input_ids=input_ids, use_cache=False).last_hidden_state  # [B, T, H]
-    logits = hf.get_output_embeddings()(hidden[positions])
-    cap = getattr(hf.config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits.float()
+    return head_logits(hf, hidden[positions])
 
 
 def kl_loss(target_logits: Tensor, draft_logits: Tensor, temperatures: Sequence[float]) -> Tensor:
@@ -505,7 +501,6 @@ def evaluate_draft(
         bar.close()
     if not acc[0]:
         raise SMCDecodeError("the evaluation corpus is empty")
-    per_step = [_figures(torch.cat(a), torch.cat(c), torch.cat(k)) for a, c, k in zip(acc, chi, kl)]
     report = {
         "temperature": temperature,
         **({"draft_temperature": draft_temperature} if draft_temperature != temperature else {}),
@@ -514,8 +509,8 @@ def evaluate_draft(
         "sequences": len(corpus),
     }
     if feature:  # the headline figures average the drafted positions 1..unroll of a round
-        report["positions"] = per_step[0]["positions"]
-        report["by_draft_step"] = per_step
+        report["by_draft_step"] = [_figures(torch.cat(a), torch.cat(c), torch.cat(k)) for a, c, k in zip(acc, chi, kl)]
+        report["positions"] = report["by_draft_step"][0]["positions"]
     return report
 
 

@@ -74,7 +74,7 @@ def smc_sd(
     t_runner = model.start(prompt_ids[:-1], B)
     d_runner = draft.model.start(prompt_ids[:-1], B) if K > 0 else None
     pending = torch.full((B, 1), prompt_ids[-1], dtype=torch.long)  # tokens the draft has not seen
-    feature = K > 0 and getattr(draft.model, "uses_target_features", False)
+    feature = K > 0 and draft.reads_target
     # a feature draft: the feature paired with each pending token (the target's, of the position before)
     pending_features = d_runner.tail_feature[:, None] if feature else None
     last = torch.full((B,), prompt_ids[-1], dtype=torch.long)  # token the target has not seen

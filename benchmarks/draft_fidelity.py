@@ -14,6 +14,12 @@ distribution). A method that samples p_T matches `target` up to noise; a biased 
 Also recorded per SMC run: mean ESS per round, rounds with ESS ≥ N/2, resampling rate; per SD run
 the acceptance rate.
 
+--toward-target λ replaces the distilled draft's proposal by q_λ ∝ p_T^λ · q_T'^(1−λ): the draft moved
+a fraction λ of the way to the target, per token (λ = 0: the draft itself; 1: the target). Not a
+practical draft (it runs the target at every drafted token); it measures how close a draft must be
+for a given ESS. Each drafted position also records Σ_v min(p_T, q_λ) and KL(p_T‖q_λ) along the
+particles' own paths (own_acceptance, own_kl).
+
 Runs the prompts in --workers processes (each loads its own models on --device); answers go to
 --results-dir as JSON lines as they are made, so a run cut short by --budget can be continued.
 
@@ -30,6 +36,8 @@ import os
 import time
 from pathlib import Path
 
+from smcdecode.models import Model
+
 METHODS = ("target", "smc_k4", "smc_k8", "sd_k4", "smc_trunc_k4")
 
 
@@ -39,6 +47,56 @@ def heldout_prompts(args, target) -> list[str]:
     usable = chat_prompts(target, load_prompts(args.prompts), args.max_prompt_tokens)
     _, held = split_prompts(usable, args.holdout, args.seed)
     return [text for text, _ in held][: args.limit]
+
+
+class TowardTarget(Model):
+    """The proposal q_λ ∝ p_T^λ · q_T'^(1−λ) as a model for ``Draft(·, T')``: its runner returns
+    T'·log q_λ, which the sampler's division by T' turns back into log q_λ."""
+
+    def __init__(self, draft, target, lam: float, temperature: float, draft_temperature: float):
+        self.draft, self.target, self.lam = draft, target, lam
+        self.T, self.Tq = temperature, draft_temperature
+        self.name = f"{draft.name}-toward-target-{lam:g}"
+        self.vocab_size, self.eos_token_id, self.max_context = draft.vocab_size, draft.eos_token_id, draft.max_context
+        self.sums = [0.0, 0.0, 0]  # Σ acceptance, Σ KL(p_T‖q_λ), drafted positions (every particle)
+
+    def start(self, prefix_ids, batch):
+        return _TowardRunner(self, self.draft.start(prefix_ids, batch), self.target.start(prefix_ids, batch))
+
+    def take_stats(self) -> dict:
+        acc, kl, n = self.sums
+        self.sums = [0.0, 0.0, 0]
+        return {"own_acceptance_sum": acc, "own_kl_sum": kl, "own_positions": n}
+
+
+class _TowardRunner:
+    def __init__(self, model: TowardTarget, draft_runner, target_runner):
+        self.m, self.d, self.t = model, draft_runner, target_runner
+
+    @property
+    def length(self) -> int:
+        return self.d.length
+
+    def extend(self, tokens):
+        import torch
+
+        m = self.m
+        lq = torch.log_softmax(self.d.extend(tokens).double() / m.Tq, -1)
+        lp = torch.log_softmax(self.t.extend(tokens).double().to(lq.device) / m.T, -1)
+        mix = torch.log_softmax(m.lam * lp + (1 - m.lam) * lq, -1)
+        p_last, mix_last = lp[:, -1].exp(), mix[:, -1]  # the position the next token is drafted from
+        m.sums[0] += float(torch.minimum(p_last, mix_last.exp()).sum())
+        m.sums[1] += float((p_last * (lp[:, -1] - mix_last)).nan_to_num(0.0, posinf=0.0).sum())
+        m.sums[2] += p_last.shape[0]
+        return (m.Tq * mix).float()
+
+    def reorder(self, index) -> None:
+        self.d.reorder(index)
+        self.t.reorder(index)
+
+    def crop(self, length: int) -> None:
+        self.d.crop(length)
+        self.t.crop(length)
 
 
 def _strategies(args, target):
@@ -53,6 +111,8 @@ def _strategies(args, target):
         out["target"] = Autoregressive(lm, samples=1)
     if {"smc_k4", "smc_k8", "sd_k4"} & set(args.methods):  # the distilled draft, loaded only when used
         draft = load_default_draft(target) if args.draft == "default" else load_draft(target, args.draft)
+        if args.toward_target is not None:
+            draft = TowardTarget(draft, target, args.toward_target, T, Tq)
         made = {"smc_k4": lambda: SMC(lm, Draft(draft, Tq), particles=args.particles, block_size=4),
                 "smc_k8": lambda: SMC(lm, Draft(draft, Tq), particles=args.particles, block_size=8),
                 "sd_k4": lambda: SpeculativeDecoding(lm, Draft(draft, Tq), block_size=4)}
@@ -107,6 +167,9 @@ def worker(rank: int, args, jobs: list[tuple[int, str]], deadline: float) -> Non
                     "finished": bool(tokens and tokens[-1] == target.eos_token_id),
                     "text": target.decode(tokens)[:160],
                 }
+                model = getattr(getattr(strategies[name], "proposal", None), "model", None)
+                if isinstance(model, TowardTarget):
+                    rec.update(model.take_stats())
                 if name.startswith("smc"):
                     rec.update(mean_ess=res.mean_ess, resample_rate=res.resample_rate, ess=res.ess,
                                rounds_ess_ge_half=sum(e >= half for e in res.ess))
@@ -185,6 +248,10 @@ def aggregate(results_dir: Path, particles: int) -> dict:
             entry["frac_rounds_ess_ge_half"] = sum(e >= particles / 2 for e in all_ess) / len(all_ess)
             entry["resample_rate"] = sum(r["resample_rate"] * r["rounds"] for r in rows) / sum(r["rounds"] for r in rows)
             entry["rounds"] = sum(r["rounds"] for r in rows)
+        if rows[0].get("own_positions"):
+            n = sum(r["own_positions"] for r in rows)
+            entry["own_acceptance"] = sum(r["own_acceptance_sum"] for r in rows) / n
+            entry["own_kl"] = sum(r["own_kl_sum"] for r in rows) / n
         if m.startswith("sd"):
             entry["acceptance_rate"] = sum(r["accepted"] for r in rows) / max(1, sum(r["drafted"] for r in rows))
         table[m] = entry
@@ -233,6 +300,9 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--draft-temperature", type=float, default=None,
                    help="temperature of the drafts as proposals (default: --temperature; the target stays at --temperature)")
+    p.add_argument("--toward-target", type=float, default=None, metavar="LAMBDA",
+                   help="propose from q ∝ p_T^λ · q^(1-λ) instead of the draft (a study of how close a draft "
+                        "must be; runs the target at every drafted token)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--device", default="cuda")
     p.add_argument("--workers", type=int, default=8)

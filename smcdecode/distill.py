@@ -44,6 +44,7 @@ from torch import Tensor
 from .drafts import (
     build_draft,
     draft_info,
+    grow_draft,
     load_default_draft,
     load_draft,
     load_own_state,
@@ -747,12 +748,18 @@ def distill(
         if warm.get("kind", "layers") != config.kind:
             raise SMCDecodeError(f"--init-draft {str(init_draft)!r} is a {warm.get('kind', 'layers')} draft: pass "
                                  f"--kind {warm.get('kind', 'layers')}")
-        if config.layers != warm["num_layers"] or (config.init_layers not in (None, warm["init_layers"])):
+        grow = config.kind == "layers" and config.layers > warm["num_layers"] and config.init_layers is None
+        if not grow and (config.layers != warm["num_layers"] or config.init_layers not in (None, warm["init_layers"])):
             raise SMCDecodeError(
                 f"--init-draft {str(init_draft)!r} has {warm['num_layers']} layers initialised from "
-                f"{warm['init_layers']}; pass --layers {warm['num_layers']} (and no other --init-layers)"
+                f"{warm['init_layers']}; pass --layers {warm['num_layers']} (and no other --init-layers), "
+                f"or more --layers (and no --init-layers) to grow it"
             )
         log(f"warm start from {init_draft} ({warm.get('training', {}).get('steps')} steps)")
+        if grow:
+            draft = grow_draft(target, draft, config.layers)
+            log(f"grown from {warm['num_layers']} to {config.layers} layers (init layers "
+                f"{draft_info(draft)['init_layers']}; the new ones start as the identity)")
     elif config.kind == "feature":
         source = None
         if config.feature_from is not None:
@@ -839,7 +846,9 @@ def distill(
         "kept": trained["best"],
     }
     if warm is not None:
-        recipe["warm_start"] = {"from": str(init_draft), "training": warm.get("training"), "eval": warm.get("eval")}
+        recipe["warm_start"] = {"from": str(init_draft), "num_layers": warm["num_layers"],
+                                "init_layers": warm["init_layers"], "training": warm.get("training"),
+                                "eval": warm.get("eval")}
     save_draft(draft, out, weights=config.weights, metadata={"training": recipe})
     reloaded = load_draft(target, out)  # evaluate what was saved (int8 weights included)
     figures = [evaluate_draft(target, reloaded, corpus["heldout"], temperature=t) for t in config.temperatures] \

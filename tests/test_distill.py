@@ -19,7 +19,18 @@ from smcdecode.distill import (
     split_prompts,
     train_draft,
 )
-from smcdecode.drafts import build_draft, load_default_draft, load_draft, own_state, read_draft_config, save_draft
+from smcdecode.drafts import (
+    _decoder,
+    build_draft,
+    draft_info,
+    grow_draft,
+    grown_layout,
+    load_default_draft,
+    load_draft,
+    own_state,
+    read_draft_config,
+    save_draft,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -140,8 +151,45 @@ def test_distill_end_to_end_then_resume(tmp_path):
     warm = distill(target, prompts, tmp_path / "warm", config, init_draft=tmp_path, progress=False, log=logs.append)
     assert warm["training"]["warm_start"]["training"]["steps"] == 9 and warm["training"]["steps"] == 2
     config.layers = 2
+    with pytest.raises(SMCDecodeError, match="cannot grow a 1-layer draft"):
+        distill(target, prompts, tmp_path / "bad", config, init_draft=tmp_path, progress=False, log=logs.append)
+    config.layers, config.init_layers = 1, [0]
     with pytest.raises(SMCDecodeError, match="pass --layers 1"):
         distill(target, prompts, tmp_path / "bad", config, init_draft=tmp_path, progress=False, log=logs.append)
+
+
+def test_a_grown_draft_starts_as_its_source_and_trains_its_new_layers(tmp_path):
+    target = tiny_target(layers=6, tokenizer=True)
+    prompts = word_prompts(24, stride=5, spread=4)
+    config = DistillConfig(layers=3, samples_per_prompt=2, max_new_tokens=8, holdout=4, steps=30, batch_size=8,
+                           lr=1e-2, warmup_steps=1, checkpoint_every=1000, weights="float32")
+    distill(target, prompts, tmp_path / "d3", config, progress=False, log=lambda _: None)
+    source = load_draft(target, tmp_path / "d3")
+    assert draft_info(source)["init_layers"] == [0, 2, 5]
+
+    grown = grow_draft(target, source, 5)  # one new layer in each gap, from the target layer midway
+    assert draft_info(grown)["init_layers"] == [0, 1, 2, 3, 5]
+    ids = torch.randint(2, 48, (3, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(grown.hf(input_ids=ids).logits, source.hf(input_ids=ids).logits,
+                                   atol=1e-5, rtol=1e-5)
+
+    # distill --init-draft d3 --layers 5: grows, trains the new layers, saves 5 layers
+    logs: list[str] = []
+    config.layers, config.steps = 5, 10
+    report = distill(target, prompts, tmp_path / "d5", config, init_draft=tmp_path / "d3", progress=False,
+                     log=logs.append)
+    assert any(line.startswith("grown from 3 to 5 layers") for line in logs)
+    assert report["training"]["warm_start"]["num_layers"] == 3
+    saved = load_draft(target, tmp_path / "d5")
+    assert read_draft_config(tmp_path / "d5")["init_layers"] == [0, 1, 2, 3, 5]
+    new_layer = _decoder(saved.hf).layers[1]
+    assert float(new_layer.self_attn.o_proj.weight.abs().max()) > 0
+    assert float(new_layer.mlp.down_proj.weight.abs().max()) > 0
+
+    assert grown_layout([0, 10, 20, 29], 6) == ([0, 5, 10, 20, 24, 29], [False, True, False, False, True, False])
+    with pytest.raises(SMCDecodeError, match=r"num_layers must be in \[4, 5\] to grow a 3-layer draft"):
+        grow_draft(target, source, 6)
 
 
 def test_extra_prompts_only_train_and_generation_budget_keeps_a_random_subset(tmp_path):
@@ -483,3 +531,37 @@ def test_self_prompts_are_the_targets_own_user_turns_and_only_train(tmp_path):
         user_turn_prefix(tiny_target(tokenizer=True))
     with pytest.raises(SMCDecodeError, match="self_prompts must be a count"):
         DistillConfig(self_prompts=-1).check()
+
+
+def test_toward_target_proposal_of_the_fidelity_study():
+    """benchmarks/draft_fidelity.py --toward-target λ: q_λ ∝ p_T^λ q_T'^(1-λ). λ = 0 is the draft
+    itself (the same run, token for token); λ = 1 is the target (every weight equal, ESS = N, the
+    per-token acceptance 1 and KL 0); in between, the acceptance lies between the two."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "draft_fidelity.py"
+    spec = importlib.util.spec_from_file_location("draft_fidelity", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    target = tiny_target(tokenizer=True)
+    draft = build_draft(target, 1)
+    lm = LM(target, 0.7)
+
+    def run(proposal):
+        return SMC(lm, Draft(proposal, 0.5), particles=4, block_size=3).run("w3 w4 w5", 9, seed=2, progress=False)
+
+    plain = run(draft)
+    stats = {}
+    for lam in (0.0, 0.5, 1.0):
+        model = bench.TowardTarget(draft, target, lam, 0.7, 0.5)
+        res = run(model)
+        s = model.take_stats()
+        stats[lam] = (res, s["own_acceptance_sum"] / s["own_positions"], s["own_kl_sum"] / s["own_positions"])
+    res0 = stats[0.0][0]
+    assert res0.sample_tokens == plain.sample_tokens
+    assert res0.ess == pytest.approx(plain.ess, rel=1e-5)
+    res1, acc1, kl1 = stats[1.0]
+    assert res1.ess == pytest.approx([4.0] * len(res1.ess), rel=1e-9) and res1.resample_rate == 0
+    assert acc1 == pytest.approx(1.0, abs=1e-9) and kl1 == pytest.approx(0.0, abs=1e-9)
+    assert stats[0.0][1] < stats[0.5][1] < 1.0 and stats[0.0][2] > stats[0.5][2] > 0

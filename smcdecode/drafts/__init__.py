@@ -103,6 +103,66 @@ def build_draft(target: HFModel, num_layers: int = 4, init_layers: Sequence[int]
     return HFModel(hf, target.tokenizer, name=f"{target.name}-draft{num_layers}")
 
 
+def grown_layout(init_layers: Sequence[int], num_layers: int) -> tuple[list[int], list[bool]]:
+    """Where :func:`grow_draft` puts ``num_layers - len(init_layers)`` new layers: each into a gap
+    between two of the draft's layers (gaps spread evenly), initialised from the target layer
+    midway between the two. Returns the grown draft's init layers and which positions are new."""
+    old = list(init_layers)
+    m, gaps = num_layers - len(old), len(old) - 1
+    if gaps == 0:
+        raise SMCDecodeError("cannot grow a 1-layer draft (new layers go between its layers): distil one with "
+                             f"--layers {num_layers} from the target's layers instead")
+    if not 1 <= m <= gaps:
+        raise SMCDecodeError(
+            f"num_layers must be in [{len(old) + 1}, {len(old) + gaps}] to grow a {len(old)}-layer draft "
+            f"(one new layer per gap between its layers), got {num_layers}: grow in several steps for more"
+        )
+    chosen = {min(gaps - 1, int((i + 0.5) * gaps / m)) for i in range(m)}
+    if len(chosen) < m:  # rounding collided: take the first free gaps
+        chosen |= set([g for g in range(gaps) if g not in chosen][: m - len(chosen)])
+    init, new = [], []
+    for i, layer in enumerate(old):
+        init.append(layer)
+        new.append(False)
+        if i in chosen:
+            init.append((old[i] + old[i + 1]) // 2)
+            new.append(True)
+    return init, new
+
+
+def grow_draft(target: HFModel, draft: HFModel, num_layers: int) -> HFModel:
+    """A layer draft with ``num_layers`` layers that computes exactly what ``draft`` computes: the
+    draft's layers and norm, with new layers between them (:func:`grown_layout`) copied from the
+    target but with their attention and MLP output projections at zero, so each new layer starts
+    as the identity on the residual stream. Training then uses the extra depth (``smcdecode.distill
+    --init-draft DIR --layers L`` with L above the draft's)."""
+    info = draft_info(draft)
+    if not info or info.get("kind", "layers") != "layers":
+        raise SMCDecodeError(f"draft must be a layer draft (build_draft / load_draft), got {draft!r}")
+    init, new = grown_layout(info["init_layers"], num_layers)
+    grown = build_draft(target, num_layers, init)
+    old_layers, layers = _decoder(draft.hf).layers, _decoder(grown.hf).layers
+    sources = iter(old_layers)
+    with torch.no_grad():
+        for layer, is_new in zip(layers, new):
+            if not is_new:
+                layer.load_state_dict(next(sources).state_dict())
+                continue
+            outputs = [m for name, m in layer.named_modules() if name.endswith(("o_proj", "down_proj"))]
+            if len(outputs) != 2:
+                raise SMCDecodeError(
+                    f"cannot grow a {type(target.hf).__name__} draft: its decoder layers have no o_proj / "
+                    "down_proj output projections to start at zero"
+                )
+            for m in outputs:
+                m.weight.zero_()
+                if getattr(m, "bias", None) is not None:
+                    m.bias.zero_()
+        _decoder(grown.hf).norm.load_state_dict(_decoder(draft.hf).norm.state_dict())
+    grown.hf.smcdecode_draft["grown_from"] = list(info["init_layers"])
+    return grown
+
+
 def own_parameters(draft) -> list[torch.nn.Parameter]:
     """The parameters a draft owns (its layers and final norm, and a feature draft's ``fc``); the
     rest are the target's. ``draft``: a draft model, or a layer draft's ``.hf`` module."""
@@ -353,12 +413,14 @@ def size_bytes(path: str | Path) -> int:
 
 
 __all__ = [
-    "proposal_temperature",
     "DEFAULT_DRAFTS",
     "build_draft",
     "check_target",
     "default_init_layers",
     "draft_info",
+    "grow_draft",
+    "grown_layout",
+    "proposal_temperature",
     "load_default_draft",
     "load_draft",
     "own_parameters",

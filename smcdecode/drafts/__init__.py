@@ -117,9 +117,7 @@ def grown_layout(init_layers: Sequence[int], num_layers: int) -> tuple[list[int]
             f"num_layers must be in [{len(old) + 1}, {len(old) + gaps}] to grow a {len(old)}-layer draft "
             f"(one new layer per gap between its layers), got {num_layers}: grow in several steps for more"
         )
-    chosen = {min(gaps - 1, int((i + 0.5) * gaps / m)) for i in range(m)}
-    if len(chosen) < m:  # rounding collided: take the first free gaps
-        chosen |= set([g for g in range(gaps) if g not in chosen][: m - len(chosen)])
+    chosen = {int((i + 0.5) * gaps / m) for i in range(m)}  # m distinct gaps: steps of gaps/m >= 1
     init, new = [], []
     for i, layer in enumerate(old):
         init.append(layer)

@@ -140,7 +140,8 @@ def _row_rstd(SS, rows, rows_ok, stride_ss, eps, T: tl.constexpr, T_P2: tl.const
 
 @triton.jit
 def _attend_cached(q, q1, q2, KP, VP, page, kvh, n0, end, qpos, sm_scale, m_i, l_i, acc,
-                   HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr):
+                   HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
+                   DOT: tl.constexpr):
     """One block of BLOCK_N cached keys/values (positions n0.., pages ``page``, masked at ``end`` and
     causally) folded into the online softmax (m_i, l_i, acc) of a query tile."""
     HALF: tl.constexpr = D // 2
@@ -152,10 +153,10 @@ def _attend_cached(q, q1, q2, KP, VP, page, kvh, n0, end, qpos, sm_scale, m_i, l
     if ROPE:
         k1 = tl.load(KP + kv_row[:, None] + dh[None, :], mask=n_valid[:, None], other=0.0)
         k2 = tl.load(KP + kv_row[:, None] + HALF + dh[None, :], mask=n_valid[:, None], other=0.0)
-        s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
+        s = tl.dot(q1, tl.trans(k1), input_precision=DOT) + tl.dot(q2, tl.trans(k2), input_precision=DOT)
     else:
         k = tl.load(KP + kv_row[:, None] + d[None, :], mask=n_valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k))
+        s = tl.dot(q, tl.trans(k), input_precision=DOT)
     s = s * sm_scale  # [BLOCK_M, BLOCK_N] fp32
     v = tl.load(VP + kv_row[:, None] + d[None, :], mask=n_valid[:, None], other=0.0)
     ok = (n[None, :] <= qpos[:, None]) & n_valid[None, :]
@@ -165,7 +166,7 @@ def _attend_cached(q, q1, q2, KP, VP, page, kvh, n0, end, qpos, sm_scale, m_i, l
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT)
     return m_new, l_i, acc
 
 
@@ -220,6 +221,7 @@ def _paged_attn_kernel(
     ROPE: tl.constexpr, MERGE: tl.constexpr, DYN_LOOP: tl.constexpr, MAX_IT: tl.constexpr,
     PREFETCH: tl.constexpr, PDL: tl.constexpr = 0,
     SS=None, stride_ss=0, rs_eps=0.0, RS_T: tl.constexpr = 0, RS_TP2: tl.constexpr = 1, RS_DIM: tl.constexpr = 1,
+    DOT: tl.constexpr = "tf32",
 ):
     """One program per (row b, kv head, KV split, query tile). Query rows of a tile are the (l, g)
     pairs m = l·G + g of the row's L tokens × the G query heads of the kv head.
@@ -303,7 +305,7 @@ def _paged_attn_kernel(
                 v = (v.to(tl.float32) * rk[:, None]).to(KP.dtype.element_ty)
             k1 = (k1f * ck - k2f * sk).to(KP.dtype.element_ty)
             k2 = (k2f * ck + k1f * sk).to(KP.dtype.element_ty)
-            s = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * sm_scale  # [BLOCK_M, BLOCK_L]
+            s = (tl.dot(q1, tl.trans(k1), input_precision=DOT) + tl.dot(q2, tl.trans(k2), input_precision=DOT)) * sm_scale  # [BLOCK_M, BLOCK_L]
             ok = (kpos[None, :] <= qpos[:, None]) & j_valid[None, :]
             s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -311,7 +313,7 @@ def _paged_attn_kernel(
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v.to(KP.dtype.element_ty))
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v.to(KP.dtype.element_ty), input_precision=DOT)
             m_i = m_new
             if mt == 0:  # write the new keys/values into their pages (no other program reads them)
                 kpage = tl.load(PT + b * stride_pt + kpos // PS)
@@ -328,7 +330,7 @@ def _paged_attn_kernel(
             else:
                 page = _block_pages(PT, b, stride_pt, n0, end, PS, BLOCK_N)
             m_i, l_i, acc = _attend_cached(q, q1, q2, KP, VP, page, kvh, n0, end, qpos, sm_scale,
-                                           m_i, l_i, acc, HKV, D, PS, BLOCK_N, ROPE)
+                                           m_i, l_i, acc, HKV, D, PS, BLOCK_N, ROPE, DOT)
             if PREFETCH:
                 page = page_next
     else:  # Triton's interpreter needs constant loop bounds: a fixed count of (masked) blocks
@@ -339,7 +341,7 @@ def _paged_attn_kernel(
             else:
                 page = _block_pages(PT, b, stride_pt, n0, end, PS, BLOCK_N)
             m_i, l_i, acc = _attend_cached(q, q1, q2, KP, VP, page, kvh, n0, end, qpos, sm_scale,
-                                           m_i, l_i, acc, HKV, D, PS, BLOCK_N, ROPE)
+                                           m_i, l_i, acc, HKV, D, PS, BLOCK_N, ROPE, DOT)
             if PREFETCH:
                 page = page_next
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -350,7 +352,7 @@ def _paged_attn_kernel(
 
 @triton.jit
 def _grouped_attend_tile(q, q1, q2, KP, VP, page, n, n_valid, kvh, qpos, ctx_q, rows_ok, sm_scale, m_i, l_i, acc,
-                 HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, ROPE: tl.constexpr):
+                 HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, ROPE: tl.constexpr, DOT: tl.constexpr):
     """Keys/values at positions n (pages ``page``) folded into the online softmax (m_i, l_i, acc) of the
     query rows with ``rows_ok``; each query row sees positions <= its own and < its row's cached
     length ``ctx_q``."""
@@ -361,10 +363,10 @@ def _grouped_attend_tile(q, q1, q2, KP, VP, page, n, n_valid, kvh, qpos, ctx_q, 
     if ROPE:
         k1 = tl.load(KP + kv_row[:, None] + dh[None, :], mask=n_valid[:, None], other=0.0)
         k2 = tl.load(KP + kv_row[:, None] + HALF + dh[None, :], mask=n_valid[:, None], other=0.0)
-        s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
+        s = tl.dot(q1, tl.trans(k1), input_precision=DOT) + tl.dot(q2, tl.trans(k2), input_precision=DOT)
     else:
         k = tl.load(KP + kv_row[:, None] + d[None, :], mask=n_valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k))
+        s = tl.dot(q, tl.trans(k), input_precision=DOT)
     s = s * sm_scale  # [BLOCK_M, BLOCK_N] fp32
     v = tl.load(VP + kv_row[:, None] + d[None, :], mask=n_valid[:, None], other=0.0)
     ok = (n[None, :] <= qpos[:, None]) & (n[None, :] < ctx_q[:, None]) & n_valid[None, :] & rows_ok[:, None]
@@ -374,14 +376,14 @@ def _grouped_attend_tile(q, q1, q2, KP, VP, page, n, n_valid, kvh, qpos, ctx_q, 
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT)
     return m_new, l_i, acc
 
 
 @triton.jit
 def _grouped_attend_cached(q, q1, q2, KP, VP, PT, b0, B, kvh, stride_pt, n0, end, qpos, ctx_q, qrow, sm_scale, m_i, l_i, acc,
                    HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
-                   GS: tl.constexpr, GS_P2: tl.constexpr):
+                   GS: tl.constexpr, GS_P2: tl.constexpr, DOT: tl.constexpr):
     """One block of BLOCK_N cached positions n0.. (< end) for the program's GS rows b0..: when every
     row's page ids agree over the block (particles sharing pages), its keys/values are read once for
     all rows; otherwise once per row, each row's queries masked to its own keys."""
@@ -390,7 +392,7 @@ def _grouped_attend_cached(q, q1, q2, KP, VP, PT, b0, B, kvh, stride_pt, n0, end
     p0 = tl.load(PT + b0 * stride_pt + n // PS, mask=n_valid, other=0)
     if GS == 1:
         m_i, l_i, acc = _grouped_attend_tile(q, q1, q2, KP, VP, p0, n, n_valid, kvh, qpos, ctx_q, qrow >= 0, sm_scale,
-                                     m_i, l_i, acc, HKV, D, PS, ROPE)
+                                     m_i, l_i, acc, HKV, D, PS, ROPE, DOT)
     else:
         rr = tl.arange(0, GS_P2)
         r_ok = (rr < GS) & (b0 + rr < B)
@@ -399,12 +401,12 @@ def _grouped_attend_cached(q, q1, q2, KP, VP, PT, b0, B, kvh, stride_pt, n0, end
         differ = tl.sum(tl.sum(tl.where(r_ok[:, None] & (pages != p0[None, :]), 1, 0), 1), 0)
         if differ == 0:
             m_i, l_i, acc = _grouped_attend_tile(q, q1, q2, KP, VP, p0, n, n_valid, kvh, qpos, ctx_q, qrow >= 0, sm_scale,
-                                         m_i, l_i, acc, HKV, D, PS, ROPE)
+                                         m_i, l_i, acc, HKV, D, PS, ROPE, DOT)
         else:
             for r in tl.static_range(GS):
                 pr = tl.sum(tl.where(rr[:, None] == r, pages, 0), 0)
                 m_i, l_i, acc = _grouped_attend_tile(q, q1, q2, KP, VP, pr, n, n_valid, kvh, qpos, ctx_q, qrow == r,
-                                             sm_scale, m_i, l_i, acc, HKV, D, PS, ROPE)
+                                             sm_scale, m_i, l_i, acc, HKV, D, PS, ROPE, DOT)
     return m_i, l_i, acc
 
 
@@ -416,6 +418,7 @@ def _paged_attn_grouped_kernel(
     PS: tl.constexpr, NSPLIT: tl.constexpr, MT: tl.constexpr, GS: tl.constexpr, GS_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     ROPE: tl.constexpr, MERGE: tl.constexpr, DYN_LOOP: tl.constexpr, MAX_IT: tl.constexpr, PDL: tl.constexpr = 0,
+    DOT: tl.constexpr = "tf32",
 ):
     """Opt-in (SMCDECODE_ATTN_GROUP; not yet run on a GPU): the paged-attention kernel with GS
     consecutive rows per program (particles of one request): a block of positions whose pages all
@@ -496,7 +499,7 @@ def _paged_attn_grouped_kernel(
             k1 = (k1f * ck - k2f * sk).to(KP.dtype.element_ty)
             k2 = (k2f * ck + k1f * sk).to(KP.dtype.element_ty)
             v = tl.load(Q + jt[:, None] * stride_qt + (H + HKV + kvh) * D + d[None, :])
-            s = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * sm_scale  # [BLOCK_M, BLOCK_L]
+            s = (tl.dot(q1, tl.trans(k1), input_precision=DOT) + tl.dot(q2, tl.trans(k2), input_precision=DOT)) * sm_scale  # [BLOCK_M, BLOCK_L]
             ok = (jr[None, :] == qrow[:, None]) & (kpos[None, :] <= qpos[:, None]) & j_valid[None, :]
             s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -504,7 +507,7 @@ def _paged_attn_grouped_kernel(
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v.to(KP.dtype.element_ty))
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v.to(KP.dtype.element_ty), input_precision=DOT)
             m_i = m_new
             if mt == 0:  # write the new keys/values into their pages (no other program reads them)
                 kpage = tl.load(PT + (b0 + jr) * stride_pt + kpos // PS, mask=j_valid, other=0)
@@ -515,12 +518,12 @@ def _paged_attn_grouped_kernel(
     if DYN_LOOP:
         for n0 in range(start, end, BLOCK_N):
             m_i, l_i, acc = _grouped_attend_cached(q, q1, q2, KP, VP, PT, b0, B, kvh, stride_pt, n0, end, qpos, ctx_q, qrow,
-                                           sm_scale, m_i, l_i, acc, HKV, D, PS, BLOCK_N, ROPE, GS, GS_P2)
+                                           sm_scale, m_i, l_i, acc, HKV, D, PS, BLOCK_N, ROPE, GS, GS_P2, DOT)
     else:  # Triton's interpreter needs constant loop bounds: a fixed count of (masked) blocks
         for it in range(0, MAX_IT):
             m_i, l_i, acc = _grouped_attend_cached(q, q1, q2, KP, VP, PT, b0, B, kvh, stride_pt, start + it * BLOCK_N, end,
                                            qpos, ctx_q, qrow, sm_scale, m_i, l_i, acc, HKV, D, PS, BLOCK_N, ROPE,
-                                           GS, GS_P2)
+                                           GS, GS_P2, DOT)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = ((b * L + l_idx) * H + kvh * G + g_idx) * D
     _store_or_merge(out, m_i, l_i, O, OP, LSE, CNT, o_rows, m, m_valid, pid * MT + mt, mt, sid, D, NSPLIT, BLOCK_M,
@@ -638,6 +641,16 @@ def _attention_config(B: int, L: int, G: int, Hkv: int, D: int, capacity: int, d
     return block_m, mt, block_n, nsplit, merge, warps, stages, prefetch
 
 
+def _dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s input precision for operands of ``dtype``: float32 operands are multiplied in
+    full float32 ("ieee") unless torch allows TF32 for float32 products
+    (``torch.backends.cuda.matmul.allow_tf32``), as torch's own products are; bf16/fp16 operands
+    ignore it ("tf32", Triton's default, keeps their kernels as they were). Triton's default for
+    float32 is TF32: a float32 engine then differed from the float32 HF reference by ~3·10⁻³ in the
+    logits of the runner tests' model (docs/engine.md)."""
+    return "tf32" if dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
 def _launch_attention(src: Tensor, stride_qt: int, B: int, L: int, H: int, k_pool: Tensor, v_pool: Tensor,
                       batch, cos: Tensor | None, sin: Tensor | None, out_dtype, rowscale=None) -> Tensor:
     _, Hkv, PS, D = k_pool.shape
@@ -671,7 +684,7 @@ def _launch_attention(src: Tensor, stride_qt: int, B: int, L: int, H: int, k_poo
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_L=max(16, triton.next_power_of_2(L)),
         ROPE=rope, MERGE=merge, DYN_LOOP=not _INTERPRET,
         MAX_IT=max(1, triton.cdiv(triton.cdiv(P * PS, nsplit), block_n)) if _INTERPRET else 1, PREFETCH=bool(prefetch),
-        num_warps=warps, num_stages=stages, **_pdl(dev), **_rowscale_args(rowscale),
+        num_warps=warps, num_stages=stages, DOT=_dot_precision(src.dtype), **_pdl(dev), **_rowscale_args(rowscale),
     )
     if merge == 1:
         _merge_splits_kernel[(B * Hkv * L * G,)](
@@ -733,7 +746,7 @@ def _launch_grouped_attention(src, stride_qt, B, L, H, k_pool, v_pool, batch, po
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_L=max(16, triton.next_power_of_2(gs * L)),
         ROPE=rope, MERGE=merge, DYN_LOOP=not _INTERPRET,
         MAX_IT=max(1, triton.cdiv(triton.cdiv(P * PS, nsplit), block_n)) if _INTERPRET else 1,
-        num_warps=warps, num_stages=stages, **_pdl(dev),
+        num_warps=warps, num_stages=stages, DOT=_dot_precision(src.dtype), **_pdl(dev),
     )
     return out
 
@@ -1355,7 +1368,7 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexp
                           K_PER: tl.constexpr, PDL: tl.constexpr = 0, SPLIT: tl.constexpr = 1,
                           R=None, H_OUT=None, GAMMA=None, GH_OUT=None, SS=None, CNT=None, RESID: tl.constexpr = 0,
                           SS_IN=None, stride_ss=0, rs_eps=0.0, RS_T: tl.constexpr = 0, RS_TP2: tl.constexpr = 1,
-                          RS_DIM: tl.constexpr = 1):
+                          RS_DIM: tl.constexpr = 1, DOT: tl.constexpr = "tf32"):
     """Y[M, N] = X[M, K] · W[N, K]ᵀ, one program per BLOCK_N output columns × BLOCK_M rows, streaming
     its W rows once. SILU: W is [2N, K] = [gate; up] and Y = silu(X·gateᵀ) · (X·upᵀ), rounded as the
     unfused path rounds (the product to Y's dtype, silu to Y's dtype, then the product).
@@ -1390,11 +1403,11 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexp
         k_ok = kk < K
         x = tl.load(X + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(W + rn[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w))
+        acc += tl.dot(x, tl.trans(w), input_precision=DOT)
         if SILU:
             wu = tl.load(W + (N + rn)[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
                          other=0.0)
-            acc_u += tl.dot(x, tl.trans(wu))
+            acc_u += tl.dot(x, tl.trans(wu), input_precision=DOT)
     if RS_T > 0:
         acc = acc * r[:, None]
         acc_u = acc_u * r[:, None]
@@ -1542,7 +1555,7 @@ def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=N
     _skinny_linear_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm), split)](
         x2, weight, y, M, x2.stride(0), N=N, K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SILU=silu,
         SPLIT=split, K_PER=k_per if split > 1 else K, num_warps=warps, num_stages=stages, **_pdl(x.device),
-        **_rowscale_args(rowscale, "SS_IN"))
+        DOT=_dot_precision(x.dtype), **_rowscale_args(rowscale, "SS_IN"))
     if split > 1:
         return y.view(split, *x.shape[:-1], N)
     return y.view(*x.shape[:-1], N)
@@ -1579,7 +1592,8 @@ def triton_skinny_linear_add_norm(x: Tensor, weight: Tensor, resid: Tensor, gamm
     _skinny_linear_kernel[(cols, triton.cdiv(M, bm), split)](
         x2, weight, y, M, x2.stride(0), N=N, K=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SILU=False,
         SPLIT=split, K_PER=k_per if split > 1 else K, R=r2, H_OUT=h, GAMMA=gamma, GH_OUT=gh, SS=ss,
-        CNT=cnt if cnt is not None else ss, RESID=1, num_warps=warps, num_stages=stages, **_pdl(x.device))
+        CNT=cnt if cnt is not None else ss, RESID=1, num_warps=warps, num_stages=stages, **_pdl(x.device),
+        DOT=_dot_precision(x.dtype))
     shape = (*x.shape[:-1], N)
     return h.view(shape), gh.view(shape), ss
 

@@ -80,14 +80,8 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, batch: PagedBatch
 
 
 def _backend(q: Tensor, backend: str) -> str:
-    if backend == "auto":
-        return "triton" if q.is_cuda and _triton_available() else "torch"
+    if backend == "auto":  # (SMCDECODE_TRITON=0 forces the torch references here too)
+        from .model import _use_triton
+
+        return "triton" if _use_triton(q) else "torch"
     return backend
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True

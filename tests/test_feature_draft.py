@@ -149,24 +149,24 @@ def test_feature_draft_misuse_is_a_clear_error(target, tmp_path):  # noqa: F811
 
 
 def test_distill_a_feature_draft_end_to_end_then_resume(tmp_path):
-    target = tiny_target(tokenizer=True)
+    tiny = tiny_target(tokenizer=True)
     prompts = word_prompts(20, stride=7, spread=4)
     config = DistillConfig(layers=1, kind="feature", unroll=2, samples_per_prompt=2, max_new_tokens=8, holdout=4,
                            steps=6, batch_size=4, lr=1e-2, warmup_steps=1, checkpoint_every=3)
     logs: list[str] = []
-    report = distill(target, prompts, tmp_path, config, progress=False, log=logs.append)
+    report = distill(tiny, prompts, tmp_path, config, progress=False, log=logs.append)
     (figures,) = report["eval"]
     assert len(figures["by_draft_step"]) == 2 and figures["sequences"] == 4
     config.steps = 8
-    report = distill(target, prompts, tmp_path, config, progress=False, log=logs.append)
+    report = distill(tiny, prompts, tmp_path, config, progress=False, log=logs.append)
     assert any(line.startswith("resuming") for line in logs) and report["training"]["steps"] == 8
-    draft = load_draft(target, tmp_path)
-    result = sd.SMC(sd.LM(target, 0.7), sd.Draft(draft, 0.7), particles=3, block_size=3).run(
+    draft = load_draft(tiny, tmp_path)
+    result = sd.SMC(sd.LM(tiny, 0.7), sd.Draft(draft, 0.7), particles=3, block_size=3).run(
         "w3 w4", max_new_tokens=7, seed=0, progress=False)
     assert isinstance(result.text, str) and len(result.ess) >= 2
     # a warm start must be of the same kind
     with pytest.raises(SMCDecodeError, match="--kind feature"):
-        distill(target, prompts, tmp_path / "bad", DistillConfig(layers=1, steps=1), init_draft=tmp_path,
+        distill(tiny, prompts, tmp_path / "bad", DistillConfig(layers=1, steps=1), init_draft=tmp_path,
                 progress=False, log=logs.append)
 
 

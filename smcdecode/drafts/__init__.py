@@ -108,6 +108,8 @@ def grown_layout(init_layers: Sequence[int], num_layers: int) -> tuple[list[int]
     between two of the draft's layers (gaps spread evenly), initialised from the target layer
     midway between the two. Returns the grown draft's init layers and which positions are new."""
     old = list(init_layers)
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int):
+        raise SMCDecodeError(f"num_layers must be an integer, got {num_layers!r}")
     m, gaps = num_layers - len(old), len(old) - 1
     if gaps == 0:
         raise SMCDecodeError("cannot grow a 1-layer draft (new layers go between its layers): distil one with "
@@ -418,11 +420,11 @@ __all__ = [
     "draft_info",
     "grow_draft",
     "grown_layout",
-    "proposal_temperature",
     "load_default_draft",
     "load_draft",
     "own_parameters",
     "own_state",
+    "proposal_temperature",
     "read_draft_config",
     "save_draft",
     "target_fingerprint",

@@ -2,9 +2,9 @@
 (N, K), 1 and 8 requests, on random-weight Llama-3.1-8B (target) / Llama-3.2-1B (draft) shapes in
 bf16, with the weight-bandwidth roofline and the GEMM floor measured in the same run.
 
-    python benchmarks/bench_engine.py --out-dir docs      # one NVIDIA GPU, ~5 minutes
+    python benchmarks/bench_engine.py      # one NVIDIA GPU, ~5 minutes
 
-Writes benchmarks.json and benchmarks.md (and profile.txt) into --out-dir. Random weights at real
+Writes benchmarks.json and benchmarks.md (and profile.txt) into --out-dir (default benchmarks/results/). Random weights at real
 shapes are a fair speed benchmark: outputs run to a fixed length (EOS is ignored).
 """
 # ruff: noqa: B023  (the lambdas passed to cuda_time run before the loop advances)
@@ -103,22 +103,6 @@ def with_env(env: dict, fn):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def products_chain(model: Llama, x: torch.Tensor) -> torch.Tensor:
-    """One decode step's norms and weight products as ``Block.forward`` dispatches them, without the
-    attention (the first H·D columns of wqkv's output stand in for its output): x [M, dim] -> logits."""
-    from smcdecode.backends.engine.model import add_rms_norm, linear, linear_silu_mul, linear_to_residual
-
-    cfg = model.cfg
-    hd = cfg.n_heads * cfg.head_dim
-    delta = None
-    for blk in model.layers:
-        x, n = add_rms_norm(x, delta, blk.attention_norm.weight, cfg.norm_eps)
-        q = linear(n, blk.wqkv)
-        x, n = add_rms_norm(x, linear_to_residual(q[:, :hd], blk.wo), blk.ffn_norm.weight, cfg.norm_eps)
-        delta = linear_to_residual(linear_silu_mul(n, blk.w13), blk.w2)
-    return linear(add_rms_norm(x, delta, model.norm.weight, cfg.norm_eps)[1], model.output)
 
 
 def graph_time(fn, repeats: int = 15) -> float:
@@ -258,7 +242,7 @@ def smollm2_runs(args) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out-dir", default="docs")
+    ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--out-len", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)

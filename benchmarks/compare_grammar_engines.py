@@ -14,7 +14,7 @@ model's tokenizer (SmolLM2, 49,152 tokens):
 Run where all three are importable (xgrammar pulls torch/triton/transformers; a venv with
 --system-site-packages on top of the project's environment works):
 
-    python benchmarks/compare_grammar_engines.py --out docs/grammar_engines.json
+    python benchmarks/compare_grammar_engines.py --out benchmarks/results/grammar_engines.json
 
 Missing engines are reported as such. Prints a markdown summary.
 """
@@ -406,7 +406,7 @@ def mask_times(engine, compiled, tokens, n: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--per-subset", type=int, default=100, help="schemas per JSONSchemaBench subset for coverage")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "grammar_engines.json"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "grammar_engines.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
 

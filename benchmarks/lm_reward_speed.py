@@ -1,7 +1,7 @@
 """Prompt intersection (LMReward, prefix mode) in the SMC loop: incremental scoring vs rescoring
 whole prefixes every round, on the default model (SmolLM2-135M-Instruct), the reference backend.
 
-    python benchmarks/lm_reward_speed.py --device cpu --repeats 3 --out docs/lm_reward_speed.json
+    python benchmarks/lm_reward_speed.py --device cpu --repeats 3 --out benchmarks/results/lm_reward_speed.json
 
 Both variants run the same seeded program (the target as proposal, N particles, T = 0.8) and must
 return the same text; the script reports the median wall time of each over --repeats runs,

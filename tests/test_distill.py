@@ -432,7 +432,7 @@ def test_on_policy_corpus_takes_a_share_of_the_answers_from_the_draft(tmp_path):
     assert len(corpus["train"]) == 10 * 4 and corpus["on_policy"] == 0.5
     assert any("sampled by the draft" in line for line in logs)
 
-    from smcdecode.distill import build_draft, chat_prompts, generate_corpus, split_prompts
+    from smcdecode.distill import chat_prompts, generate_corpus, split_prompts
 
     train_p, held_p = split_prompts(chat_prompts(target, prompts, config.max_prompt_tokens), 4, config.seed)
     draft0 = build_draft(target, 1)  # the draft before training (build_draft is deterministic)
@@ -457,14 +457,14 @@ def test_on_policy_corpus_takes_a_share_of_the_answers_from_the_draft(tmp_path):
 def test_evaluate_draft_at_another_proposal_temperature(target, corpus):
     """q at T' against p at T: the target as its own draft accepts 1 at T' = T and exactly
     mean Σ min(p_T, p_T') at T' ≠ T (computed here from the logits), and T' must be > 0."""
-    from smcdecode.distill import _batch, _logits
+    from smcdecode.distill.evaluation import response_batch, response_logits
 
     seqs = corpus[:6]
     same = evaluate_draft(target, target, seqs, temperature=0.7, draft_temperature=0.7)
     assert same["acceptance"] == pytest.approx(1.0, abs=1e-6) and "draft_temperature" not in same
-    ids, pos = _batch(seqs, target.device)
+    ids, pos = response_batch(seqs, target.device)
     with torch.no_grad():
-        z = _logits(target.hf, ids, pos).float()
+        z = response_logits(target.hf, ids, pos).float()
     expect = torch.minimum(torch.softmax(z / 0.7, -1), torch.softmax(z / 0.5, -1)).sum(-1).mean()
     other = evaluate_draft(target, target, seqs, temperature=0.7, draft_temperature=0.5)
     assert other["draft_temperature"] == 0.5 and other["acceptance"] == pytest.approx(float(expect), abs=1e-5)

@@ -5,7 +5,7 @@ once, cheap forking of particle states on resampling, and coverage — a schema 
 must fail loudly, not compile into a looser constraint. Measured here, in one run, on the default
 model's tokenizer (SmolLM2, 49,152 tokens):
 
-1. coverage: compile a fixed sample of JSONSchemaBench schemas (../shared/data/eval), and probe
+1. coverage: compile a fixed sample of JSONSchemaBench schemas (--data: ../shared/data/eval), and probe
    keywords an engine might silently drop (does it raise, enforce, or accept a violating document?);
 2. mask time for a batch of N particle states (N = 1, 16, 64) walking through a valid document, for
    a JSON Schema, a context-free grammar and a regex, single-threaded;
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "eval"
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "eval"  # ../shared/data/eval beside the repository
 SUBSETS = ["Github_trivial", "Github_easy", "Glaiveai2K"]
 
 DOC_SCHEMA = {
@@ -102,12 +102,12 @@ PROBES = {
 }
 
 
-def sample_schemas(per_subset: int, seed: int = 0) -> list[tuple[str, str, dict]]:
+def sample_schemas(data: str | Path, per_subset: int, seed: int = 0) -> list[tuple[str, str, dict]]:
     """A fixed sample: the first ``per_subset`` schemas of each subset after a seeded shuffle
     (the same function as benchmarks/eval_constraints.py)."""
     out = []
     for subset in SUBSETS:
-        rows = [json.loads(line) for line in open(DATA / f"jsonschemabench_{subset}.jsonl")]
+        rows = [json.loads(line) for line in open(Path(data) / f"jsonschemabench_{subset}.jsonl")]
         random.Random(seed).shuffle(rows)
         out += [(subset, r["id"], r["schema"]) for r in rows[:per_subset]]
     return out
@@ -405,6 +405,9 @@ def mask_times(engine, compiled, tokens, n: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", default=str(DEFAULT_DATA),
+                        help="directory holding jsonschemabench_<subset>.jsonl (default: ../shared/data/eval "
+                        "beside the repository)")
     parser.add_argument("--per-subset", type=int, default=100, help="schemas per JSONSchemaBench subset for coverage")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "grammar_engines.json"))
     args = parser.parse_args()
@@ -414,7 +417,7 @@ def main() -> None:
 
     model = load_model()
     encode = lambda text: model.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    schemas = sample_schemas(args.per_subset)
+    schemas = sample_schemas(args.data, args.per_subset)
     docs = {
         "json": encode(json.dumps(DOC, separators=(", ", ": "))),
         "grammar": encode(ARITH_DOC),

@@ -142,7 +142,7 @@ def worker(rank: int, args, jobs: list[tuple[int, str]], deadline: float) -> Non
     torch.set_num_threads(args.threads)
     from smcdecode import load_model
 
-    target = load_model(args.target, device=args.device)
+    target = load_model(args.target, device=args.device, threads=args.threads)
     strategies = _strategies(args, target)
     methods = list(args.methods)
     out = Path(args.results_dir) / f"worker{rank}-{'-'.join(methods)}.jsonl"

@@ -1,12 +1,13 @@
 """Evaluate constrained generation: SMC (N = 1, 4, 16) vs locally-masked decoding.
 
-Two parts, written to docs/evaluation_constraints.md (the page) and benchmarks/results/evaluation.json (raw):
+Two parts, written to --out-md and --out-json (by default docs/evaluation_constraints.md and
+benchmarks/results/evaluation.json); --skip-bench / --skip-enumeration leave a part out of both:
 
-1. JSONSchemaBench (../shared/data/eval, three subsets) with the default model (SmolLM2-135M-
-   Instruct) on the CPU: for a fixed sample of schemas, the fraction of outputs that parse and
-   validate (jsonschema, formats checked), the schemas the library cannot compile (with the
-   reason), the mean target log-likelihood per token of the outputs, log p_T(x | prompt) / |x|,
-   and the time per output. Methods, in the same run: unconstrained sampling, locally-masked
+1. JSONSchemaBench (three subsets, from --data: by default ../shared/data/eval beside the
+   repository) with the default model (SmolLM2-135M-Instruct) on the CPU: for a fixed sample of
+   schemas, the fraction of outputs that parse and validate (jsonschema, formats checked), the
+   schemas the library cannot compile (with the reason), the mean target log-likelihood per token
+   of the outputs, log p_T(x | prompt) / |x|, and the time per output. Methods, in the same run: unconstrained sampling, locally-masked
    decoding (Autoregressive with the constraint: what greedy constrained decoders do), and SMC
    with the target as proposal and N = 1, 4, 16 particles.
 2. Problems small enough to enumerate: the exact global conditional p(x | x ∈ A), the exact
@@ -15,7 +16,7 @@ Two parts, written to docs/evaluation_constraints.md (the page) and benchmarks/r
    Toy LMs with a JSON Schema, a grammar and a regex, and the real model with a small enum schema.
 
     python benchmarks/eval_constraints.py                   # the documented run
-    python benchmarks/eval_constraints.py --per-subset 3    # a quick look
+    python benchmarks/eval_constraints.py --per-subset 3 --skip-enumeration --out-md /tmp/e.md --out-json /tmp/e.json
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "eval"
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "eval"  # ../shared/data/eval beside the repository
 SUBSETS = ["Github_trivial", "Github_easy", "Glaiveai2K"]
 USER = "Generate one realistic example object for this schema."
 METHODS = ["unconstrained", "masked", "smc-1", "smc-4", "smc-16"]
@@ -50,12 +51,12 @@ from smcdecode.testing import (  # noqa: E402
 )
 
 
-def sample_schemas(per_subset: int, max_chars: int, seed: int = 0) -> list[tuple[str, str, dict]]:
+def sample_schemas(data: str | Path, per_subset: int, max_chars: int, seed: int = 0) -> list[tuple[str, str, dict]]:
     """The first ``per_subset`` schemas of each subset, after a seeded shuffle, among those whose
     JSON text has at most ``max_chars`` characters (the schema goes into the prompt)."""
     out = []
     for subset in SUBSETS:
-        rows = [json.loads(line) for line in open(DATA / f"jsonschemabench_{subset}.jsonl")]
+        rows = [json.loads(line) for line in open(Path(data) / f"jsonschemabench_{subset}.jsonl")]
         random.Random(seed).shuffle(rows)
         rows = [r for r in rows if len(json.dumps(r["schema"])) <= max_chars]
         out += [(subset, r["id"], r["schema"]) for r in rows[:per_subset]]
@@ -73,7 +74,7 @@ def strategy(method: str, model, constraint, temperature: float):
 
 
 def run_bench(model, args) -> dict:
-    schemas = sample_schemas(args.per_subset, args.max_schema_chars, args.seed)
+    schemas = sample_schemas(args.data, args.per_subset, args.max_schema_chars, args.seed)
     rows, compile_errors = [], []
     t_start = time.perf_counter()
     for k, (subset, sid, schema) in enumerate(schemas):
@@ -262,53 +263,114 @@ def run_enumeration(model, args) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Report
+# Report: every figure and finding below is computed from the report it is given
 
 
-def findings(report: dict) -> list[str]:
-    """Plain statements computed from the summary (so they stay true when the run is repeated)."""
+def _smc_methods(methods) -> list[str]:
+    return sorted((m for m in methods if m.startswith("smc-")), key=lambda m: int(m.split("-")[1]))
+
+
+def bench_findings(report: dict) -> list[str]:
+    """Plain statements computed from the JSONSchemaBench results of this report."""
     allm = report["summary"]["all"]["methods"]
     rows = report["bench"]["schemas"]
+    if not rows:
+        return []
+    out = []
     constrained = [m for m in allm if m != "unconstrained"]
     returned = sum(1 for r in rows for m in constrained if r["outputs"][m]["text"] is not None)
     valid = sum(1 for r in rows for m in constrained if r["outputs"][m]["valid"])
-    out = ["**Findings.**", ""]
-    out.append(
-        f"- Every output a constrained method returned parsed and validated ({valid} of {returned}); the runs "
-        "counted as not valid are runs with no output: the token budget ran out inside the document."
-    )
-    if "masked" in allm and "smc-16" in allm:
-        m, s16 = allm["masked"], allm["smc-16"]
+    if returned and valid == returned:
         out.append(
-            f"- Valid outputs: masked decoding {100 * m['valid']:.0f}%, SMC N=16 {100 * s16['valid']:.0f}% "
-            f"(N=4: {100 * allm.get('smc-4', m)['valid']:.0f}%): a particle cut inside the document has weight 0, so SMC "
-            "returns one that closed it whenever any did, where a single masked sample just runs out of tokens."
+            f"- Every output a constrained method returned parsed and validated ({valid} of {returned}): the runs "
+            "counted as not valid are the runs with no output."
         )
-        out.append(
-            f"- On the schemas where both returned an output, SMC N=16's outputs are more likely under the model "
-            f"by {s16['logp_gain_vs_masked']:+.2f} nats per token on average ({s16['paired_with_masked']} pairs); "
-            f"SMC N=1 returns exactly masked decoding's outputs (the same law; here also the same random numbers)."
-        )
-        out.append(
-            f"- Cost: {s16['seconds'] / m['seconds']:.1f}x the time of masked decoding per output at N=16 on this "
-            "CPU (16 particles share each forward pass)."
-        )
+    elif returned:
+        out.append(f"- {valid} of the {returned} outputs the constrained methods returned parsed and validated.")
+    smcs = _smc_methods(allm)
+    if "masked" in allm and smcs:
+        masked, top = allm["masked"], allm[smcs[-1]]
+        n_top = smcs[-1].split("-")[1]
+        line = f"- Valid outputs: masked decoding {100 * masked['valid']:.0f}%, " + ", ".join(
+            f"SMC N={m.split('-')[1]} {100 * allm[m]['valid']:.0f}%" for m in smcs
+        ) + "."
+        if top["valid"] > masked["valid"]:
+            line += (
+                f" SMC N={n_top} returned more valid outputs: a particle cut inside the document has weight 0, so SMC "
+                "returns one that closed it whenever any did, where a single masked sample runs out of tokens."
+            )
+        out.append(line)
+        if top["paired_with_masked"]:
+            gain = top["logp_gain_vs_masked"]
+            out.append(
+                f"- On the {top['paired_with_masked']} schemas where both returned an output, SMC N={n_top}'s outputs "
+                f"are {'more' if gain > 0 else 'less'} likely under the model than masked decoding's, by "
+                f"{abs(gain):.2f} nats per token on average."
+            )
+        if "smc-1" in allm:
+            both = [r for r in rows if r["outputs"]["masked"]["text"] is not None or r["outputs"]["smc-1"]["text"] is not None]
+            same = sum(1 for r in both if r["outputs"]["masked"]["text"] == r["outputs"]["smc-1"]["text"])
+            out.append(
+                f"- SMC N=1 (the same law as masked decoding, run with the same seeds) returned the same output as "
+                f"masked decoding on {same} of the {len(both)} schemas where either returned one."
+            )
+        if masked["seconds"] > 0:
+            out.append(
+                "- Time per output relative to masked decoding on this CPU: "
+                + ", ".join(f"N={m.split('-')[1]} {allm[m]['seconds'] / masked['seconds']:.1f}x" for m in smcs)
+                + " (the particles share each forward pass)."
+            )
     if "unconstrained" in allm:
+        u = allm["unconstrained"]
         out.append(
-            f"- Unconstrained sampling: {100 * allm['unconstrained']['valid']:.0f}% valid — the model answers in prose "
-            "or a fenced, schema-echoing block."
+            f"- Unconstrained sampling: {100 * u['valid']:.0f}% valid, {100 * u['parses']:.0f}% parse as JSON."
         )
-    return out + [""]
+    return ["**Findings.**", "", *out, ""]
 
 
-def markdown(report: dict) -> str:
+def _by_n(row: dict) -> dict:
+    """An enumeration row with integer particle counts as keys (JSON stores them as strings)."""
+    return {**row, "tv_smc": {int(k): v for k, v in row["tv_smc"].items()},
+            "no_sample": {int(k): v for k, v in row["no_sample"].items()}}
+
+
+def enumeration_findings(rows: list[dict]) -> list[str]:
+    """Plain statements computed from the enumeration rows of this report."""
+    if not rows:
+        return []
+    rows = [_by_n(r) for r in rows]
+    ns = sorted(rows[0]["tv_smc"])
+    lo, hi = ns[0], ns[-1]
+    out = []
+    if lo == 1:
+        far = [r for r in rows if abs(r["tv_smc"][1] - r["tv_masked"]) > 2 * r["tv_noise_floor"]]
+        line = (
+            "- SMC with N = 1 and the target as proposal has the law of locally-masked decoding: its TV is within "
+            f"twice the noise floor of the masked column on {len(rows) - len(far)} of {len(rows)} problems"
+        )
+        if far:
+            line += " (not on: " + "; ".join(
+                f"{r['problem']}, difference {abs(r['tv_smc'][1] - r['tv_masked']):.3f}, floor {r['tv_noise_floor']:.3f}"
+                for r in far) + ")"
+        out.append(line + ".")
+    if hi > lo:
+        falls = sum(1 for r in rows if r["tv_smc"][hi] < r["tv_smc"][lo])
+        out.append(f"- TV at N={hi} is below TV at N={lo} on {falls} of {len(rows)} problems.")
+        gap = [r for r in rows if r["tv_smc"][hi] > 3 * r["tv_noise_floor"]]
+        if gap:
+            out.append(
+                f"- At N={hi} the TV is still more than three times the noise floor on {len(gap)} of {len(rows)} "
+                "problems: " + "; ".join(f"{r['problem']} {r['tv_smc'][hi]:.3f} (masked {r['tv_masked']:.3f})"
+                                         for r in gap) + "."
+            )
+        else:
+            out.append(f"- At N={hi} the TV is within three times the noise floor on every problem.")
+    return ["**Findings.**", "", *out, ""]
+
+
+def _bench_markdown(report: dict) -> list[str]:
     a = report["args"]
     L = [
-        "# Evaluation: constrained generation (SMC vs locally-masked decoding)",
-        "",
-        f"Generated by `benchmarks/eval_constraints.py` on {report['date']} ({report['machine']}); "
-        f"{report['runtime_minutes']:.1f} minutes in all. Machine-readable: `benchmarks/results/evaluation.json`.",
-        "",
         "## JSONSchemaBench with SmolLM2-135M-Instruct",
         "",
         f"Sample: {a['per_subset']} schemas per subset (seeded shuffle, seed {a['seed']}, schemas whose JSON text has at "
@@ -320,8 +382,8 @@ def markdown(report: dict) -> str:
         "(Autoregressive with the constraint); `unconstrained` = plain sampling, no constraint. "
         "Valid = parses and validates with `jsonschema` (formats checked). log p/token = "
         "log p_T(output | prompt) / tokens (EOS counted), over the outputs returned; Δ vs masked compares the same "
-        "schemas, those where both methods returned an output. Time = wall seconds per output on this shared CPU, "
-        "single-threaded torch.",
+        "schemas, those where both methods returned an output. Time = wall seconds per output on "
+        f"{report['machine']}.",
         "",
     ]
     for subset, s in report["summary"].items():
@@ -342,7 +404,7 @@ def markdown(report: dict) -> str:
                 f"{r['logp_per_token']:.3f} | {gain} | {r['seconds']:.1f} |"
             )
         L.append("")
-    L += findings(report)
+    L += bench_findings(report)
     L += ["### Schemas the library cannot compile", "", "| subset | id | reason |", "|---|---|---|"]
     for e in report["bench"]["compile_errors"]:
         L.append(f"| {e['subset']} | {e['id']} | {e['reason'].replace('|', '/')[:160]} |")
@@ -353,41 +415,65 @@ def markdown(report: dict) -> str:
         "A constrained method returns no output when no particle completed a valid document within the token budget "
         "(SMC) or the sample ran out of tokens inside the document (masked); such runs count as not valid.",
         "",
+    ]
+    return L
+
+
+def _enumeration_markdown(report: dict) -> list[str]:
+    rows = [_by_n(r) for r in report["enumeration"]]
+    ns = sorted(rows[0]["tv_smc"])
+    replicates = " and ".join(sorted({f"{r['replicates']} on {'SmolLM2' if 'SmolLM2' in r['problem'] else 'the toys'}"
+                                      for r in rows}))
+    L = [
         "## Enumerable problems: distance to the exact global conditional",
         "",
         "Total variation between the exact global conditional p(x | x ∈ A) and (a) the exact distribution of "
         "locally-masked decoding, (b) the distribution of the sample SMC returns (one draw ∝ final weights per run, "
-        f"estimated from {a['replicates']} replicate runs on the toys and {a['replicates_real']} on SmolLM2). The noise "
-        "floor is the TV of that many exact draws from their own law: values at the floor are indistinguishable from "
-        "exact. Toy LMs: a random logits table (standard normal) indexed by a hash of the whole context. "
-        "'No output' is the fraction of runs in which every particle failed (cut inside the language); the laws "
-        "compared are conditioned on success.",
+        f"estimated from replicate runs: {replicates}). The noise floor is the TV of that many exact draws from their "
+        "own law: values at the floor are indistinguishable from exact. Toy LMs: a random logits table (standard "
+        "normal) indexed by a hash of the whole context. 'No output' is the fraction of runs in which every particle "
+        "failed (cut inside the language); the laws compared are conditioned on success.",
         "",
-        "| problem | support | TV masked | "
-        + " | ".join(f"TV SMC N={n}" for n in [1, 4, 16])
-        + " | noise floor | no output N=1 / 4 / 16 |",
-        "|---|---|---|" + "---|" * 5,
+        "| problem | support | TV masked | " + " | ".join(f"TV SMC N={n}" for n in ns)
+        + " | noise floor | no output N=" + " / ".join(str(n) for n in ns) + " |",
+        "|---|---|---|" + "---|" * (len(ns) + 2),
     ]
-    for r in report["enumeration"]:
-        cells = [f"{r['tv_smc'][n]:.3f}" for n in [1, 4, 16]]
-        none = " / ".join(f"{100 * r['no_sample'][n]:.0f}%" for n in [1, 4, 16])
+    for r in rows:
+        cells = [f"{r['tv_smc'][n]:.3f}" for n in ns]
+        none = " / ".join(f"{100 * r['no_sample'][n]:.0f}%" for n in ns)
         L.append(
             f"| {r['problem']} | {r['support']} | {r['tv_masked']:.3f} | "
             + " | ".join(cells)
             + f" | {r['tv_noise_floor']:.3f} | {none} |"
         )
-    L += [
+    return L + ["", *enumeration_findings(rows)]
+
+
+def markdown(report: dict, json_path: str | Path) -> str:
+    """The report as markdown: a section for each part that ran, naming ``json_path`` (the JSON written)."""
+    json_path = Path(json_path).resolve()
+    shown = json_path.relative_to(ROOT) if json_path.is_relative_to(ROOT) else json_path
+    L = [
+        "# Evaluation: constrained generation (SMC vs locally-masked decoding)",
         "",
-        "SMC with N = 1 and the target as proposal is locally-masked decoding (the same law: its TV matches the masked "
-        "column up to noise). The returned sample's distance falls with N; how fast depends on how far the "
-        "locally-masked proposal is from the target: where the global conditional puts most of its mass on documents "
-        "the local proposal rarely reaches (toy JSON seeds 0 and 2), 16 particles remove only part of the gap.",
+        f"Generated by `benchmarks/eval_constraints.py` on {report['date']} ({report['machine']}); "
+        f"{report['runtime_minutes']:.1f} minutes in all. Machine-readable: `{shown}`.",
+        "",
     ]
-    return "\n".join(L) + "\n"
+    if report["bench"]["schemas"] or report["bench"]["compile_errors"]:
+        L += _bench_markdown(report)
+    if report["enumeration"]:
+        L += _enumeration_markdown(report)
+    if len(L) == 5:
+        L += ["Nothing was run (both parts skipped).", ""]
+    return "\n".join(L).rstrip("\n") + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", default=str(DEFAULT_DATA),
+                        help="directory holding jsonschemabench_<subset>.jsonl (default: ../shared/data/eval "
+                        "beside the repository)")
     parser.add_argument("--per-subset", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-schema-chars", type=int, default=1500)
@@ -402,25 +488,18 @@ def main() -> None:
     parser.add_argument("--out-md", default=str(ROOT / "docs" / "evaluation_constraints.md"))
     parser.add_argument("--out-json", default=str(ROOT / "benchmarks" / "results" / "evaluation.json"))
     parser.add_argument("--render-only", action="store_true", help="rewrite the markdown from --out-json, no runs")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.render_only:
         report = json.loads(Path(args.out_json).read_text())
         report["summary"] = summarise(report["bench"], report["args"]["methods"])
-        report["enumeration"] = [
-            {
-                **r,
-                "tv_smc": {int(k): v for k, v in r["tv_smc"].items()},
-                "no_sample": {int(k): v for k, v in r["no_sample"].items()},
-            }
-            for r in report["enumeration"]
-        ]
+        report["enumeration"] = [_by_n(r) for r in report["enumeration"]]
         Path(args.out_json).write_text(json.dumps(report, indent=1, default=str))
-        Path(args.out_md).write_text(markdown(report))
+        Path(args.out_md).write_text(markdown(report, args.out_json))
         return
-    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    model = sd.load_model()
-    bench = run_bench(model, args) if not args.skip_bench else {"schemas": [], "compile_errors": [], "sampled": 0}
+    model = sd.load_model(threads=args.threads)
+    empty = {"schemas": [], "compile_errors": [], "sampled": 0}
+    bench = run_bench(model, args) if not args.skip_bench else empty
     enumeration = run_enumeration(model, args) if not args.skip_enumeration else []
     report = {
         "date": time.strftime("%Y-%m-%d"),
@@ -433,8 +512,9 @@ def main() -> None:
         "enumeration": enumeration,
     }
     Path(args.out_json).write_text(json.dumps(report, indent=1, default=str))
-    Path(args.out_md).write_text(markdown(report))
-    print(markdown(report))
+    text = markdown(report, args.out_json)
+    Path(args.out_md).write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

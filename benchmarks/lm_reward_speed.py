@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     import smcdecode as sd
     from smcdecode.potentials import LMReward
 
-    model = sd.load_model(args.model, device=args.device)
+    model = sd.load_model(args.model, device=args.device, threads=args.threads)
     question = [{"role": "user", "content": "Write one sentence about your favourite place."}]
     second = model.prompt_ids([{"role": "user", "content": "Write one sentence about the sea and sailing."}])
     times: dict[str, list[float]] = {"incremental": [], "whole prefixes": []}

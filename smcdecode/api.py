@@ -43,6 +43,11 @@ def _progress(enabled: bool, total: int, desc: str):
     bar = tqdm(total=total, desc=desc, unit="tok", leave=False)
     try:
         yield bar
+        if 0 < bar.n < bar.total:  # every sequence ended before the token budget: the bar ends where they did
+            bar.total = bar.n
+        elif bar.n == 0:  # a backend that reports no steps (the engine's own rounds): done is done
+            bar.update(bar.total)
+        bar.refresh()  # draw the final count (tqdm redraws at most every 0.1 s)
     finally:
         bar.close()
 
@@ -107,7 +112,9 @@ class _Strategy:
         with _progress(progress, max_new_tokens * self._bar_scale(), self.name) as bar:
             out = self._run(ids, 1, max_new_tokens, g, bar)
         seconds = time.perf_counter() - start
-        return self._result(out, ids, seconds, g)
+        result = self._result(out, ids, seconds, g)
+        result.max_new_tokens = max_new_tokens
+        return result
 
     def run_groups(self, prompt, groups: int, max_new_tokens: int = 64, seed: int | None = None) -> SMCOutput:
         """``groups`` independent runs at once (vectorised), as raw tensors with a leading group
@@ -157,6 +164,8 @@ class _Strategy:
             draft_tokens=out.draft_tokens,
             accepted_tokens=getattr(out, "accepted_tokens", None),
             message=message,
+            n_rounds=None if out.ess else out.rounds,
+            eos_token_id=model.eos_token_id,
         )
 
 

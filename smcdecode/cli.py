@@ -13,6 +13,15 @@ from pathlib import Path
 DEFAULT_CHAT = "What is the capital of France?"
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: ...)" only to options that have a default (not None, not a flag's False)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="smcdecode",
@@ -25,10 +34,13 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser(
         "generate",
         help="generate text with SMC-SD, exact speculative decoding or autoregressive sampling",
-        description="Generate from a prompt. The target is the model at --temperature, raised to "
-        "--alpha, times a --regex constraint if given; the proposal is the draft model at "
-        "--draft-temperature. Prints the sampled text, the evidence estimate and a particle summary.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Generate from a prompt. The target is the model at --temperature, raised to --alpha, "
+        "times the constraints given (--regex, --json-schema, --grammar: the output must match them) and a "
+        "reward tilt (--reward-prompt, --reward-beta); the proposal is the --draft model at --draft-temperature "
+        "(or the target itself: --draft target). For each --strategy it prints the sampled text, a summary in "
+        "that strategy's terms (SMC: particles, rounds, resamplings, log Z, ESS; exact speculative decoding: "
+        "rounds and draft acceptance; autoregressive: samples and tokens) and one row per particle or sample.",
+        formatter_class=_HelpFormatter,
     )
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="raw prompt text (no chat template)")
@@ -62,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=64, help="maximum generated tokens per sequence")
     g.add_argument("--seed", type=int, default=0, help="random seed (runs are reproducible)")
     g.add_argument("--device", default="cpu", help="torch device for the models, e.g. cpu or cuda")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: OMP_NUM_THREADS if set, else half the usable CPUs, at least 1: "
+                   "measured fastest on 2 cores, see docs/cli.md)")
     g.add_argument("--backend", default="reference", choices=["reference", "engine", "engine-runner"],
                    help="what runs the models: the reference backend (any model, eager), smcdecode's engine "
                    "(Llama-family models; paged KV cache, CUDA graphs on a GPU, its torch path on a CPU), or "
@@ -139,6 +154,8 @@ def _generate(args) -> int:
         raise UsageError(f"--ess-threshold must lie in [0, 1], got {args.ess_threshold}")
     if args.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if args.prompt is not None and not args.prompt:
         raise UsageError("--prompt is empty: give some text")
     regex = sd.Regex(args.regex) if args.regex is not None else None
@@ -151,7 +168,7 @@ def _generate(args) -> int:
         if not path.is_file():
             raise UsageError(f"--grammar {args.grammar!r}: no such file (give a Lark or GBNF grammar file)")
         grammar = sd.Grammar(path.read_text(), syntax=args.grammar_syntax)
-    model = sd.load_model(args.model, device=args.device)
+    model = sd.load_model(args.model, device=args.device, threads=args.threads)
     target = sd.LM(model, temperature=args.temperature) ** args.alpha
     for constraint in (regex, schema, grammar):
         if constraint is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import sys
 from collections.abc import Callable, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -221,7 +222,63 @@ def _smollm2_dir() -> Path:
 
 
 def _cache_dir() -> Path:
+    """Where converted GGUF models are kept: ``SMCDECODE_CACHE``, else ``~/.cache/smcdecode``."""
     return Path(os.environ.get("SMCDECODE_CACHE", Path.home() / ".cache" / "smcdecode"))
+
+
+def _announce_cache(source: Path, converted: Path) -> None:
+    """One line on stderr when a converted copy is first written: where, how big, how to clear it."""
+    size = sum(f.stat().st_size for f in converted.iterdir() if f.is_file())
+    print(
+        f"smcdecode: converted {source.name} once to float32 for faster loads: {size / 1e6:.0f} MB in "
+        f"{converted} (delete that folder to free the space; set SMCDECODE_CACHE=DIR to keep it elsewhere)",
+        file=sys.stderr,
+    )
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask): torch's default thread count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def default_cpu_threads() -> int:
+    """The thread count smcdecode picks when nobody chose one: half the usable CPUs, at least 1.
+
+    On a 2-core machine (benchmarks/cpu_threads.py; docs/cli.md) the README job sampled several
+    times faster with 1 thread than with torch's default of 2 whenever another process also wanted
+    the CPU: torch's threads wait on each other, and one descheduled thread stalls them all. Half
+    the CPUs keeps that margin on larger machines (measured on 2 CPUs only)."""
+    return max(1, usable_cpus() // 2)
+
+
+# NOTE: torch's thread count is process-wide; this records the count smcdecode itself set, so a later
+# load_model() without ``threads`` keeps it rather than taking it for torch's untouched default.
+_threads_set: int | None = None
+
+
+def set_cpu_threads(threads: int | None = None) -> int:
+    """Set torch's CPU threads for the models and return the count in effect.
+
+    ``threads`` given: that many. ``None``: keep a count already chosen (``OMP_NUM_THREADS`` or
+    ``MKL_NUM_THREADS`` set, an earlier ``threads=``, or ``torch.set_num_threads`` called with a
+    count other than torch's default, the usable CPUs), else :func:`default_cpu_threads`. To run
+    with torch's own default, pass ``threads=usable_cpus()``."""
+    global _threads_set
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise SMCDecodeError(f"threads must be a positive integer (CPU threads for torch), got {threads!r}")
+        torch.set_num_threads(threads)
+        _threads_set = threads
+        return threads
+    current = torch.get_num_threads()
+    chosen = any(os.environ.get(v) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"))
+    if not chosen and current != _threads_set and current == usable_cpus():
+        _threads_set = default_cpu_threads()
+        torch.set_num_threads(_threads_set)
+    return torch.get_num_threads()
 
 
 def _load_gguf(
@@ -253,6 +310,8 @@ def _load_gguf(
                 save_weights(hf, str(converted / "model.safetensors"))
             except OSError:
                 pass  # a read-only home: loading still works, just slower next time
+            else:
+                _announce_cache(path, converted)
     hf = hf.to(dtype)
     im_end = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else None
     if im_end is not None and tok.eos_token_id != im_end and "<|im_end|>" in str(tok.chat_template or ""):
@@ -268,9 +327,16 @@ def load_model(
     dtype: torch.dtype | str = "float32",
     device: str | torch.device = "cpu",
     gguf_file: str | None = None,
+    threads: int | None = None,
 ) -> HFModel:
     """Load a causal LM: ``"smollm2"`` (the built-in default), a local Hugging Face directory,
-    a ``.gguf`` file, or a model name already in the local Hugging Face cache."""
+    a ``.gguf`` file, or a model name already in the local Hugging Face cache.
+
+    ``threads``: torch's CPU threads (process-wide). By default, on a CPU device, smcdecode keeps
+    a count already chosen (``OMP_NUM_THREADS``, ``torch.set_num_threads``) and otherwise uses half
+    the usable CPUs (:func:`set_cpu_threads`; measured in docs/cli.md)."""
+    if threads is not None or str(device).startswith("cpu"):
+        set_cpu_threads(threads)
     if isinstance(dtype, str):
         if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
             raise SMCDecodeError(f"dtype {dtype!r} is not a torch dtype: use float32, bfloat16 or float16")

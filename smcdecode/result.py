@@ -37,6 +37,9 @@ class Result:
     accepted_tokens: int | None = None
     message: str = ""
     extra: dict = field(default_factory=dict)
+    n_rounds: int | None = None  # rounds run where ``ess`` does not count them (speculative decoding)
+    eos_token_id: int | None = None
+    max_new_tokens: int | None = None
 
     # -- the answer -----------------------------------------------------------------------
     @property
@@ -57,7 +60,27 @@ class Result:
     # -- diagnostics ----------------------------------------------------------------------
     @property
     def rounds(self) -> int:
-        return len(self.ess)
+        """Rounds run: SMC's reweighting rounds; speculative decoding's draft-and-verify rounds
+        (over all samples); 0 for autoregressive sampling, which has none."""
+        return self.n_rounds if self.n_rounds is not None else len(self.ess)
+
+    @property
+    def endings(self) -> list[str]:
+        """How each particle ended: ``"eos"`` (it sampled the end-of-sequence token), ``"cut"``
+        (it reached ``max_new_tokens`` first) or ``"stopped"`` (neither: it dropped out early with
+        weight 0, e.g. no token could continue it under a constraint); ``"?"`` where the result does
+        not record the EOS token and the budget."""
+        out = []
+        for toks in self.tokens:
+            if self.eos_token_id is not None and toks and toks[-1] == self.eos_token_id:
+                out.append("eos")
+            elif self.max_new_tokens is not None and len(toks) >= self.max_new_tokens:
+                out.append("cut")
+            elif self.eos_token_id is not None and self.max_new_tokens is not None:
+                out.append("stopped")
+            else:
+                out.append("?")
+        return out
 
     @property
     def mean_ess(self) -> float:
@@ -88,30 +111,44 @@ class Result:
         return self.accepted_tokens / self.draft_tokens
 
     def summary(self, max_chars: int = 70) -> str:
-        lines = [
-            f"strategy {self.strategy}: {self.particles} particle(s), block size {self.block_size}, "
-            f"{self.rounds} round(s), {self.seconds:.2f} s, {self.tokens_per_second:.1f} tok/s",
-        ]
-        if not math.isnan(self.log_evidence):
-            lines.append(
-                f"log evidence log Z = {self.log_evidence:.4f}; mean ESS {self.mean_ess:.2f}/{self.particles}; "
-                f"resampled in {sum(self.resampled)}/{self.rounds} rounds"
-            )
-        if self.acceptance_rate is not None:
-            lines.append(f"draft acceptance {self.acceptance_rate:.3f}")
+        """A few lines in the strategy's own terms, then one row per particle (or sample), highest
+        weight first; ``*`` marks the returned sample."""
+        n, total = self.particles, sum(len(t) for t in self.tokens)
+        timing = (f"{self.seconds:.2f} s, {self.tokens_per_second:.1f} tok/s (the returned sample), "
+                  f"{self.particle_tokens_per_second:.1f} tok/s (all {n})")
+        if self.strategy == "smc":
+            proposal = (f"K = {self.block_size} draft tokens a round" if self.block_size
+                        else "the target as proposal (one token a round)")
+            lines = [
+                f"strategy smc: {n} particles, {proposal}, {self.rounds} rounds ({sum(self.resampled)} resampled); "
+                f"{timing}",
+                f"log evidence log Z = {self.log_evidence:.4f}; mean ESS {self.mean_ess:.2f}/{n}",
+            ]
+        elif self.strategy == "speculative":
+            lines = [
+                f"strategy speculative: {n} samples, K = {self.block_size} draft tokens a round, {self.rounds} "
+                f"draft-and-verify rounds, {total} tokens in all; {timing}",
+            ]
+            if self.acceptance_rate is not None:
+                lines.append(f"draft acceptance {self.acceptance_rate:.3f} ({self.accepted_tokens} of "
+                             f"{self.draft_tokens} drafted tokens accepted)")
+        elif self.strategy == "autoregressive":
+            lines = [f"strategy autoregressive: {n} samples, {total} tokens in all; {timing}"]
+        else:
+            lines = [f"strategy {self.strategy}: {n} particles, {self.rounds} rounds; {timing}"]
+            if not math.isnan(self.log_evidence):
+                lines.append(f"log evidence log Z = {self.log_evidence:.4f}")
         if self.message:
             lines.append(self.message)
-        lines.append("  #  weight   done  tokens  text")
+        lines.append("  #  weight  end      tokens  text")
+        endings = self.endings
         order = torch.argsort(self.log_weights, descending=True).tolist()
         for i in order:
             text = self.texts[i].replace("\n", "\\n")
             if len(text) > max_chars:
                 text = text[: max_chars - 3] + "..."
             mark = "*" if i == self.sample_index else " "
-            lines.append(
-                f"{mark}{i:2d}  {float(self.weights[i]):.4f}  {'yes' if self.finished[i] else 'no ':3s}  "
-                f"{len(self.tokens[i]):6d}  {text}"
-            )
+            lines.append(f"{mark}{i:2d}  {float(self.weights[i]):.4f}  {endings[i]:7s}  {len(self.tokens[i]):6d}  {text}")
         return "\n".join(lines)
 
     def __str__(self) -> str:

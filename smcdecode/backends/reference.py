@@ -13,10 +13,18 @@ Runner contract (the GPU engine implements the same four calls):
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
+
+
+def cache_keyword(module: torch.nn.Module) -> str:
+    """The keyword under which ``module.forward`` takes its KV cache: ``cache`` where transformers
+    names it so (5.24 deprecates ``past_key_values``, to be removed in 5.40), else ``past_key_values``
+    (5.17 and earlier)."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
 class HFRunner:
@@ -29,11 +37,14 @@ class HFRunner:
         self.batch = batch
         self.device = next(model.parameters()).device
         self.cache = DynamicCache()
+        self._cache_kw = cache_keyword(model)
+        inner = getattr(model, "model", None)  # the decoder a feature draft's target_hidden runs
+        self._inner_cache_kw = cache_keyword(inner) if isinstance(inner, torch.nn.Module) else self._cache_kw
         self.length = 0
         if prefix_ids:
             ids = torch.tensor([prefix_ids], dtype=torch.long, device=self.device)
             with torch.inference_mode():
-                self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+                self.model(input_ids=ids, **{self._cache_kw: self.cache}, use_cache=True, logits_to_keep=1)
             # NOTE: the prompt is computed once and then repeated for every particle.
             self.cache.batch_repeat_interleave(batch)
             self.length = len(prefix_ids)
@@ -45,10 +56,11 @@ class HFRunner:
         if hidden:
             from ..drafts.feature import target_hidden
 
-            h, logits = target_hidden(self.model, tokens.to(self.device), past_key_values=self.cache, use_cache=True)
+            h, logits = target_hidden(self.model, tokens.to(self.device), use_cache=True,
+                                      **{self._inner_cache_kw: self.cache})
             self.length += tokens.shape[1]
             return logits, h
-        out = self.model(input_ids=tokens.to(self.device), past_key_values=self.cache, use_cache=True)
+        out = self.model(input_ids=tokens.to(self.device), **{self._cache_kw: self.cache}, use_cache=True)
         self.length += tokens.shape[1]
         return out.logits.float()
 

@@ -23,17 +23,20 @@ def speculative(
     eos = model.eos_token_id
     tokens = torch.full((batch, max_new_tokens), eos, dtype=torch.long)
     lengths = torch.zeros(batch, dtype=torch.long)
-    stats = {"drafted": 0, "accepted": 0}
+    stats = {"drafted": 0, "accepted": 0, "rounds": 0}
     for row in range(batch):
         seq = _one_sequence(lm, draft, prompt_ids, block_size, max_new_tokens, generator, stats, progress)
         tokens[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         lengths[row] = len(seq)
+        if progress is not None:  # the bar counts max_new_tokens a sequence, however early it ended
+            progress.update(max_new_tokens - len(seq))
     out = SMCOutput(
         tokens[None], lengths[None], torch.ones(1, batch, dtype=torch.bool),
         torch.zeros(1, batch, dtype=torch.float64), torch.full((1,), float("nan")),
     )
     out.draft_tokens = stats["drafted"]
     out.accepted_tokens = stats["accepted"]
+    out.rounds = stats["rounds"]
     return out
 
 
@@ -77,6 +80,7 @@ def _one_sequence(lm, draft, prompt_ids, K, max_new_tokens, generator, stats, pr
             if i < k - 1:
                 logits = draft_run.logits_after(context + drafts)[-1:]
         stats["drafted"] += len(drafts)
+        stats["rounds"] += 1
         log_p = lm.log_probs(target_run.logits_after(context, drafts)).double()  # [len(drafts)+1, V]
         p = torch.exp(log_p)
         new: list[int] = []

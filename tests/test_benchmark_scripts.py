@@ -1,0 +1,111 @@
+"""Benchmark scripts write only what their run computed: no section of a part that did not run,
+findings computed from the numbers, and the output files they actually wrote."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def ec():
+    return _script("eval_constraints")
+
+
+METHODS = ["unconstrained", "masked", "smc-1", "smc-4"]
+
+
+def _output(text, valid, seconds=1.0, logp=-1.0):
+    return {"text": text, "seconds": seconds, "parses": valid, "valid": valid, "ended": text is not None,
+            "mean_ess": None, **({"logp_per_token": logp} if text is not None else {})}
+
+
+def fake_report(ec, bench: bool, enumeration: bool) -> dict:
+    """A tiny report as main() assembles it, with the parts that did not run left empty."""
+    outputs = {
+        "unconstrained": _output("Sure! Here is", False, 1.0, -0.5),
+        "masked": _output('{"a": 1}', True, 1.0, -2.0),
+        "smc-1": _output('{"a": 1}', True, 1.0, -2.0),
+        "smc-4": _output('{"a": 2', False, 2.0, -1.5),  # returned, yet not valid: no "every output" claim
+    }
+    schemas = {"schemas": [{"subset": "Github_trivial", "id": "s1", "outputs": outputs}],
+               "compile_errors": [], "sampled": 1} if bench else {"schemas": [], "compile_errors": [], "sampled": 0}
+    rows = [{"problem": "toy regex", "support": 3, "tv_masked": 0.5, "tv_smc": {1: 0.49, 4: 0.2},
+             "no_sample": {1: 0.1, 4: 0.0}, "replicates": 100, "tv_noise_floor": 0.01}] if enumeration else []
+    args = {"per_subset": 1, "seed": 0, "max_schema_chars": 1500, "temperature": 0.7, "max_new_tokens": 8,
+            "methods": METHODS, "skip_bench": not bench, "skip_enumeration": not enumeration}
+    return {"date": "2000-01-01", "machine": "a test", "model": "toy", "args": args, "runtime_minutes": 0.1,
+            "summary": ec.summarise(schemas, METHODS), "bench": schemas, "enumeration": rows}
+
+
+def test_skipped_enumeration_leaves_no_enumeration_text(ec, tmp_path):
+    out_json = tmp_path / "elsewhere.json"
+    md = ec.markdown(fake_report(ec, bench=True, enumeration=False), out_json)
+    assert "JSONSchemaBench" in md and "Findings" in md
+    for unrun in ["Enumerable problems", "TV SMC", "noise floor", "particles remove", "global conditional"]:
+        assert unrun not in md, unrun
+    assert f"`{out_json}`" in md and "docs/evaluation.json" not in md
+
+
+def test_skipped_bench_leaves_no_bench_text(ec, tmp_path):
+    md = ec.markdown(fake_report(ec, bench=False, enumeration=True), tmp_path / "e.json")
+    assert "Enumerable problems" in md and "TV SMC N=4" in md
+    for unrun in ["JSONSchemaBench", "Valid outputs", "cannot compile", "masked decoding returned", "s/output"]:
+        assert unrun not in md, unrun
+
+
+def test_json_inside_the_repository_is_named_relative_to_it(ec):
+    md = ec.markdown(fake_report(ec, bench=True, enumeration=True), ROOT / "docs" / "other.json")
+    assert "Machine-readable: `docs/other.json`." in md
+
+
+def test_findings_follow_the_numbers(ec, tmp_path):
+    md = ec.markdown(fake_report(ec, bench=True, enumeration=True), tmp_path / "e.json")
+    assert "Every output a constrained method returned" not in md  # smc-4 returned an invalid one
+    assert "2 of the 3 outputs the constrained methods returned parsed and validated." in md
+    assert "Valid outputs: masked decoding 100%, SMC N=1 100%, SMC N=4 0%." in md
+    assert "SMC N=4 returned more valid outputs" not in md
+    assert "returned the same output as masked decoding on 1 of the 1 schemas" in md
+    assert "N=1 1.0x, N=4 2.0x" in md
+    assert "its TV is within twice the noise floor of the masked column on 1 of 1 problems." in md
+    assert "TV at N=4 is below TV at N=1 on 1 of 1 problems." in md
+    assert "still more than three times the noise floor on 1 of 1 problems: toy regex 0.200 (masked 0.500)" in md
+
+
+def test_render_only_names_the_json_it_rewrote(ec, tmp_path):
+    report = fake_report(ec, bench=False, enumeration=True)
+    out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
+    out_json.write_text(json.dumps(report, default=str))  # integer keys become strings, as on disk
+    ec.main(["--render-only", "--out-json", str(out_json), "--out-md", str(out_md)])
+    md = out_md.read_text()
+    assert f"`{out_json}`" in md and "TV SMC N=4" in md and "JSONSchemaBench" not in md
+
+
+def test_schemas_come_from_the_data_argument(ec, tmp_path):
+    for subset in ec.SUBSETS:
+        rows = [{"id": f"{subset}-{j}", "schema": {"type": "integer", "minimum": j}} for j in range(3)]
+        (tmp_path / f"jsonschemabench_{subset}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = ec.sample_schemas(tmp_path, per_subset=2, max_chars=1500)
+    assert [s for s, _, _ in got] == [s for s in ec.SUBSETS for _ in range(2)]
+    assert all(sid.startswith(subset) for subset, sid, _ in got)
+
+
+def test_truncated_draft_report_is_computed_and_names_its_files(tmp_path):
+    td = _script("truncated_draft")
+    meta = {"date": "2000-01-01", "device": "a test", "load_average": (0.5, 0.5, 0.5), "particles": 8}
+    rows = [{"layers": 10, "mean_ess": 3.7, "mean_ess_fraction": 0.4625, "rounds_ess_below_2": 0.25,
+             "resample_rate": 0.5, "tokens_per_second_median": 1.0}]
+    md = td.markdown(meta, rows, tmp_path / "t.md", tmp_path / "t.json", tmp_path / "img" / "run.png")
+    assert "| 10 | 3.70 | 0.46 | 25% | 0.50 | 1.0 |" in md
+    assert f"`{tmp_path / 't.json'}`" in md and "(img/run.png)" in md
+    assert "most rounds" not in md and "docs/truncated_draft.json" not in md

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .result import Result
-
-
-def plot_result(result: Result, path: str | None = None):
+def plot_result(result, path: str | None = None):
     import matplotlib
 
     if path is not None:

@@ -54,8 +54,6 @@ class HFRunner:
         # tokens: [B, L]; with hidden=True also the final hidden states [B, L, D] (after the final
         # norm: what a feature draft reads)
         if hidden:
-            from ..drafts.feature import target_hidden
-
             h, logits = target_hidden(self.model, tokens.to(self.device), use_cache=True,
                                       **{self._inner_cache_kw: self.cache})
             self.length += tokens.shape[1]
@@ -106,3 +104,17 @@ class FunctionRunner:
 
     def crop(self, length: int) -> None:
         self.history = self.history[:, :length]
+
+
+def target_hidden(hf: torch.nn.Module, input_ids: Tensor, **kwargs) -> tuple[Tensor, Tensor]:
+    """The target's final hidden states (after its final norm) [B, T, D] and logits [B, T, V]."""
+    hidden = hf.model(input_ids=input_ids, **kwargs).last_hidden_state
+    return hidden, head_logits(hf, hidden)
+
+
+def head_logits(hf: torch.nn.Module, hidden: Tensor) -> Tensor:
+    logits = hf.get_output_embeddings()(hidden)
+    cap = getattr(hf.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits.float()

@@ -31,26 +31,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import SMCDecodeError
+from ..backends.reference import head_logits, target_hidden
 from ..models import HFModel, Model
 
 # The parameter names of one decoder layer, as in Hugging Face's Llama / Mistral / Qwen2 (with or
 # without q/k/v biases); the draft's layers load a target layer's state dict under these names.
 _LAYER_MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-
-
-def target_hidden(hf: nn.Module, input_ids: Tensor, **kwargs) -> tuple[Tensor, Tensor]:
-    """The target's final hidden states (after its final norm) [B, T, D] and logits [B, T, V]."""
-    hidden = hf.model(input_ids=input_ids, **kwargs).last_hidden_state
-    return hidden, head_logits(hf, hidden)
-
-
-def head_logits(hf: nn.Module, hidden: Tensor) -> Tensor:
-    logits = hf.get_output_embeddings()(hidden)
-    cap = getattr(hf.config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits.float()
 
 
 class _RMSNorm(nn.Module):

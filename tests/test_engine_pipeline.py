@@ -302,10 +302,10 @@ def test_device_bookkeeping_matches_page_table_under_random_forks(G, N, K, PS, p
             assert not torch.isin(nxt[i], others).any(), (r, i)
 
 
-def test_pipeline_setting_and_pool_errors(monkeypatch):
-    """Pipelined by default; SMCDECODE_PIPELINE=0 (or pipeline=False) reads every round before the
-    next; a bad value names the setting. A pool below the first round's need is a clear error, and
-    one that the bookkeeping outgrows raises MemoryError (pipelined or not)."""
+def test_pipeline_argument_and_pool_errors(monkeypatch):
+    """Pipelined by default; pipeline=False reads every round before the next. A pool below the
+    first round's need is a clear error, and one that the bookkeeping outgrows raises MemoryError
+    (pipelined or not)."""
     target, draft = _models("cpu")
     prompts, N, K, n, PS = [[1, 2, 3, 4, 5], [6, 1, 2]], 3, 2, 7, 4
     engine = Engine(target, draft, num_pages=10, page_size=PS)
@@ -317,15 +317,10 @@ def test_pipeline_setting_and_pool_errors(monkeypatch):
     kw = dict(particles=N, block_size=K, max_new_tokens=n, seed=1)
     Engine(target, draft, num_pages=100, page_size=PS).smc_sd(prompts, **kw)
     assert holds.ok == 2  # rounds 1 and 2 of 3 (the last sets nothing aside)
-    monkeypatch.setenv("SMCDECODE_PIPELINE", "0")
-    Engine(target, draft, num_pages=100, page_size=PS).smc_sd(prompts, **kw)
+    Engine(target, draft, num_pages=100, page_size=PS).smc_sd(prompts, pipeline=False, **kw)
     assert holds.ok == 2
     Engine(target, draft, num_pages=100, page_size=PS).smc_sd(prompts, pipeline=True, **kw)
     assert holds.ok == 4
-    monkeypatch.setenv("SMCDECODE_PIPELINE", "yes")
-    with pytest.raises(ValueError, match="SMCDECODE_PIPELINE='yes'"):
-        Engine(target, draft, num_pages=100, page_size=PS).smc_sd(prompts, **kw)
-    monkeypatch.delenv("SMCDECODE_PIPELINE")
     out = Engine(target, draft, num_pages=worst, page_size=PS).smc_sd(prompts, ess_threshold=0.0, **kw)
     assert out.peak_pages == worst - 1  # without resampling the bound is reached
     out = Engine(target, draft, num_pages=worst - 1, page_size=PS).smc_sd(prompts, ess_threshold=1.0, **kw)

@@ -192,32 +192,31 @@ def test_autoregressive_reuses_its_step_and_checks_input():
         e.autoregressive([[1, 2], []], max_new_tokens=3)
 
 
-def test_autoregressive_launches_its_kernels_with_pdl_auto_off(monkeypatch):
-    """SMCDECODE_PDL=auto reads as off inside Engine.autoregressive and Engine.speculative (their
-    steps are captured there) and as on again after them, also when they raise; SMC-SD keeps it on."""
+def test_autoregressive_launches_its_kernels_without_pdl(monkeypatch):
+    """PDL is off inside Engine.autoregressive and Engine.speculative (their steps are captured there)
+    and on again after them, also when they raise; SMC-SD keeps it on."""
     pytest.importorskip("triton")
     from smcdecode.backends.engine import engine as E
     from smcdecode.backends.engine import kernels
 
-    monkeypatch.delenv("SMCDECODE_PDL", raising=False)
     seen = []
     start = E.Engine._start
 
     def spy(self, *a, **k):
-        seen.append(kernels.pdl_setting())
+        seen.append(kernels.pdl_enabled())
         return start(self, *a, **k)
 
     monkeypatch.setattr(E.Engine, "_start", spy)
     e = Engine(tiny_llama(seed=4), None, num_pages=64, page_size=4, max_context=16)
     e.autoregressive([[1, 2, 3]], max_new_tokens=2)
-    assert seen == [0] and kernels.pdl_setting() == 1
+    assert seen == [False] and kernels.pdl_enabled()
     with pytest.raises(SMCDecodeError):
         e.autoregressive([[1, 2]], max_new_tokens=0)
-    assert kernels.pdl_setting() == 1
+    assert kernels.pdl_enabled()
     e = Engine(tiny_llama(seed=4), tiny_llama(seed=5, layers=1), num_pages=128, page_size=4, max_context=24)
     e.speculative([[1, 2, 3]], block_size=2, max_new_tokens=3)
     e.smc_sd([[1, 2, 3]], particles=2, block_size=2, max_new_tokens=3)
-    assert seen[1:] == [0, 1] and kernels.pdl_setting() == 1
+    assert seen[1:] == [False, True] and kernels.pdl_enabled()
 
 
 @torch.inference_mode()

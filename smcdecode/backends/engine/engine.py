@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +27,7 @@ from torch import Tensor
 from ...errors import SMCDecodeError
 from ...samplers.resampling import get_resampler, normalise
 from .attention import PagedBatch
+from .config import EngineConfig
 from .kv_cache import KVPool, PageTable
 from .model import Llama
 from .smc import EngineTarget
@@ -66,31 +66,30 @@ def sample_and_score_reference(logits: Tensor, temperature: float, gather: Tenso
 
 
 def sample_and_score(logits: Tensor, temperature: float, seed: Tensor, gather: Tensor | None = None,
-                     sample_every: int = 1) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Fused on CUDA (one read of the [R, V] logits; randomness keyed by the device scalar ``seed``),
-    the reference elsewhere (torch's global generator). ``sample_every``: see the reference."""
-    from .model import _use_triton
-
-    if _use_triton(logits):
+                     sample_every: int = 1, triton: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+    """With ``triton`` one fused kernel (one read of the [R, V] logits; randomness keyed by the device
+    scalar ``seed``), else the reference (torch's global generator). ``sample_every``: see the
+    reference."""
+    if triton:
         from .kernels import triton_sample_and_score
 
         return triton_sample_and_score(logits, temperature, seed, gather, sample_every)
     return sample_and_score_reference(logits, temperature, gather, sample_every=sample_every)
 
 
-def _without_auto_pdl(fn):
-    """``fn`` with its kernels launched (and captured) without PDL unless SMCDECODE_PDL asks for it
-    (``kernels.auto_pdl_off``): for autoregressive decoding, where PDL measured slower, and exact
-    speculative decoding, whose one-request round (1-row draft steps, like AR's) was slower in the
-    run that had it (9.04 -> 9.20 ms, session 10 -> 11; not A/B-measured), so it keeps its old launches."""
+def _without_pdl(fn):
+    """``fn`` with its kernels launched (and captured) without PDL (``kernels.pdl_off``): for
+    autoregressive decoding, where PDL measured slower, and exact speculative decoding, whose
+    one-request round (1-row draft steps, like AR's) measured slower with it too (9.04 -> 9.20 ms
+    a round, not A/B-measured)."""
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         try:
-            from .kernels import auto_pdl_off
+            from .kernels import pdl_off
         except ImportError:  # no Triton: no PDL either
             return fn(*args, **kwargs)
-        with auto_pdl_off():
+        with pdl_off():
             return fn(*args, **kwargs)
 
     return wrapped
@@ -130,26 +129,35 @@ class Engine:
     CUDA graphs are captured once per round shape (rows, K, temperatures, ...) and replayed by
     later calls through static buffers, as serving engines do; ``clear_graphs`` frees them."""
 
-    def __init__(self, target: Llama, draft: Llama | None = None, *, num_pages: int, page_size: int = 16,
-                 max_context: int | None = None, attention_backend: str = "auto"):
-        """``max_context`` fixes the page-table width (so kernel launch shapes, and thus compiled
-        kernels and graphs, do not depend on each call's lengths); None sizes it per call."""
+    def __init__(self, target: Llama, draft: Llama | None = None, config: EngineConfig | None = None, *,
+                 num_pages: int | None = None, page_size: int = 16, max_context: int | None = None,
+                 use_graphs: bool | None = None, triton: bool | None = None):
+        """Settings: ``config`` (an :class:`EngineConfig`), or its fields as keywords (``num_pages``
+        required). The config is resolved for the target model's dtype and device (``self.config``)."""
+        if config is None:
+            if num_pages is None:
+                raise SMCDecodeError("Engine needs num_pages (KV pages of each pool) or config=EngineConfig(...)")
+            config = EngineConfig(num_pages=num_pages, page_size=page_size, max_context=max_context,
+                                  use_graphs=use_graphs, triton=triton)
+        elif num_pages is not None:
+            raise SMCDecodeError("give the Engine's settings as config=EngineConfig(...) or as keywords, not both")
         self.target, self.draft = target, draft
         p = next(target.parameters())
+        self.config = config = config.resolved(p.dtype, p.device)
         self.device, self.dtype = p.device, p.dtype
-        self.page_size, self.num_pages, self.max_context = page_size, num_pages, max_context
-        self.kv_t = KVPool.for_model(target.cfg, num_pages, page_size, self.dtype, self.device,
-                                     attention_backend=attention_backend)
+        self.page_size, self.num_pages, self.max_context = config.page_size, config.num_pages, config.max_context
+        self.kv_t = KVPool.for_model(target.cfg, self.num_pages, self.page_size, self.dtype, self.device,
+                                     triton=config.triton)
         self.kv_d = None
         if draft is not None:
             if draft.cfg.vocab_size != target.cfg.vocab_size:
                 raise ValueError(f"draft vocabulary ({draft.cfg.vocab_size}) differs from target vocabulary "
                                  f"({target.cfg.vocab_size}): use a draft with the target's tokenizer")
-            self.kv_d = KVPool.for_model(draft.cfg, num_pages, page_size, self.dtype, self.device,
-                                         attention_backend=attention_backend)
+            self.kv_d = KVPool.for_model(draft.cfg, self.num_pages, self.page_size, self.dtype, self.device,
+                                         triton=config.triton)
         self._graphs: dict[tuple, _Graph] = {}
-        if max_context is not None:  # (before any graph exists)
-            self._ensure_rope(max_context + page_size)
+        if self.max_context is not None:  # (before any graph exists)
+            self._ensure_rope(self.max_context + self.page_size)
 
     def clear_graphs(self) -> None:
         self._graphs.clear()
@@ -369,18 +377,16 @@ class Engine:
         seen (``pending``, at positions T−1, T), then one token a step. Fills drafts/log_q (and
         draft_logits [B, K, V] when asked)."""
         T, pt, PS, ar = buf["seq"], buf["pt"], self.page_size, buf["ar"]
-        # particles of a request (SMC-SD: N consecutive rows) share most pages: a hint for attention
-        grp = T.shape[0] // buf["group_base"].shape[0] if "group_base" in buf else 1
-        batch = PagedBatch.build((T - 1)[:, None] + ar[:2], pt, PS, group=grp)
+        batch = PagedBatch.build((T - 1)[:, None] + ar[:2], pt, PS)
         logits = self.draft(buf["pending"], self.kv_d, batch, last_only=True)[:, 0]  # [B, V]
         for i in range(K):
-            d, lq, _ = sample_and_score(logits, draft_temperature, seeds[i])
+            d, lq, _ = sample_and_score(logits, draft_temperature, seeds[i], triton=self.config.triton)
             buf["drafts"][:, i] = d
             buf["log_q"][:, i] = lq
             if keep_logits:
                 buf["draft_logits"][:, i] = logits
             if i < K - 1:
-                batch = PagedBatch.build((T + 1 + i)[:, None], pt, PS, group=grp)
+                batch = PagedBatch.build((T + 1 + i)[:, None], pt, PS)
                 logits = self.draft(d[:, None], self.kv_d, batch)[:, 0]
 
     def _verify(self, buf: dict, K: int, target_temperature: float, seeds: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -393,7 +399,7 @@ class Engine:
         gather = torch.cat([buf["drafts"], buf["drafts"][:, :1]], dim=1).reshape(-1)
         # only the last row of each particle's K + 1 draws a token (the bonus); the others are scored
         tok, _, lp = sample_and_score(logits.view(B * (K + 1), -1), target_temperature, seeds[K], gather,
-                                      sample_every=K + 1)
+                                      sample_every=K + 1, triton=self.config.triton)
         return lp.view(B, K + 1)[:, :K], tok.view(B, K + 1)[:, K], logits
 
     # ------------------------------------------------------------------------------------------
@@ -403,7 +409,7 @@ class Engine:
                draft_temperature=1.0, target_temperature=1.0, eos_token_id: int | None = None,
                resampler: str = "systematic", ess_threshold: float = 0.5, use_graphs: bool | None = None,
                seed: int = 0, target: EngineTarget | list | None = None, record_weights: bool = False,
-               pipeline: bool | None = None) -> EngineOutput:
+               pipeline: bool = True) -> EngineOutput:
         """SMC-SD for G = len(prompts) requests × N particles, K = block_size drafted tokens a round.
 
         ``particles``, ``block_size``, ``max_new_tokens`` and the temperatures are one value or one
@@ -413,13 +419,13 @@ class Engine:
         runs ``smc.run`` (per-row settings, masks, rewards). eos_token_id None ignores EOS
         (fixed-length outputs, as in the benchmark).
 
-        Page bookkeeping of the fused round (``_smc_rounds``): ``pipeline`` True (the default, or
-        SMCDECODE_PIPELINE=1) sets pages aside before each launch, so the round's graph forks the
-        page table, copies the shared partial pages and adds fresh ones itself and the next round is
-        launched before the host has read this one (the host books the same pages one round late);
-        False reads every round before launching the next and books its pages in between (as does
-        the pipelined path for a round whose pages could not be set aside: a nearly full pool). Both
-        give the same outputs for the same seed (tested, with and without CUDA graphs)."""
+        Page bookkeeping of the fused round (``_smc_rounds``): the host sets pages aside before each
+        launch, so the round's graph forks the page table, copies the shared partial pages and adds
+        fresh ones itself and the next round is launched before the host has read this one (the host
+        books the same pages one round late). A round whose pages could not be set aside (a nearly
+        full pool) is read before the next launch and its pages booked in between; ``pipeline=False``
+        does that for every round (the reference the pipelined rounds are tested against: the same
+        outputs for the same seed, with and without CUDA graphs)."""
         from . import smc
 
         if self.draft is None:
@@ -428,7 +434,7 @@ class Engine:
             raise SMCDecodeError("prompts must be a non-empty list of prompts of at least 2 tokens each")
         settings = smc.Settings.of(len(prompts), particles, block_size, max_new_tokens, draft_temperature,
                                    target_temperature)
-        use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        use_graphs = self.config.use_graphs if use_graphs is None else use_graphs
         programs = target if isinstance(target, (list, tuple)) else [target]
         plain = all(t is None or (t.alpha == 1.0 and not t.constraints and not t.rewards) for t in programs)
         if not (plain and settings.uniform):
@@ -452,15 +458,10 @@ class Engine:
                 f"num_pages ({self.num_pages}) is too small for {G} request(s) × {N} particles: the first round "
                 f"alone needs {first_round} pages of {self.page_size} tokens; raise num_pages to at least "
                 f"{first_round}")
-        if pipeline is None:
-            v = os.environ.get("SMCDECODE_PIPELINE", "1")
-            if v not in ("0", "1"):
-                raise ValueError(f"SMCDECODE_PIPELINE={v!r}: use 1 (rounds launched back to back, the default) or 0")
-            pipeline = v == "1"
         table, pt_start = self._start(prompts, N, max_new_tokens + K + 2)
         cap = table.table.shape[1] * self.page_size
         key = ("smc", G, N, K, draft_temperature, target_temperature, eos, resampler, ess_threshold,
-               table.table.shape[1], use_graphs)
+               table.table.shape[1], use_graphs, self.config)
         rows = np.arange(B)
         lens = np.repeat([len(p) - 1 for p in prompts], N)  # target tokens cached per row
         copies = table.reserve(rows, lens + K + 1, write_from=lens - 1)  # first round's pages
@@ -758,7 +759,7 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------
 
-    @_without_auto_pdl
+    @_without_pdl
     @torch.inference_mode()
     def speculative(self, prompts: list[list[int]], *, block_size: int, max_new_tokens: int, samples: int = 1,
                     draft_temperature: float = 1.0, target_temperature: float = 1.0,
@@ -778,7 +779,7 @@ class Engine:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if any(len(p) < 2 for p in prompts):
             raise ValueError("every prompt needs at least 2 tokens")
-        use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        use_graphs = self.config.use_graphs if use_graphs is None else use_graphs
         torch.manual_seed(seed)
         G, N, K, dev = len(prompts), samples, block_size, self.device
         B, V = G * N, self.target.cfg.vocab_size
@@ -789,7 +790,7 @@ class Engine:
         rows = np.arange(B)
         lens = np.repeat([len(p) - 1 for p in prompts], N)
         copies = table.reserve(rows, lens + max_new_tokens + K + 2, write_from=lens - 1)
-        key = ("sd", G, N, K, draft_temperature, target_temperature, eos, table.table.shape[1], use_graphs)
+        key = ("sd", G, N, K, draft_temperature, target_temperature, eos, table.table.shape[1], use_graphs, self.config)
 
         def make():
             buf = self._round_buffers(
@@ -875,7 +876,7 @@ class Engine:
 
         return round_
 
-    @_without_auto_pdl
+    @_without_pdl
     @torch.inference_mode()
     def autoregressive(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
                        samples: int = 1, use_graphs: bool | None = None, seed: int = 0,
@@ -908,7 +909,7 @@ class Engine:
             raise SMCDecodeError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if not (temperature > 0 and math.isfinite(temperature)):
             raise SMCDecodeError(f"temperature must be a finite number > 0, got {temperature!r}")
-        use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        use_graphs = self.config.use_graphs if use_graphs is None else use_graphs
         torch.manual_seed(seed)
         G, S, dev, PS = len(prompts), samples, self.device, self.page_size
         B = G * S
@@ -918,7 +919,7 @@ class Engine:
         copies = table.reserve(rows, lens + max_new_tokens + 1)  # copy-on-write of the shared last page
         cap = table.table.shape[1] * PS
         eos = -1 if eos_token_id is None else int(eos_token_id)
-        key = ("ar", B, temperature, eos, table.table.shape[1], use_graphs)
+        key = ("ar", B, temperature, eos, table.table.shape[1], use_graphs, self.config)
         graph = self._graphs.get(key)
         if graph is None:
             buf = dict(pt=pt_start.clone(), seq=torch.zeros(B, dtype=torch.long, device=dev),
@@ -977,7 +978,8 @@ class Engine:
         def step_() -> None:
             batch = PagedBatch.build(seq_t[:, None], pt, PS)
             seeds = torch.randint(0, 2**62, (1,), device=dev)
-            t, _, _ = sample_and_score(self.target(last[:, None], self.kv_t, batch)[:, 0], temperature, seeds[0])
+            t, _, _ = sample_and_score(self.target(last[:, None], self.kv_t, batch)[:, 0], temperature, seeds[0],
+                                       triton=self.config.triton)
             if eos >= 0:
                 t = torch.where(finished, eos, t)
                 finished.logical_or_(t == eos)

@@ -12,9 +12,9 @@ and the row length are computed in the kernel from the positions and the page ta
 share of the context is computed from the row's length, so the launch shape depends only on the
 batch shape (CUDA graphs). For decode/verify (L <= 16 new tokens a row) one kernel also applies
 RoPE to q and the new keys and writes the new keys/values to their pages. The splits are merged by
-the last split to finish (an atomic counter per tile) or by ``_merge_splits_kernel``. BLOCK_N, warps,
-stages and the split count are chosen per shape class and head dim (``ATTN_CONFIGS``, or
-SMCDECODE_ATTN_CONFIG). References: attention.reference_paged_attention,
+the last split to finish (an atomic counter per tile; ``_merge_splits_kernel`` where the counters
+cannot be allocated). BLOCK_N, warps, stages and the split count are chosen per shape class and head
+dim (``ATTN_CONFIGS``). References: attention.reference_paged_attention,
 model.rope_kv_write_reference, merge_splits_reference.
 
 skinny products — x · Wᵀ for few rows (draft decode), optionally with SiLU·mul in the epilogue
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 
 import torch
@@ -54,19 +53,16 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # In a CUDA graph a chain of small dependent kernels (a draft step: ~7 launches a layer) pays each
 # launch's set-up and ramp before any work starts. With PDL a kernel is launched while the one before
 # it still runs and waits (griddepcontrol.wait) before it reads or writes anything; every Triton
-# kernel of the engine takes PDL (0: off; 1: wait, then release the next kernel at once; 2: wait,
-# and the next kernel is released as this one ends). Kernels that are not ours (cuBLAS, torch) are
-# launched normally and wait for full completion, so mixing is safe. Off by default: on the H200 it
-# measured no gain end to end (session 5, docs/benchmarks.md), nor did an L2 prefetch of the skinny
-# product's weights before the wait (a loss: SMC-SD 1 x N=8 K=8 19-22 vs 15.5 ms a round).
+# kernel of the engine takes PDL (0: off; 1: wait, then release the next kernel at once). Kernels
+# that are not ours (cuBLAS, torch) are launched normally and wait for full completion, so mixing is
+# safe. An L2 prefetch of the skinny product's weights before the wait measured slower.
 
 
 @triton.jit
 def _pdl_enter(PDL: tl.constexpr):
-    if PDL >= 1:
+    if PDL:
         gdc_wait()  # everything the earlier kernels wrote is visible after this
-    if PDL == 1:
-        gdc_launch_dependents()
+        gdc_launch_dependents()  # the next kernel may start (it waits likewise before it reads)
 
 
 @functools.lru_cache(maxsize=8)
@@ -74,44 +70,35 @@ def _pdl_capable(device_index: int) -> bool:
     return gdc_wait is not None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-_AUTO_PDL_OFF = [0]  # depth of ``auto_pdl_off()`` contexts
+_PDL_OFF = [0]  # depth of ``pdl_off()`` contexts
 
 
 @contextlib.contextmanager
-def auto_pdl_off():
-    """Within it, SMCDECODE_PDL=auto (the default) reads as off: ``Engine.autoregressive`` and
-    ``Engine.speculative`` launch (and capture) their steps in it (PDL measured slower for AR)."""
-    _AUTO_PDL_OFF[0] += 1
+def pdl_off():
+    """Kernels launched (and captured) within it do not take PDL: ``Engine.autoregressive`` and
+    ``Engine.speculative`` run in it (PDL measured slower for autoregressive decoding)."""
+    _PDL_OFF[0] += 1
     try:
         yield
     finally:
-        _AUTO_PDL_OFF[0] -= 1
+        _PDL_OFF[0] -= 1
+
+
+def pdl_enabled() -> bool:
+    """Whether kernels launched now take PDL where the device allows it: yes, except inside
+    ``pdl_off()``."""
+    return not _PDL_OFF[0]
 
 
 def pdl_mode(device: torch.device) -> int:
-    """SMCDECODE_PDL: 0 (off), 1 (a kernel releases the next one as soon as its own wait is over),
-    2 (released when it ends) or auto (the default): 1, except inside ``auto_pdl_off()``, 0. Measured
-    in session 11 (H200, interleaved, 1,024-token outputs): PDL 1 makes SMC-SD N=8 K=8 0.07 ms a
-    round faster at 1 request and 0.05 / 0.10 ms at 8 (two machines), and autoregressive decoding
-    0.07 ms a token slower (1.5 %; sessions 5 and 8 had measured SMC-SD slower too, before the
-    folded norms and the later kernels). Off on the CPU, under Triton's interpreter and before sm_90
-    (Hopper), whatever the setting."""
-    v = pdl_setting()
-    if v == 0 or device.type != "cuda" or _INTERPRET or not _pdl_capable(device.index or 0):
+    """The PDL constexpr of a launch on ``device``: 1 (wait for the previous kernel, then release the
+    next one) where ``pdl_enabled()``, on sm_90+ (Hopper) with a Triton that has grid dependency
+    control; 0 on the CPU, under Triton's interpreter, before sm_90 and inside ``pdl_off()``.
+    Measured on an H200 (interleaved, 1,024-token outputs): SMC-SD N=8 K=8 0.07 ms a round faster
+    with it at 1 request and 0.05-0.10 ms at 8; autoregressive decoding 0.07 ms a token slower."""
+    if not pdl_enabled() or device.type != "cuda" or _INTERPRET or not _pdl_capable(device.index or 0):
         return 0
-    return v
-
-
-def pdl_setting() -> int:
-    """SMCDECODE_PDL resolved (``pdl_mode`` before its device checks): auto -> 1, or 0 inside
-    ``auto_pdl_off()``."""
-    v = os.environ.get("SMCDECODE_PDL", "auto")
-    if v not in ("auto", "0", "1", "2"):
-        raise ValueError(f"SMCDECODE_PDL={v!r}: use auto (the default), 0 (off), 1 (early release) or 2 "
-                         "(release at the end)")
-    if v == "auto":
-        return 0 if _AUTO_PDL_OFF[0] else 1
-    return int(v)
+    return 1
 
 
 def _pdl(device: torch.device) -> dict:
@@ -350,186 +337,6 @@ def _paged_attn_kernel(
                     MERGE)
 
 
-@triton.jit
-def _grouped_attend_tile(q, q1, q2, KP, VP, page, n, n_valid, kvh, qpos, ctx_q, rows_ok, sm_scale, m_i, l_i, acc,
-                 HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, ROPE: tl.constexpr, DOT: tl.constexpr):
-    """Keys/values at positions n (pages ``page``) folded into the online softmax (m_i, l_i, acc) of the
-    query rows with ``rows_ok``; each query row sees positions <= its own and < its row's cached
-    length ``ctx_q``."""
-    HALF: tl.constexpr = D // 2
-    dh = tl.arange(0, HALF)
-    d = tl.arange(0, D)
-    kv_row = ((page * HKV + kvh) * PS + n % PS) * D
-    if ROPE:
-        k1 = tl.load(KP + kv_row[:, None] + dh[None, :], mask=n_valid[:, None], other=0.0)
-        k2 = tl.load(KP + kv_row[:, None] + HALF + dh[None, :], mask=n_valid[:, None], other=0.0)
-        s = tl.dot(q1, tl.trans(k1), input_precision=DOT) + tl.dot(q2, tl.trans(k2), input_precision=DOT)
-    else:
-        k = tl.load(KP + kv_row[:, None] + d[None, :], mask=n_valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT)
-    s = s * sm_scale  # [BLOCK_M, BLOCK_N] fp32
-    v = tl.load(VP + kv_row[:, None] + d[None, :], mask=n_valid[:, None], other=0.0)
-    ok = (n[None, :] <= qpos[:, None]) & (n[None, :] < ctx_q[:, None]) & n_valid[None, :] & rows_ok[:, None]
-    s = tl.where(ok, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _grouped_attend_cached(q, q1, q2, KP, VP, PT, b0, B, kvh, stride_pt, n0, end, qpos, ctx_q, qrow, sm_scale, m_i, l_i, acc,
-                   HKV: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
-                   GS: tl.constexpr, GS_P2: tl.constexpr, DOT: tl.constexpr):
-    """One block of BLOCK_N cached positions n0.. (< end) for the program's GS rows b0..: when every
-    row's page ids agree over the block (particles sharing pages), its keys/values are read once for
-    all rows; otherwise once per row, each row's queries masked to its own keys."""
-    n = n0 + tl.arange(0, BLOCK_N)
-    n_valid = n < end
-    p0 = tl.load(PT + b0 * stride_pt + n // PS, mask=n_valid, other=0)
-    if GS == 1:
-        m_i, l_i, acc = _grouped_attend_tile(q, q1, q2, KP, VP, p0, n, n_valid, kvh, qpos, ctx_q, qrow >= 0, sm_scale,
-                                     m_i, l_i, acc, HKV, D, PS, ROPE, DOT)
-    else:
-        rr = tl.arange(0, GS_P2)
-        r_ok = (rr < GS) & (b0 + rr < B)
-        pages = tl.load(PT + (b0 + rr)[:, None] * stride_pt + (n // PS)[None, :],
-                        mask=r_ok[:, None] & n_valid[None, :], other=0)  # [GS_P2, BLOCK_N]
-        differ = tl.sum(tl.sum(tl.where(r_ok[:, None] & (pages != p0[None, :]), 1, 0), 1), 0)
-        if differ == 0:
-            m_i, l_i, acc = _grouped_attend_tile(q, q1, q2, KP, VP, p0, n, n_valid, kvh, qpos, ctx_q, qrow >= 0, sm_scale,
-                                         m_i, l_i, acc, HKV, D, PS, ROPE, DOT)
-        else:
-            for r in tl.static_range(GS):
-                pr = tl.sum(tl.where(rr[:, None] == r, pages, 0), 0)
-                m_i, l_i, acc = _grouped_attend_tile(q, q1, q2, KP, VP, pr, n, n_valid, kvh, qpos, ctx_q, qrow == r,
-                                             sm_scale, m_i, l_i, acc, HKV, D, PS, ROPE, DOT)
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _paged_attn_grouped_kernel(
-    Q, KP, VP, PT, POS, O, OP, LSE, CNT, COS, SIN,  # noqa: E741
-    sm_scale, stride_qt, stride_pt, B,
-    L: tl.constexpr, G: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    PS: tl.constexpr, NSPLIT: tl.constexpr, MT: tl.constexpr, GS: tl.constexpr, GS_P2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    ROPE: tl.constexpr, MERGE: tl.constexpr, DYN_LOOP: tl.constexpr, MAX_IT: tl.constexpr, PDL: tl.constexpr = 0,
-    DOT: tl.constexpr = "tf32",
-):
-    """Opt-in (SMCDECODE_ATTN_GROUP; not yet run on a GPU): the paged-attention kernel with GS
-    consecutive rows per program (particles of one request): a block of positions whose pages all
-    rows of the group share is read once for the group, a diverging block once per row.
-
-    One program per (group of GS consecutive rows, kv head, KV split, query tile). Query rows of a
-    tile are m = (r·L + l)·G + g over the group's rows r, tokens l and the G query heads of the kv
-    head (GS > 1 only when they fit one tile).
-
-    ROPE: Q is the fused projection [B·L, (H + 2·HKV)·D]; q and the new keys are rotated here, the
-    new keys/values are attended to from registers and written to their pages by the last split,
-    so only positions < (row length − L) are read from the cache. Otherwise Q is [B·L, H·D] (already
-    rotated) and all positions < the row length come from the cache. MERGE: 0 — one split, the
-    output is written directly; 1 — partials (o, lse) only, merged by ``_merge_splits_kernel``;
-    2 — partials, then the last split to finish (an atomic counter per (group, kv head, tile),
-    reset by that program) merges them."""
-    _pdl_enter(PDL)
-    pid = tl.program_id(0)  # group * HKV + kvh
-    sid = tl.program_id(1)
-    mt = tl.program_id(2)
-    b0 = (pid // HKV) * GS
-    kvh = pid % HKV
-    HALF: tl.constexpr = D // 2
-    LG: tl.constexpr = L * G
-    m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
-    qrow = m // LG  # the query row's row within the group
-    m_valid = (m < GS * LG) & (b0 + qrow < B)
-    qrow = tl.where(m_valid, qrow, 0)
-    b = b0 + qrow  # [BLOCK_M]
-    l_idx = tl.where(m_valid, (m % LG) // G, L - 1)
-    g_idx = m % G
-    qpos = tl.load(POS + b * L + l_idx)  # [BLOCK_M] position of each query row
-    seq_q = tl.load(POS + b * L + L - 1) + 1  # [BLOCK_M] its row's length
-    dh = tl.arange(0, HALF)
-    d = tl.arange(0, D)
-    # with ROPE, q and k in two halves (rotate-half RoPE pairs element i with i + D/2):
-    # s = q1·k1ᵀ + q2·k2ᵀ (needs D >= 32: each half is a dot's inner dimension)
-    q_row = Q + (b * L + l_idx) * stride_qt + (kvh * G + g_idx) * D
-    if ROPE:
-        q1 = tl.load(q_row[:, None] + dh[None, :], mask=m_valid[:, None], other=0.0)
-        q2 = tl.load(q_row[:, None] + HALF + dh[None, :], mask=m_valid[:, None], other=0.0)
-        c = tl.load(COS + qpos[:, None] * HALF + dh[None, :])
-        s_ = tl.load(SIN + qpos[:, None] * HALF + dh[None, :])
-        q1f = q1.to(tl.float32)
-        q2f = q2.to(tl.float32)
-        q1 = (q1f * c - q2f * s_).to(KP.dtype.element_ty)
-        q2 = (q2f * c + q1f * s_).to(KP.dtype.element_ty)
-        q = q1
-        ctx_q = seq_q - L  # cached positions; the L new ones come from registers
-    else:
-        q = tl.load(q_row[:, None] + d[None, :], mask=m_valid[:, None], other=0.0)
-        q1 = q
-        q2 = q
-        ctx_q = seq_q
-    # this split's share of the group's longest cached context, in whole key blocks (computed from
-    # the lengths: the launch shape depends only on the batch shape, so graphs replay at any length)
-    ctx = tl.max(tl.where(m_valid, ctx_q, 0), 0)
-    q_last = tl.max(tl.where(m_valid, qpos, 0), 0)
-    per = tl.maximum(((ctx + NSPLIT - 1) // NSPLIT + BLOCK_N - 1) // BLOCK_N * BLOCK_N, BLOCK_N)
-    start = sid * per
-    end = tl.minimum(tl.minimum(start + per, ctx), q_last + 1)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    if ROPE:
-        if sid == NSPLIT - 1:  # the group's new keys/values, from registers (first: no wait on the cache)
-            j = tl.arange(0, BLOCK_L)
-            jr = j // L
-            j_valid = (j < GS * L) & (b0 + jr < B)
-            jt = tl.where(j_valid, (b0 + jr) * L + j % L, 0)  # token index b·L + l
-            kpos = tl.load(POS + jt)
-            ck = tl.load(COS + kpos[:, None] * HALF + dh[None, :])
-            sk = tl.load(SIN + kpos[:, None] * HALF + dh[None, :])
-            k_row = Q + jt * stride_qt + (H + kvh) * D
-            k1f = tl.load(k_row[:, None] + dh[None, :]).to(tl.float32)
-            k2f = tl.load(k_row[:, None] + HALF + dh[None, :]).to(tl.float32)
-            k1 = (k1f * ck - k2f * sk).to(KP.dtype.element_ty)
-            k2 = (k2f * ck + k1f * sk).to(KP.dtype.element_ty)
-            v = tl.load(Q + jt[:, None] * stride_qt + (H + HKV + kvh) * D + d[None, :])
-            s = (tl.dot(q1, tl.trans(k1), input_precision=DOT) + tl.dot(q2, tl.trans(k2), input_precision=DOT)) * sm_scale  # [BLOCK_M, BLOCK_L]
-            ok = (jr[None, :] == qrow[:, None]) & (kpos[None, :] <= qpos[:, None]) & j_valid[None, :]
-            s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v.to(KP.dtype.element_ty), input_precision=DOT)
-            m_i = m_new
-            if mt == 0:  # write the new keys/values into their pages (no other program reads them)
-                kpage = tl.load(PT + (b0 + jr) * stride_pt + kpos // PS, mask=j_valid, other=0)
-                dst = ((kpage * HKV + kvh) * PS + kpos % PS) * D
-                tl.store(KP + dst[:, None] + dh[None, :], k1, mask=j_valid[:, None])
-                tl.store(KP + dst[:, None] + HALF + dh[None, :], k2, mask=j_valid[:, None])
-                tl.store(VP + dst[:, None] + d[None, :], v.to(VP.dtype.element_ty), mask=j_valid[:, None])
-    if DYN_LOOP:
-        for n0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _grouped_attend_cached(q, q1, q2, KP, VP, PT, b0, B, kvh, stride_pt, n0, end, qpos, ctx_q, qrow,
-                                           sm_scale, m_i, l_i, acc, HKV, D, PS, BLOCK_N, ROPE, GS, GS_P2, DOT)
-    else:  # Triton's interpreter needs constant loop bounds: a fixed count of (masked) blocks
-        for it in range(0, MAX_IT):
-            m_i, l_i, acc = _grouped_attend_cached(q, q1, q2, KP, VP, PT, b0, B, kvh, stride_pt, start + it * BLOCK_N, end,
-                                           qpos, ctx_q, qrow, sm_scale, m_i, l_i, acc, HKV, D, PS, BLOCK_N, ROPE,
-                                           GS, GS_P2, DOT)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_rows = ((b * L + l_idx) * H + kvh * G + g_idx) * D
-    _store_or_merge(out, m_i, l_i, O, OP, LSE, CNT, o_rows, m, m_valid, pid * MT + mt, mt, sid, D, NSPLIT, BLOCK_M,
-                    MERGE)
-
-
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -552,93 +359,59 @@ def _split_counters(device: torch.device, n: int, kind: str = "attn") -> Tensor 
     return buf
 
 
-# Launch parameters of the attention kernels by shape class: "decode" (L <= 2 new tokens a row),
-# "verify" (3..16), "prefill" (more) and "group" (the grouped kernel). An entry is
-# [BLOCK_N, num_warps, num_stages, programs per SM] or that and PREFETCH (0/1: page ids loaded a block
-# ahead; the grouped kernel ignores it); a key "CLASS:D" (e.g. "verify:128") applies to one head dim
-# and takes precedence over "CLASS". A class without an entry runs the defaults below (BLOCK_N 64,
-# 4 warps, 2 stages, SMCDECODE_ATTN_PROGRAMS_PER_SM or 2 programs per SM, no prefetch): with the
-# table empty, today's launches. Filled from a GPU sweep (benchmarks/attention_sweep.py);
-# SMCDECODE_ATTN_CONFIG (a JSON object of such entries) replaces it.
-# From the sweep on an H200 (2026-11-21 10:30 UTC, docs/engine_results/attention_sweep_s3.json): per
-# launch 8–12 % faster than the defaults at the benchmark's shapes; end to end no measurable change
-# (SMC-SD N=8 K=8: 21.83 vs 21.82 ms a round at 1 request — with a since-removed fused norm on —, 29.93 vs 29.99 ms
-# at 8 requests; docs/benchmarks.md). Session 9 (interleaved, 1,024-token outputs, H200) halved the
-# programs per SM of decode:64 (4 -> 2) and verify:128 (2 -> 1), i.e. the KV splits of one request's
-# launches (8 -> 4 and 4 -> 2): SMC-SD 1 × N=8 K=8 13.85 -> 13.80 ms a round; 8 requests run one
-# split either way; doubling them instead cost +0.47 to +1.9 ms a round (docs/benchmarks.md). Session
-# 10 (same method, two calls): decode:64 on 2 warps instead of 4, −0.08 ms a round at 1 request and
-# −0.39 / −0.42 ms at 8 (1 warp: −0.48 at 8 but +0.10 at 1); 128-key blocks, 2 stages, fewer splits,
+# Launch parameters of the attention kernels by shape class and head dim: (BLOCK_N, num_warps,
+# num_stages, programs per SM, PREFETCH). Shape classes: "decode" (L <= 2 new tokens a row), "verify"
+# (3..16), "prefill" (more); a key "CLASS:D" applies to head dim D. PREFETCH 1: each block's page ids
+# are loaded a block ahead. The programs per SM set the KV splits of a launch (more splits: more
+# programs for few rows, each merging more partials). Chosen from a sweep on an H200 at the 8B/1B
+# benchmark's shapes and interleaved end-to-end A/B runs (SMC-SD N=8 K=8, 1 and 8 requests): the draft's
+# decode on 2 warps beat 4 (1 warp was faster at 8 requests, slower at 1); fewer splits for
+# decode:64 and verify:128 were faster at 1 request and the same at 8; 128-key blocks, more splits,
 # and verify on 2 or 8 warps, 2 stages or 32-key blocks were not faster.
 ATTN_CONFIGS: dict[str, tuple[int, int, int, float, int]] = {
-    "decode:64": (64, 2, 3, 2.0, 1),  # the 1B draft's decode steps (prefetch of page ids on)
+    "decode:64": (64, 2, 3, 2.0, 1),  # the 1B draft's decode steps
     "decode:128": (128, 4, 2, 2.0, 0),  # the 8B target's autoregressive step
     "verify:128": (64, 4, 3, 1.0, 1),  # the 8B target's (K+1)-token verify pass
-    "group": (128, 4, 3, 4.0, 0),  # the opt-in grouped kernel
 }
+ATTN_DEFAULT = (64, 4, 2, 2.0, 0)  # a class and head dim without an entry
 
 
-def attention_shape_class(L: int, grouped: bool = False) -> str:
-    """The key of an attention launch in ``ATTN_CONFIGS``."""
-    return "group" if grouped else "decode" if L <= 2 else "verify" if L <= 16 else "prefill"
+def attention_shape_class(L: int) -> str:
+    """The shape class of an attention launch of L new tokens a row (``ATTN_CONFIGS``' keys)."""
+    return "decode" if L <= 2 else "verify" if L <= 16 else "prefill"
 
 
-@functools.lru_cache(maxsize=8)
-def _parse_attn_configs(text: str) -> dict[str, tuple[int, int, int, float, int]]:
-    table = {}
-    for key, entry in json.loads(text).items():
-        if not (isinstance(entry, list) and len(entry) in (4, 5)):
-            raise ValueError(f"SMCDECODE_ATTN_CONFIG[{key!r}] = {entry!r}: expected [block_n, warps, stages, "
-                             "programs_per_sm] or [block_n, warps, stages, programs_per_sm, prefetch]")
-        block_n, warps, stages, per_sm = int(entry[0]), int(entry[1]), int(entry[2]), float(entry[3])
-        prefetch = int(entry[4]) if len(entry) == 5 else 0
-        if (block_n < 16 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16) or stages < 1 or per_sm <= 0
-                or prefetch not in (0, 1)):
-            raise ValueError(f"SMCDECODE_ATTN_CONFIG[{key!r}] = {entry!r}: block_n must be a power of two >= 16, "
-                             "warps one of 1, 2, 4, 8, 16, stages >= 1, programs_per_sm > 0 and prefetch 0 or 1")
-        table[key] = (block_n, warps, stages, per_sm, prefetch)
-    return table
+def attention_config(L: int, D: int) -> tuple[int, int, int, float, int]:
+    """(BLOCK_N, num_warps, num_stages, programs per SM, prefetch) of a launch: ``ATTN_CONFIGS``."""
+    c = attention_shape_class(L)
+    return ATTN_CONFIGS.get(f"{c}:{D}", ATTN_CONFIGS.get(c, ATTN_DEFAULT))
 
 
-def _attention_params(shape_class: str, D: int) -> tuple[int, int, int, float, int]:
-    """(BLOCK_N, num_warps, num_stages, programs per SM, prefetch) of a launch class and head dim."""
-    text = os.environ.get("SMCDECODE_ATTN_CONFIG")
-    table = _parse_attn_configs(text) if text else ATTN_CONFIGS
-    entry = table.get(f"{shape_class}:{D}", table.get(shape_class))
-    if entry is not None:
-        return entry
-    block_n = _env_number("SMCDECODE_ATTN_BLOCK_N", "64", int) if shape_class == "group" else 64
-    return block_n, 4, 2, _env_number("SMCDECODE_ATTN_PROGRAMS_PER_SM", "2", float), 0
+def _check_attention_config(config) -> tuple[int, int, int, float, int]:
+    ok = isinstance(config, (tuple, list)) and len(config) == 5
+    if ok:
+        block_n, warps, stages, per_sm, prefetch = config
+        ok = (isinstance(block_n, int) and block_n >= 16 and not block_n & (block_n - 1) and warps in (1, 2, 4, 8, 16)
+              and isinstance(stages, int) and stages >= 1 and per_sm > 0 and prefetch in (0, 1))
+    if not ok:
+        raise ValueError(f"attention config {config!r}: expected (block_n, warps, stages, programs_per_sm, prefetch), "
+                         "block_n a power of two >= 16, warps one of 1, 2, 4, 8, 16, stages >= 1, "
+                         "programs_per_sm > 0 and prefetch 0 or 1")
+    return tuple(config)
 
 
-def _env_number(name: str, default: str, kind: type) -> int | float:
-    """A positive number from the environment setting ``name``; a bad value names the setting."""
-    v = os.environ.get(name, default)
-    try:
-        x = kind(v)
-    except ValueError:
-        x = None
-    if x is None or not x > 0:
-        raise ValueError(f"{name}={v!r}: give a positive {'integer' if kind is int else 'number'}, e.g. {default}")
-    return x
-
-
-def _attention_config(B: int, L: int, G: int, Hkv: int, D: int, capacity: int, device: torch.device):
+def _attention_launch(B: int, L: int, G: int, Hkv: int, D: int, capacity: int, device: torch.device, config):
     """(BLOCK_M, query tiles, BLOCK_N, KV splits, merge mode, num_warps, num_stages, prefetch) for a
-    launch; depends on shapes only. BLOCK_N, warps, stages, programs per SM (which set the splits)
-    and prefetch come from ``_attention_params``; SMCDECODE_ATTN_MERGE=kernel merges the splits with
-    a separate kernel instead of the last split."""
+    launch; depends on shapes only. ``config`` (default ``attention_config(L, D)``): see
+    ``ATTN_CONFIGS``. The splits are merged by the last split to finish (merge mode 2)."""
     block_m = max(16, min(64, triton.next_power_of_2(L * G)))
     mt = triton.cdiv(L * G, block_m)
-    block_n, warps, stages, per_sm, prefetch = _attention_params(attention_shape_class(L), D)
+    block_n, warps, stages, per_sm, prefetch = (attention_config(L, D) if config is None
+                                                else _check_attention_config(config))
     progs = B * Hkv * mt
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
     nsplit = max(1, min(32, triton.cdiv(capacity, block_n), int(per_sm * sms) // progs))
-    how = os.environ.get("SMCDECODE_ATTN_MERGE", "fused")
-    if how not in ("fused", "kernel"):
-        raise ValueError(f"SMCDECODE_ATTN_MERGE={how!r}: use fused (the default) or kernel")
-    merge = 0 if nsplit == 1 else (2 if how == "fused" else 1)
-    return block_m, mt, block_n, nsplit, merge, warps, stages, prefetch
+    return block_m, mt, block_n, nsplit, 0 if nsplit == 1 else 2, warps, stages, prefetch
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -652,23 +425,19 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _launch_attention(src: Tensor, stride_qt: int, B: int, L: int, H: int, k_pool: Tensor, v_pool: Tensor,
-                      batch, cos: Tensor | None, sin: Tensor | None, out_dtype, rowscale=None) -> Tensor:
+                      batch, cos: Tensor | None, sin: Tensor | None, out_dtype, rowscale=None, config=None) -> Tensor:
     _, Hkv, PS, D = k_pool.shape
     G = H // Hkv
     P = batch.page_table.shape[1]
     pos = batch.positions
     if pos.dtype != torch.long or not pos.is_contiguous():
         pos = pos.long().contiguous()
-    gs = 1 if rowscale is not None else _attention_group(B, L, G, getattr(batch, "group", 1))
-    if gs > 1:
-        out = _launch_grouped_attention(src, stride_qt, B, L, H, k_pool, v_pool, batch, pos, cos, sin, out_dtype, gs)
-        if out is not None:
-            return out
-    block_m, mt, block_n, nsplit, merge, warps, stages, prefetch = _attention_config(B, L, G, Hkv, D, P * PS, src.device)
+    block_m, mt, block_n, nsplit, merge, warps, stages, prefetch = _attention_launch(B, L, G, Hkv, D, P * PS,
+                                                                                     src.device, config)
     dev = src.device
     out = torch.empty(B, L, H, D, device=dev, dtype=out_dtype)
     cnt = _split_counters(dev, B * Hkv * mt) if merge == 2 else None
-    if merge == 2 and cnt is None:
+    if merge == 2 and cnt is None:  # (counters not yet allocated, inside a capture: a merge kernel)
         merge = 1
     if merge:
         o_part = torch.empty(B * Hkv * mt, nsplit, block_m, D, device=dev, dtype=torch.float32)
@@ -706,65 +475,21 @@ def _rowscale_args(rowscale, ss_name: str = "SS") -> dict:
             "RS_TP2": max(2, triton.next_power_of_2(ss.shape[1])), "RS_DIM": dim}
 
 
-def _attention_group(B: int, L: int, G: int, hint: int) -> int:
-    """Rows per program for the opt-in grouped kernel: SMCDECODE_ATTN_GROUP = 1 (default: off),
-    "auto" (the batch's hint, PagedBatch.group: SMC-SD's draft steps pass N) or a number; used only
-    where GS·L·G <= 64 query rows fit one tile (decode)."""
-    auto = os.environ.get("SMCDECODE_ATTN_GROUP", "1") == "auto"
-    gs = min(hint if auto else _env_number("SMCDECODE_ATTN_GROUP", "1", int), B)
-    return gs if gs >= 2 and gs * L * G <= 64 else 1
-
-
-def _launch_grouped_attention(src, stride_qt, B, L, H, k_pool, v_pool, batch, pos, cos, sin, out_dtype, gs):
-    """Launch of ``_paged_attn_grouped_kernel`` (splits merged by the last split only); None when its
-    split counters would have to be allocated inside a graph capture (the caller falls back)."""
-    _, Hkv, PS, D = k_pool.shape
-    G = H // Hkv
-    P = batch.page_table.shape[1]
-    dev = src.device
-    block_m = max(16, triton.next_power_of_2(gs * L * G))
-    groups = triton.cdiv(B, gs)
-    sms = _num_sms(dev.index or 0) if dev.type == "cuda" else 132
-    block_n, warps, stages, per_sm, _ = _attention_params(attention_shape_class(L, grouped=True), D)
-    nsplit = max(1, min(32, triton.cdiv(P * PS, block_n), int(per_sm * sms) // (groups * Hkv)))
-    merge = 0 if nsplit == 1 else 2
-    cnt = _split_counters(dev, groups * Hkv) if merge == 2 else None
-    if merge == 2 and cnt is None:
-        return None
-    out = torch.empty(B, L, H, D, device=dev, dtype=out_dtype)
-    if merge:
-        o_part = torch.empty(groups * Hkv, nsplit, block_m, D, device=dev, dtype=torch.float32)
-        lse = torch.empty(groups * Hkv, nsplit, block_m, device=dev, dtype=torch.float32)
-    else:
-        o_part = lse = out
-    rope = cos is not None
-    _paged_attn_grouped_kernel[(groups * Hkv, nsplit, 1)](
-        src, k_pool, v_pool, batch.page_table, pos, out, o_part, lse, cnt if cnt is not None else pos,
-        cos if rope else o_part, sin if rope else o_part,
-        D**-0.5, stride_qt, batch.page_table.stride(0), B,
-        L=L, G=G, H=H, HKV=Hkv, D=D, PS=PS, NSPLIT=nsplit, MT=1, GS=gs, GS_P2=max(2, triton.next_power_of_2(gs)),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_L=max(16, triton.next_power_of_2(gs * L)),
-        ROPE=rope, MERGE=merge, DYN_LOOP=not _INTERPRET,
-        MAX_IT=max(1, triton.cdiv(triton.cdiv(P * PS, nsplit), block_n)) if _INTERPRET else 1,
-        num_warps=warps, num_stages=stages, DOT=_dot_precision(src.dtype), **_pdl(dev),
-    )
-    return out
-
-
-def triton_paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, batch) -> Tensor:
+def triton_paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, batch, config=None) -> Tensor:
     """q [B, L, H, D] (already rotated; its keys/values already in the pools), pools
     [num_pages, Hkv, PS, D] -> [B, L, H, D]. Any L: query rows are tiled (64 a program).
 
     The launch shape depends only on B, L and the page-table width, never on the current lengths
     (each split's share of the context is computed in the kernel), so the call can be captured in
-    a CUDA graph. Reference: attention.reference_paged_attention."""
+    a CUDA graph. ``config``: (BLOCK_N, num_warps, num_stages, programs per SM, prefetch), default
+    ``attention_config(L, D)``. Reference: attention.reference_paged_attention."""
     q = q.contiguous()
     B, L, H, D = q.shape
-    return _launch_attention(q, H * D, B, L, H, k_pool, v_pool, batch, None, None, q.dtype)
+    return _launch_attention(q, H * D, B, L, H, k_pool, v_pool, batch, None, None, q.dtype, config=config)
 
 
 def triton_rope_paged_attention(qkv: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor, batch,
-                                H: int, rowscale=None) -> Tensor:
+                                H: int, rowscale=None, config=None) -> Tensor:
     """RoPE + KV-page write + paged attention in one kernel: qkv [B, L, (H + 2Hkv)·D] (the fused
     projection, contiguous), cos/sin tables [max_pos, D/2] (float32) -> [B, L, H, D]; the rotated
     keys and the values of the L new tokens are written to the pools at their positions (pages from
@@ -773,10 +498,11 @@ def triton_rope_paged_attention(qkv: Tensor, cos: Tensor, sin: Tensor, k_pool: T
 
     ``rowscale`` = (sumsq [B·L, T] float32, eps, dim): qkv's rows are the product of a folded norm's
     γ ⊙ h (model.Normed), not yet scaled by 1 / rms(h); they are scaled here (q, and the new keys and
-    values before they are written). Reference: scale qkv's rows by model.Normed.rstd first."""
+    values before they are written). Reference: scale qkv's rows by model.Normed.rstd first.
+    ``config``: as ``triton_paged_attention``'s."""
     qkv = qkv.contiguous()
     B, L, W = qkv.shape
-    return _launch_attention(qkv, W, B, L, H, k_pool, v_pool, batch, cos, sin, qkv.dtype, rowscale)
+    return _launch_attention(qkv, W, B, L, H, k_pool, v_pool, batch, cos, sin, qkv.dtype, rowscale, config)
 
 
 def merge_splits_reference(o_part: Tensor, lse: Tensor, B: int, L: int, H: int, Hkv: int, dtype) -> Tensor:
@@ -860,7 +586,7 @@ def _add_t_rms_norm_kernel(X, DT, W, H_OUT, Y, M, stride_x, stride_dt, eps, DIM:
     """``_add_rms_norm_kernel`` for a delta stored transposed — row r's entry c at DT + c·stride_dt + r,
     as cuBLAS writes the transposed problem W·xᵀ (model.linear_to_residual) — BLOCK_M rows a program,
     so that each column's BLOCK_M entries are one contiguous read. (Two passes over column blocks,
-    to transpose smaller tiles, measured 1.5–3× slower on an H200: session 11.)"""
+    to transpose smaller tiles, measured 1.5–3× slower on an H200.)"""
     _pdl_enter(PDL)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     c = tl.arange(0, BLOCK)
@@ -875,26 +601,27 @@ def _add_t_rms_norm_kernel(X, DT, W, H_OUT, Y, M, stride_x, stride_dt, eps, DIM:
     tl.store(Y + rm[:, None] * DIM + c[None, :], y.to(Y.dtype.element_ty), mask=ok)
 
 
-def _tnorm_config() -> tuple[int, int]:
-    """(rows a program, warps) of ``_add_t_rms_norm_kernel``: SMCDECODE_TNORM_CONFIG "BLOCK_M,WARPS"
-    (for sweeps), default 4 rows on 8 warps."""
-    v = os.environ.get("SMCDECODE_TNORM_CONFIG", "4,8")
-    try:
-        bm, warps = (int(t) for t in v.split(","))
-    except ValueError:
-        bm = warps = 0
-    if bm < 1 or bm & (bm - 1) or warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"SMCDECODE_TNORM_CONFIG={v!r}: give BLOCK_M,WARPS, BLOCK_M a power of two and WARPS "
-                         "one of 1, 2, 4, 8, 16")
-    return bm, warps
+TNORM_CONFIG = (4, 8)  # (rows a program, warps) of ``_add_t_rms_norm_kernel``
+
+
+def _check_tnorm_config(config) -> tuple[int, int]:
+    ok = isinstance(config, (tuple, list)) and len(config) == 2
+    if ok:
+        bm, warps = config
+        ok = isinstance(bm, int) and bm >= 1 and not bm & (bm - 1) and warps in (1, 2, 4, 8, 16)
+    if not ok:
+        raise ValueError(f"transposed-norm config {config!r}: expected (rows a program, warps), the rows a power "
+                         "of two and warps one of 1, 2, 4, 8, 16")
+    return tuple(config)
 
 
 def triton_add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float,
-                        parts: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                        parts: Tensor | None = None, config: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
     """(h, y) with h = x + delta (x when delta is None) and y = weight · h / rms(h), over the last dim.
     x [..., dim] with unit stride in the last dim (row-strided views are fine); delta the same, or
     transposed (unit stride between rows: the view ``(W · xᵀ)ᵀ`` of a product cuBLAS ran on the
-    transposed problem), read BLOCK_M rows a program. ``parts`` instead of ``delta``: float32
+    transposed problem), read BLOCK_M rows a program (``config`` = (BLOCK_M, warps), default
+    ``TNORM_CONFIG``). ``parts`` instead of ``delta``: float32
     partial sums [S, ..., dim] of a split-K product (``triton_skinny_linear(split=S)``), delta =
     their sum rounded to x's dtype.
     Reference: model.add_rms_norm_reference (with model.SplitSum.total for ``parts``)."""
@@ -909,7 +636,7 @@ def triton_add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: fl
         else:
             h = torch.empty(M, dim, device=x.device, dtype=x.dtype)
             y = torch.empty(M, dim, device=x.device, dtype=x.dtype)
-            block_m, warps = _tnorm_config()
+            block_m, warps = TNORM_CONFIG if config is None else _check_tnorm_config(config)
             _add_t_rms_norm_kernel[(triton.cdiv(M, block_m),)](
                 x2, dt, weight, h, y, M, x2.stride(0), dt.stride(1), eps, DIM=dim,
                 BLOCK=triton.next_power_of_2(dim), BLOCK_M=block_m, num_warps=warps, **_pdl(x.device))
@@ -1038,30 +765,8 @@ def triton_rope_kv_write(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tenso
 
 
 @triton.jit
-def _race_step(LOGITS, r, c, stride_r, inv_temp, bits, m, acc, best_key, best_idx, best_x, V: tl.constexpr,
-               RACE: tl.constexpr, seed=0, NOISE1: tl.constexpr = 0):
-    """Elements c of row r folded into the per-lane running max, Σ exp(x − max) and (RACE) best
-    exponential-race key, its index and x; ``bits``: each element's 32 random bits (NOISE1: a Philox
-    call of its own for each element instead, keyed by (seed, r·V + c), as before session 9)."""
-    ok = c < V
-    if RACE and NOISE1:
-        bits = tl.randint(seed, r * V + c)
-    x = tl.load(LOGITS + r * stride_r + c, mask=ok, other=float("-inf")).to(tl.float32) * inv_temp
-    m_new = tl.maximum(m, x)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    acc = acc * tl.exp(m - m_safe) + tl.exp(x - m_safe)
-    if RACE:
-        key = x - tl.log(-tl.log(_uniform(bits)))  # Gumbel-max = exponential race: x − log E, E = −log U
-        better = key > best_key
-        best_key = tl.where(better, key, best_key)
-        best_idx = tl.where(better, c, best_idx)
-        best_x = tl.where(better, x, best_x)
-    return m_new, acc, best_key, best_idx, best_x
-
-
-@triton.jit
 def _ratio_block(LOGITS, r, c, Q: tl.constexpr, stride_r, inv_temp, b0, b1, b2, b3, m, acc, best_e, best_E,
-                 best_idx, best_x, V: tl.constexpr, RACE: tl.constexpr, seed=0, NOISE1: tl.constexpr = 0):
+                 best_idx, best_x, V: tl.constexpr, RACE: tl.constexpr):
     """Elements c, c + Q, c + 2Q, c + 3Q (the four quarters of a block; ``b0``..``b3`` their random
     bits) folded into the per-lane running max m, Σ exp(x − m) and (RACE) the race's best element.
     The max is taken over the four first, so a lane pays five ``exp`` for four elements (one rescale)
@@ -1086,11 +791,6 @@ def _ratio_block(LOGITS, r, c, Q: tl.constexpr, stride_r, inv_temp, b0, b1, b2, 
     e3 = tl.exp(x3 - m_safe)
     acc = acc * alpha + ((e0 + e1) + (e2 + e3))
     if RACE:
-        if NOISE1:
-            b0 = tl.randint(seed, r * V + c)
-            b1 = tl.randint(seed, r * V + c1)
-            b2 = tl.randint(seed, r * V + c2)
-            b3 = tl.randint(seed, r * V + c3)
         best_e = best_e * alpha
         best_e, best_E, best_idx, best_x = _ratio_pick(e0, x0, c, b0, best_e, best_E, best_idx, best_x)
         best_e, best_E, best_idx, best_x = _ratio_pick(e1, x1, c1, b1, best_e, best_E, best_idx, best_x)
@@ -1122,56 +822,43 @@ def _uniform(bits):
 
 @triton.jit
 def _sample_split_chunk(LOGITS, seed, r, s, stride_r, inv_temp, V: tl.constexpr, CHUNK: tl.constexpr,
-                        BLOCK: tl.constexpr, RACE: tl.constexpr, NOISE1: tl.constexpr, GUMBEL: tl.constexpr):
+                        BLOCK: tl.constexpr, RACE: tl.constexpr):
     """Per-lane running max and Σ exp(x − max) over split s of row r, and (RACE) the lane's best
     exponential-race key with its index and x. A block of BLOCK elements is four quarters of BLOCK/4
     lanes; one Philox call (``tl.randint4x``, keyed by the row, the block and the lane) gives a lane
     its 32 random bits in all four quarters, so the noise costs a quarter of a call per element and
     an element's noise depends only on (seed, row, element). The four quarters are folded in at once
-    (``_ratio_block``); GUMBEL folds them one by one with Gumbel keys (``_race_step``, as before
-    session 10; SMCDECODE_SAMPLE_RACE=gumbel, for A/B runs)."""
+    (``_ratio_block``)."""
     Q: tl.constexpr = BLOCK // 4
     q = tl.arange(0, Q)
     m = tl.full([Q], float("-inf"), tl.float32)  # running max of x (per lane)
     acc = tl.zeros([Q], tl.float32)  # Σ exp(x − m) per lane
-    best_key = tl.full([Q], float("-inf"), tl.float32)  # GUMBEL: the best key; else e_best = exp(x_best − m)
-    if not GUMBEL:
-        best_key = tl.zeros([Q], tl.float32)
+    best_e = tl.zeros([Q], tl.float32)  # exp(x_best − m) of the lane's best element
     best_E = tl.full([Q], 1.0, tl.float32)
     best_idx = tl.zeros([Q], tl.int32)
     best_x = tl.zeros([Q], tl.float32)
     n_blocks = (V + BLOCK - 1) // BLOCK  # blocks of a row
     for c0 in range(0, CHUNK, BLOCK):
         base = s * CHUNK + c0
-        if RACE and not NOISE1:
+        if RACE:
             b0, b1, b2, b3 = tl.randint4x(seed, (r * n_blocks + base // BLOCK) * Q + q)
-        else:  # (no noise, or drawn per element: the bits are not read)
+        else:  # (no noise: the bits are not read)
             b0 = q
             b1 = q
             b2 = q
             b3 = q
-        if GUMBEL:
-            m, acc, best_key, best_idx, best_x = _race_step(LOGITS, r, base + q, stride_r, inv_temp, b0, m, acc,
-                                                            best_key, best_idx, best_x, V, RACE, seed, NOISE1)
-            m, acc, best_key, best_idx, best_x = _race_step(LOGITS, r, base + Q + q, stride_r, inv_temp, b1, m,
-                                                            acc, best_key, best_idx, best_x, V, RACE, seed, NOISE1)
-            m, acc, best_key, best_idx, best_x = _race_step(LOGITS, r, base + 2 * Q + q, stride_r, inv_temp, b2,
-                                                            m, acc, best_key, best_idx, best_x, V, RACE, seed, NOISE1)
-            m, acc, best_key, best_idx, best_x = _race_step(LOGITS, r, base + 3 * Q + q, stride_r, inv_temp, b3,
-                                                            m, acc, best_key, best_idx, best_x, V, RACE, seed, NOISE1)
-        else:
-            m, acc, best_key, best_E, best_idx, best_x = _ratio_block(LOGITS, r, base + q, Q, stride_r, inv_temp,
-                                                                      b0, b1, b2, b3, m, acc, best_key, best_E,
-                                                                      best_idx, best_x, V, RACE, seed, NOISE1)
-    if not GUMBEL:  # the lane's key x_best − log E_best (−inf where nothing won)
-        best_key = tl.where(best_key > 0, best_x - tl.log(best_E), float("-inf"))
+        m, acc, best_e, best_E, best_idx, best_x = _ratio_block(LOGITS, r, base + q, Q, stride_r, inv_temp,
+                                                                b0, b1, b2, b3, m, acc, best_e, best_E,
+                                                                best_idx, best_x, V, RACE)
+    # the lane's key x_best − log E_best (−inf where nothing won)
+    best_key = tl.where(best_e > 0, best_x - tl.log(best_E), float("-inf"))
     return m, acc, best_key, best_idx, best_x
 
 
 @triton.jit
 def _sample_split_kernel(LOGITS, SEED, stride_r, inv_temp, PART, V: tl.constexpr, CHUNK: tl.constexpr,
                          BLOCK: tl.constexpr, NSPLIT: tl.constexpr, SAMPLE_EVERY: tl.constexpr,
-                         PDL: tl.constexpr = 0, NOISE1: tl.constexpr = 0, GUMBEL: tl.constexpr = 0):
+                         PDL: tl.constexpr = 0):
     """Split s of row r: (max, Σ exp(x − max), best race key, its index, its x) into PART. Rows with
     r % SAMPLE_EVERY != SAMPLE_EVERY − 1 run no race (no noise drawn; key −inf). The noise of an
     element is keyed by (seed, r·V + c) whatever SAMPLE_EVERY, so a sampled row draws the same token."""
@@ -1181,10 +868,10 @@ def _sample_split_kernel(LOGITS, SEED, stride_r, inv_temp, PART, V: tl.constexpr
     seed = tl.load(SEED)
     if r % SAMPLE_EVERY == SAMPLE_EVERY - 1:  # (always, for SAMPLE_EVERY = 1)
         m, acc, best_key, best_idx, best_x = _sample_split_chunk(LOGITS, seed, r, s, stride_r, inv_temp, V, CHUNK,
-                                                                 BLOCK, True, NOISE1, GUMBEL)
+                                                                 BLOCK, True)
     else:
         m, acc, best_key, best_idx, best_x = _sample_split_chunk(LOGITS, seed, r, s, stride_r, inv_temp, V, CHUNK,
-                                                                 BLOCK, False, NOISE1, GUMBEL)
+                                                                 BLOCK, False)
     M = tl.max(m, 0)
     M_safe = tl.where(M == float("-inf"), 0.0, M)
     total = tl.sum(acc * tl.exp(m - M_safe), 0)
@@ -1230,34 +917,10 @@ def _sample_merge_kernel(PART, LOGITS, stride_r, inv_temp, GATHER, TOK, LOGP_TOK
         tl.store(LOGP_GATHER + r, xg - lse)
 
 
-def _sample_noise() -> str:
-    """SMCDECODE_SAMPLE_NOISE: 4x (default) — one Philox call gives four elements their noise; 1x —
-    a call for each element (as before session 9; for A/B runs)."""
-    v = os.environ.get("SMCDECODE_SAMPLE_NOISE", "4x")
-    if v not in ("4x", "1x"):
-        raise ValueError(f"SMCDECODE_SAMPLE_NOISE={v!r}: use 4x (the default) or 1x")
-    return v
-
-
-def _sample_race() -> str:
-    """SMCDECODE_SAMPLE_RACE: ratio (default) — a block's four quarters folded in at once, the race
-    compared as exp(x − m) / E; gumbel — quarter by quarter with Gumbel keys x − log E (as before
-    session 10; for A/B runs). Both draw the same tokens from the same noise, up to float rounding."""
-    v = os.environ.get("SMCDECODE_SAMPLE_RACE", "ratio")
-    if v not in ("ratio", "gumbel"):
-        raise ValueError(f"SMCDECODE_SAMPLE_RACE={v!r}: use ratio (the default) or gumbel")
-    return v
-
-
 def _sample_chunk(R: int, V: int, block: int, device: torch.device) -> int:
     """Logits a split program reads: 8 blocks, halved (down to one block) while the R rows' splits
     cover fewer than 4 programs per SM — a draft step's 8 rows × 128,256 logits would otherwise be
-    128 programs each racing 8,192 elements. SMCDECODE_SAMPLE_CHUNK fixes it (a multiple of 1024)."""
-    v = os.environ.get("SMCDECODE_SAMPLE_CHUNK")
-    if v is not None:
-        if not v.isdigit() or int(v) < block or int(v) % block:
-            raise ValueError(f"SMCDECODE_SAMPLE_CHUNK={v!r}: give a multiple of {block}, such as 8192")
-        return int(v)
+    128 programs each racing 8,192 elements."""
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
     chunk = 8 * block
     while chunk > block and R * triton.cdiv(V, chunk) < 4 * sms:
@@ -1266,7 +929,7 @@ def _sample_chunk(R: int, V: int, block: int, device: torch.device) -> int:
 
 
 def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, gather: Tensor | None = None,
-                            sample_every: int = 1) -> tuple[Tensor, Tensor, Tensor | None]:
+                            sample_every: int = 1, chunk: int | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
     """For each row of ``logits`` [R, V] (unit stride in V) with x = logits / temperature:
     token ~ softmax(x) by the exponential race (Gumbel noise from Philox, keyed by ``seed`` — a
     device int64 scalar — and the element's index), log softmax(x)[token], and log softmax(x)[gather]
@@ -1275,13 +938,17 @@ def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, ga
     ``sample_every`` = S > 1: only rows r with r % S == S − 1 draw a token (verify: the bonus row of
     each particle's K + 1); the others skip the noise and the race and return token −1 and
     log-prob nan (their gathered log-prob is computed as usual). A drawn token is the same as with
-    S = 1 (the noise is keyed by the element, not by which rows draw).
+    S = 1 (the noise is keyed by the element, not by which rows draw). ``chunk``: logits a split
+    program reads (a multiple of 1024; default ``_sample_chunk``).
     Reference: engine.sample_and_score_reference."""
     R, V = logits.shape
     if sample_every < 1:
         raise ValueError(f"sample_every = {sample_every}: must be >= 1 (1: every row draws a token)")
     block = 1024
-    chunk = _sample_chunk(R, V, block, logits.device)
+    if chunk is None:
+        chunk = _sample_chunk(R, V, block, logits.device)
+    elif isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < block or chunk % block:
+        raise ValueError(f"chunk={chunk!r}: give a multiple of {block}, such as 8192")
     if V < chunk:
         block = max(16, min(block, triton.next_power_of_2(V)))
         chunk = triton.cdiv(V, block) * block
@@ -1289,7 +956,6 @@ def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, ga
     part = torch.empty(R, nsplit, 5, device=logits.device, dtype=torch.float32)
     _sample_split_kernel[(R, nsplit)](logits, seed, logits.stride(0), 1.0 / temperature, part, V=V, CHUNK=chunk,
                                       BLOCK=block, NSPLIT=nsplit, SAMPLE_EVERY=sample_every, num_warps=4,
-                                      NOISE1=_sample_noise() == "1x", GUMBEL=_sample_race() == "gumbel",
                                       **_pdl(logits.device))
     tok = torch.empty(R, device=logits.device, dtype=torch.long)
     logp_tok = torch.empty(R, device=logits.device, dtype=torch.float32)
@@ -1440,21 +1106,11 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexp
 def skinny_config(M: int, N: int, K: int, device: torch.device, silu: bool = False
                   ) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). The fixed choices are the fastest of a
-    sweep on an H200 (benchmarks/engine_variants.py, 16 Llama-3.2-1B layers at 8 rows: w13 + SiLU·mul
-    BLOCK_N 32 × BLOCK_K 128; the square wo BLOCK_N 16 × BLOCK_K 256; the head BLOCK_N 64 × BLOCK_K
-    128); otherwise enough programs to cover the SMs about twice. SMCDECODE_SKINNY_CONFIG (a JSON
-    object, keys "NxK" or "silu:NxK", optionally "@M" for M rows only, values [BLOCK_N, BLOCK_K,
-    num_warps, num_stages] or [BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages]) overrides shapes
-    one by one (for sweeps)."""
+    sweep on an H200 (16 Llama-3.2-1B layers at 8 rows: w13 + SiLU·mul BLOCK_N 32 × BLOCK_K 128; the
+    square wo BLOCK_N 16 × BLOCK_K 256; the head BLOCK_N 64 × BLOCK_K 128; the 1B's w13 at 64 and
+    128 rows); otherwise enough programs to cover the SMs about twice."""
     block_m = max(16, min(64, triton.next_power_of_2(M)))
-    text = os.environ.get("SMCDECODE_SKINNY_CONFIG")
-    if text:
-        table = _parse_skinny_configs(text)
-        key = f"{'silu:' if silu else ''}{N}x{K}"
-        entry = table.get(f"{key}@{M}", table.get(key))
-        if entry is not None:
-            return entry if len(entry) == 5 else (block_m, *entry)
-    if silu:  # (M > 16: the 1B's w13 at 64 and 128 rows, gemm_variants.py, session 9)
+    if silu:
         return (block_m, 32, 128, 4, 4) if M <= 16 else (64, 64, 128, 4, 4) if M <= 64 else (128, 64, 64, 8, 5)
     if N == K:
         return block_m, 16, 256, 4, 4
@@ -1468,56 +1124,23 @@ def skinny_config(M: int, N: int, K: int, device: torch.device, silu: bool = Fal
     return block_m, block_n, block_k, 4, 4
 
 
-@functools.lru_cache(maxsize=8)
-def _parse_skinny_configs(text: str) -> dict[str, tuple[int, ...]]:
-    table = {}
-    for key, entry in json.loads(text).items():
-        ok = isinstance(entry, list) and len(entry) in (4, 5) and all(isinstance(v, int) for v in entry)
-        if ok:
-            *bm, bn, bk, warps, stages = entry
-            ok = all(b >= 16 and not (b & (b - 1)) for b in (*bm, bn, bk)) and warps in (1, 2, 4, 8, 16) \
-                and stages >= 1
-        if not ok:
-            raise ValueError(f"SMCDECODE_SKINNY_CONFIG[{key!r}] = {entry!r}: expected [block_n, block_k, warps, "
-                             "stages] or [block_m, block_n, block_k, warps, stages], blocks powers of two >= 16, "
-                             "warps one of 1, 2, 4, 8, 16")
-        table[key] = tuple(entry)
-    return table
-
-
-def skinny_all() -> bool:
-    """SMCDECODE_SKINNY_ALL=1: every product of at most 16 rows on the skinny kernel (wqkv and w2
-    too), so that a draft step is Triton kernels only and PDL chains it end to end."""
-    v = os.environ.get("SMCDECODE_SKINNY_ALL", "0")
-    if v not in ("0", "1"):
-        raise ValueError(f"SMCDECODE_SKINNY_ALL={v!r}: use 0 or 1")
-    return v == "1"
+SKINNY_SILU_MAX_ROWS = 128  # most rows of a w13 + SiLU·mul on the skinny kernel
 
 
 def skinny_wins(M: int, N: int, K: int, nbytes: int, silu: bool) -> bool:
     """Where the skinny product beat cuBLAS (+ the SiLU·mul kernel) in that sweep (H200, random data,
-    every layer's own weights): at most 16 rows (``skinny_silu_max_rows()`` for w13 + SiLU·mul), and
-    w13 + SiLU·mul up to 100 MB of weights (1B: 290 vs 315 µs for 16 layers; the 8B's 235 MB w13
-    stays on cuBLAS), square products (wo: 1B 96.5 vs 99.1 µs, 8B 407 vs 418 µs) and vocabulary heads
-    (1B 123 vs 126 µs, 8B 233 vs 240 µs). wqkv and w2 stay on cuBLAS (equal or slower here).
-    w13 + SiLU·mul at 33–128 rows (session 9, 1B, 16 layers: 64 rows 315 vs 372 µs, 128 rows 351 vs
-    383 µs with cuBLAS and the SiLU·mul kernel); 17–32 rows were not measured and stay on cuBLAS."""
+    every layer's own weights): at most 16 rows, and w13 + SiLU·mul up to 100 MB of weights (1B: 290
+    vs 315 µs for 16 layers; the 8B's 235 MB w13 stays on cuBLAS), square products (wo: 1B 96.5 vs
+    99.1 µs, 8B 407 vs 418 µs) and vocabulary heads (1B 123 vs 126 µs, 8B 233 vs 240 µs). wqkv and
+    w2 stay on cuBLAS (equal or slower here; all products on the skinny kernel, so that PDL chains a
+    draft step end to end, was not faster). w13 + SiLU·mul also at 33–``SKINNY_SILU_MAX_ROWS`` rows
+    (1B, 16 layers: 64 rows 315 vs 372 µs, 128 rows 351 vs 383 µs); 17–32 rows were not measured
+    and stay on cuBLAS."""
     if silu:
-        return (M <= 16 or 32 < M) and M <= skinny_silu_max_rows() and nbytes <= 100e6
+        return (M <= 16 or 32 < M) and M <= SKINNY_SILU_MAX_ROWS and nbytes <= 100e6
     if M > 16:
         return False
-    return N == K or N >= 16 * K or skinny_all()
-
-
-def skinny_silu_max_rows() -> int:
-    """Most rows for which w13 + SiLU·mul runs on the skinny kernel: SMCDECODE_SKINNY_SILU_ROWS,
-    default 128. (Session 4 measured 64 rows — the draft of 8 requests × 8 particles — equal end to
-    end with its 16-row block shape; session 9's 64- and 128-row shapes: SMC-SD 8 × N=8 K=8 −0.09 ms
-    a round, interleaved; docs/benchmarks.md.)"""
-    v = os.environ.get("SMCDECODE_SKINNY_SILU_ROWS", "128")
-    if not v.isdigit():
-        raise ValueError(f"SMCDECODE_SKINNY_SILU_ROWS={v!r}: give a row count such as 16 or 64")
-    return int(v)
+    return N == K or N >= 16 * K
 
 
 def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=None, split: int = 1,
@@ -1600,28 +1223,14 @@ def triton_skinny_linear_add_norm(x: Tensor, weight: Tensor, resid: Tensor, gamm
 
 def splitk_config(M: int, N: int, K: int, device: torch.device) -> tuple[tuple[int, int, int, int, int], int] | None:
     """(skinny config, K splits) for a product whose output only feeds a residual add + RMSNorm (a
-    layer's wo and w2) at few rows, or None where it stays as it was (no split would be made).
-    SMCDECODE_SPLITK=0 turns it off; SMCDECODE_SPLITK_ROWS (default 128, at most 128) is the most
-    rows it applies to (above 16 rows: the measured shapes only); SMCDECODE_SPLITK_CONFIG (a JSON
-    object, keys "NxK", or "BLOCK_M:NxK" for one row block — 16, 32, 64 or 128 —, values [BLOCK_N,
-    BLOCK_K, num_warps, num_stages, splits]) overrides shapes one by one (for sweeps)."""
-    v = os.environ.get("SMCDECODE_SPLITK", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"SMCDECODE_SPLITK={v!r}: use 0 or 1")
-    rows = os.environ.get("SMCDECODE_SPLITK_ROWS", "128")
-    if not rows.isdigit() or int(rows) > 128:
-        raise ValueError(f"SMCDECODE_SPLITK_ROWS={rows!r}: give a row count up to 128, such as 16")
-    if v == "0" or M > int(rows):
+    layer's wo and w2) at few rows, or None where it stays as it was (no split would be made): the
+    measured shapes of ``SPLITK_CONFIGS`` (<= 16 rows) and ``SPLITK_CONFIGS_64`` (17–64 rows), and at
+    <= 16 rows other products with K >= 4096 whose column blocks alone do not cover the SMs twice.
+    Above 64 rows (the 8B's verify pass at 72) the split measured slower than cuBLAS."""
+    if M > 64:
         return None
     block_m = max(16, triton.next_power_of_2(M))
-    text = os.environ.get("SMCDECODE_SPLITK_CONFIG")
-    if text:
-        table = _parse_splitk_configs(text)
-        entry = table.get(f"{block_m}:{N}x{K}", table.get(f"{N}x{K}"))
-        if entry is not None:
-            bn, bk, warps, stages, split = entry
-            return (block_m, bn, bk, warps, stages), split
-    measured = (_SPLITK_MEASURED if M <= 16 else _SPLITK_MEASURED_64 if M <= 64 else _SPLITK_MEASURED_128).get((N, K))
+    measured = (SPLITK_CONFIGS if M <= 16 else SPLITK_CONFIGS_64).get((N, K))
     if measured is not None:
         bn, bk, warps, stages, split = measured
         return (block_m, bn, bk, warps, stages), split
@@ -1635,32 +1244,11 @@ def splitk_config(M: int, N: int, K: int, device: torch.device) -> tuple[tuple[i
     return ((block_m, bn, bk, 4, 4), split) if split > 1 else None
 
 
-# (N, K) -> [BLOCK_N, BLOCK_K, warps, stages, splits]: the fastest of benchmarks/splitk_bench.py's
-# sweep inside a whole decode step (H200, session 6): the Llama-3.2-1B draft's wo and w2 at 8 rows
-# (step 919 -> 862 µs with both), the Llama-3.1-8B's wo and w2 at 1 row (4278 -> 4139 µs).
-_SPLITK_MEASURED = {(2048, 2048): (64, 128, 4, 4, 4), (2048, 8192): (32, 128, 4, 4, 4),
-                    (4096, 4096): (64, 256, 4, 3, 2), (4096, 14336): (64, 256, 4, 3, 2)}
+# (N, K) -> (BLOCK_N, BLOCK_K, warps, stages, splits): the fastest of a sweep inside a whole decode
+# step (H200): the Llama-3.2-1B draft's wo and w2 at 8 rows (step 919 -> 862 µs with both), the
+# Llama-3.1-8B's wo and w2 at 1 row (4278 -> 4139 µs).
+SPLITK_CONFIGS = {(2048, 2048): (64, 128, 4, 4, 4), (2048, 8192): (32, 128, 4, 4, 4),
+                  (4096, 4096): (64, 256, 4, 3, 2), (4096, 14336): (64, 256, 4, 3, 2)}
 # 17–64 rows (the draft of 8 requests × 8 particles), only these: 1B step at 64 rows 1025 -> 980 µs,
-# SMC-SD 8 × N=8 K=8 29.53 -> 29.23 ms a round (session 6, H200)
-_SPLITK_MEASURED_64 = {(2048, 2048): (32, 128, 4, 4, 2), (2048, 8192): (64, 128, 4, 4, 4)}
-# 65–128 rows (the target's verify pass of one request: N·(K+1) = 72 rows): none; the 8B's wo and w2 at
-# 72 rows were slower split than on cuBLAS (best pair 5,093 vs 4,811 µs a step, session 7, H200), so
-# this range takes shapes only from SMCDECODE_SPLITK_CONFIG (splitk_bench.py --verify72 sweeps it)
-_SPLITK_MEASURED_128: dict = {}
-
-
-@functools.lru_cache(maxsize=8)
-def _parse_splitk_configs(text: str) -> dict[str, tuple[int, int, int, int, int]]:
-    table = {}
-    for key, entry in json.loads(text).items():
-        ok = isinstance(entry, list) and len(entry) == 5 and all(isinstance(v, int) for v in entry)
-        if ok:
-            bn, bk, warps, stages, split = entry
-            ok = bn >= 16 and bk >= 16 and not (bn & (bn - 1)) and not (bk & (bk - 1)) \
-                and warps in (1, 2, 4, 8, 16) and stages >= 1 and split >= 1
-        if not ok:
-            raise ValueError(f"SMCDECODE_SPLITK_CONFIG[{key!r}] = {entry!r}: expected [block_n, block_k, warps, "
-                             "stages, splits], block_n and block_k powers of two >= 16, warps one of 1, 2, 4, 8, 16, "
-                             "splits >= 1")
-        table[key] = tuple(entry)
-    return table
+# SMC-SD 8 × N=8 K=8 29.53 -> 29.23 ms a round (H200)
+SPLITK_CONFIGS_64 = {(2048, 2048): (32, 128, 4, 4, 2), (2048, 8192): (64, 128, 4, 4, 4)}

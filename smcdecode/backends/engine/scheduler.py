@@ -110,7 +110,7 @@ class Scheduler:
             raise SMCDecodeError("constraints allow EOS only in accepting states: pass eos_token_id")
         self.eos = -1 if eos_token_id is None else eos_token_id
         self.pad = max(self.eos, 0)
-        self.use_graphs = dev.type == "cuda" if use_graphs is None else use_graphs
+        self.use_graphs = engine.config.use_graphs if use_graphs is None else use_graphs
         self.resampler, self.tau = resampler, ess_threshold
         B = slots * max_particles
         from .kv_cache import PageTable

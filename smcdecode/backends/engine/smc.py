@@ -364,7 +364,7 @@ def run(engine, prompts: list[list[int]], settings: Settings, target: EngineTarg
     lens = np.repeat([len(p) - 1 for p in prompts], Nmax)
     copies = table.reserve(rows, lens + Kmax + 1, write_from=lens - 1)
     key = ("smc-general", G, Nmax, Kmax, eos, resampler, ess_threshold, table.table.shape[1], graphs,
-           slots, id(combined.table) if combined else None, bool(with_rewards))
+           slots, id(combined.table) if combined else None, bool(with_rewards), engine.config)
     rnd = engine._graphs.get(key) if graphs else None
     hosted = _HostMasks(host_constraints, B, dev) if eager else None
     if rnd is None:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from smcdecode.backends.engine import PRESETS, Engine, Llama
-from smcdecode.backends.engine.kernels import pdl_off
+from smcdecode.backends.engine.kernels.common import pdl_off
 
 
 def cuda_time(fn, repeats: int) -> list[float]:

@@ -50,7 +50,8 @@ def _rope_case(B: int, L: int, H: int, Hkv: int, D: int, pool_k, pool_v, positio
                          ids=["default", "4 per SM", "16 per SM", "one split"])
 def test_triton_paged_attention_matches_reference(L, H, Hkv, D, lengths, config):
     pytest.importorskip("triton")
-    from smcdecode.backends.engine.kernels import _split_counters, triton_paged_attention
+    from smcdecode.backends.engine.kernels import triton_paged_attention
+    from smcdecode.backends.engine.kernels.common import split_counters
 
     torch.manual_seed(L * 100 + D)
     pool_k, pool_v, positions, batch = _scattered_pages(lengths, L, Hkv, D)
@@ -61,7 +62,7 @@ def test_triton_paged_attention_matches_reference(L, H, Hkv, D, lengths, config)
         out = triton_paged_attention(q, pool_k, pool_v, batch, config=config)
         err = (out.double() - ref).norm() / ref.norm()
         assert torch.isfinite(out).all() and err < 1e-2, float(err)
-    assert int(_split_counters(q.device, 1).abs().sum()) == 0
+    assert int(split_counters(q.device, 1).abs().sum()) == 0
 
 
 @pytest.mark.parametrize("L,H,Hkv,D,lengths", [(1, 32, 8, 64, [1, 700, 33]), (2, 32, 8, 64, [2, 65, 300]),
@@ -154,7 +155,7 @@ def test_bf16_engine_logprobs_match_hf_and_graph_round_runs(split_k, monkeypatch
 @pytest.mark.parametrize("B,L,H,Hkv,S", [(3, 9, 32, 8, 5), (2, 1, 8, 8, 1), (4, 2, 32, 8, 16), (2, 20, 32, 8, 3)])
 def test_triton_merge_splits_matches_reference(B, L, H, Hkv, S):
     pytest.importorskip("triton")
-    from smcdecode.backends.engine.kernels import _merge_splits_kernel, merge_splits_reference
+    from smcdecode.backends.engine.kernels.attention import _merge_splits_kernel, merge_splits_reference
 
     torch.manual_seed(B * 7 + S)
     G, D = H // Hkv, 128
@@ -385,7 +386,7 @@ def test_folded_norm_epilogue_matches_reference_in_a_graph(M, N, K):
         assert (h.float() - ref.h.float()).abs().max() <= 2e-2 * ref.h.float().abs().max()
         assert (gh.float() - ref.gh.float()).abs().max() <= 3e-2 * ref.gh.float().abs().max()
         assert ((ss.sum(1) - ref.sumsq[:, 0]).abs() <= 2e-2 * ref.sumsq[:, 0]).all()
-    assert int(kernels._split_counters(x.device, 1, kind="skinny").abs().sum()) == 0
+    assert int(kernels.common.split_counters(x.device, 1, kind="skinny").abs().sum()) == 0
     normed = Normed(h, gh, ss, 1e-5)
     w13 = torch.randn(2 * 512, N, device="cuda", dtype=torch.bfloat16) * N**-0.5
     want = silu_mul(add_rms_norm_reference(h, None, gamma, 1e-5)[1].float() @ w13.float().T)
@@ -419,7 +420,8 @@ def test_triton_attention_launch_configs_match_reference(cfg, L, D, B):
     pytest.importorskip("triton")
     from triton.runtime.errors import OutOfResources
 
-    from smcdecode.backends.engine.kernels import _split_counters, triton_paged_attention, triton_rope_paged_attention
+    from smcdecode.backends.engine.kernels import triton_paged_attention, triton_rope_paged_attention
+    from smcdecode.backends.engine.kernels.common import split_counters
 
     torch.manual_seed(L * 1000 + D + B)
     H, Hkv, PS, P = 32, 8, 16, 83
@@ -444,7 +446,7 @@ def test_triton_attention_launch_configs_match_reference(cfg, L, D, B):
             pytest.skip(f"{cfg} at D={D} with RoPE: {e}")
         assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
         assert (k_out.float() - k_ref.float()).abs().max() < 2e-2 and torch.equal(v_out, v_ref)
-    assert int(_split_counters(q.device, 1).abs().sum()) == 0
+    assert int(split_counters(q.device, 1).abs().sum()) == 0
 
 
 def _kernels_with_pdl():
@@ -453,7 +455,7 @@ def _kernels_with_pdl():
     pytest.importorskip("triton")
     from smcdecode.backends.engine import kernels
 
-    if kernels.gdc_wait is None or torch.cuda.get_device_capability()[0] < 9:
+    if kernels.common.gdc_wait is None or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90+ and Triton >= 3.3")
     return kernels
 

@@ -127,7 +127,7 @@ def test_interpreted_paged_attention_and_merges_match_reference():
             out = kernels.triton_paged_attention(q, kp, vp, batch, config=config)
             err = float((out.double() - ref).norm() / ref.norm())
             assert err < 1e-5, (L, config, err)
-        assert int(kernels._split_counters(q.device, 1).abs().sum()) == 0  # every counter reset
+        assert int(kernels.common.split_counters(q.device, 1).abs().sum()) == 0  # every counter reset
 
 
 def test_interpreted_rope_paged_attention_matches_rope_write_then_attention():
@@ -164,7 +164,7 @@ def test_interpreted_merge_kernel_matches_reference():
         lse = torch.randn(B * Hkv * mt, S, block_m, generator=g) * 3
         lse[:, S // 2 + 1 :] = float("-inf")  # splits with no keys for the row
         out = torch.full((B, L, H, D), float("nan"))
-        kernels._merge_splits_kernel[(B * Hkv * L * G,)](o_part, lse, out, L=L, G=G, H=H, HKV=Hkv, D=D, NSPLIT=S,
+        kernels.attention._merge_splits_kernel[(B * Hkv * L * G,)](o_part, lse, out, L=L, G=G, H=H, HKV=Hkv, D=D, NSPLIT=S,
                                                          NSPLIT_P2=max(2, 1 << (S - 1).bit_length()),
                                                          BLOCK_M=block_m)
         ref = kernels.merge_splits_reference(o_part.double(), lse.double(), B, L, H, Hkv, torch.float64)
@@ -279,7 +279,7 @@ def test_transposed_products_are_the_measured_shapes():
     assert transposed_wins(*shape, (9, 0)) and not transposed_wins(*shape, (8, 0))
     assert not transposed_wins(8, 4096, 14336, (9, 0))
     kernels = _interpreted_kernels()
-    assert kernels.TNORM_CONFIG == (4, 8)
+    assert kernels.norms.TNORM_CONFIG == (4, 8)
     x = torch.randn(3, 16)
     d = torch.randn(16, 3).t()  # unit stride between rows: the transposed kernel's input
     for bad in ((3, 8), (8,), (8, 3), (8, 4, 512)):
@@ -314,7 +314,7 @@ def test_interpreted_folded_norm_kernels_match_references():
                                                                 rowscale=normed.rowscale()), want, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(kernels.triton_silu_mul((gh @ w13.T).contiguous(), rowscale=normed.rowscale()),
                                    want, rtol=1e-4, atol=1e-4)
-    assert int(kernels._split_counters(x.device, 1, kind="skinny").abs().sum()) == 0  # every counter reset
+    assert int(kernels.common.split_counters(x.device, 1, kind="skinny").abs().sum()) == 0  # every counter reset
     with pytest.raises(ValueError, match="rowscale"):
         kernels.triton_skinny_linear(gh, w13[:16], config=cfg, split=2, rowscale=normed.rowscale())
     with pytest.raises(ValueError, match="sumsq"):
@@ -542,12 +542,12 @@ def test_interpreted_paged_attention_follows_the_launch_config(monkeypatch):
     kernels = _interpreted_kernels()
     from smcdecode.backends.engine.attention import reference_paged_attention
 
-    spy = _LaunchSpy(kernels._paged_attn_kernel)
-    monkeypatch.setattr(kernels, "_paged_attn_kernel", spy)
+    spy = _LaunchSpy(kernels.attention._paged_attn_kernel)
+    monkeypatch.setattr(kernels.attention, "_paged_attn_kernel", spy)
     H, Hkv, D, PS, P = 4, 2, 32, 4, 40
     table = {"decode": (16, 2, 3, 0.1, 1), "verify": (128, 8, 1, 0.05, 0), "verify:32": (32, 4, 2, 0.05, 1),
              "prefill": (16, 4, 2, 0.1, 0)}  # (with and without prefetch; several blocks a split)
-    monkeypatch.setattr(kernels, "ATTN_CONFIGS", table)
+    monkeypatch.setattr(kernels.attention, "ATTN_CONFIGS", table)
     explicit = (64, 4, 2, 0.3, 1)
     for L, lengths, key in [(1, [1, 150, 97], "decode"), (5, [5, 160, 70], "verify:32"), (20, [20, 90], "prefill")]:
         (kp, vp), pt, batch, g = _paged_case(30 + L, len(lengths), L, H, Hkv, D, PS, P, lengths)
@@ -577,7 +577,7 @@ from triton.compiler import ASTSource
 
 import inspect
 
-from smcdecode.backends.engine import kernels as K
+from smcdecode.backends.engine.kernels import attention, linear, norms, pages, sampling
 
 
 def defaults(fn, sig):
@@ -602,10 +602,10 @@ def build(fn, sig, consts, warps, stages):
 
 
 for every in (1, 9):
-    build(K._sample_split_kernel, {"LOGITS": "*bf16", "SEED": "*i64", "stride_r": "i32", "inv_temp": "fp32",
+    build(sampling._sample_split_kernel, {"LOGITS": "*bf16", "SEED": "*i64", "stride_r": "i32", "inv_temp": "fp32",
                                    "PART": "*fp32"},
           {"V": 128256, "CHUNK": 8192, "BLOCK": 1024, "NSPLIT": 16, "SAMPLE_EVERY": every}, 4, 2)
-    build(K._sample_merge_kernel, {"PART": "*fp32", "LOGITS": "*bf16", "stride_r": "i32", "inv_temp": "fp32",
+    build(sampling._sample_merge_kernel, {"PART": "*fp32", "LOGITS": "*bf16", "stride_r": "i32", "inv_temp": "fp32",
                                    "GATHER": "*i64", "TOK": "*i64", "LOGP_TOK": "*fp32", "LOGP_GATHER": "*fp32"},
           {"NSPLIT": 16, "NSPLIT_P2": 16, "HAS_GATHER": True, "SAMPLE_EVERY": every}, 1, 2)
 attn = {"Q": "*bf16", "KP": "*bf16", "VP": "*bf16", "PT": "*i32", "POS": "*i64", "O": "*bf16", "OP": "*fp32",
@@ -613,24 +613,24 @@ attn = {"Q": "*bf16", "KP": "*bf16", "VP": "*bf16", "PT": "*i32", "POS": "*i64",
         "stride_pt": "i32"}
 for L, D, nsplit, block_n, warps, stages, prefetch in [(1, 64, 4, 32, 4, 2, True), (9, 128, 8, 128, 8, 3, True),
                                                       (1, 128, 1, 64, 4, 2, False)]:
-    build(K._paged_attn_kernel, attn,
+    build(attention._paged_attn_kernel, attn,
           dict(L=L, G=4, H=32, HKV=8, D=D, PS=16, NSPLIT=nsplit, MT=1, BLOCK_M=max(16, min(64, triton.next_power_of_2(4 * L))),
                BLOCK_N=block_n, BLOCK_L=16, ROPE=True, MERGE=2 if nsplit > 1 else 0, DYN_LOOP=True, MAX_IT=1,
                PREFETCH=prefetch),
           warps, stages)
 # with a folded norm's row scale (the draft's decode step)
-build(K._paged_attn_kernel, {**attn, **rowscale},
+build(attention._paged_attn_kernel, {**attn, **rowscale},
       dict(L=1, G=4, H=32, HKV=8, D=64, PS=16, NSPLIT=4, MT=1, BLOCK_M=16, BLOCK_N=64, BLOCK_L=16, ROPE=True, MERGE=2,
            DYN_LOOP=True, MAX_IT=1, PREFETCH=True, RS_T=32, RS_TP2=32, RS_DIM=2048), 4, 3)
-build(K._silu_mul_kernel, {"GU": "*bf16", "OUT": "*bf16", **rowscale},
+build(norms._silu_mul_kernel, {"GU": "*bf16", "OUT": "*bf16", **rowscale},
       dict(INTER=8192, BLOCK=1024, RS_T=64, RS_TP2=64, RS_DIM=2048), 4, 1)
-build(K._copy_pages_kernel, {"KV": "*bf16", "SRC": "*i64", "DST": "*i64", "n_pages": "i32"},
+build(pages._copy_pages_kernel, {"KV": "*bf16", "SRC": "*i64", "DST": "*i64", "n_pages": "i32"},
       dict(PAGE=16384, BLOCK=4096), 4, 1)
 # the skinny product at the shapes it runs (the draft's wo and w13 + SiLU·mul at 8 and 64 rows, a
 # vocabulary head), with the 16-byte alignment the JIT assumes of pointers and strides (without it
 # nothing is pipelined): every load of the K loop must be an async copy of the software pipeline
 skinny = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "M": "i32", "stride_xm": "i32"}
-aligned = {(K._skinny_linear_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("X", "W", "Y", "stride_xm")}
+aligned = {(linear._skinny_linear_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("X", "W", "Y", "stride_xm")}
 # With PDL (the wait before the loop) the K loop must stay pipelined too.
 # Split-K (float32 partials, K_PER < K) likewise; and a folded norm's epilogues (RESID: the add, γ and
 # Σh², by the last split with split-K; the SiLU·mul's row scale).
@@ -650,8 +650,8 @@ for m, n, k, bn, bk, silu, pdl, split, fold in [
     elif fold == 2:
         sig = {**sig, "SS_IN": "*fp32", "stride_ss": "i32", "rs_eps": "fp32"}
         consts = {**consts, "RS_T": 64, "RS_TP2": 64, "RS_DIM": 2048}
-    consts = {**defaults(K._skinny_linear_kernel, sig), **consts}
-    kern = triton.compile(ASTSource(fn=K._skinny_linear_kernel, signature={**sig, **dict.fromkeys(consts, "constexpr")},
+    consts = {**defaults(linear._skinny_linear_kernel, sig), **consts}
+    kern = triton.compile(ASTSource(fn=linear._skinny_linear_kernel, signature={**sig, **dict.fromkeys(consts, "constexpr")},
                                     constexprs=consts, attrs=aligned),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4, "launch_pdl": bool(pdl)})
     ttgir, ptx = kern.asm["ttgir"], kern.asm["ptx"]
@@ -689,7 +689,7 @@ def test_skinny_products_are_the_measured_shapes():
     rows (128; 17-32 rows were not measured), each row range with its block shape; other products at
     most 16 rows, square or vocabulary heads only (wqkv and w2 stay on cuBLAS)."""
     kernels = _interpreted_kernels()
-    assert kernels.SKINNY_SILU_MAX_ROWS == 128
+    assert kernels.linear.SKINNY_SILU_MAX_ROWS == 128
     assert kernels.skinny_wins(16, 8192, 2048, 64e6, silu=True)
     assert not kernels.skinny_wins(17, 8192, 2048, 64e6, silu=True)
     assert not kernels.skinny_wins(32, 8192, 2048, 64e6, silu=True)
@@ -724,7 +724,7 @@ def test_pdl_is_off_on_the_cpu_and_inside_pdl_off():
     (autoregressive decoding), also when the block raises; the interpreter runs the kernels with
     PDL's default (0): the skinny product still matches torch."""
     kernels = _interpreted_kernels()
-    assert kernels.pdl_mode(torch.device("cpu")) == 0 and kernels._pdl(torch.device("cpu")) == {}
+    assert kernels.pdl_mode(torch.device("cpu")) == 0 and kernels.common.pdl_args(torch.device("cpu")) == {}
     assert kernels.pdl_enabled()
     with kernels.pdl_off():
         assert not kernels.pdl_enabled()

@@ -269,7 +269,8 @@ def test_no_recompile_or_recapture_across_calls_on_cuda():
         n = torch.cat([torch.randint(2, 18, (4,), generator=g), torch.randint(34, 66, (4,), generator=g)])
         return [torch.randint(0, 256, (int(k),), generator=g).tolist() for k in n]
 
-    fns = [kernels._paged_attn_kernel, kernels._rope_kv_write_kernel, kernels._sample_split_kernel]
+    fns = [kernels.attention._paged_attn_kernel, kernels.norms._rope_kv_write_kernel,
+           kernels.sampling._sample_split_kernel]
     e.autoregressive(prompts(), max_new_tokens=12, samples=4, temperature=0.8)
     before = [_compiled(f) for f in fns]
     graphs = dict(e._graphs)

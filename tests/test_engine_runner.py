@@ -53,7 +53,7 @@ def _both(hf, device, prefix, B, page_size=4):
 
 def _same(ref, eng, tokens, tol=1e-4):
     # float32 on CUDA too: the engine's Triton products and attention multiply float32 operands in
-    # full precision (Triton's default, TF32, put the logits 3e-3 off; see kernels._dot_precision)
+    # full precision (Triton's default, TF32, put the logits 3e-3 off; see kernels.common.dot_precision)
     want, got = ref.extend(tokens), eng.extend(tokens)
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     assert eng.length == ref.length

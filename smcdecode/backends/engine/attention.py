@@ -4,7 +4,7 @@ Query i of row b sits at position ``seq_lens[b] - L + i`` and attends to every c
 <= its own (the new keys were written to the cache before attention). Two implementations with the
 same contract: ``reference_paged_attention`` (pure torch: gather the row's pages, masked softmax in
 float32; runs anywhere, and is what the Triton kernel is tested against) and the Triton
-split-KV kernel in ``kernels.py``.
+split-KV kernel in ``kernels/attention.py``.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, batch: PagedBatch
 
         backend = "triton" if default_triton(q.device) else "torch"
     if backend == "triton":
-        from .kernels import triton_paged_attention
+        from .kernels.attention import triton_paged_attention
 
         return triton_paged_attention(q, k_pool, v_pool, batch)
     return reference_paged_attention(q, k_pool, v_pool, batch)

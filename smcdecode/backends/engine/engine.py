@@ -71,7 +71,7 @@ def sample_and_score(logits: Tensor, temperature: float, seed: Tensor, gather: T
     scalar ``seed``), else the reference (torch's global generator). ``sample_every``: see the
     reference."""
     if triton:
-        from .kernels import triton_sample_and_score
+        from .kernels.sampling import triton_sample_and_score
 
         return triton_sample_and_score(logits, temperature, seed, gather, sample_every)
     return sample_and_score_reference(logits, temperature, gather, sample_every=sample_every)
@@ -86,7 +86,7 @@ def _without_pdl(fn):
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         try:
-            from .kernels import pdl_off
+            from .kernels.common import pdl_off
         except ImportError:  # no Triton: no PDL either
             return fn(*args, **kwargs)
         with pdl_off():

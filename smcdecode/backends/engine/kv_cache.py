@@ -60,7 +60,7 @@ class KVPool:
         whole pages over a [layers·2, pages, page elements] view (a page of one layer's keys, or
         values, is contiguous)."""
         if self.triton:
-            from .kernels import triton_copy_pages
+            from .kernels.pages import triton_copy_pages
 
             triton_copy_pages(self.kv, src, dst)
             return

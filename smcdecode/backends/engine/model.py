@@ -1,7 +1,7 @@
 """Native Llama-family decoder (Llama 3.x, SmolLM2, Qwen2-style GQA) over a paged KV cache.
 
 A plain module in the gpt-fast manner: fused QKV and gate/up projections, RoPE with Llama-3
-frequency scaling, RMSNorm, SwiGLU. On CUDA the elementwise parts are Triton kernels (kernels.py):
+frequency scaling, RMSNorm, SwiGLU. On CUDA the elementwise parts are Triton kernels (kernels/):
 residual add + RMSNorm, RoPE + KV-page write, SiLU·mul; elsewhere their torch references here. The KV cache lives outside the module (``kv_cache.KVPool``);
 ``forward`` writes the new keys/values into the pages named by the page table and attends over them.
 
@@ -173,7 +173,7 @@ class Normed:
     eps: float
 
     def rstd(self) -> Tensor:
-        """1 / rms(h) of each row, float32 [rows] (reference of kernels._row_rstd)."""
+        """1 / rms(h) of each row, float32 [rows] (reference of kernels.common.row_rstd)."""
         return torch.rsqrt(self.sumsq.sum(-1) / self.h.shape[-1] + self.eps)
 
     def rowscale(self) -> tuple[Tensor, float, int]:
@@ -197,7 +197,7 @@ def add_rms_norm(x: Tensor, delta: Tensor | SplitSum | None, weight: Tensor, eps
     """(h, rms_norm(h)) with h = x + delta; ``triton``: one launch (kernels.triton_add_rms_norm)."""
     split = isinstance(delta, SplitSum)
     if triton:
-        from .kernels import triton_add_rms_norm
+        from .kernels.norms import triton_add_rms_norm
 
         if split:
             return triton_add_rms_norm(x, None, weight, eps, parts=delta.parts)
@@ -209,7 +209,7 @@ def embed_norm(tokens: Tensor, table: Tensor, weight: Tensor, eps: float, triton
     """The embedding lookup of ``tokens``; with ``triton``, with the first layer's RMSNorm (weight
     ``weight``) in the same launch, as a ``Normed`` without a row scale (kernels.triton_embed_rms_norm)."""
     if triton:
-        from .kernels import triton_embed_rms_norm
+        from .kernels.norms import triton_embed_rms_norm
 
         return Normed(*triton_embed_rms_norm(tokens, table, weight, eps), None, eps)
     return F.embedding(tokens, table)
@@ -218,7 +218,7 @@ def embed_norm(tokens: Tensor, table: Tensor, weight: Tensor, eps: float, triton
 def rope_kv_write(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor,
                   pages: Tensor, offsets: Tensor, H: int, Hkv: int, triton: bool = False) -> Tensor:
     if triton:
-        from .kernels import triton_rope_kv_write
+        from .kernels.norms import triton_rope_kv_write
 
         return triton_rope_kv_write(qkv.contiguous(), positions.reshape(-1), cos, sin, k_pool, v_pool, pages,
                                     offsets, H, Hkv)
@@ -237,7 +237,7 @@ def rope_attention(qkv: Tensor, batch, cos: Tensor, sin: Tensor, k_pool: Tensor,
     1 / rms(h) (done in the fused kernel, else first)."""
     L, D = qkv.shape[1], k_pool.shape[-1]
     if triton and L <= 16 and D >= 32:
-        from .kernels import triton_rope_paged_attention
+        from .kernels.attention import triton_rope_paged_attention
 
         return triton_rope_paged_attention(qkv, cos, sin, k_pool, v_pool, batch, H,
                                            rowscale=normed.rowscale() if normed is not None else None)
@@ -250,7 +250,7 @@ def rope_attention(qkv: Tensor, batch, cos: Tensor, sin: Tensor, k_pool: Tensor,
 
 def fused_silu_mul(gate_up: Tensor, normed: Normed | None = None, triton: bool = False) -> Tensor:
     if triton:
-        from .kernels import triton_silu_mul
+        from .kernels.norms import triton_silu_mul
 
         return triton_silu_mul(gate_up.contiguous(), rowscale=normed.rowscale() if normed is not None else None)
     return silu_mul(gate_up if normed is None else normed.scale(gate_up))
@@ -261,7 +261,7 @@ def use_skinny(x: Tensor, weight: Tensor, triton: bool, silu: bool = False) -> b
     (kernels.skinny_wins: few rows, some shapes)."""
     if not triton or x.dtype != weight.dtype or weight.dtype not in (torch.bfloat16, torch.float16):
         return False  # (float32 stays on cuBLAS: tl.dot would round its inputs to tf32)
-    from .kernels import skinny_wins
+    from .kernels.linear import skinny_wins
 
     N, K = weight.shape
     return skinny_wins(x.numel() // K, N // 2 if silu else N, K, weight.numel() * weight.element_size(), silu)
@@ -299,7 +299,7 @@ def dense(x: Tensor, layer: nn.Linear) -> Tensor:
 
 def linear(x: Tensor, layer: nn.Linear, triton: bool = False) -> Tensor:
     if layer.bias is None and use_skinny(x, layer.weight, triton):
-        from .kernels import triton_skinny_linear
+        from .kernels.linear import triton_skinny_linear
 
         return triton_skinny_linear(x, layer.weight)
     return dense(x, layer)
@@ -311,7 +311,7 @@ def split_config(x: Tensor, weight: Tensor, triton: bool, rows: int | None = Non
     x's)."""
     if not triton or x.dtype != weight.dtype or weight.dtype not in (torch.bfloat16, torch.float16):
         return None
-    from .kernels import splitk_config
+    from .kernels.linear import splitk_config
 
     N, K = weight.shape
     return splitk_config(x.numel() // K if rows is None else rows, N, K, x.device)
@@ -341,7 +341,7 @@ def linear_to_residual(x: Tensor, layer: nn.Linear, triton: bool = False) -> Ten
     if layer.bias is None:
         cfg = split_config(x, layer.weight, triton)
         if cfg is not None:
-            from .kernels import triton_skinny_linear
+            from .kernels.linear import triton_skinny_linear
 
             y = triton_skinny_linear(x, layer.weight, config=cfg[0], split=cfg[1])
             return SplitSum(y) if y.dim() == x.dim() + 1 else y
@@ -356,7 +356,7 @@ def linear_silu_mul(x: Tensor, layer: nn.Linear, normed: Normed | None = None, t
     """silu(x·gateᵀ) · (x·upᵀ) for the fused [gate; up] projection ``layer`` (no bias). ``normed``:
     x is its ``gh`` and the products' rows are scaled by its rstd before SiLU·mul."""
     if use_skinny(x, layer.weight, triton, silu=True):
-        from .kernels import triton_skinny_linear
+        from .kernels.linear import triton_skinny_linear
 
         return triton_skinny_linear(x, layer.weight, silu=True,
                                     rowscale=normed.rowscale() if normed is not None else None)
@@ -390,7 +390,7 @@ def linear_add_norm(x: Tensor, layer: nn.Linear, resid: Tensor, gamma: Tensor, e
     linear_add_norm_reference."""
     cfg = split_config(x, layer.weight, triton)
     if cfg is not None:
-        from .kernels import triton_skinny_linear_add_norm
+        from .kernels.linear import triton_skinny_linear_add_norm
 
         h, gh, ss = triton_skinny_linear_add_norm(x, layer.weight, resid, gamma, cfg[0], cfg[1])
         return Normed(h, gh, ss, eps)

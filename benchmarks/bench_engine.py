@@ -95,7 +95,7 @@ def products_chain(model: Llama, x: torch.Tensor) -> torch.Tensor:
     """One decode step's norms and weight products as ``Block.forward`` dispatches them, without the
     attention (the first H·D columns of wqkv's output stand in for its output), the Triton kernels
     where the engine runs them: x [M, dim] -> logits."""
-    from smcdecode.backends.engine.model import add_rms_norm, linear, linear_silu_mul, linear_to_residual
+    from smcdecode.backends.engine.ops import add_rms_norm, linear, linear_silu_mul, linear_to_residual
 
     cfg = model.cfg
     hd = cfg.n_heads * cfg.head_dim

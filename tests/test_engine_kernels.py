@@ -29,7 +29,7 @@ def _scattered_pages(lengths: list[int], L: int, Hkv: int, D: int, PS: int = 16,
 def _rope_case(B: int, L: int, H: int, Hkv: int, D: int, pool_k, pool_v, positions, batch):
     """A fused projection qkv [B, L, (H + 2Hkv)·D], rope tables, and the reference of the RoPE-fused
     attention on it: (qkv, cos, sin, reference output, reference K and V pools after the write)."""
-    from smcdecode.backends.engine.model import rope_kv_write_reference
+    from smcdecode.backends.engine.ops import rope_kv_write_reference
 
     freqs = torch.arange(2048, device="cuda", dtype=torch.float64)[:, None] * (
         1.0 / 10000 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float64) / D))
@@ -95,14 +95,14 @@ def test_triton_rope_paged_attention_matches_reference(L, H, Hkv, D, lengths, co
 def test_bf16_engine_logprobs_match_hf_and_graph_round_runs(split_k, monkeypatch):
     """(split_k "forced": wo and w2 (256x256, 256x512) split K in 2 and 4 at up to 128 rows, which at
     these small shapes the engine would not do: the 30-row prefill's partials summed by the norms, the
-    decode steps' norms folded into the products' epilogues (model.Normed); "forced, fold <= 64
+    decode steps' norms folded into the products' epilogues (ops.Normed); "forced, fold <= 64
     rows": FOLD_MAX_ROWS 64, so the 30-row prefill whose keys the compared positions read folds too,
     in 32-row blocks; "transposed": no split and every wo and w2 run as W·xᵀ, the norms reading its
     transposed output.)"""
     transformers = pytest.importorskip("transformers")
     import triton
 
-    from smcdecode.backends.engine import model as M
+    from smcdecode.backends.engine import ops as M
 
     forced = {(256, 256): (32, 64, 4, 2, 2), (256, 512): (32, 64, 4, 2, 4)}
 
@@ -178,14 +178,14 @@ def test_triton_merge_splits_matches_reference(B, L, H, Hkv, S):
                                            (192, 4096, "transposed, 8 rows on 16 warps")])
 def test_triton_add_rms_norm_and_silu_mul_match_reference(M, dim, strided):
     """(strided True: the last-position slice of a last_only forward; "transposed": a delta with unit
-    stride between rows, as cuBLAS writes W·xᵀ for model.linear_to_residual.)"""
+    stride between rows, as cuBLAS writes W·xᵀ for ops.linear_to_residual.)"""
     pytest.importorskip("triton")
     config = None
     if strided and "warps" in str(strided):
         config = (8, 16)
         strided = "transposed"
     from smcdecode.backends.engine.kernels import triton_add_rms_norm, triton_silu_mul
-    from smcdecode.backends.engine.model import add_rms_norm_reference, silu_mul
+    from smcdecode.backends.engine.ops import add_rms_norm_reference, silu_mul
 
     torch.manual_seed(M + dim)
     x = torch.randn(M, 3, dim, device="cuda", dtype=torch.bfloat16)
@@ -211,7 +211,7 @@ def test_triton_add_rms_norm_and_silu_mul_match_reference(M, dim, strided):
 def test_triton_rope_kv_write_matches_reference(H, Hkv, D):
     pytest.importorskip("triton")
     from smcdecode.backends.engine.kernels import triton_rope_kv_write
-    from smcdecode.backends.engine.model import rope_kv_write_reference
+    from smcdecode.backends.engine.ops import rope_kv_write_reference
 
     torch.manual_seed(H)
     B, L, PS, pages_n = 3, 9, 16, 40
@@ -307,7 +307,7 @@ def test_triton_copy_pages_matches_reference_in_a_graph():
 def test_triton_skinny_linear_matches_torch(M, N, K):
     pytest.importorskip("triton")
     from smcdecode.backends.engine.kernels import triton_skinny_linear
-    from smcdecode.backends.engine.model import silu_mul
+    from smcdecode.backends.engine.ops import silu_mul
 
     torch.manual_seed(M + N)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -329,9 +329,9 @@ def test_triton_skinny_linear_matches_torch(M, N, K):
 
 @pytest.mark.parametrize("M,N,K", [(72, 4096, 14336), (576, 4096, 4096)])
 def test_cublaslt_products_match_and_restore_the_library(M, N, K):
-    """The measured shapes go through cuBLASLt (model.dense) with the same result as cuBLAS, within
+    """The measured shapes go through cuBLASLt (ops.dense) with the same result as cuBLAS, within
     bf16 rounding, also in a CUDA graph; torch's preferred BLAS library is left as it was."""
-    from smcdecode.backends.engine.model import cublaslt_wins, dense
+    from smcdecode.backends.engine.ops import cublaslt_wins, dense
 
     torch.manual_seed(M)
     layer = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -371,7 +371,7 @@ def test_folded_norm_epilogue_matches_reference_in_a_graph(M, N, K):
     shape, the last split adding the partials), replayed 3 times in a CUDA graph (its counters reset
     each time): h, γ ⊙ h and Σ h² as the reference, and 1/rms · (γ ⊙ h) · W13ᵀ through the skinny
     SiLU·mul and the SiLU·mul kernel's row scale as rms_norm(h) · W13ᵀ (bf16 tolerance)."""
-    from smcdecode.backends.engine.model import Normed, add_rms_norm_reference, linear_add_norm_reference, silu_mul
+    from smcdecode.backends.engine.ops import Normed, add_rms_norm_reference, linear_add_norm_reference, silu_mul
 
     kernels, x, w, res, gamma, cfg, split = _residual_case(M, N, K)
     kernels.triton_skinny_linear_add_norm(x, w, res, gamma, cfg, split)  # compiles, allocates the counters
@@ -399,7 +399,7 @@ def test_folded_norm_epilogue_matches_reference_in_a_graph(M, N, K):
 def test_split_k_partials_feed_the_norm_as_the_unsplit_product_would(M, N, K):
     """The add + RMSNorm that sums split-K partials equals the one that adds the product computed
     whole (bf16 tolerance: the float32 sums differ in order), with the engine's default split."""
-    from smcdecode.backends.engine.model import add_rms_norm_reference
+    from smcdecode.backends.engine.ops import add_rms_norm_reference
 
     kernels, x, w, res, gamma, cfg, split = _residual_case(M, N, K)
     parts = kernels.triton_skinny_linear(x, w, config=cfg, split=split)

@@ -6,13 +6,9 @@ import math
 import pytest
 import torch
 
-from smcdecode.backends.engine.engine import sample_and_score_reference
-from smcdecode.backends.engine.model import (
-    LlamaConfig,
-    add_rms_norm_reference,
-    rope_inv_freq,
-    rope_kv_write_reference,
-)
+from smcdecode.backends.engine.model import LlamaConfig, rope_inv_freq
+from smcdecode.backends.engine.ops import add_rms_norm_reference, rope_kv_write_reference
+from smcdecode.backends.engine.sampling import sample_and_score_reference
 
 
 def test_add_rms_norm_reference_is_the_norm_of_the_sum():
@@ -173,7 +169,7 @@ def test_interpreted_merge_kernel_matches_reference():
 
 def test_interpreted_skinny_linear_matches_torch():
     kernels = _interpreted_kernels()
-    from smcdecode.backends.engine.model import silu_mul
+    from smcdecode.backends.engine.ops import silu_mul
 
     g = torch.Generator().manual_seed(5)
     for M, N, K, cfg in [(3, 40, 48, (16, 16, 16, 4, 2)), (17, 16, 64, (16, 16, 32, 4, 2)), (8, 24, 40, None),
@@ -222,7 +218,7 @@ def test_interpreted_split_k_partials_sum_to_the_product_and_feed_the_norm():
     """Split-K: the float32 partials [S, M, N] sum to x·wᵀ (K not a multiple of a split: the last one
     masked), and the add + RMSNorm that reads them equals the reference on their total."""
     kernels = _interpreted_kernels()
-    from smcdecode.backends.engine.model import SplitSum, add_rms_norm_reference
+    from smcdecode.backends.engine.ops import SplitSum, add_rms_norm_reference
 
     g = torch.Generator().manual_seed(6)
     for M, N, K, cfg, split, S in [(3, 40, 96, (16, 16, 32, 4, 2), 2, 2), (8, 24, 200, (16, 16, 16, 4, 1), 4, 4),
@@ -244,11 +240,11 @@ def test_interpreted_split_k_partials_sum_to_the_product_and_feed_the_norm():
 
 def test_interpreted_add_rms_norm_reads_a_transposed_delta():
     """A delta stored transposed (the view (W·xᵀ)ᵀ of a product cuBLAS ran on the transposed
-    problem, model.linear_to_residual) gives the reference's h and norm: read in 4-row tiles (rows
+    problem, ops.linear_to_residual) gives the reference's h and norm: read in 4-row tiles (rows
     not a multiple of 4, a width that is not a power of two), and a slice of it whose rows are not
     adjacent in memory (the last position of each sequence) through a copy."""
     kernels = _interpreted_kernels()
-    from smcdecode.backends.engine.model import add_rms_norm_reference
+    from smcdecode.backends.engine.ops import add_rms_norm_reference
 
     g = torch.Generator().manual_seed(11)
     for B, L, dim in [(2, 9, 48), (1, 7, 40), (3, 1, 64)]:
@@ -273,7 +269,7 @@ def test_interpreted_add_rms_norm_reads_a_transposed_delta():
 def test_transposed_products_are_the_measured_shapes():
     """W·xᵀ for the measured shapes on sm_90 only; the transposed-delta norm's tile is 4 rows on 8
     warps unless a config is given, and a bad config is refused."""
-    from smcdecode.backends.engine.model import TRANSPOSED_SHAPES, transposed_wins
+    from smcdecode.backends.engine.ops import TRANSPOSED_SHAPES, transposed_wins
 
     shape = next(iter(TRANSPOSED_SHAPES))
     assert transposed_wins(*shape, (9, 0)) and not transposed_wins(*shape, (8, 0))
@@ -288,12 +284,12 @@ def test_transposed_products_are_the_measured_shapes():
 
 
 def test_interpreted_folded_norm_kernels_match_references():
-    """The folded RMSNorm (model.Normed): the skinny product's RESID epilogue gives h = resid + x·wᵀ,
+    """The folded RMSNorm (ops.Normed): the skinny product's RESID epilogue gives h = resid + x·wᵀ,
     γ ⊙ h and per-column-block Σ h² (unsplit, and split-K added up in order by the last split of each
     column block, whose counters are all reset); its consumers — the skinny SiLU·mul and the
     SiLU·mul kernel — scale the rows by 1/rms as the references do."""
     kernels = _interpreted_kernels()
-    from smcdecode.backends.engine.model import Normed, linear_add_norm_reference, silu_mul
+    from smcdecode.backends.engine.ops import Normed, linear_add_norm_reference, silu_mul
 
     g = torch.Generator().manual_seed(7)
     for M, N, K, cfg, split in [(3, 40, 96, (16, 16, 32, 4, 2), 1), (8, 24, 200, (16, 16, 16, 4, 1), 4),
@@ -324,7 +320,7 @@ def test_interpreted_folded_norm_kernels_match_references():
 def test_interpreted_embed_rms_norm_matches_lookup_then_norm():
     """The embedding lookup with the first RMSNorm in one launch equals the lookup, then the norm."""
     kernels = _interpreted_kernels()
-    from smcdecode.backends.engine.model import add_rms_norm_reference
+    from smcdecode.backends.engine.ops import add_rms_norm_reference
 
     g = torch.Generator().manual_seed(8)
     table, w = torch.randn(50, 48, generator=g), torch.randn(48, generator=g)
@@ -339,7 +335,7 @@ def test_norms_fold_where_both_products_split(monkeypatch):
     """The norms after wo and w2 fold where both products run split-K, at most FOLD_MAX_ROWS rows
     (16), only with Triton (off the GPU the torch references run: nothing folds)."""
     from smcdecode.backends.engine import Llama
-    from smcdecode.backends.engine import model as M
+    from smcdecode.backends.engine import ops as M
 
     blk = Llama.random(LlamaConfig(64, 128, 1, 4, 2, 96), dtype=torch.float32, device="cpu").layers[0]
     x = torch.zeros(8, 128)
@@ -382,7 +378,7 @@ def test_interpreted_model_forward_matches_reference_path(monkeypatch):
     _interpreted_kernels()
     import numpy as np
 
-    import smcdecode.backends.engine.model as M
+    import smcdecode.backends.engine.ops as M
     from smcdecode.backends.engine import KVPool, Llama, PagedBatch, PageTable
 
     cfg = LlamaConfig(64, 128, 2, 4, 2, 96, rope_theta=10000.0)  # head_dim 32
@@ -709,14 +705,14 @@ def test_skinny_products_are_the_measured_shapes():
 def test_cublaslt_choice_is_per_measured_shape():
     """Only the measured shapes go to cuBLASLt, and only on sm_90. On the CPU ``dense`` is the layer
     itself."""
-    from smcdecode.backends.engine import model
+    from smcdecode.backends.engine import ops
 
-    assert model.cublaslt_wins(72, 4096, 14336, (9, 0)) and model.cublaslt_wins(576, 128256, 4096, (9, 0))
-    assert not model.cublaslt_wins(72, 4096, 14336, (8, 0))  # measured on Hopper only
-    assert not model.cublaslt_wins(72, 6144, 4096, (9, 0)) and not model.cublaslt_wins(73, 4096, 14336, (9, 0))
+    assert ops.cublaslt_wins(72, 4096, 14336, (9, 0)) and ops.cublaslt_wins(576, 128256, 4096, (9, 0))
+    assert not ops.cublaslt_wins(72, 4096, 14336, (8, 0))  # measured on Hopper only
+    assert not ops.cublaslt_wins(72, 6144, 4096, (9, 0)) and not ops.cublaslt_wins(73, 4096, 14336, (9, 0))
     layer = torch.nn.Linear(8, 4, bias=False)
     x = torch.randn(3, 8)
-    torch.testing.assert_close(model.dense(x, layer), layer(x))
+    torch.testing.assert_close(ops.dense(x, layer), layer(x))
 
 
 def test_pdl_is_off_on_the_cpu_and_inside_pdl_off():

@@ -52,7 +52,7 @@ def test_batched_prefill_matches_per_prompt_prefill(device, dim, tol):
     for batched in (False, True):
         e = Engine(target, draft, num_pages=256, page_size=PS, max_context=64)
         e.PREFILL_TOKENS = 64  # several forwards per bucket, and a padded last chunk (R = 2^k rows)
-        table, pt = e._start(prompts, N, extra=4, batched_prefill=batched)
+        table, pt = e.start(prompts, N, extra=4, batched_prefill=batched)
         engines[batched] = (e, table, pt)
     (e0, t0, _), (e1, t1, _) = engines[False], engines[True]
     np.testing.assert_array_equal(t0.table, t1.table)
@@ -105,16 +105,16 @@ def test_prefill_forwards_are_bucketed():
 
     h = model.register_forward_pre_hook(record)
     try:
-        assert e._prefill_rows(model, e.kv_t, pt, list(range(37)), seqs) == 3
-        assert e._prefill_rows(model, e.kv_t, pt, list(range(37)), seqs, max_tokens=256) == 5
+        assert e.prefill_rows(model, e.kv_t, pt, list(range(37)), seqs) == 3
+        assert e.prefill_rows(model, e.kv_t, pt, list(range(37)), seqs, max_tokens=256) == 5
     finally:
         h.remove()
     # lengths 1-16, 17-32, 33-37 (5 rows, padded to 8); then at most 256 positions a forward
     assert seen == [(16, 16), (16, 32), (8, 64), (16, 16), (8, 32), (8, 32), (4, 64), (1, 64)]
     # the bucket is capped at the page table's capacity (2 pages of 4 here); longer is an error
-    assert e._prefill_rows(model, e.kv_t, pt[:2, :2], [0, 1], [[3] * 8, [3] * 2]) == 1
+    assert e.prefill_rows(model, e.kv_t, pt[:2, :2], [0, 1], [[3] * 8, [3] * 2]) == 1
     with pytest.raises(SMCDecodeError, match="does not fit the page table"):
-        e._prefill_rows(model, e.kv_t, pt[:1, :2], [0], [[3] * 9])
+        e.prefill_rows(model, e.kv_t, pt[:1, :2], [0], [[3] * 9])
 
 
 def _exact(model: Llama, seq: list[int], T: float) -> torch.Tensor:
@@ -200,13 +200,13 @@ def test_autoregressive_launches_its_kernels_without_pdl(monkeypatch):
     from smcdecode.backends.engine import kernels
 
     seen = []
-    start = E.Engine._start
+    start = E.Engine.start
 
     def spy(self, *a, **k):
         seen.append(kernels.pdl_enabled())
         return start(self, *a, **k)
 
-    monkeypatch.setattr(E.Engine, "_start", spy)
+    monkeypatch.setattr(E.Engine, "start", spy)
     e = Engine(tiny_llama(seed=4), None, num_pages=64, page_size=4, max_context=16)
     e.autoregressive([[1, 2, 3]], max_new_tokens=2)
     assert seen == [False] and kernels.pdl_enabled()
@@ -273,10 +273,10 @@ def test_no_recompile_or_recapture_across_calls_on_cuda():
            kernels.sampling._sample_split_kernel]
     e.autoregressive(prompts(), max_new_tokens=12, samples=4, temperature=0.8)
     before = [_compiled(f) for f in fns]
-    graphs = dict(e._graphs)
-    assert [k[:3] for k in graphs] == [("ar", 32, 0.8)]
+    graphs = dict(e.graphs)
+    assert [k[:3] for k, _ in graphs] == [("ar", 32, 0.8)]
     for seed in range(3):
         toks, _ = e.autoregressive(prompts(), max_new_tokens=12, samples=4, temperature=0.8, seed=seed)
         assert toks.shape == (32, 12) and ((toks >= 0) & (toks < 256)).all()
     assert [_compiled(f) for f in fns] == before
-    assert e._graphs.keys() == graphs.keys() and all(e._graphs[k] is graphs[k] for k in graphs)
+    assert e.graphs.keys() == graphs.keys() and all(e.graphs[k] is graphs[k] for k in graphs)

@@ -9,7 +9,7 @@ one kernel also applies RoPE to q and the new keys and writes the new keys/value
 The splits are merged by the last split to finish (an atomic counter per tile;
 ``_merge_splits_kernel`` where the counters cannot be allocated). BLOCK_N, warps, stages and the
 split count are chosen per shape class and head dim (``ATTN_CONFIGS``).
-References: attention.reference_paged_attention, model.rope_kv_write_reference,
+References: attention.reference_paged_attention, ops.rope_kv_write_reference,
 ``merge_splits_reference``.
 """
 
@@ -127,7 +127,7 @@ def _paged_attn_kernel(
     (b, kv head, tile), reset by that program) merges them. PREFETCH: each block's page ids are
     loaded one block ahead (before the current block's keys), taking the page-table load off the
     chain page ids -> keys -> dot -> values of a block. RS_T > 0 (with ROPE): the projection's rows are
-    not yet scaled by their RMSNorm's 1/rms (a folded norm, model.Normed): q and the new keys and
+    not yet scaled by their RMSNorm's 1/rms (a folded norm, ops.Normed): q and the new keys and
     values are multiplied by it here, from the RS_T partial sums of squares SS[b·L + l, t]."""
     pdl_enter(PDL)
     pid = tl.program_id(0)  # b * HKV + kvh
@@ -354,12 +354,12 @@ def triton_rope_paged_attention(qkv: Tensor, cos: Tensor, sin: Tensor, k_pool: T
     """RoPE + KV-page write + paged attention in one kernel: qkv [B, L, (H + 2Hkv)·D] (the fused
     projection, contiguous), cos/sin tables [max_pos, D/2] (float32) -> [B, L, H, D]; the rotated
     keys and the values of the L new tokens are written to the pools at their positions (pages from
-    the page table). For decode/verify shapes (L <= 16). Reference: model.rope_kv_write_reference
+    the page table). For decode/verify shapes (L <= 16). Reference: ops.rope_kv_write_reference
     followed by attention.reference_paged_attention.
 
     ``rowscale`` = (sumsq [B·L, T] float32, eps, dim): qkv's rows are the product of a folded norm's
-    γ ⊙ h (model.Normed), not yet scaled by 1 / rms(h); they are scaled here (q, and the new keys and
-    values before they are written). Reference: scale qkv's rows by model.Normed.rstd first.
+    γ ⊙ h (ops.Normed), not yet scaled by 1 / rms(h); they are scaled here (q, and the new keys and
+    values before they are written). Reference: scale qkv's rows by ops.Normed.rstd first.
     ``config``: as ``triton_paged_attention``'s."""
     qkv = qkv.contiguous()
     B, L, W = qkv.shape

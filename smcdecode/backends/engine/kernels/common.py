@@ -86,7 +86,7 @@ def row_rstd(SS, rows, rows_ok, stride_ss, eps, T: tl.constexpr, T_P2: tl.conste
     """1 / rms of the residual-stream rows ``rows`` from their float32 partial sums of squares
     SS[row, t] over T column blocks (a folded norm's ``sumsq``, written by the skinny product's
     RESID epilogue; a row's T partials are contiguous, one vector load): rsqrt(Σ_t SS[row, t] / DIM
-    + eps). Reference: model.Normed.rstd."""
+    + eps). Reference: ops.Normed.rstd."""
     t = tl.arange(0, T_P2)
     s = tl.load(SS + rows[:, None] * stride_ss + t[None, :], mask=(t[None, :] < T) & rows_ok[:, None], other=0.0)
     return 1.0 / tl.sqrt(tl.sum(s, 1) / DIM + eps)

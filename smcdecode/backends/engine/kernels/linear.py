@@ -1,7 +1,7 @@
 """Skinny matrix products: x · Wᵀ for few rows (the draft's decode steps), where cuBLAS's kernels
 leave bandwidth unused on small matrices; optionally with SiLU·mul in the epilogue, split over K
 (float32 partials summed by the next norm), or with the next RMSNorm folded into the epilogue.
-References: torch's linear, model.silu_mul, model.linear_add_norm_reference.
+References: torch's linear, ops.silu_mul, ops.linear_add_norm_reference.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _skinny_linear_kernel(X, W, Y, M, stride_xm, N: tl.constexpr, K: tl.constexp
     float32 [SPLIT, M, N]); whoever reads Y adds the SPLIT partials in order
     (``triton_add_rms_norm(..., parts=Y)``), so no atomics and no extra launch.
 
-    Folded RMSNorm (model.Normed): RESID adds the product to the residual stream R [M, N] in the
+    Folded RMSNorm (ops.Normed): RESID adds the product to the residual stream R [M, N] in the
     epilogue and prepares the next RMSNorm without a launch of its own: h = R + X·Wᵀ -> H_OUT,
     γ ⊙ h -> GH_OUT (GAMMA: the next norm's weight), and this program's Σ h² over its BLOCK_N
     columns -> SS[row, pid_n] (float32 [M, cdiv(N, BLOCK_N)]). With SPLIT > 1 the partials go to Y
@@ -149,15 +149,15 @@ def triton_skinny_linear(x: Tensor, weight: Tensor, silu: bool = False, config=N
     """x [..., K] (unit stride in K) · weight [N, K]ᵀ -> [..., N]; with ``silu`` the weight is [gate; up]
     ([2N, K]) and the result silu(x·gateᵀ)·(x·upᵀ) [..., N]. For few rows (decode), where cuBLAS's
     kernels leave bandwidth unused on small matrices. References: torch.nn.functional.linear, and
-    model.silu_mul of it.
+    ops.silu_mul of it.
 
     ``split`` > 1 splits K over that many programs a column block and returns their float32
     partial sums [split, ..., N] instead (their sum over the first dim is the product; reference:
-    ``model.SplitSum.total``); ``triton_add_rms_norm(..., parts=...)`` consumes them.
+    ``ops.SplitSum.total``); ``triton_add_rms_norm(..., parts=...)`` consumes them.
 
     ``rowscale`` = (sumsq [rows, T], eps, dim) (not with split): x is a folded norm's γ ⊙ h and the
     product's rows are scaled by 1 / rms(h) before SiLU·mul (reference: the product's rows times
-    model.Normed.rstd, then silu_mul)."""
+    ops.Normed.rstd, then silu_mul)."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -192,7 +192,7 @@ def triton_skinny_linear_add_norm(x: Tensor, weight: Tensor, resid: Tensor, gamm
     gh = γ ⊙ h rounded, sumsq [rows, cdiv(N, BLOCK_N)] float32 partial sums of h² (their sum over
     the last dim is Σ h² of each row). ``config``/``split`` as ``triton_skinny_linear``'s; with
     split > 1 the last split of each column block adds the float32 partials in order and runs the
-    epilogue (no extra launch). Reference: model.linear_add_norm_reference."""
+    epilogue (no extra launch). Reference: ops.linear_add_norm_reference."""
     K = x.shape[-1]
     N = weight.shape[0]
     x2 = x.reshape(-1, K)

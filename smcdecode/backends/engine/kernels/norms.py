@@ -1,7 +1,7 @@
 """The fused elementwise kernels of a layer, one launch each instead of 5–10 small ones: residual
 add + RMSNorm (also reading a transposed delta, or split-K partials), the embedding lookup with the
 first RMSNorm, SiLU·mul, and RoPE + KV-page write (used for long extensions: the prefill).
-References: model.add_rms_norm_reference, model.silu_mul, model.rope_kv_write_reference.
+References: ops.add_rms_norm_reference, ops.silu_mul, ops.rope_kv_write_reference.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _add_rms_norm_kernel(X, DELTA, W, H_OUT, Y, stride_x, stride_d, eps, DIM: tl
 def _add_t_rms_norm_kernel(X, DT, W, H_OUT, Y, M, stride_x, stride_dt, eps, DIM: tl.constexpr,
                            BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr = 0):
     """``_add_rms_norm_kernel`` for a delta stored transposed — row r's entry c at DT + c·stride_dt + r,
-    as cuBLAS writes the transposed problem W·xᵀ (model.linear_to_residual) — BLOCK_M rows a program,
+    as cuBLAS writes the transposed problem W·xᵀ (ops.linear_to_residual) — BLOCK_M rows a program,
     so that each column's BLOCK_M entries are one contiguous read. (Two passes over column blocks,
     to transpose smaller tiles, measured 1.5–3× slower on an H200.)"""
     pdl_enter(PDL)
@@ -90,7 +90,7 @@ def triton_add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: fl
     ``TNORM_CONFIG``). ``parts`` instead of ``delta``: float32
     partial sums [S, ..., dim] of a split-K product (``triton_skinny_linear(split=S)``), delta =
     their sum rounded to x's dtype.
-    Reference: model.add_rms_norm_reference (with model.SplitSum.total for ``parts``)."""
+    Reference: ops.add_rms_norm_reference (with ops.SplitSum.total for ``parts``)."""
     dim = x.shape[-1]
     shape = x.shape
     x2 = x.reshape(-1, dim)
@@ -130,7 +130,7 @@ def triton_add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: fl
 
 def triton_embed_rms_norm(tokens: Tensor, table: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(x, y) with x = table[tokens] (the embedding lookup, [..., dim]) and y = weight · x / rms(x): the
-    lookup and the first RMSNorm in one launch. Reference: model.add_rms_norm_reference of the lookup."""
+    lookup and the first RMSNorm in one launch. Reference: ops.add_rms_norm_reference of the lookup."""
     dim = table.shape[1]
     tok = tokens.reshape(-1)
     if tok.dtype != torch.long or not tok.is_contiguous():
@@ -168,10 +168,10 @@ def _silu_mul_kernel(GU, OUT, INTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.
 
 
 def triton_silu_mul(gate_up: Tensor, rowscale=None) -> Tensor:
-    """silu(gate) · up for gate_up = [gate | up] [..., 2I] (contiguous). Reference: model.silu_mul.
+    """silu(gate) · up for gate_up = [gate | up] [..., 2I] (contiguous). Reference: ops.silu_mul.
     ``rowscale`` = (sumsq [rows, T], eps, dim): gate and up are first scaled row by row by a folded
     norm's 1/rms (each rounded to the dtype, as a product of the scaled input would be); reference:
-    model.silu_mul of the rows times model.Normed.rstd."""
+    ops.silu_mul of the rows times ops.Normed.rstd."""
     I2 = gate_up.shape[-1]
     gu = gate_up.reshape(-1, I2)
     out = torch.empty(gu.shape[0], I2 // 2, device=gu.device, dtype=gu.dtype)
@@ -217,7 +217,7 @@ def triton_rope_kv_write(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tenso
                          pages: Tensor, offsets: Tensor, H: int, Hkv: int) -> Tensor:
     """qkv [B, L, (H + 2Hkv)·D] (contiguous) -> q [B, L, H, D] rotated; rotated k and v written to
     pools [num_pages, Hkv, PS, D] at (pages, offsets) [B·L]. cos/sin: tables [max_pos, D/2] (float32).
-    Reference: model.rope_kv_write_reference."""
+    Reference: ops.rope_kv_write_reference."""
     B, L, _ = qkv.shape
     _, _, PS, D = k_pool.shape
     q = torch.empty(B, L, H, D, device=qkv.device, dtype=qkv.dtype)

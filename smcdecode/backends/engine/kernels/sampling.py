@@ -1,6 +1,6 @@
 """Sampling and scoring over [R, V] logits in one read (two launches: splits, then a merge per row):
 exponential-race sampling, the log-sum-exp and the gather of log q(d); rows that need no token
-(verify's scored rows) skip the noise and the race. Reference: engine.sample_and_score_reference.
+(verify's scored rows) skip the noise and the race. Reference: the engine's sampling.sample_and_score_reference.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ def triton_sample_and_score(logits: Tensor, temperature: float, seed: Tensor, ga
     log-prob nan (their gathered log-prob is computed as usual). A drawn token is the same as with
     S = 1 (the noise is keyed by the element, not by which rows draw). ``chunk``: logits a split
     program reads (a multiple of 1024; default ``_sample_chunk``).
-    Reference: engine.sample_and_score_reference."""
+    Reference: the engine's sampling.sample_and_score_reference."""
     R, V = logits.shape
     if sample_every < 1:
         raise ValueError(f"sample_every = {sample_every}: must be >= 1 (1: every row draws a token)")

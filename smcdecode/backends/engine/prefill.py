@@ -39,8 +39,8 @@ def prefill_rows(model, kv: KVPool, pt_dev: Tensor, rows: list[int], seqs: list[
 
     Rows are sorted by length and cut into buckets of L_b = next power of two >= max(16, n)
     positions (at most the page table's and the rope tables' capacity); a forward holds R rows
-    of one bucket, R a power of two with R·L_b <= ``max_tokens``. Shorter
-    rows are right-padded: padding tokens sit at positions n..L_b−1 after the row's real ones,
+    of one bucket, R a power of two with R·L_b <= ``max_tokens``. Shorter rows are
+    right-padded: padding tokens sit at positions n..L_b−1 after the row's real ones,
     so causal attention keeps them out of every real query (each query attends to positions <=
     its own); their keys/values go to the row's pages where those exist (the positions a later
     step overwrites before any query can see them: a position is written before it is

@@ -118,9 +118,8 @@ def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot``'s input precision for operands of ``dtype``: float32 operands are multiplied in
     full float32 ("ieee") unless torch allows TF32 for float32 products
     (``torch.backends.cuda.matmul.allow_tf32``), as torch's own products are; bf16/fp16 operands
-    ignore it ("tf32", Triton's default, keeps their kernels as they were). Triton's default for
-    float32 is TF32: a float32 engine then differed from the float32 HF reference by ~3·10⁻³ in the
-    logits of the runner tests' model (docs/engine.md)."""
+    ignore it ("tf32", Triton's default). With TF32 float32 products a float32 engine differs from
+    the float32 HF reference by ~3·10⁻³ in the logits of the runner tests' model (docs/engine.md)."""
     return "tf32" if dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 

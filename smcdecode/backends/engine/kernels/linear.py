@@ -224,7 +224,7 @@ def triton_skinny_linear_add_norm(x: Tensor, weight: Tensor, resid: Tensor, gamm
 
 def splitk_config(M: int, N: int, K: int, device: torch.device) -> tuple[tuple[int, int, int, int, int], int] | None:
     """(skinny config, K splits) for a product whose output only feeds a residual add + RMSNorm (a
-    layer's wo and w2) at few rows, or None where it stays as it was (no split would be made): the
+    layer's wo and w2) at few rows, or None where it stays unsplit (cuBLAS or the skinny kernel): the
     measured shapes of ``SPLITK_CONFIGS`` (<= 16 rows) and ``SPLITK_CONFIGS_64`` (17–64 rows), and at
     <= 16 rows other products with K >= 4096 whose column blocks alone do not cover the SMs twice.
     Above 64 rows (the 8B's verify pass at 72) the split measured slower than cuBLAS."""
@@ -235,7 +235,7 @@ def splitk_config(M: int, N: int, K: int, device: torch.device) -> tuple[tuple[i
     if measured is not None:
         bn, bk, warps, stages, split = measured
         return (block_m, bn, bk, warps, stages), split
-    if K < 4096 or M > 16:  # (small products, and more rows: not measured; they stay as they were)
+    if K < 4096 or M > 16:  # (small products, and more rows: not measured, not split)
         return None
     sms = num_sms(device.index or 0) if device.type == "cuda" else 132
     bn, bk = (64, 256) if N >= 4096 else (32, 128)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from smcdecode.backends.engine import PRESETS, Engine, Llama
+from smcdecode.backends.engine.kernels.common import pdl_off
 
 
 def cuda_time(fn, repeats: int) -> list[float]:
@@ -90,19 +91,6 @@ def gemm_graph_time(model: Llama, rows: list[int], repeats: int = 20) -> float:
     return graph_time(run, repeats)
 
 
-def with_env(env: dict, fn):
-    """fn() with the environment settings ``env`` set, then restored (the engine reads its
-    SMCDECODE_* settings at launch time)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return fn()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def graph_time(fn, repeats: int = 15) -> float:
@@ -433,14 +421,15 @@ def main() -> None:
                         torch.cuda.synchronize()
                     return prof
 
-                prof = with_env({"SMCDECODE_PDL": "0"}, profiled)
+                with pdl_off():
+                    prof = profiled()
                 engine.clear_graphs()
                 ev = [e for e in prof.key_averages() if e.device_time_total > 0]
                 ev.sort(key=lambda e: -e.device_time_total)
                 total = sum(e.device_time_total for e in ev)
                 rows = [(e.key, e.device_time_total / 1e3 / rounds, e.count / rounds,
                          e.device_time_total / max(e.count, 1)) for e in ev]
-                res[f"profile_per_round_G{G}"] = {"rounds": rounds, "pdl": "off (SMCDECODE_PDL=0)",
+                res[f"profile_per_round_G{G}"] = {"rounds": rounds, "pdl": "off",
                                                    "total_ms_per_round": total / 1e3 / rounds,
                                                    "kernels": rows[:30]}
                 lines = [f"SMC-SD N=8 K=8, {G} request(s): device time per round over {rounds} replayed rounds "

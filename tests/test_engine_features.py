@@ -18,7 +18,8 @@ import torch
 
 import smcdecode as sd
 from smcdecode.backends.engine import Engine, Llama
-from smcdecode.backends.engine.smc import EngineTarget, segment_resample
+from smcdecode.backends.engine.smc import segment_resample
+from smcdecode.backends.engine.targets import EngineTarget
 from smcdecode.testing import check_distribution, check_evidence_unbiased, exact_target, sequences
 
 transformers = pytest.importorskip("transformers")
@@ -84,9 +85,9 @@ def _run(engine, target, *, G=1500, N=4, K=2, n=3, T=1.0, Td=1.2, tau=0.5, resam
               eos_token_id=EOS, ess_threshold=tau, resampler=resampler, target=prog)
     # a first, shorter call captures the round graph(s); the measured call (same shape) replays them
     engine.smc_sd([PROMPT] * G, **{**kw, "max_new_tokens": 1}, seed=seed + 1000)
-    n_graphs = len(engine._graphs)
+    n_graphs = len(engine.graphs)
     out = engine.smc_sd([PROMPT] * G, **kw, seed=seed)
-    assert len(engine._graphs) == n_graphs  # nothing captured anew
+    assert len(engine.graphs) == n_graphs  # nothing captured anew
     return out
 
 

@@ -29,7 +29,7 @@ def _scattered_pages(lengths: list[int], L: int, Hkv: int, D: int, PS: int = 16,
 def _rope_case(B: int, L: int, H: int, Hkv: int, D: int, pool_k, pool_v, positions, batch):
     """A fused projection qkv [B, L, (H + 2Hkv)·D], rope tables, and the reference of the RoPE-fused
     attention on it: (qkv, cos, sin, reference output, reference K and V pools after the write)."""
-    from smcdecode.backends.engine.model import rope_kv_write_reference
+    from smcdecode.backends.engine.ops import rope_kv_write_reference
 
     freqs = torch.arange(2048, device="cuda", dtype=torch.float64)[:, None] * (
         1.0 / 10000 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float64) / D))
@@ -46,43 +46,42 @@ def _rope_case(B: int, L: int, H: int, Hkv: int, D: int, pool_k, pool_v, positio
 @pytest.mark.parametrize("L,H,Hkv,D,lengths", [(1, 32, 8, 128, [1, 700, 33]), (2, 32, 8, 64, [2, 65, 300]),
                                                (9, 32, 8, 128, [9, 256, 1290]), (5, 8, 8, 64, [17, 40, 5]),
                                                (255, 32, 8, 128, [256, 300]), (1, 4, 2, 16, [3, 90, 7])])
-@pytest.mark.parametrize("merge,per_sm", [("fused", "4"), ("kernel", "4"), ("fused", "16"), ("fused", "0.01")])
-def test_triton_paged_attention_matches_reference(L, H, Hkv, D, lengths, merge, per_sm, monkeypatch):
+@pytest.mark.parametrize("config", [None, (64, 4, 2, 4.0, 0), (64, 4, 2, 16.0, 0), (64, 4, 2, 0.01, 0)],
+                         ids=["default", "4 per SM", "16 per SM", "one split"])
+def test_triton_paged_attention_matches_reference(L, H, Hkv, D, lengths, config):
     pytest.importorskip("triton")
-    from smcdecode.backends.engine.kernels import _split_counters, triton_paged_attention
+    from smcdecode.backends.engine.kernels import triton_paged_attention
+    from smcdecode.backends.engine.kernels.common import split_counters
 
-    monkeypatch.setenv("SMCDECODE_ATTN_MERGE", merge)
-    monkeypatch.setenv("SMCDECODE_ATTN_PROGRAMS_PER_SM", per_sm)
     torch.manual_seed(L * 100 + D)
     pool_k, pool_v, positions, batch = _scattered_pages(lengths, L, Hkv, D)
     B = len(lengths)
     q = torch.randn(B, L, H, D, device="cuda", dtype=torch.bfloat16)
     ref = reference_paged_attention(q.double(), pool_k.double(), pool_v.double(), batch)
     for _ in range(3):  # repeated launches: the split counters are reset by each launch
-        out = triton_paged_attention(q, pool_k, pool_v, batch)
+        out = triton_paged_attention(q, pool_k, pool_v, batch, config=config)
         err = (out.double() - ref).norm() / ref.norm()
         assert torch.isfinite(out).all() and err < 1e-2, float(err)
-    assert int(_split_counters(q.device, 1).abs().sum()) == 0
+    assert int(split_counters(q.device, 1).abs().sum()) == 0
 
 
 @pytest.mark.parametrize("L,H,Hkv,D,lengths", [(1, 32, 8, 64, [1, 700, 33]), (2, 32, 8, 64, [2, 65, 300]),
                                                (9, 32, 8, 128, [9, 256, 1290]), (16, 9, 3, 64, [17, 40, 16])])
-@pytest.mark.parametrize("merge,per_sm", [("fused", "4"), ("kernel", "4"), ("fused", "0.01")])
-def test_triton_rope_paged_attention_matches_reference(L, H, Hkv, D, lengths, merge, per_sm, monkeypatch):
+@pytest.mark.parametrize("config", [None, (64, 4, 2, 4.0, 0), (64, 4, 2, 0.01, 0)],
+                         ids=["default", "4 per SM", "one split"])
+def test_triton_rope_paged_attention_matches_reference(L, H, Hkv, D, lengths, config):
     """RoPE + KV write + attention in one kernel against the reference RoPE/KV write followed by the
     reference attention: the same output, the same slots written with the same keys, nothing else."""
     pytest.importorskip("triton")
     from smcdecode.backends.engine.kernels import triton_rope_paged_attention
 
-    monkeypatch.setenv("SMCDECODE_ATTN_MERGE", merge)
-    monkeypatch.setenv("SMCDECODE_ATTN_PROGRAMS_PER_SM", per_sm)
     torch.manual_seed(L * 10 + D)
     pool_k, pool_v, positions, batch = _scattered_pages(lengths, L, Hkv, D)
     B = len(lengths)
     qkv, cos, sin, ref, k_ref, v_ref = _rope_case(B, L, H, Hkv, D, pool_k, pool_v, positions, batch)
     for _ in range(2):
         k_out, v_out = pool_k.clone(), pool_v.clone()
-        out = triton_rope_paged_attention(qkv, cos, sin, k_out, v_out, batch, H)
+        out = triton_rope_paged_attention(qkv, cos, sin, k_out, v_out, batch, H, config=config)
         err = (out.double() - ref).norm() / ref.norm()
         assert torch.isfinite(out).all() and err < 1e-2, float(err)
         assert (k_out.float() - k_ref.float()).abs().max() < 2e-2  # the new keys (rounded like the reference)
@@ -92,23 +91,36 @@ def test_triton_rope_paged_attention_matches_reference(L, H, Hkv, D, lengths, me
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("split_k", ["default", "forced", "forced unfolded", "forced, fold <= 64 rows",
-                                     "transposed"])
+@pytest.mark.parametrize("split_k", ["default", "forced", "forced, fold <= 64 rows", "transposed"])
 def test_bf16_engine_logprobs_match_hf_and_graph_round_runs(split_k, monkeypatch):
-    """(split_k "forced": wo and w2 of the decode steps split K in 2 and 4, which at these small shapes
-    the default would not do, and the norms after them folded into their epilogues (model.Normed);
-    "forced unfolded": the same split, the partials summed by the norms, SMCDECODE_FOLD_NORM=0;
-    "forced, fold <= 64 rows": SMCDECODE_FOLD_ROWS=64, so the 30-row prefill whose keys the compared
-    positions read folds too, in 32-row blocks; "transposed": SMCDECODE_TRANSPOSED=1 and no split, so
-    every wo and w2 runs as W·xᵀ and the norms read its transposed output.)"""
+    """(split_k "forced": wo and w2 (256x256, 256x512) split K in 2 and 4 at up to 128 rows, which at
+    these small shapes the engine would not do: the 30-row prefill's partials summed by the norms, the
+    decode steps' norms folded into the products' epilogues (ops.Normed); "forced, fold <= 64
+    rows": FOLD_MAX_ROWS 64, so the 30-row prefill whose keys the compared positions read folds too,
+    in 32-row blocks; "transposed": no split and every wo and w2 run as W·xᵀ, the norms reading its
+    transposed output.)"""
     transformers = pytest.importorskip("transformers")
+    import triton
+
+    from smcdecode.backends.engine import ops as M
+
+    forced = {(256, 256): (32, 64, 4, 2, 2), (256, 512): (32, 64, 4, 2, 4)}
+
+    def forced_split(x, w, tri, rows=None):
+        m = x.numel() // w.shape[1] if rows is None else rows
+        entry = forced.get(tuple(w.shape))
+        if not tri or m > 128 or entry is None:
+            return None
+        bn, bk, warps, stages, split = entry
+        return (max(16, triton.next_power_of_2(m)), bn, bk, warps, stages), split
+
     if split_k == "transposed":
-        monkeypatch.setenv("SMCDECODE_TRANSPOSED", "1")
-        monkeypatch.setenv("SMCDECODE_SPLITK", "0")
+        monkeypatch.setattr(M, "transposed_wins", lambda *shape: True)
+        monkeypatch.setattr(M, "split_config", lambda x, w, tri, rows=None: None)
     elif split_k != "default":
-        monkeypatch.setenv("SMCDECODE_SPLITK_CONFIG", '{"256x256": [32, 64, 4, 2, 2], "256x512": [32, 64, 4, 2, 4]}')
-    monkeypatch.setenv("SMCDECODE_FOLD_NORM", "0" if split_k == "forced unfolded" else "1")
-    monkeypatch.setenv("SMCDECODE_FOLD_ROWS", "64" if "64" in split_k else "16")
+        monkeypatch.setattr(M, "split_config", forced_split)
+    if "64" in split_k:
+        monkeypatch.setattr(M, "FOLD_MAX_ROWS", 64)
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
@@ -117,7 +129,7 @@ def test_bf16_engine_logprobs_match_hf_and_graph_round_runs(split_k, monkeypatch
     model = Llama.from_hf(hf, dtype=torch.bfloat16, device="cuda")
     PS = 16
     pool = KVPool.for_model(model.cfg, num_pages=64, page_size=PS, dtype=torch.bfloat16, device="cuda",
-                            attention_backend="triton")
+                            triton=True)
     table = PageTable(rows=1, max_pages=16, num_pages=64, page_size=PS)
     ids = torch.randint(0, 512, (1, 40), device="cuda")
     table.reserve(np.array([0]), np.array([40]))
@@ -143,7 +155,7 @@ def test_bf16_engine_logprobs_match_hf_and_graph_round_runs(split_k, monkeypatch
 @pytest.mark.parametrize("B,L,H,Hkv,S", [(3, 9, 32, 8, 5), (2, 1, 8, 8, 1), (4, 2, 32, 8, 16), (2, 20, 32, 8, 3)])
 def test_triton_merge_splits_matches_reference(B, L, H, Hkv, S):
     pytest.importorskip("triton")
-    from smcdecode.backends.engine.kernels import _merge_splits_kernel, merge_splits_reference
+    from smcdecode.backends.engine.kernels.attention import _merge_splits_kernel, merge_splits_reference
 
     torch.manual_seed(B * 7 + S)
     G, D = H // Hkv, 128
@@ -164,15 +176,16 @@ def test_triton_merge_splits_matches_reference(B, L, H, Hkv, S):
 @pytest.mark.parametrize("M,dim,strided", [(7, 576, False), (72, 4096, True), (3, 2048, True), (256, 64, False),
                                            (192, 4096, "transposed"), (5, 576, "transposed"),
                                            (192, 4096, "transposed, 8 rows on 16 warps")])
-def test_triton_add_rms_norm_and_silu_mul_match_reference(M, dim, strided, monkeypatch):
+def test_triton_add_rms_norm_and_silu_mul_match_reference(M, dim, strided):
     """(strided True: the last-position slice of a last_only forward; "transposed": a delta with unit
-    stride between rows, as cuBLAS writes W·xᵀ for model.linear_to_residual.)"""
+    stride between rows, as cuBLAS writes W·xᵀ for ops.linear_to_residual.)"""
     pytest.importorskip("triton")
+    config = None
     if strided and "warps" in str(strided):
-        monkeypatch.setenv("SMCDECODE_TNORM_CONFIG", "8,16")
+        config = (8, 16)
         strided = "transposed"
     from smcdecode.backends.engine.kernels import triton_add_rms_norm, triton_silu_mul
-    from smcdecode.backends.engine.model import add_rms_norm_reference, silu_mul
+    from smcdecode.backends.engine.ops import add_rms_norm_reference, silu_mul
 
     torch.manual_seed(M + dim)
     x = torch.randn(M, 3, dim, device="cuda", dtype=torch.bfloat16)
@@ -183,7 +196,7 @@ def test_triton_add_rms_norm_and_silu_mul_match_reference(M, dim, strided, monke
         assert d.reshape(-1, dim).stride() == (1, 3 * M)
     elif strided:  # the last-position slice, as in a last_only forward
         x, d = x[:, -1:], d[:, -1:]
-    h, y = triton_add_rms_norm(x, d, w, 1e-5)
+    h, y = triton_add_rms_norm(x, d, w, 1e-5, config=config)
     h_ref, y_ref = add_rms_norm_reference(x, d, w, 1e-5)
     assert torch.equal(h, h_ref)
     assert (y.float() - y_ref.float()).abs().max() <= 2e-2 * y_ref.float().abs().max()
@@ -198,7 +211,7 @@ def test_triton_add_rms_norm_and_silu_mul_match_reference(M, dim, strided, monke
 def test_triton_rope_kv_write_matches_reference(H, Hkv, D):
     pytest.importorskip("triton")
     from smcdecode.backends.engine.kernels import triton_rope_kv_write
-    from smcdecode.backends.engine.model import rope_kv_write_reference
+    from smcdecode.backends.engine.ops import rope_kv_write_reference
 
     torch.manual_seed(H)
     B, L, PS, pages_n = 3, 9, 16, 40
@@ -294,7 +307,7 @@ def test_triton_copy_pages_matches_reference_in_a_graph():
 def test_triton_skinny_linear_matches_torch(M, N, K):
     pytest.importorskip("triton")
     from smcdecode.backends.engine.kernels import triton_skinny_linear
-    from smcdecode.backends.engine.model import silu_mul
+    from smcdecode.backends.engine.ops import silu_mul
 
     torch.manual_seed(M + N)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -315,12 +328,11 @@ def test_triton_skinny_linear_matches_torch(M, N, K):
 
 
 @pytest.mark.parametrize("M,N,K", [(72, 4096, 14336), (576, 4096, 4096)])
-def test_cublaslt_products_match_and_restore_the_library(M, N, K, monkeypatch):
-    """The measured shapes go through cuBLASLt (model.dense) with the same result as cuBLAS, within
+def test_cublaslt_products_match_and_restore_the_library(M, N, K):
+    """The measured shapes go through cuBLASLt (ops.dense) with the same result as cuBLAS, within
     bf16 rounding, also in a CUDA graph; torch's preferred BLAS library is left as it was."""
-    from smcdecode.backends.engine.model import cublaslt_wins, dense
+    from smcdecode.backends.engine.ops import cublaslt_wins, dense
 
-    monkeypatch.delenv("SMCDECODE_CUBLASLT", raising=False)
     torch.manual_seed(M)
     layer = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -359,7 +371,7 @@ def test_folded_norm_epilogue_matches_reference_in_a_graph(M, N, K):
     shape, the last split adding the partials), replayed 3 times in a CUDA graph (its counters reset
     each time): h, γ ⊙ h and Σ h² as the reference, and 1/rms · (γ ⊙ h) · W13ᵀ through the skinny
     SiLU·mul and the SiLU·mul kernel's row scale as rms_norm(h) · W13ᵀ (bf16 tolerance)."""
-    from smcdecode.backends.engine.model import Normed, add_rms_norm_reference, linear_add_norm_reference, silu_mul
+    from smcdecode.backends.engine.ops import Normed, add_rms_norm_reference, linear_add_norm_reference, silu_mul
 
     kernels, x, w, res, gamma, cfg, split = _residual_case(M, N, K)
     kernels.triton_skinny_linear_add_norm(x, w, res, gamma, cfg, split)  # compiles, allocates the counters
@@ -374,7 +386,7 @@ def test_folded_norm_epilogue_matches_reference_in_a_graph(M, N, K):
         assert (h.float() - ref.h.float()).abs().max() <= 2e-2 * ref.h.float().abs().max()
         assert (gh.float() - ref.gh.float()).abs().max() <= 3e-2 * ref.gh.float().abs().max()
         assert ((ss.sum(1) - ref.sumsq[:, 0]).abs() <= 2e-2 * ref.sumsq[:, 0]).all()
-    assert int(kernels._split_counters(x.device, 1, kind="skinny").abs().sum()) == 0
+    assert int(kernels.common.split_counters(x.device, 1, kind="skinny").abs().sum()) == 0
     normed = Normed(h, gh, ss, 1e-5)
     w13 = torch.randn(2 * 512, N, device="cuda", dtype=torch.bfloat16) * N**-0.5
     want = silu_mul(add_rms_norm_reference(h, None, gamma, 1e-5)[1].float() @ w13.float().T)
@@ -387,7 +399,7 @@ def test_folded_norm_epilogue_matches_reference_in_a_graph(M, N, K):
 def test_split_k_partials_feed_the_norm_as_the_unsplit_product_would(M, N, K):
     """The add + RMSNorm that sums split-K partials equals the one that adds the product computed
     whole (bf16 tolerance: the float32 sums differ in order), with the engine's default split."""
-    from smcdecode.backends.engine.model import add_rms_norm_reference
+    from smcdecode.backends.engine.ops import add_rms_norm_reference
 
     kernels, x, w, res, gamma, cfg, split = _residual_case(M, N, K)
     parts = kernels.triton_skinny_linear(x, w, config=cfg, split=split)
@@ -397,62 +409,20 @@ def test_split_k_partials_feed_the_norm_as_the_unsplit_product_would(M, N, K):
     assert (y.float() - y_ref.float()).abs().max() <= 3e-2 * y_ref.float().abs().max()
 
 
-@pytest.mark.parametrize("gs,L,D,B,per_sm,merge", [(8, 1, 64, 8, "2", "fused"), (8, 1, 64, 12, "2", "kernel"),
-                                                   (8, 2, 64, 16, "2", "fused"), (4, 1, 128, 8, "0.01", "fused"),
-                                                   (8, 1, 128, 64, "2", "fused")])
-def test_triton_grouped_attention_matches_reference(gs, L, D, B, per_sm, merge, monkeypatch):
-    """Rows grouped per program (particles sharing a prefix of pages; the rest private, unequal
-    lengths): plain and RoPE-fused attention against the references."""
-    pytest.importorskip("triton")
-    from smcdecode.backends.engine.kernels import triton_paged_attention, triton_rope_paged_attention
-
-    monkeypatch.setenv("SMCDECODE_ATTN_GROUP", str(gs))
-    monkeypatch.setenv("SMCDECODE_ATTN_PROGRAMS_PER_SM", per_sm)
-    monkeypatch.setenv("SMCDECODE_ATTN_MERGE", merge)
-    torch.manual_seed(gs * 100 + B + D)
-    H, Hkv, PS, P = 32, 8, 16, 96
-    num_pages = B * P + 1
-    pool_k = torch.randn(num_pages, Hkv, PS, D, device="cuda", dtype=torch.bfloat16)
-    pool_v = torch.randn(num_pages, Hkv, PS, D, device="cuda", dtype=torch.bfloat16)
-    pt = (torch.randperm(num_pages - 1, device="cuda")[: B * P].view(B, P) + 1).to(torch.int32)
-    lengths = torch.randint(600, 1300, (B,), device="cuda")
-    lengths[: B // 2] = 1000  # half the rows of equal length
-    shared = int(lengths.min() - L) // PS  # pages shared by every row (never written by this call)
-    pt[:, :shared] = pt[0, :shared]
-    s2 = int(lengths[B // 2 :].min() - L) // PS
-    pt[B // 2 :, shared:s2] = pt[B // 2, shared:s2]  # a second family sharing more (not its written pages)
-    positions = lengths[:, None] - L + torch.arange(L, device="cuda")
-    batch = PagedBatch.build(positions, pt, PS)
-    q = torch.randn(B, L, H, D, device="cuda", dtype=torch.bfloat16)
-    ref = reference_paged_attention(q.double(), pool_k.double(), pool_v.double(), batch)
-    out = triton_paged_attention(q, pool_k, pool_v, batch)
-    assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
-    qkv, cos, sin, ref, k_ref, v_ref = _rope_case(B, L, H, Hkv, D, pool_k, pool_v, positions, batch)
-    k_out, v_out = pool_k.clone(), pool_v.clone()
-    out = triton_rope_paged_attention(qkv, cos, sin, k_out, v_out, batch, H)
-    assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
-    assert (k_out.float() - k_ref.float()).abs().max() < 2e-2 and torch.equal(v_out, v_ref)
-
-
-@pytest.mark.parametrize("cfg,L,D,B,group", [  # every configuration kind at the sweep's shapes (not all pairs: compiles)
-    ([32, 4, 2, 1], 1, 64, 8, 1), ([128, 8, 2, 4], 2, 64, 64, 1), ([256, 4, 2, 2], 9, 128, 8, 1),
-    ([16, 8, 3, 16], 1, 128, 1, 1), ([64, 4, 2, 0.01], 9, 128, 64, 1), ([64, 4, 2, 2, 1], 1, 64, 8, 1),
-    ([32, 8, 3, 0.5, 1], 9, 128, 8, 1), ([128, 4, 2, 4, 1], 1, 128, 8, 1), ([256, 8, 2, 1, 1], 2, 64, 8, 1),
-    ([32, 4, 2, 4], 1, 64, 8, 8), ([128, 4, 3, 1], 2, 64, 16, 8), ([64, 4, 2, 2], 1, 64, 64, 8)])
-def test_triton_attention_launch_configs_match_reference(cfg, L, D, B, group, monkeypatch):
-    """The sweep's configurations (benchmarks/attention_sweep.py; SMCDECODE_ATTN_CONFIG for every
-    class; with and without the page-id prefetch) at its shapes: plain and RoPE-fused attention,
-    plain and grouped kernel, against the references; the particles of a request share the prompt's
-    pages."""
-    import json
-
+@pytest.mark.parametrize("cfg,L,D,B", [  # every configuration kind at the benchmark's shapes (not all pairs: compiles)
+    ((32, 4, 2, 1, 0), 1, 64, 8), ((128, 8, 2, 4, 0), 2, 64, 64), ((256, 4, 2, 2, 0), 9, 128, 8),
+    ((16, 8, 3, 16, 0), 1, 128, 1), ((64, 4, 2, 0.01, 0), 9, 128, 64), ((64, 4, 2, 2, 1), 1, 64, 8),
+    ((32, 8, 3, 0.5, 1), 9, 128, 8), ((128, 4, 2, 4, 1), 1, 128, 8), ((256, 8, 2, 1, 1), 2, 64, 8)])
+def test_triton_attention_launch_configs_match_reference(cfg, L, D, B):
+    """Launch configurations (BLOCK_N, warps, stages, programs per SM, page-id prefetch) at the
+    benchmark's shapes: plain and RoPE-fused attention against the references; the particles of a
+    request share the prompt's pages."""
     pytest.importorskip("triton")
     from triton.runtime.errors import OutOfResources
 
-    from smcdecode.backends.engine.kernels import _split_counters, triton_paged_attention, triton_rope_paged_attention
+    from smcdecode.backends.engine.kernels import triton_paged_attention, triton_rope_paged_attention
+    from smcdecode.backends.engine.kernels.common import split_counters
 
-    monkeypatch.setenv("SMCDECODE_ATTN_CONFIG", json.dumps({c: cfg for c in ("decode", "verify", "group")}))
-    monkeypatch.setenv("SMCDECODE_ATTN_GROUP", str(group))
     torch.manual_seed(L * 1000 + D + B)
     H, Hkv, PS, P = 32, 8, 16, 83
     lengths = torch.randint(300, 1290, (B,)).tolist()
@@ -463,7 +433,7 @@ def test_triton_attention_launch_configs_match_reference(cfg, L, D, B, group, mo
     q = torch.randn(B, L, H, D, device="cuda", dtype=torch.bfloat16)
     ref = reference_paged_attention(q.double(), pool_k.double(), pool_v.double(), batch)
     try:
-        out = triton_paged_attention(q, pool_k, pool_v, batch)
+        out = triton_paged_attention(q, pool_k, pool_v, batch, config=cfg)
     except OutOfResources as e:  # (a block too large for this GPU's shared memory: the sweep skips it too)
         pytest.skip(f"{cfg} at D={D}: {e}")
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
@@ -471,12 +441,12 @@ def test_triton_attention_launch_configs_match_reference(cfg, L, D, B, group, mo
     for _ in range(2):  # repeated launches: the split counters are reset by each launch
         k_out, v_out = pool_k.clone(), pool_v.clone()
         try:
-            out = triton_rope_paged_attention(qkv, cos, sin, k_out, v_out, batch, H)
+            out = triton_rope_paged_attention(qkv, cos, sin, k_out, v_out, batch, H, config=cfg)
         except OutOfResources as e:
             pytest.skip(f"{cfg} at D={D} with RoPE: {e}")
         assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
         assert (k_out.float() - k_ref.float()).abs().max() < 2e-2 and torch.equal(v_out, v_ref)
-    assert int(_split_counters(q.device, 1).abs().sum()) == 0
+    assert int(split_counters(q.device, 1).abs().sum()) == 0
 
 
 def _kernels_with_pdl():
@@ -485,18 +455,12 @@ def _kernels_with_pdl():
     pytest.importorskip("triton")
     from smcdecode.backends.engine import kernels
 
-    if kernels.gdc_wait is None or torch.cuda.get_device_capability()[0] < 9:
+    if kernels.common.gdc_wait is None or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90+ and Triton >= 3.3")
     return kernels
 
 
-def _pdl_env(monkeypatch, pdl: str):
-    monkeypatch.setenv("SMCDECODE_PDL", pdl)
-    monkeypatch.setenv("SMCDECODE_SKINNY_ALL", "1")
-
-
-@pytest.mark.parametrize("pdl", ["1", "2"])
-def test_pdl_chain_in_a_graph_equals_the_chain_without_pdl(pdl, monkeypatch):
+def test_pdl_chain_in_a_graph_equals_the_chain_without_pdl():
     """Programmatic dependent launch: a draft-layer chain (add + RMSNorm, skinny wqkv, wo, w13 +
     SiLU·mul, w2 on 12 layers) captured in a CUDA graph and replayed 30 times gives, bit for bit, the
     result of the same kernels launched without PDL (a kernel reading its input before the previous
@@ -520,10 +484,10 @@ def test_pdl_chain_in_a_graph_equals_the_chain_without_pdl(pdl, monkeypatch):
             delta = kernels.triton_skinny_linear(kernels.triton_skinny_linear(n, w13, silu=True), w2)
         return x + delta
 
-    _pdl_env(monkeypatch, "0")
-    ref = chain(x0.clone())
-    _pdl_env(monkeypatch, pdl)
-    assert kernels.pdl_mode(x0.device) == int(pdl)
+    with kernels.pdl_off():
+        assert kernels.pdl_mode(x0.device) == 0
+        ref = chain(x0.clone())
+    assert kernels.pdl_mode(x0.device) == 1
     x = x0.clone()
     out = chain(x)  # compile outside the capture
     torch.cuda.synchronize()
@@ -537,21 +501,23 @@ def test_pdl_chain_in_a_graph_equals_the_chain_without_pdl(pdl, monkeypatch):
         assert torch.equal(out, ref)
 
 
-def test_pdl_engine_outputs_equal_without_pdl(monkeypatch):
-    """SMC-SD, exact SD and AR on the engine (CUDA graphs) with every Triton kernel under PDL draw
-    the same tokens as without PDL, for the same seed."""
+def test_pdl_engine_outputs_equal_without_pdl():
+    """SMC-SD on the engine (CUDA graphs) with every Triton kernel under PDL draws the same tokens as
+    without PDL, for the same seed (exact SD and AR run without PDL either way)."""
+    import contextlib
+
     kernels = _kernels_with_pdl()
     target = Llama.random(LlamaConfig(2048, 512, 4, 8, 2, 1024, rope_theta=10000.0), device="cuda", seed=1)
     draft = Llama.random(LlamaConfig(2048, 256, 2, 4, 2, 768, rope_theta=10000.0), device="cuda", seed=2)
     prompts = [list(range(5, 40)), list(range(100, 117))]
     outs = []
-    for pdl in ("0", "1"):
-        _pdl_env(monkeypatch, pdl)
-        assert kernels.pdl_mode(torch.device("cuda")) == int(pdl)
-        engine = Engine(target, draft, num_pages=512, page_size=16, max_context=256)
-        smc = engine.smc_sd(prompts, particles=4, block_size=4, max_new_tokens=40, use_graphs=True, seed=3)
-        sd = engine.speculative(prompts, block_size=4, max_new_tokens=30, use_graphs=True, seed=3)
-        ar, _ = engine.autoregressive(prompts, max_new_tokens=20, use_graphs=True, seed=3)
+    for pdl in (False, True):
+        with contextlib.nullcontext() if pdl else kernels.pdl_off():
+            assert kernels.pdl_mode(torch.device("cuda")) == int(pdl)
+            engine = Engine(target, draft, num_pages=512, page_size=16, max_context=256)
+            smc = engine.smc_sd(prompts, particles=4, block_size=4, max_new_tokens=40, use_graphs=True, seed=3)
+            sd = engine.speculative(prompts, block_size=4, max_new_tokens=30, use_graphs=True, seed=3)
+            ar, _ = engine.autoregressive(prompts, max_new_tokens=20, use_graphs=True, seed=3)
         outs.append((smc.tokens.cpu(), smc.log_evidence.cpu(), sd.tokens.cpu(), ar.cpu()))
     for a, b in zip(*outs):
         assert torch.equal(a, b)

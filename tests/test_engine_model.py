@@ -7,6 +7,7 @@ import torch
 from conftest import llama3_scaled_hf
 
 from smcdecode.backends.engine import Engine, KVPool, Llama, LlamaConfig, PagedBatch, PageTable
+from smcdecode.backends.engine.graphs import GraphCache
 
 transformers = pytest.importorskip("transformers")
 
@@ -99,7 +100,7 @@ def test_cached_round_and_step_graphs_replay_like_a_fresh_capture(hf_model, monk
     gives, for SMC-SD, exact SD and autoregressive decoding."""
     target = Llama.from_hf(hf_model, dtype=torch.float32)
     draft = Llama(LlamaConfig(97, 32, 1, 2, 1, 48, rope_theta=10000.0)).eval()
-    monkeypatch.setattr(Engine, "_capture", lambda self, fn, use_graphs: fn)  # "graph" = the eager step
+    monkeypatch.setattr(GraphCache, "capture", lambda self, fn, use_graphs: fn)  # "graph" = the eager step
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
     calls = {
         "smc_sd": lambda e, s: e.smc_sd(prompts, particles=3, block_size=2, max_new_tokens=7, seed=s, use_graphs=True),
@@ -113,7 +114,7 @@ def test_cached_round_and_step_graphs_replay_like_a_fresh_capture(hf_model, monk
     for name, call in calls.items():
         engine = Engine(target, draft, num_pages=256, page_size=4, max_context=32)
         first = tokens(call(engine, 3)).clone()  # captured now
-        assert engine._graphs, f"{name}: nothing cached"
+        assert engine.graphs, f"{name}: nothing cached"
         again = tokens(call(engine, 4))  # found in the cache, reset and replayed
         fresh = tokens(call(Engine(target, draft, num_pages=256, page_size=4, max_context=32), 4))
         assert torch.equal(again, fresh), name

@@ -1,19 +1,14 @@
 """The torch references of the engine's fused kernels (CPU): add + RMSNorm, RoPE + KV-page write,
 sample-and-score. The Triton kernels are tested against these in test_engine_kernels.py (GPU)."""
 
-import json
 import math
 
 import pytest
 import torch
 
-from smcdecode.backends.engine.engine import sample_and_score_reference
-from smcdecode.backends.engine.model import (
-    LlamaConfig,
-    add_rms_norm_reference,
-    rope_inv_freq,
-    rope_kv_write_reference,
-)
+from smcdecode.backends.engine.model import LlamaConfig, rope_inv_freq
+from smcdecode.backends.engine.ops import add_rms_norm_reference, rope_kv_write_reference
+from smcdecode.backends.engine.sampling import sample_and_score_reference
 
 
 def test_add_rms_norm_reference_is_the_norm_of_the_sum():
@@ -113,52 +108,45 @@ def _paged_case(seed, B, L, H, Hkv, D, PS, P, lengths, dtype=torch.float32):
     return pools, pt, PagedBatch.build(positions, pt, PS), g
 
 
-def test_interpreted_paged_attention_and_merges_match_reference(monkeypatch):
+def test_interpreted_paged_attention_and_merges_match_reference():
+    """The default launch and launches with more KV splits (their partials merged by the last split
+    to finish), one and two query tiles."""
     kernels = _interpreted_kernels()
     from smcdecode.backends.engine.attention import reference_paged_attention
 
-    for L, H, Hkv, D, lengths, per_sm in [(1, 4, 2, 32, [1, 37, 20], "4"), (3, 8, 2, 16, [3, 30, 11], "1"),
-                                          (20, 4, 2, 32, [20, 29], "1")]:  # (20·2 rows: two query tiles)
+    for L, H, Hkv, D, lengths, per_sm in [(1, 4, 2, 32, [1, 37, 20], 4.0), (3, 8, 2, 16, [3, 30, 11], 1.0),
+                                          (20, 4, 2, 32, [20, 29], 1.0)]:  # (20·2 rows: two query tiles)
         (kp, vp), pt, batch, g = _paged_case(L, len(lengths), L, H, Hkv, D, 4, 10, lengths)
         q = torch.randn(len(lengths), L, H, D, generator=g)
         ref = reference_paged_attention(q.double(), kp.double(), vp.double(), batch)
-        monkeypatch.setenv("SMCDECODE_ATTN_PROGRAMS_PER_SM", per_sm)
-        for merge in ("fused", "kernel"):
-            monkeypatch.setenv("SMCDECODE_ATTN_MERGE", merge)
-            out = kernels.triton_paged_attention(q, kp, vp, batch)
+        for config in (None, (64, 4, 2, per_sm, 0)):
+            out = kernels.triton_paged_attention(q, kp, vp, batch, config=config)
             err = float((out.double() - ref).norm() / ref.norm())
-            assert err < 1e-5, (L, merge, err)
-        assert int(kernels._split_counters(q.device, 1).abs().sum()) == 0  # every counter reset
+            assert err < 1e-5, (L, config, err)
+        assert int(kernels.common.split_counters(q.device, 1).abs().sum()) == 0  # every counter reset
 
 
-def test_interpreted_rope_paged_attention_matches_rope_write_then_attention(monkeypatch):
+def test_interpreted_rope_paged_attention_matches_rope_write_then_attention():
     kernels = _interpreted_kernels()
     from smcdecode.backends.engine.attention import reference_paged_attention
 
     H, Hkv, D, PS = 8, 2, 32, 4
     cos, sin = _rope_tables(H, Hkv, D)
-    for L, lengths, per_sm in [(1, [1, 9, 40], "4"), (2, [2, 18, 33], "2"), (9, [9, 26, 40], "1")]:
+    for L, lengths, per_sm in [(1, [1, 9, 40], 4.0), (2, [2, 18, 33], 2.0), (9, [9, 26, 40], 1.0)]:
         (kp, vp), pt, batch, g = _paged_case(10 + L, len(lengths), L, H, Hkv, D, PS, 10, lengths)
         qkv = torch.randn(len(lengths), L, (H + 2 * Hkv) * D, generator=g)
         kp_ref, vp_ref = kp.clone(), vp.clone()
         q_ref = rope_kv_write_reference(qkv, batch.positions, cos, sin, kp_ref, vp_ref, batch.slot_pages,
                                         batch.slot_offsets, H, Hkv)
         ref = reference_paged_attention(q_ref.double(), kp_ref.double(), vp_ref.double(), batch)
-        monkeypatch.setenv("SMCDECODE_ATTN_PROGRAMS_PER_SM", per_sm)
-        # today's launch, and one split of 16-key blocks with the page ids loaded a block ahead
-        for config in (None, {"decode": [16, 4, 2, 0.01, 1], "verify": [16, 4, 2, 0.01, 1]}):
-            if config is None:
-                monkeypatch.delenv("SMCDECODE_ATTN_CONFIG", raising=False)
-            else:
-                monkeypatch.setenv("SMCDECODE_ATTN_CONFIG", json.dumps(config))
-            for merge in ("fused", "kernel"):
-                monkeypatch.setenv("SMCDECODE_ATTN_MERGE", merge)
-                k_out, v_out = kp.clone(), vp.clone()
-                out = kernels.triton_rope_paged_attention(qkv, cos, sin, k_out, v_out, batch, H)
-                err = float((out.double() - ref).norm() / ref.norm())
-                assert err < 1e-5, (L, merge, config, err)
-                torch.testing.assert_close(k_out, kp_ref)  # the same slots written with the same keys, nothing else
-                torch.testing.assert_close(v_out, vp_ref)
+        # the default launch, more splits, and one split of 16-key blocks with the page ids loaded a block ahead
+        for config in (None, (64, 4, 2, per_sm, 0), (16, 4, 2, 0.01, 1)):
+            k_out, v_out = kp.clone(), vp.clone()
+            out = kernels.triton_rope_paged_attention(qkv, cos, sin, k_out, v_out, batch, H, config=config)
+            err = float((out.double() - ref).norm() / ref.norm())
+            assert err < 1e-5, (L, config, err)
+            torch.testing.assert_close(k_out, kp_ref)  # the same slots written with the same keys, nothing else
+            torch.testing.assert_close(v_out, vp_ref)
 
 
 def test_interpreted_merge_kernel_matches_reference():
@@ -172,7 +160,7 @@ def test_interpreted_merge_kernel_matches_reference():
         lse = torch.randn(B * Hkv * mt, S, block_m, generator=g) * 3
         lse[:, S // 2 + 1 :] = float("-inf")  # splits with no keys for the row
         out = torch.full((B, L, H, D), float("nan"))
-        kernels._merge_splits_kernel[(B * Hkv * L * G,)](o_part, lse, out, L=L, G=G, H=H, HKV=Hkv, D=D, NSPLIT=S,
+        kernels.attention._merge_splits_kernel[(B * Hkv * L * G,)](o_part, lse, out, L=L, G=G, H=H, HKV=Hkv, D=D, NSPLIT=S,
                                                          NSPLIT_P2=max(2, 1 << (S - 1).bit_length()),
                                                          BLOCK_M=block_m)
         ref = kernels.merge_splits_reference(o_part.double(), lse.double(), B, L, H, Hkv, torch.float64)
@@ -181,7 +169,7 @@ def test_interpreted_merge_kernel_matches_reference():
 
 def test_interpreted_skinny_linear_matches_torch():
     kernels = _interpreted_kernels()
-    from smcdecode.backends.engine.model import silu_mul
+    from smcdecode.backends.engine.ops import silu_mul
 
     g = torch.Generator().manual_seed(5)
     for M, N, K, cfg in [(3, 40, 48, (16, 16, 16, 4, 2)), (17, 16, 64, (16, 16, 32, 4, 2)), (8, 24, 40, None),
@@ -230,7 +218,7 @@ def test_interpreted_split_k_partials_sum_to_the_product_and_feed_the_norm():
     """Split-K: the float32 partials [S, M, N] sum to x·wᵀ (K not a multiple of a split: the last one
     masked), and the add + RMSNorm that reads them equals the reference on their total."""
     kernels = _interpreted_kernels()
-    from smcdecode.backends.engine.model import SplitSum, add_rms_norm_reference
+    from smcdecode.backends.engine.ops import SplitSum, add_rms_norm_reference
 
     g = torch.Generator().manual_seed(6)
     for M, N, K, cfg, split, S in [(3, 40, 96, (16, 16, 32, 4, 2), 2, 2), (8, 24, 200, (16, 16, 16, 4, 1), 4, 4),
@@ -252,11 +240,11 @@ def test_interpreted_split_k_partials_sum_to_the_product_and_feed_the_norm():
 
 def test_interpreted_add_rms_norm_reads_a_transposed_delta():
     """A delta stored transposed (the view (W·xᵀ)ᵀ of a product cuBLAS ran on the transposed
-    problem, model.linear_to_residual) gives the reference's h and norm: read in 4-row tiles (rows
+    problem, ops.linear_to_residual) gives the reference's h and norm: read in 4-row tiles (rows
     not a multiple of 4, a width that is not a power of two), and a slice of it whose rows are not
     adjacent in memory (the last position of each sequence) through a copy."""
     kernels = _interpreted_kernels()
-    from smcdecode.backends.engine.model import add_rms_norm_reference
+    from smcdecode.backends.engine.ops import add_rms_norm_reference
 
     g = torch.Generator().manual_seed(11)
     for B, L, dim in [(2, 9, 48), (1, 7, 40), (3, 1, 64)]:
@@ -268,10 +256,8 @@ def test_interpreted_add_rms_norm_reads_a_transposed_delta():
         for xs, ds in ((x, d), (x[:, -1:], d[:, -1:])):
             h, y = kernels.triton_add_rms_norm(xs, ds, gamma, 1e-5)
             if xs is x:  # other tiles: 8 and 2 rows a program
-                for setting in ("8,4", "2,4"):
-                    with pytest.MonkeyPatch.context() as mp:
-                        mp.setenv("SMCDECODE_TNORM_CONFIG", setting)
-                        h8, y8 = kernels.triton_add_rms_norm(xs, ds, gamma, 1e-5)
+                for config in ((8, 4), (2, 4)):
+                    h8, y8 = kernels.triton_add_rms_norm(xs, ds, gamma, 1e-5, config=config)
                     torch.testing.assert_close(h8, h, rtol=0, atol=0)
                     torch.testing.assert_close(y8, y, rtol=1e-6, atol=1e-6)
             h_ref, y_ref = add_rms_norm_reference(xs, ds, gamma, 1e-5)
@@ -280,39 +266,30 @@ def test_interpreted_add_rms_norm_reads_a_transposed_delta():
             torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
 
 
-def test_transposed_product_setting_is_read_from_the_environment(monkeypatch):
-    """SMCDECODE_TRANSPOSED: auto takes the measured shapes on sm_90 only, 1 every shape, 0 none; a bad
-    value names the setting."""
-    from smcdecode.backends.engine.model import TRANSPOSED_SHAPES, transposed_wins
+def test_transposed_products_are_the_measured_shapes():
+    """W·xᵀ for the measured shapes on sm_90 only; the transposed-delta norm's tile is 4 rows on 8
+    warps unless a config is given, and a bad config is refused."""
+    from smcdecode.backends.engine.ops import TRANSPOSED_SHAPES, transposed_wins
 
     shape = next(iter(TRANSPOSED_SHAPES))
-    monkeypatch.delenv("SMCDECODE_TRANSPOSED", raising=False)
     assert transposed_wins(*shape, (9, 0)) and not transposed_wins(*shape, (8, 0))
     assert not transposed_wins(8, 4096, 14336, (9, 0))
-    monkeypatch.setenv("SMCDECODE_TRANSPOSED", "1")
-    assert transposed_wins(8, 4096, 14336, (8, 0))
-    monkeypatch.setenv("SMCDECODE_TRANSPOSED", "0")
-    assert not transposed_wins(*shape, (9, 0))
-    monkeypatch.setenv("SMCDECODE_TRANSPOSED", "yes")
-    with pytest.raises(ValueError, match="SMCDECODE_TRANSPOSED"):
-        transposed_wins(*shape, (9, 0))
-    kernels = _interpreted_kernels()  # the transposed-delta norm's tile: SMCDECODE_TNORM_CONFIG
-    assert kernels._tnorm_config() == (4, 8)
-    monkeypatch.setenv("SMCDECODE_TNORM_CONFIG", "8,16")
-    assert kernels._tnorm_config() == (8, 16)
-    for bad in ("3,8", "8", "8,3", "8,4,512"):
-        monkeypatch.setenv("SMCDECODE_TNORM_CONFIG", bad)
-        with pytest.raises(ValueError, match="SMCDECODE_TNORM_CONFIG"):
-            kernels._tnorm_config()
+    kernels = _interpreted_kernels()
+    assert kernels.norms.TNORM_CONFIG == (4, 8)
+    x = torch.randn(3, 16)
+    d = torch.randn(16, 3).t()  # unit stride between rows: the transposed kernel's input
+    for bad in ((3, 8), (8,), (8, 3), (8, 4, 512)):
+        with pytest.raises(ValueError, match="transposed-norm config"):
+            kernels.triton_add_rms_norm(x, d, torch.ones(16), 1e-5, config=bad)
 
 
 def test_interpreted_folded_norm_kernels_match_references():
-    """The folded RMSNorm (model.Normed): the skinny product's RESID epilogue gives h = resid + x·wᵀ,
+    """The folded RMSNorm (ops.Normed): the skinny product's RESID epilogue gives h = resid + x·wᵀ,
     γ ⊙ h and per-column-block Σ h² (unsplit, and split-K added up in order by the last split of each
     column block, whose counters are all reset); its consumers — the skinny SiLU·mul and the
     SiLU·mul kernel — scale the rows by 1/rms as the references do."""
     kernels = _interpreted_kernels()
-    from smcdecode.backends.engine.model import Normed, linear_add_norm_reference, silu_mul
+    from smcdecode.backends.engine.ops import Normed, linear_add_norm_reference, silu_mul
 
     g = torch.Generator().manual_seed(7)
     for M, N, K, cfg, split in [(3, 40, 96, (16, 16, 32, 4, 2), 1), (8, 24, 200, (16, 16, 16, 4, 1), 4),
@@ -333,7 +310,7 @@ def test_interpreted_folded_norm_kernels_match_references():
                                                                 rowscale=normed.rowscale()), want, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(kernels.triton_silu_mul((gh @ w13.T).contiguous(), rowscale=normed.rowscale()),
                                    want, rtol=1e-4, atol=1e-4)
-    assert int(kernels._split_counters(x.device, 1, kind="skinny").abs().sum()) == 0  # every counter reset
+    assert int(kernels.common.split_counters(x.device, 1, kind="skinny").abs().sum()) == 0  # every counter reset
     with pytest.raises(ValueError, match="rowscale"):
         kernels.triton_skinny_linear(gh, w13[:16], config=cfg, split=2, rowscale=normed.rowscale())
     with pytest.raises(ValueError, match="sumsq"):
@@ -343,7 +320,7 @@ def test_interpreted_folded_norm_kernels_match_references():
 def test_interpreted_embed_rms_norm_matches_lookup_then_norm():
     """The embedding lookup with the first RMSNorm in one launch equals the lookup, then the norm."""
     kernels = _interpreted_kernels()
-    from smcdecode.backends.engine.model import add_rms_norm_reference
+    from smcdecode.backends.engine.ops import add_rms_norm_reference
 
     g = torch.Generator().manual_seed(8)
     table, w = torch.randn(50, 48, generator=g), torch.randn(48, generator=g)
@@ -354,89 +331,54 @@ def test_interpreted_embed_rms_norm_matches_lookup_then_norm():
     torch.testing.assert_close(y, add_rms_norm_reference(table[tokens], None, w, 1e-5)[1], rtol=1e-5, atol=1e-5)
 
 
-def test_folded_norm_setting_is_read_from_the_environment(monkeypatch):
-    """SMCDECODE_FOLD_NORM: 0 turns the folded norms off, a bad value names the setting; off the GPU
-    (no Triton path) nothing folds."""
+def test_norms_fold_where_both_products_split(monkeypatch):
+    """The norms after wo and w2 fold where both products run split-K, at most FOLD_MAX_ROWS rows
+    (16), only with Triton (off the GPU the torch references run: nothing folds)."""
     from smcdecode.backends.engine import Llama
-    from smcdecode.backends.engine import model as M
+    from smcdecode.backends.engine import ops as M
 
     blk = Llama.random(LlamaConfig(64, 128, 1, 4, 2, 96), dtype=torch.float32, device="cpu").layers[0]
     x = torch.zeros(8, 128)
-    assert not M.fold_norms(x, blk)  # CPU: the torch references, no fold
-    monkeypatch.setattr(M, "_use_triton", lambda x: True)
-    monkeypatch.setattr(M, "_split_config", lambda x, w, rows=None: ((16, 16, 32, 4, 1), 2))
-    assert M.fold_norms(x, blk)
-    monkeypatch.setenv("SMCDECODE_FOLD_NORM", "0")
-    assert not M.fold_norms(x, blk)
-    monkeypatch.setenv("SMCDECODE_FOLD_NORM", "on")
-    with pytest.raises(ValueError, match="SMCDECODE_FOLD_NORM"):
-        M.fold_norms(x, blk)
-    monkeypatch.setenv("SMCDECODE_FOLD_NORM", "1")
-    x64 = torch.zeros(64, 128)  # SMCDECODE_FOLD_ROWS: the most rows that fold (default 16)
-    assert not M.fold_norms(x64, blk)
-    monkeypatch.setenv("SMCDECODE_FOLD_ROWS", "64")
-    assert M.fold_norms(x64, blk) and not M.fold_norms(torch.zeros(65, 128), blk)
-    monkeypatch.setenv("SMCDECODE_FOLD_ROWS", "many")
-    with pytest.raises(ValueError, match="SMCDECODE_FOLD_ROWS"):
-        M.fold_norms(x64, blk)
+    assert not M.fold_norms(x, blk, triton=False)
+    monkeypatch.setattr(M, "split_config", lambda x, w, triton, rows=None: ((16, 16, 32, 4, 1), 2))
+    assert M.fold_norms(x, blk, triton=True) and not M.fold_norms(x, blk, triton=False)
+    x16 = torch.zeros(16, 128)
+    assert M.FOLD_MAX_ROWS == 16 and M.fold_norms(x16, blk, triton=True)
+    assert not M.fold_norms(torch.zeros(17, 128), blk, triton=True)
+    monkeypatch.setattr(M, "split_config", lambda x, w, triton, rows=None: None)
+    assert not M.fold_norms(x, blk, triton=True)  # no split: the norms run on their own
 
 
-def test_split_k_settings_are_read_from_the_environment(monkeypatch):
+def test_split_k_configs_are_the_measured_shapes():
     """wo and w2 split K at <= 16 rows (the measured shapes as measured, others with K >= 4096 where
-    the column blocks alone do not cover the SMs) and at 17-64 rows (the measured shapes only); SMCDECODE_SPLITK=0 turns it off;
-    SMCDECODE_SPLITK_CONFIG overrides a shape; bad values name the setting."""
+    the column blocks alone do not cover the SMs) and at 17-64 rows (the measured shapes only)."""
     kernels = _interpreted_kernels()
     cpu = torch.device("cpu")
-    monkeypatch.delenv("SMCDECODE_SPLITK", raising=False)
-    monkeypatch.delenv("SMCDECODE_SPLITK_CONFIG", raising=False)
     cfg, split = kernels.splitk_config(8, 2048, 8192, cpu)  # the 1B's w2 at the draft's 8 rows
     assert split > 1 and cfg[0] == 16
+    assert kernels.splitk_config(8, 2048, 8192, cpu) == ((16, 32, 128, 4, 4), 4)
     assert kernels.splitk_config(64, 2048, 8192, cpu) == ((64, 64, 128, 4, 4), 4)  # the draft of 8 requests
-    assert kernels.splitk_config(129, 2048, 8192, cpu) is None  # more rows: cuBLAS
+    assert kernels.splitk_config(17, 2048, 8192, cpu) == ((32, 64, 128, 4, 4), 4)
+    assert kernels.splitk_config(65, 2048, 8192, cpu) is None  # more rows: cuBLAS
+    assert kernels.splitk_config(72, 4096, 4096, cpu) is None  # the 8B's verify pass: measured slower split
     assert kernels.splitk_config(64, 4096, 14336, cpu) is None  # above 16 rows only the measured shapes
-    monkeypatch.setenv("SMCDECODE_SPLITK_ROWS", "16")
-    assert kernels.splitk_config(17, 2048, 8192, cpu) is None
-    monkeypatch.delenv("SMCDECODE_SPLITK_ROWS")
     assert kernels.splitk_config(8, 28672, 4096, cpu) is None  # enough column blocks already
     assert kernels.splitk_config(1, 576, 1536, cpu) is None  # small, unmeasured: as before
     assert kernels.splitk_config(1, 5120, 13824, cpu)[1] == 2  # unmeasured, large: the rule
-    monkeypatch.setenv("SMCDECODE_SPLITK_CONFIG", '{"64:2048x8192": [64, 128, 4, 4, 2]}')  # 33-64 rows only
-    assert kernels.splitk_config(64, 2048, 8192, cpu) == ((64, 64, 128, 4, 4), 2)
-    assert kernels.splitk_config(8, 2048, 8192, cpu) == ((16, 32, 128, 4, 4), 4)
-    monkeypatch.delenv("SMCDECODE_SPLITK_CONFIG")
-    monkeypatch.setenv("SMCDECODE_SPLITK_CONFIG", '{"128:4096x4096": [64, 128, 4, 3, 2]}')  # 65-128 rows
-    assert kernels.splitk_config(72, 4096, 4096, cpu) == ((128, 64, 128, 4, 3), 2)
-    monkeypatch.delenv("SMCDECODE_SPLITK_CONFIG")
-    monkeypatch.setenv("SMCDECODE_SPLITK_ROWS", "256")
-    with pytest.raises(ValueError, match="SMCDECODE_SPLITK_ROWS"):
-        kernels.splitk_config(8, 2048, 8192, cpu)
-    monkeypatch.delenv("SMCDECODE_SPLITK_ROWS")
-    monkeypatch.setenv("SMCDECODE_SPLITK", "0")
-    assert kernels.splitk_config(8, 2048, 8192, cpu) is None
-    monkeypatch.setenv("SMCDECODE_SPLITK", "yes")
-    with pytest.raises(ValueError, match="SMCDECODE_SPLITK"):
-        kernels.splitk_config(8, 2048, 8192, cpu)
-    monkeypatch.setenv("SMCDECODE_SPLITK", "1")
-    monkeypatch.setenv("SMCDECODE_SPLITK_CONFIG", '{"2048x8192": [64, 128, 8, 3, 8]}')
-    assert kernels.splitk_config(8, 2048, 8192, cpu) == ((16, 64, 128, 8, 3), 8)
-    monkeypatch.setenv("SMCDECODE_SPLITK_CONFIG", '{"2048x8192": [64, 128, 8, 3]}')
-    with pytest.raises(ValueError, match="SMCDECODE_SPLITK_CONFIG"):
-        kernels.splitk_config(8, 2048, 8192, cpu)
 
 
 @torch.no_grad()
 def test_interpreted_model_forward_matches_reference_path(monkeypatch):
-    """The Llama forward with every Triton path forced (fused RoPE + KV write + attention for short
-    extensions, tiled attention for the prefill, skinny products with SiLU·mul, split-K wo and w2
-    summed by the norms) equals the torch reference path: prefill, a 2-token and a 1-token step, and a 7-token verify-like step.
-    Both with the norms after wo and w2 folded into those products (the default where they run split-K:
-    add, γ and Σh² in the product's epilogue, 1/rms applied by the attention kernel and SiLU·mul) and
-    without (SMCDECODE_FOLD_NORM=0)."""
+    """The Llama forward with every Triton path forced (a pool with triton=True: fused RoPE + KV write
+    + attention for short extensions, tiled attention for the prefill, skinny products with SiLU·mul,
+    split-K wo and w2) equals the torch reference path: prefill, a 2-token and a 1-token step, and a
+    7-token verify-like step. The 40-row prefill's wo and w2 partials are summed by the norms; the
+    steps' norms after wo and w2 are folded into those products (add, γ and Σh² in the product's
+    epilogue, 1/rms applied by the attention kernel and SiLU·mul)."""
     _interpreted_kernels()
     import numpy as np
 
-    import smcdecode.backends.engine.attention as A
-    import smcdecode.backends.engine.model as M
+    import smcdecode.backends.engine.ops as M
     from smcdecode.backends.engine import KVPool, Llama, PagedBatch, PageTable
 
     cfg = LlamaConfig(64, 128, 2, 4, 2, 96, rope_theta=10000.0)  # head_dim 32
@@ -451,17 +393,15 @@ def test_interpreted_model_forward_matches_reference_path(monkeypatch):
 
     monkeypatch.setattr(M, "linear_add_norm", counted)
 
-    def run(force: bool, fold: str = "1"):
-        monkeypatch.setenv("SMCDECODE_FOLD_NORM", fold)
-        monkeypatch.setattr(M, "_use_triton", lambda x: force)
-        monkeypatch.setattr(M, "_use_skinny", lambda x, w, silu=False: force)
+    def run(force: bool):
+        monkeypatch.setattr(M, "use_skinny", lambda x, w, triton, silu=False: triton)
         # wo and w2 split-K into partials that the next add + RMSNorm sums (split 2: 64 + 64 of 128
         # columns for wo, 64 + 32 of 96 for w2), or that the last split adds up (folded norms)
-        monkeypatch.setattr(M, "_split_config", lambda x, w, rows=None: ((16, 16, 32, 4, 1), 2) if force else None)
-        monkeypatch.setattr(A, "_backend", lambda q, b: "triton" if force else "torch")
+        monkeypatch.setattr(M, "split_config", lambda x, w, triton, rows=None: ((16, 16, 32, 4, 1), 2) if triton
+                            else None)
         torch.manual_seed(1)
         PS = 4
-        pool = KVPool.for_model(cfg, 40, PS, torch.float32, "cpu")
+        pool = KVPool.for_model(cfg, 40, PS, torch.float32, "cpu", triton=force)
         table = PageTable(rows=2, max_pages=12, num_pages=40, page_size=PS)
         table.reserve(np.array([0, 1]), np.array([30, 30]))
         pt = torch.from_numpy(table.table)
@@ -473,65 +413,11 @@ def test_interpreted_model_forward_matches_reference_path(monkeypatch):
 
     ref = run(False)
     assert not folds
-    for x, y in zip(run(True, fold="0"), ref):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
-    assert not folds
     for x, y in zip(run(True), ref):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
     # per forward of at most 16 rows (not the 40-row prefill): wo of both layers and w2 of the first
     # (the last layer's w2 feeds the final norm)
     assert len(folds) == 3 * 3
-
-
-def _shared_case(seed, B, L, Hkv, D, PS, P, lengths, shared_pages):
-    """Rows whose first ``shared_pages`` page ids are the same (particles of one request sharing a
-    prefix), the rest private."""
-    from smcdecode.backends.engine.attention import PagedBatch
-
-    g = torch.Generator().manual_seed(seed)
-    num_pages = B * P + 1
-    pools = [torch.randn(num_pages, Hkv, PS, D, generator=g) for _ in range(2)]
-    pt = (torch.randperm(num_pages - 1, generator=g)[: B * P].view(B, P) + 1).to(torch.int32)
-    pt[:, :shared_pages] = pt[0, :shared_pages]
-    positions = torch.tensor(lengths)[:, None] - L + torch.arange(L)
-    return pools, pt, PagedBatch.build(positions, pt, PS), g
-
-
-def test_interpreted_grouped_attention_matches_reference(monkeypatch):
-    """Rows grouped per program (SMCDECODE_ATTN_GROUP): shared blocks read once, diverging blocks
-    per row; unequal lengths in a group, a last group with fewer rows; with and without RoPE."""
-    kernels = _interpreted_kernels()
-    from smcdecode.backends.engine.attention import reference_paged_attention
-
-    H, Hkv, D, PS = 4, 2, 32, 4
-    cos, sin = _rope_tables(H, Hkv, D)
-    cases = [(4, 1, [30, 30, 30, 30, 29], "1", "fused", 16), (2, 2, [20, 27, 9], "0.01", "fused", 64),
-             (4, 1, [33, 12, 33, 40], "1", "kernel", 16), (8, 1, [25] * 3, "2", "fused", 16),
-             (4, 2, [41, 41, 41, 41], "0.01", "fused", 16)]
-    for gs, L, lengths, per_sm, merge, block_n in cases:  # (16-token blocks: shared and diverging blocks)
-        monkeypatch.setenv("SMCDECODE_ATTN_BLOCK_N", str(block_n))
-        monkeypatch.setenv("SMCDECODE_ATTN_GROUP", str(gs))
-        monkeypatch.setenv("SMCDECODE_ATTN_PROGRAMS_PER_SM", per_sm)
-        monkeypatch.setenv("SMCDECODE_ATTN_MERGE", merge)
-        # (shared pages end before any row's new tokens: a page that is written is never shared)
-        (kp, vp), pt, batch, g = _shared_case(gs + L, len(lengths), L, Hkv, D, PS, 12, lengths,
-                                              shared_pages=(min(lengths) - L) // PS)
-        q = torch.randn(len(lengths), L, H, D, generator=g)
-        ref = reference_paged_attention(q.double(), kp.double(), vp.double(), batch)
-        out = kernels.triton_paged_attention(q, kp, vp, batch)
-        assert float((out.double() - ref).norm() / ref.norm()) < 1e-5, (gs, L)
-        qkv = torch.randn(len(lengths), L, (H + 2 * Hkv) * D, generator=g)
-        kp_ref, vp_ref = kp.clone(), vp.clone()
-        q_ref = rope_kv_write_reference(qkv, batch.positions, cos, sin, kp_ref, vp_ref, batch.slot_pages,
-                                        batch.slot_offsets, H, Hkv)
-        ref = reference_paged_attention(q_ref.double(), kp_ref.double(), vp_ref.double(), batch)
-        k_out, v_out = kp.clone(), vp.clone()
-        out = kernels.triton_rope_paged_attention(qkv, cos, sin, k_out, v_out, batch, H)
-        assert float((out.double() - ref).norm() / ref.norm()) < 1e-5, (gs, L, "rope")
-        torch.testing.assert_close(k_out, kp_ref)
-        torch.testing.assert_close(v_out, vp_ref)
-    assert int(kernels._split_counters(q.device, 1).abs().sum()) == 0
-
 
 
 def test_sample_and_score_reference_sample_every_draws_only_the_last_row_of_each_group():
@@ -582,34 +468,13 @@ def test_interpreted_sample_and_score_draws_the_softmax(support):
     torch.testing.assert_close(lp_tok, torch.log_softmax(logits / T, -1).gather(1, tok[:, None])[:, 0])
 
 
-def test_sample_noise_setting(monkeypatch):
-    """SMCDECODE_SAMPLE_NOISE=1x: the noise of each element from a Philox call of its own (the kernel
-    before session 9), keyed by (seed, r·V + c): other draws than 4x's, the same scores, and a bad value
-    names the setting."""
+def test_interpreted_sample_and_score_races_long_lanes_and_masked_tails():
+    """Eight blocks a split program (chunk 8192): long races within a lane, with the lane's running
+    max growing; logits of several scales and a masked tail (V not a multiple of the block), two
+    splits a row, rows whose support is one block's first lanes (the draw stays in it) and rows whose
+    support is one lane (32 elements raced within the lane): exact scores of the drawn token and of
+    the gathered ones; a chunk that is not a multiple of the block is refused."""
     kernels = _interpreted_kernels()
-    g = torch.Generator().manual_seed(9)
-    logits = torch.randn(40, 300, generator=g)
-    seed = torch.tensor(5)
-    tok4, lp4, _ = kernels.triton_sample_and_score(logits, 1.0, seed)
-    monkeypatch.setenv("SMCDECODE_SAMPLE_NOISE", "1x")
-    tok1, lp1, _ = kernels.triton_sample_and_score(logits, 1.0, seed)
-    assert not torch.equal(tok1, tok4)
-    logp = torch.log_softmax(logits, -1)
-    torch.testing.assert_close(lp1, logp.gather(1, tok1[:, None])[:, 0])
-    torch.testing.assert_close(lp4, logp.gather(1, tok4[:, None])[:, 0])
-    monkeypatch.setenv("SMCDECODE_SAMPLE_NOISE", "2x")
-    with pytest.raises(ValueError, match="SMCDECODE_SAMPLE_NOISE='2x'"):
-        kernels.triton_sample_and_score(logits, 1.0, seed)
-
-
-def test_sample_race_setting_ratio_and_gumbel_draw_the_same_tokens(monkeypatch):
-    """The default race (a block's four quarters at once, compared as exp(x − m) / E) and the Gumbel
-    race quarter by quarter (SMCDECODE_SAMPLE_RACE=gumbel, before session 10) pick the same element
-    from the same noise, and give the same scores; logits of several scales and a masked tail (V not
-    a multiple of the block), two splits a row, half the rows with their support in one lane (32
-    elements raced within the lane); a bad value names the setting."""
-    kernels = _interpreted_kernels()
-    monkeypatch.setenv("SMCDECODE_SAMPLE_CHUNK", "8192")  # eight blocks a program: long races within a lane
     g = torch.Generator().manual_seed(10)
     R, V = 96, 9000
     logits = torch.randn(R, V, generator=g) * torch.tensor([0.5, 3.0, 20.0]).repeat(R // 3)[:, None]
@@ -619,18 +484,13 @@ def test_sample_race_setting_ratio_and_gumbel_draw_the_same_tokens(monkeypatch):
     logits[1::2, lane] = float("-inf")  # rows whose support is one lane: its race decides the draw
     gather = torch.randint(0, 100, (R,), generator=g)
     seed = torch.tensor(31)
-    tok, lp_tok, lp_g = kernels.triton_sample_and_score(logits, 0.9, seed, gather)
-    monkeypatch.setenv("SMCDECODE_SAMPLE_RACE", "gumbel")
-    tok_g, lp_tok_g, lp_g_g = kernels.triton_sample_and_score(logits, 0.9, seed, gather)
-    assert torch.equal(tok, tok_g)
-    assert (tok[::4] < 100).all()
-    torch.testing.assert_close(lp_tok, lp_tok_g, rtol=0, atol=1e-5)
-    torch.testing.assert_close(lp_g, lp_g_g, rtol=0, atol=1e-5)
+    tok, lp_tok, lp_g = kernels.triton_sample_and_score(logits, 0.9, seed, gather, chunk=8192)
+    assert (tok[::4] < 100).all() and (tok[1::2] % 256 == 7).all()
     logp = torch.log_softmax(logits / 0.9, -1)
     torch.testing.assert_close(lp_tok, logp.gather(1, tok[:, None])[:, 0], rtol=1e-5, atol=1e-5)
-    monkeypatch.setenv("SMCDECODE_SAMPLE_RACE", "max")
-    with pytest.raises(ValueError, match="SMCDECODE_SAMPLE_RACE='max'"):
-        kernels.triton_sample_and_score(logits, 1.0, seed)
+    torch.testing.assert_close(lp_g, logp.gather(1, gather[:, None])[:, 0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="chunk=1000: give a multiple of 1024"):
+        kernels.triton_sample_and_score(logits, 1.0, seed, chunk=1000)
 
 
 def test_interpreted_sample_and_score_skips_rows_but_draws_the_same_tokens():
@@ -671,39 +531,39 @@ class _LaunchSpy:
 
 
 def test_interpreted_paged_attention_follows_the_launch_config(monkeypatch):
-    """SMCDECODE_ATTN_CONFIG per shape class (and per head dim): the launches get that BLOCK_N,
+    """The launches take ATTN_CONFIGS' entry for their shape class (and head dim): that BLOCK_N,
     warps, stages, split count and prefetch, and the output still matches the reference, at blocks
-    smaller and larger than the default 64 (page size 4)."""
+    smaller and larger than the default 64 (page size 4); an explicit config wins; a bad one is
+    refused."""
     kernels = _interpreted_kernels()
     from smcdecode.backends.engine.attention import reference_paged_attention
 
-    spy = _LaunchSpy(kernels._paged_attn_kernel)
-    monkeypatch.setattr(kernels, "_paged_attn_kernel", spy)
+    spy = _LaunchSpy(kernels.attention._paged_attn_kernel)
+    monkeypatch.setattr(kernels.attention, "_paged_attn_kernel", spy)
     H, Hkv, D, PS, P = 4, 2, 32, 4, 40
-    table = {"decode": [16, 2, 3, 0.1, 1], "verify": [128, 8, 1, 0.05], "verify:32": [32, 4, 2, 0.05, 1],
-             "prefill": [16, 4, 2, 0.1]}  # (with and without prefetch; several blocks a split)
-    monkeypatch.setenv("SMCDECODE_ATTN_CONFIG", json.dumps(table))
-    monkeypatch.delenv("SMCDECODE_ATTN_PROGRAMS_PER_SM", raising=False)
+    table = {"decode": (16, 2, 3, 0.1, 1), "verify": (128, 8, 1, 0.05, 0), "verify:32": (32, 4, 2, 0.05, 1),
+             "prefill": (16, 4, 2, 0.1, 0)}  # (with and without prefetch; several blocks a split)
+    monkeypatch.setattr(kernels.attention, "ATTN_CONFIGS", table)
+    explicit = (64, 4, 2, 0.3, 1)
     for L, lengths, key in [(1, [1, 150, 97], "decode"), (5, [5, 160, 70], "verify:32"), (20, [20, 90], "prefill")]:
         (kp, vp), pt, batch, g = _paged_case(30 + L, len(lengths), L, H, Hkv, D, PS, P, lengths)
         q = torch.randn(len(lengths), L, H, D, generator=g)
         ref = reference_paged_attention(q.double(), kp.double(), vp.double(), batch)
-        for merge in ("fused", "kernel"):
-            monkeypatch.setenv("SMCDECODE_ATTN_MERGE", merge)
-            out = kernels.triton_paged_attention(q, kp, vp, batch)
+        for config in (None, explicit):
+            out = kernels.triton_paged_attention(q, kp, vp, batch, config=config)
             err = float((out.double() - ref).norm() / ref.norm())
-            assert err < 1e-5, (L, merge, err)
+            assert err < 1e-5, (L, config, err)
             grid, kw = spy.launches[-1]
-            block_n, warps, stages, per_sm, *prefetch = table[key]
+            block_n, warps, stages, per_sm, prefetch = table[key] if config is None else config
             mt = -(-L * (H // Hkv) // kw["BLOCK_M"])
             nsplit = max(1, min(32, -(-P * PS // block_n), int(per_sm * 132) // (len(lengths) * Hkv * mt)))
             assert (kw["BLOCK_N"], kw["num_warps"], kw["num_stages"], kw["NSPLIT"], kw["PREFETCH"]) == (
-                block_n, warps, stages, nsplit, prefetch == [1]), (key, kw)
+                block_n, warps, stages, nsplit, prefetch == 1), (key, kw)
             assert grid == (len(lengths) * Hkv, nsplit, mt)
-    assert {kw["NSPLIT"] for _, kw in spy.launches} == {1, 2, 3}  # split and unsplit launches ran
-    monkeypatch.setenv("SMCDECODE_ATTN_CONFIG", json.dumps({"decode": [48, 4, 2, 2]}))
-    with __import__("pytest").raises(ValueError, match="power of two"):
-        kernels.triton_paged_attention(q[:, :1], kp, vp, batch)
+    assert {kw["NSPLIT"] for _, kw in spy.launches} >= {1, 2, 3}  # split and unsplit launches ran
+    for bad in ((48, 4, 2, 2.0, 0), (64, 3, 2, 2.0, 0), (64, 4, 2, 0, 0), (64, 4, 2, 2.0, 2), (64, 4, 2, 2.0)):
+        with pytest.raises(ValueError, match="attention config"):
+            kernels.triton_paged_attention(q[:, :1], kp, vp, batch, config=bad)
 
 
 _COMPILE_FOR_SM90 = r'''
@@ -713,7 +573,7 @@ from triton.compiler import ASTSource
 
 import inspect
 
-from smcdecode.backends.engine import kernels as K
+from smcdecode.backends.engine.kernels import attention, linear, norms, pages, sampling
 
 
 def defaults(fn, sig):
@@ -738,10 +598,10 @@ def build(fn, sig, consts, warps, stages):
 
 
 for every in (1, 9):
-    build(K._sample_split_kernel, {"LOGITS": "*bf16", "SEED": "*i64", "stride_r": "i32", "inv_temp": "fp32",
+    build(sampling._sample_split_kernel, {"LOGITS": "*bf16", "SEED": "*i64", "stride_r": "i32", "inv_temp": "fp32",
                                    "PART": "*fp32"},
           {"V": 128256, "CHUNK": 8192, "BLOCK": 1024, "NSPLIT": 16, "SAMPLE_EVERY": every}, 4, 2)
-    build(K._sample_merge_kernel, {"PART": "*fp32", "LOGITS": "*bf16", "stride_r": "i32", "inv_temp": "fp32",
+    build(sampling._sample_merge_kernel, {"PART": "*fp32", "LOGITS": "*bf16", "stride_r": "i32", "inv_temp": "fp32",
                                    "GATHER": "*i64", "TOK": "*i64", "LOGP_TOK": "*fp32", "LOGP_GATHER": "*fp32"},
           {"NSPLIT": 16, "NSPLIT_P2": 16, "HAS_GATHER": True, "SAMPLE_EVERY": every}, 1, 2)
 attn = {"Q": "*bf16", "KP": "*bf16", "VP": "*bf16", "PT": "*i32", "POS": "*i64", "O": "*bf16", "OP": "*fp32",
@@ -749,27 +609,24 @@ attn = {"Q": "*bf16", "KP": "*bf16", "VP": "*bf16", "PT": "*i32", "POS": "*i64",
         "stride_pt": "i32"}
 for L, D, nsplit, block_n, warps, stages, prefetch in [(1, 64, 4, 32, 4, 2, True), (9, 128, 8, 128, 8, 3, True),
                                                       (1, 128, 1, 64, 4, 2, False)]:
-    build(K._paged_attn_kernel, attn,
+    build(attention._paged_attn_kernel, attn,
           dict(L=L, G=4, H=32, HKV=8, D=D, PS=16, NSPLIT=nsplit, MT=1, BLOCK_M=max(16, min(64, triton.next_power_of_2(4 * L))),
                BLOCK_N=block_n, BLOCK_L=16, ROPE=True, MERGE=2 if nsplit > 1 else 0, DYN_LOOP=True, MAX_IT=1,
                PREFETCH=prefetch),
           warps, stages)
 # with a folded norm's row scale (the draft's decode step)
-build(K._paged_attn_kernel, {**attn, **rowscale},
+build(attention._paged_attn_kernel, {**attn, **rowscale},
       dict(L=1, G=4, H=32, HKV=8, D=64, PS=16, NSPLIT=4, MT=1, BLOCK_M=16, BLOCK_N=64, BLOCK_L=16, ROPE=True, MERGE=2,
            DYN_LOOP=True, MAX_IT=1, PREFETCH=True, RS_T=32, RS_TP2=32, RS_DIM=2048), 4, 3)
-build(K._silu_mul_kernel, {"GU": "*bf16", "OUT": "*bf16", **rowscale},
+build(norms._silu_mul_kernel, {"GU": "*bf16", "OUT": "*bf16", **rowscale},
       dict(INTER=8192, BLOCK=1024, RS_T=64, RS_TP2=64, RS_DIM=2048), 4, 1)
-build(K._paged_attn_grouped_kernel, {**attn, "B": "i32"},
-      dict(L=1, G=4, H=32, HKV=8, D=64, PS=16, NSPLIT=4, MT=1, GS=8, GS_P2=8, BLOCK_M=32, BLOCK_N=64, BLOCK_L=16,
-           ROPE=True, MERGE=2, DYN_LOOP=True, MAX_IT=1), 4, 2)
-build(K._copy_pages_kernel, {"KV": "*bf16", "SRC": "*i64", "DST": "*i64", "n_pages": "i32"},
+build(pages._copy_pages_kernel, {"KV": "*bf16", "SRC": "*i64", "DST": "*i64", "n_pages": "i32"},
       dict(PAGE=16384, BLOCK=4096), 4, 1)
 # the skinny product at the shapes it runs (the draft's wo and w13 + SiLU·mul at 8 and 64 rows, a
 # vocabulary head), with the 16-byte alignment the JIT assumes of pointers and strides (without it
 # nothing is pipelined): every load of the K loop must be an async copy of the software pipeline
 skinny = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "M": "i32", "stride_xm": "i32"}
-aligned = {(K._skinny_linear_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("X", "W", "Y", "stride_xm")}
+aligned = {(linear._skinny_linear_kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in ("X", "W", "Y", "stride_xm")}
 # With PDL (the wait before the loop) the K loop must stay pipelined too.
 # Split-K (float32 partials, K_PER < K) likewise; and a folded norm's epilogues (RESID: the add, γ and
 # Σh², by the last split with split-K; the SiLU·mul's row scale).
@@ -789,8 +646,8 @@ for m, n, k, bn, bk, silu, pdl, split, fold in [
     elif fold == 2:
         sig = {**sig, "SS_IN": "*fp32", "stride_ss": "i32", "rs_eps": "fp32"}
         consts = {**consts, "RS_T": 64, "RS_TP2": 64, "RS_DIM": 2048}
-    consts = {**defaults(K._skinny_linear_kernel, sig), **consts}
-    kern = triton.compile(ASTSource(fn=K._skinny_linear_kernel, signature={**sig, **dict.fromkeys(consts, "constexpr")},
+    consts = {**defaults(linear._skinny_linear_kernel, sig), **consts}
+    kern = triton.compile(ASTSource(fn=linear._skinny_linear_kernel, signature={**sig, **dict.fromkeys(consts, "constexpr")},
                                     constexprs=consts, attrs=aligned),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4, "launch_pdl": bool(pdl)})
     ttgir, ptx = kern.asm["ttgir"], kern.asm["ptx"]
@@ -823,13 +680,12 @@ def test_kernels_compile_for_a_gpu_target():
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
 
 
-def test_skinny_silu_row_limit_is_read_from_the_environment(monkeypatch):
-    """w13 + SiLU·mul goes to the skinny kernel at up to 16 rows and at 33 to
-    SMCDECODE_SKINNY_SILU_ROWS rows (default 128; 17-32 rows were not measured), each row range with
-    its block shape; a bad value is refused."""
+def test_skinny_products_are_the_measured_shapes():
+    """w13 + SiLU·mul goes to the skinny kernel at up to 16 rows and at 33 to SKINNY_SILU_MAX_ROWS
+    rows (128; 17-32 rows were not measured), each row range with its block shape; other products at
+    most 16 rows, square or vocabulary heads only (wqkv and w2 stay on cuBLAS)."""
     kernels = _interpreted_kernels()
-    monkeypatch.delenv("SMCDECODE_SKINNY_SILU_ROWS", raising=False)
-    monkeypatch.delenv("SMCDECODE_SKINNY_CONFIG", raising=False)
+    assert kernels.linear.SKINNY_SILU_MAX_ROWS == 128
     assert kernels.skinny_wins(16, 8192, 2048, 64e6, silu=True)
     assert not kernels.skinny_wins(17, 8192, 2048, 64e6, silu=True)
     assert not kernels.skinny_wins(32, 8192, 2048, 64e6, silu=True)
@@ -841,97 +697,40 @@ def test_skinny_silu_row_limit_is_read_from_the_environment(monkeypatch):
     assert kernels.skinny_config(64, 8192, 2048, cpu, silu=True) == (64, 64, 128, 4, 4)
     assert kernels.skinny_config(128, 8192, 2048, cpu, silu=True) == (128, 64, 64, 8, 5)
     assert not kernels.skinny_wins(64, 2048, 2048, 8e6, silu=False) and kernels.skinny_wins(16, 2048, 2048, 8e6, False)
-    monkeypatch.setenv("SMCDECODE_SKINNY_SILU_ROWS", "64")
-    assert kernels.skinny_wins(64, 8192, 2048, 64e6, silu=True) and not kernels.skinny_wins(65, 8192, 2048, 64e6, True)
-    monkeypatch.setenv("SMCDECODE_SKINNY_SILU_ROWS", "many")
-    with pytest.raises(ValueError, match="SMCDECODE_SKINNY_SILU_ROWS='many'"):
-        kernels.skinny_wins(8, 8192, 2048, 64e6, silu=True)
+    assert not kernels.skinny_wins(8, 3072, 2048, 12e6, silu=False)  # wqkv: cuBLAS
+    assert not kernels.skinny_wins(16, 2048, 8192, 33e6, silu=False)  # w2: cuBLAS (or split-K)
+    assert kernels.skinny_wins(8, 128256, 2048, 500e6, silu=False)  # a vocabulary head
 
 
-def test_cublaslt_choice_is_per_measured_shape_and_read_from_the_environment(monkeypatch):
-    """SMCDECODE_CUBLASLT: auto sends only the measured shapes to cuBLASLt, and only on sm_90; 1 all;
-    0 none; a bad value names the setting. On the CPU ``dense`` is the layer itself."""
-    from smcdecode.backends.engine import model
+def test_cublaslt_choice_is_per_measured_shape():
+    """Only the measured shapes go to cuBLASLt, and only on sm_90. On the CPU ``dense`` is the layer
+    itself."""
+    from smcdecode.backends.engine import ops
 
-    monkeypatch.delenv("SMCDECODE_CUBLASLT", raising=False)
-    assert model.cublaslt_wins(72, 4096, 14336, (9, 0)) and model.cublaslt_wins(576, 128256, 4096, (9, 0))
-    assert not model.cublaslt_wins(72, 4096, 14336, (8, 0))  # measured on Hopper only
-    assert not model.cublaslt_wins(72, 6144, 4096, (9, 0)) and not model.cublaslt_wins(73, 4096, 14336, (9, 0))
-    monkeypatch.setenv("SMCDECODE_CUBLASLT", "1")
-    assert model.cublaslt_wins(73, 4096, 14336, (8, 0))
-    monkeypatch.setenv("SMCDECODE_CUBLASLT", "0")
-    assert not model.cublaslt_wins(72, 4096, 14336, (9, 0))
-    monkeypatch.setenv("SMCDECODE_CUBLASLT", "yes")
-    with pytest.raises(ValueError, match="SMCDECODE_CUBLASLT='yes'"):
-        model.cublaslt_wins(72, 4096, 14336, (9, 0))
+    assert ops.cublaslt_wins(72, 4096, 14336, (9, 0)) and ops.cublaslt_wins(576, 128256, 4096, (9, 0))
+    assert not ops.cublaslt_wins(72, 4096, 14336, (8, 0))  # measured on Hopper only
+    assert not ops.cublaslt_wins(72, 6144, 4096, (9, 0)) and not ops.cublaslt_wins(73, 4096, 14336, (9, 0))
     layer = torch.nn.Linear(8, 4, bias=False)
     x = torch.randn(3, 8)
-    torch.testing.assert_close(model.dense(x, layer), layer(x))
+    torch.testing.assert_close(ops.dense(x, layer), layer(x))
 
 
-def test_attention_settings_refuse_bad_values_by_name(monkeypatch):
+def test_pdl_is_off_on_the_cpu_and_inside_pdl_off():
+    """PDL is off on the CPU (and in the interpreter); it is wanted except inside ``pdl_off()``
+    (autoregressive decoding), also when the block raises; the interpreter runs the kernels with
+    PDL's default (0): the skinny product still matches torch."""
     kernels = _interpreted_kernels()
-    monkeypatch.delenv("SMCDECODE_ATTN_CONFIG", raising=False)
-    monkeypatch.setenv("SMCDECODE_ATTN_PROGRAMS_PER_SM", "4")
-    assert kernels._attention_params("unlisted", 64)[3] == 4.0
-    for name, bad in (("SMCDECODE_ATTN_PROGRAMS_PER_SM", "many"), ("SMCDECODE_ATTN_PROGRAMS_PER_SM", "0")):
-        monkeypatch.setenv(name, bad)
-        with pytest.raises(ValueError, match=name):
-            kernels._attention_params("unlisted", 64)
-    monkeypatch.setenv("SMCDECODE_ATTN_GROUP", "two")
-    with pytest.raises(ValueError, match="SMCDECODE_ATTN_GROUP"):
-        kernels._attention_group(8, 1, 4, 8)
-    monkeypatch.setenv("SMCDECODE_ATTN_GROUP", "2")
-    assert kernels._attention_group(8, 1, 4, 8) == 2
-
-
-def test_pdl_and_skinny_settings_are_read_from_the_environment(monkeypatch):
-    """SMCDECODE_PDL / _SKINNY_ALL / _SKINNY_CONFIG: PDL is off on the CPU (and in
-    the interpreter) whatever the setting; SKINNY_ALL sends wqkv and w2 (at most 16 rows) to the
-    skinny kernel; a shape's config can be overridden; bad values are refused with the setting named."""
-    import json
-
-    kernels = _interpreted_kernels()
-    for v in ("0", "1", "2"):
-        monkeypatch.setenv("SMCDECODE_PDL", v)
-        assert kernels.pdl_mode(torch.device("cpu")) == 0 and kernels._pdl(torch.device("cpu")) == {}
-    monkeypatch.setenv("SMCDECODE_PDL", "yes")
-    with pytest.raises(ValueError, match="SMCDECODE_PDL='yes'"):
-        kernels.pdl_mode(torch.device("cpu"))
-    # auto (the default): on, except inside auto_pdl_off (autoregressive decoding); explicit values win
-    monkeypatch.delenv("SMCDECODE_PDL")
-    assert kernels.pdl_setting() == 1
-    with kernels.auto_pdl_off():
-        assert kernels.pdl_setting() == 0
-        monkeypatch.setenv("SMCDECODE_PDL", "2")
-        assert kernels.pdl_setting() == 2
-    monkeypatch.setenv("SMCDECODE_PDL", "auto")
-    assert kernels.pdl_setting() == 1
-    monkeypatch.delenv("SMCDECODE_SKINNY_ALL", raising=False)
-    assert not kernels.skinny_wins(8, 3072, 2048, 12e6, silu=False)  # wqkv: cuBLAS by default
-    monkeypatch.setenv("SMCDECODE_SKINNY_ALL", "1")
-    assert kernels.skinny_wins(8, 3072, 2048, 12e6, silu=False) and kernels.skinny_wins(16, 2048, 8192, 33e6, False)
-    assert not kernels.skinny_wins(17, 3072, 2048, 12e6, silu=False)
-    monkeypatch.setenv("SMCDECODE_SKINNY_ALL", "2")
-    with pytest.raises(ValueError, match="SMCDECODE_SKINNY_ALL='2'"):
-        kernels.skinny_wins(8, 3072, 2048, 12e6, silu=False)
-    cpu = torch.device("cpu")
-    default = kernels.skinny_config(8, 3072, 2048, cpu)
-    default_silu = kernels.skinny_config(8, 8192, 2048, cpu, silu=True)
-    monkeypatch.setenv("SMCDECODE_SKINNY_CONFIG", json.dumps({"3072x2048": [32, 128, 8, 6]}))
-    assert kernels.skinny_config(8, 3072, 2048, cpu) == (16, 32, 128, 8, 6)
-    assert kernels.skinny_config(8, 3072, 2048, cpu, silu=True) != (16, 32, 128, 8, 6)  # "silu:" keys apart
-    # "@M": for M rows only; a fifth entry sets BLOCK_M
-    monkeypatch.setenv("SMCDECODE_SKINNY_CONFIG", json.dumps({"silu:8192x2048@64": [64, 128, 64, 4, 3]}))
-    assert kernels.skinny_config(64, 8192, 2048, cpu, silu=True) == (64, 128, 64, 4, 3)
-    assert kernels.skinny_config(8, 8192, 2048, cpu, silu=True) == default_silu
-    monkeypatch.setenv("SMCDECODE_SKINNY_CONFIG", json.dumps({"3072x2048": [24, 128, 8, 6]}))
-    with pytest.raises(ValueError, match="powers of two"):
-        kernels.skinny_config(8, 3072, 2048, cpu)
-    monkeypatch.delenv("SMCDECODE_SKINNY_CONFIG")
-    assert kernels.skinny_config(8, 3072, 2048, cpu) == default
-    # the interpreter runs the kernels with PDL's default (0): the skinny product still matches torch
+    assert kernels.pdl_mode(torch.device("cpu")) == 0 and kernels.common.pdl_args(torch.device("cpu")) == {}
+    assert kernels.pdl_enabled()
+    with kernels.pdl_off():
+        assert not kernels.pdl_enabled()
+        with kernels.pdl_off():
+            assert not kernels.pdl_enabled()
+        assert not kernels.pdl_enabled()
+    assert kernels.pdl_enabled()
+    with pytest.raises(RuntimeError), kernels.pdl_off():
+        raise RuntimeError
+    assert kernels.pdl_enabled()
     x, w = torch.randn(3, 64), torch.randn(48, 64)
-    monkeypatch.setenv("SMCDECODE_PDL", "1")
     torch.testing.assert_close(kernels.triton_skinny_linear(x, w, config=(16, 16, 32, 4, 1)), x @ w.T,
                                rtol=1e-4, atol=1e-4)

@@ -1,22 +1,23 @@
-"""The fused SMC-SD round's page bookkeeping (``Engine._smc_rounds``): pipelined — the round's graph
+"""The fused SMC-SD round's page bookkeeping (``fused_smc._rounds``): pipelined — the round's graph
 forks the page table, copies the shared partial page and adds fresh pages from pages the host set
-aside (``Engine._smc_pages``), the next round is launched before the host reads this one, and the
+aside (``fused_smc.smc_pages``), the next round is launched before the host reads this one, and the
 host books the same pages one round late (``PageTable.hold`` / ``reserve(held=...)``) — against the
 unpipelined host bookkeeping: the same outputs for the same seed, end to end on a tiny random Llama
 (CPU, and CUDA with graphs when marked ``gpu``), also when the pool is too small to set pages aside
 every round; the same page tables and page contents step by step under random ancestors; and the
-setting that picks one of the two."""
+argument that picks one of the two."""
 
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from smcdecode.backends.engine import Engine, KVPool, Llama, LlamaConfig, PageTable
+from smcdecode.backends.engine.fused_smc import smc_pages
+from smcdecode.backends.engine.graphs import GraphCache
 from smcdecode.errors import SMCDecodeError
 
 transformers = pytest.importorskip("transformers")
@@ -146,7 +147,7 @@ def test_pipelined_rounds_with_cached_graphs_match_the_unpipelined(device, monke
 
         return counted
 
-    monkeypatch.setattr(Engine, "_capture", counting_capture)
+    monkeypatch.setattr(GraphCache, "capture", counting_capture)
     prompts, N, K, n, eos, tau, PS = CASES["eos, 3 prompts, budget ends mid-block"]
     target, draft = _models(device)
     engine = Engine(target, draft, num_pages=200, page_size=PS, max_context=32)
@@ -163,11 +164,7 @@ def test_pipelined_rounds_with_cached_graphs_match_the_unpipelined(device, monke
         plain = plain_engine.smc_sd(prompts, seed=seed, pipeline=False, **kw)
         _assert_same(plain, piped)
     assert early  # some call ended early
-    assert len(engine._graphs) == len(plain_engine._graphs) == 1
-
-
-def _fake_engine(PS: int):
-    return SimpleNamespace(page_size=PS, device=torch.device("cpu"))
+    assert len(engine.graphs) == len(plain_engine.graphs) == 1
 
 
 def _contents(pool: KVPool, table: torch.Tensor, rows: int, length: int) -> torch.Tensor:
@@ -179,7 +176,7 @@ def _contents(pool: KVPool, table: torch.Tensor, rows: int, length: int) -> torc
 
 def _prefilled(B, N, K, P, num_pages, PS, lens, pools, g) -> PageTable:
     """A page table with every request's prompt written once into ``pools`` (both sets alike) and
-    shared by its N rows (as ``Engine._start``), the first round's pages reserved and copied."""
+    shared by its N rows (as ``prefill.start``), the first round's pages reserved and copied."""
     table = PageTable(B, P, num_pages, PS)
     for r0 in range(0, B, N):
         table.reserve(np.array([r0]), lens[r0 : r0 + 1])
@@ -207,11 +204,11 @@ def _prefilled(B, N, K, P, num_pages, PS, lens, pools, g) -> PageTable:
 def test_device_bookkeeping_matches_page_table_under_random_forks(G, N, K, PS, prompt_lens, rounds, seed):
     """Round by round, as the fused round drives them: every row writes positions [T−1, T+K] into
     both pools (a target pool and a draft pool of another layout), then random ancestors within
-    each request (or none). The device bookkeeping (``_smc_pages``, on pages set aside by
+    each request (or none). The device bookkeeping (``smc_pages``, on pages set aside by
     ``PageTable.hold``) leaves exactly the page table that the host's ``reserve(held=...)`` books
     one round later, and the same rows share the same pages with the same contents as under the
     unpipelined ``fork`` + ``reserve`` (other page ids); every third round gets no pages set aside
-    (the device only forks, the host books and uploads, as ``_smc_rounds`` does for a round it reads
+    (the device only forks, the host books and uploads, as ``fused_smc._rounds`` does for a round it reads
     first); a last round flagged done changes nothing."""
     g = torch.Generator().manual_seed(seed)
     B = G * N
@@ -226,7 +223,7 @@ def test_device_bookkeeping_matches_page_table_under_random_forks(G, N, K, PS, p
     mirror.__dict__.update(copy.deepcopy(plain.__dict__))
     b = dict(pt=torch.from_numpy(plain.table.copy()), seq=torch.from_numpy(lens.copy()), index=torch.arange(B),
              done=torch.zeros(1, dtype=torch.bool), fresh=torch.zeros(B, F, dtype=torch.long))
-    pages = Engine._smc_pages(_fake_engine(PS), b, G, N, K, pools["dev"])
+    pages = smc_pages(b, G, N, K, pools["dev"], PS)
 
     for r in range(rounds + 1):
         seq = b["seq"].clone()
@@ -238,7 +235,7 @@ def test_device_bookkeeping_matches_page_table_under_random_forks(G, N, K, PS, p
                 for layer in range(pool.kv.shape[0]):
                     pool.kv[layer, 0, pg, 0, pos % PS, 0] = vals + layer
         new_lens = lens + K + 1
-        # the pages set aside for the end of this round (as _smc_rounds' give)
+        # the pages set aside for the end of this round (as fused_smc._rounds' give)
         demand = 1 + (-(-(new_lens + K + 1) // PS)) + (new_lens // -PS)
         fresh = np.zeros((B, F), dtype=np.int64)
         aside = r % 3 != 2
@@ -273,7 +270,7 @@ def test_device_bookkeeping_matches_page_table_under_random_forks(G, N, K, PS, p
         mirror.fork(idx)
         if aside:
             mirror.reserve(np.arange(B), new_lens + K + 1, write_from=new_lens - 1, held=fresh)
-        else:  # the host books it and uploads (as Engine._upload)
+        else:  # the host books it and uploads (as Engine.upload)
             src, dst = mirror.reserve(np.arange(B), new_lens + K + 1, write_from=new_lens - 1)
             for pool in pools["dev"]:
                 pool.copy_pages(torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long))
@@ -302,10 +299,10 @@ def test_device_bookkeeping_matches_page_table_under_random_forks(G, N, K, PS, p
             assert not torch.isin(nxt[i], others).any(), (r, i)
 
 
-def test_pipeline_setting_and_pool_errors(monkeypatch):
-    """Pipelined by default; SMCDECODE_PIPELINE=0 (or pipeline=False) reads every round before the
-    next; a bad value names the setting. A pool below the first round's need is a clear error, and
-    one that the bookkeeping outgrows raises MemoryError (pipelined or not)."""
+def test_pipeline_argument_and_pool_errors(monkeypatch):
+    """Pipelined by default; pipeline=False reads every round before the next. A pool below the
+    first round's need is a clear error, and one that the bookkeeping outgrows raises MemoryError
+    (pipelined or not)."""
     target, draft = _models("cpu")
     prompts, N, K, n, PS = [[1, 2, 3, 4, 5], [6, 1, 2]], 3, 2, 7, 4
     engine = Engine(target, draft, num_pages=10, page_size=PS)
@@ -317,15 +314,10 @@ def test_pipeline_setting_and_pool_errors(monkeypatch):
     kw = dict(particles=N, block_size=K, max_new_tokens=n, seed=1)
     Engine(target, draft, num_pages=100, page_size=PS).smc_sd(prompts, **kw)
     assert holds.ok == 2  # rounds 1 and 2 of 3 (the last sets nothing aside)
-    monkeypatch.setenv("SMCDECODE_PIPELINE", "0")
-    Engine(target, draft, num_pages=100, page_size=PS).smc_sd(prompts, **kw)
+    Engine(target, draft, num_pages=100, page_size=PS).smc_sd(prompts, pipeline=False, **kw)
     assert holds.ok == 2
     Engine(target, draft, num_pages=100, page_size=PS).smc_sd(prompts, pipeline=True, **kw)
     assert holds.ok == 4
-    monkeypatch.setenv("SMCDECODE_PIPELINE", "yes")
-    with pytest.raises(ValueError, match="SMCDECODE_PIPELINE='yes'"):
-        Engine(target, draft, num_pages=100, page_size=PS).smc_sd(prompts, **kw)
-    monkeypatch.delenv("SMCDECODE_PIPELINE")
     out = Engine(target, draft, num_pages=worst, page_size=PS).smc_sd(prompts, ess_threshold=0.0, **kw)
     assert out.peak_pages == worst - 1  # without resampling the bound is reached
     out = Engine(target, draft, num_pages=worst - 1, page_size=PS).smc_sd(prompts, ess_threshold=1.0, **kw)

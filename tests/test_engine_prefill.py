@@ -52,7 +52,7 @@ def test_batched_prefill_matches_per_prompt_prefill(device, dim, tol):
     for batched in (False, True):
         e = Engine(target, draft, num_pages=256, page_size=PS, max_context=64)
         e.PREFILL_TOKENS = 64  # several forwards per bucket, and a padded last chunk (R = 2^k rows)
-        table, pt = e._start(prompts, N, extra=4, batched_prefill=batched)
+        table, pt = e.start(prompts, N, extra=4, batched_prefill=batched)
         engines[batched] = (e, table, pt)
     (e0, t0, _), (e1, t1, _) = engines[False], engines[True]
     np.testing.assert_array_equal(t0.table, t1.table)
@@ -105,16 +105,16 @@ def test_prefill_forwards_are_bucketed():
 
     h = model.register_forward_pre_hook(record)
     try:
-        assert e._prefill_rows(model, e.kv_t, pt, list(range(37)), seqs) == 3
-        assert e._prefill_rows(model, e.kv_t, pt, list(range(37)), seqs, max_tokens=256) == 5
+        assert e.prefill_rows(model, e.kv_t, pt, list(range(37)), seqs) == 3
+        assert e.prefill_rows(model, e.kv_t, pt, list(range(37)), seqs, max_tokens=256) == 5
     finally:
         h.remove()
     # lengths 1-16, 17-32, 33-37 (5 rows, padded to 8); then at most 256 positions a forward
     assert seen == [(16, 16), (16, 32), (8, 64), (16, 16), (8, 32), (8, 32), (4, 64), (1, 64)]
     # the bucket is capped at the page table's capacity (2 pages of 4 here); longer is an error
-    assert e._prefill_rows(model, e.kv_t, pt[:2, :2], [0, 1], [[3] * 8, [3] * 2]) == 1
+    assert e.prefill_rows(model, e.kv_t, pt[:2, :2], [0, 1], [[3] * 8, [3] * 2]) == 1
     with pytest.raises(SMCDecodeError, match="does not fit the page table"):
-        e._prefill_rows(model, e.kv_t, pt[:1, :2], [0], [[3] * 9])
+        e.prefill_rows(model, e.kv_t, pt[:1, :2], [0], [[3] * 9])
 
 
 def _exact(model: Llama, seq: list[int], T: float) -> torch.Tensor:
@@ -192,32 +192,31 @@ def test_autoregressive_reuses_its_step_and_checks_input():
         e.autoregressive([[1, 2], []], max_new_tokens=3)
 
 
-def test_autoregressive_launches_its_kernels_with_pdl_auto_off(monkeypatch):
-    """SMCDECODE_PDL=auto reads as off inside Engine.autoregressive and Engine.speculative (their
-    steps are captured there) and as on again after them, also when they raise; SMC-SD keeps it on."""
+def test_autoregressive_launches_its_kernels_without_pdl(monkeypatch):
+    """PDL is off inside Engine.autoregressive and Engine.speculative (their steps are captured there)
+    and on again after them, also when they raise; SMC-SD keeps it on."""
     pytest.importorskip("triton")
     from smcdecode.backends.engine import engine as E
     from smcdecode.backends.engine import kernels
 
-    monkeypatch.delenv("SMCDECODE_PDL", raising=False)
     seen = []
-    start = E.Engine._start
+    start = E.Engine.start
 
     def spy(self, *a, **k):
-        seen.append(kernels.pdl_setting())
+        seen.append(kernels.pdl_enabled())
         return start(self, *a, **k)
 
-    monkeypatch.setattr(E.Engine, "_start", spy)
+    monkeypatch.setattr(E.Engine, "start", spy)
     e = Engine(tiny_llama(seed=4), None, num_pages=64, page_size=4, max_context=16)
     e.autoregressive([[1, 2, 3]], max_new_tokens=2)
-    assert seen == [0] and kernels.pdl_setting() == 1
+    assert seen == [False] and kernels.pdl_enabled()
     with pytest.raises(SMCDecodeError):
         e.autoregressive([[1, 2]], max_new_tokens=0)
-    assert kernels.pdl_setting() == 1
+    assert kernels.pdl_enabled()
     e = Engine(tiny_llama(seed=4), tiny_llama(seed=5, layers=1), num_pages=128, page_size=4, max_context=24)
     e.speculative([[1, 2, 3]], block_size=2, max_new_tokens=3)
     e.smc_sd([[1, 2, 3]], particles=2, block_size=2, max_new_tokens=3)
-    assert seen[1:] == [0, 1] and kernels.pdl_setting() == 1
+    assert seen[1:] == [False, True] and kernels.pdl_enabled()
 
 
 @torch.inference_mode()
@@ -270,13 +269,14 @@ def test_no_recompile_or_recapture_across_calls_on_cuda():
         n = torch.cat([torch.randint(2, 18, (4,), generator=g), torch.randint(34, 66, (4,), generator=g)])
         return [torch.randint(0, 256, (int(k),), generator=g).tolist() for k in n]
 
-    fns = [kernels._paged_attn_kernel, kernels._rope_kv_write_kernel, kernels._sample_split_kernel]
+    fns = [kernels.attention._paged_attn_kernel, kernels.norms._rope_kv_write_kernel,
+           kernels.sampling._sample_split_kernel]
     e.autoregressive(prompts(), max_new_tokens=12, samples=4, temperature=0.8)
     before = [_compiled(f) for f in fns]
-    graphs = dict(e._graphs)
-    assert [k[:3] for k in graphs] == [("ar", 32, 0.8)]
+    graphs = dict(e.graphs)
+    assert [k[:3] for k, _ in graphs] == [("ar", 32, 0.8)]
     for seed in range(3):
         toks, _ = e.autoregressive(prompts(), max_new_tokens=12, samples=4, temperature=0.8, seed=seed)
         assert toks.shape == (32, 12) and ((toks >= 0) & (toks < 256)).all()
     assert [_compiled(f) for f in fns] == before
-    assert e._graphs.keys() == graphs.keys() and all(e._graphs[k] is graphs[k] for k in graphs)
+    assert e.graphs.keys() == graphs.keys() and all(e.graphs[k] is graphs[k] for k in graphs)

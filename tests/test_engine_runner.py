@@ -53,7 +53,7 @@ def _both(hf, device, prefix, B, page_size=4):
 
 def _same(ref, eng, tokens, tol=1e-4):
     # float32 on CUDA too: the engine's Triton products and attention multiply float32 operands in
-    # full precision (Triton's default, TF32, put the logits 3e-3 off; see kernels._dot_precision)
+    # full precision (Triton's default, TF32, put the logits 3e-3 off; see kernels.common.dot_precision)
     want, got = ref.extend(tokens), eng.extend(tokens)
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     assert eng.length == ref.length
@@ -172,8 +172,9 @@ def test_generic_loops_on_the_engine_runner_reproduce_the_reference_backend_draw
     its tokens are equal and its log Ẑ agrees to rounding. A fork, crop or copy-on-write that the
     engine runner got wrong changes the logits of the rows involved, and with them the draws
     (dropping ``reorder``: 75 of 300 SMC-SD and 260 of 300 particle-filter replicates differ).
-    The same bounds on CUDA: with Triton's default TF32 products the engine's float32 logits were
-    ~3e-3 off and log Ẑ up to 0.13 (H200, session 13)."""
+    The same bounds on CUDA, where the kernels multiply float32 operands in full float32 (with
+    Triton's default TF32 products the engine's float32 logits are ~3e-3 off and log Ẑ up to 0.13,
+    on an H200)."""
     make = _strategies(*_models(device))[strategy]
     G = 100 if strategy == "speculative" else 300  # (one runner per sequence there: slower)
     ref = make().run_groups(PROMPT, G, 8, seed=4)

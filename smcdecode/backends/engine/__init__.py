@@ -1,13 +1,16 @@
 """The GPU engine: native Llama-family models over a paged, particle-shared KV cache, with
-Triton attention and CUDA-graph rounds. See docs/engine.md."""
+Triton kernels and CUDA-graph rounds. See docs/engine.md; the layout is in engine.py's docstring."""
 
 from .attention import PagedBatch, paged_attention, reference_paged_attention
-from .engine import Engine, EngineOutput, sample_exponential_race
+from .config import EngineConfig
+from .engine import Engine
 from .kv_cache import KVPool, PageTable
 from .model import PRESETS, Llama, LlamaConfig
+from .output import EngineOutput
+from .sampling import sample_exponential_race
 from .scheduler import Finished, Request, Scheduler
-from .smc import EngineTarget
+from .targets import EngineTarget
 
-__all__ = ["Engine", "EngineOutput", "EngineTarget", "Finished", "KVPool", "Llama", "LlamaConfig", "PRESETS",
-           "PageTable", "PagedBatch", "Request", "Scheduler", "paged_attention", "reference_paged_attention",
-           "sample_exponential_race"]
+__all__ = ["Engine", "EngineConfig", "EngineOutput", "EngineTarget", "Finished", "KVPool", "Llama", "LlamaConfig",
+           "PRESETS", "PageTable", "PagedBatch", "Request", "Scheduler", "paged_attention",
+           "reference_paged_attention", "sample_exponential_race"]

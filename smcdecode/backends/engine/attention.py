@@ -4,7 +4,7 @@ Query i of row b sits at position ``seq_lens[b] - L + i`` and attends to every c
 <= its own (the new keys were written to the cache before attention). Two implementations with the
 same contract: ``reference_paged_attention`` (pure torch: gather the row's pages, masked softmax in
 float32; runs anywhere, and is what the Triton kernel is tested against) and the Triton
-split-KV kernel in ``kernels.py``.
+split-KV kernel in ``kernels/attention.py``.
 """
 
 from __future__ import annotations
@@ -27,14 +27,11 @@ class PagedBatch:
     positions: Tensor  # [B, L] long: position of each new token (consecutive within a row)
     page_table: Tensor  # [B, P] int32: page ids of each row, in order
     page_size: int
-    group: int = 1  # hint: consecutive rows in groups of this size share most pages (a request's particles)
 
     @classmethod
-    def build(cls, positions: Tensor, page_table: Tensor, page_size: int, group: int = 1) -> PagedBatch:
-        """From positions [B, L] and the page table; no host sync, no device work (capturable).
-        ``group`` only steers the attention kernel's layout (decode reads pages that all rows of a
-        group share once for the group); results do not depend on it."""
-        return cls(positions, page_table, page_size, group)
+    def build(cls, positions: Tensor, page_table: Tensor, page_size: int) -> PagedBatch:
+        """From positions [B, L] and the page table; no host sync, no device work (capturable)."""
+        return cls(positions, page_table, page_size)
 
     @cached_property
     def seq_lens(self) -> Tensor:  # [B] int32: cached tokens per row after the write
@@ -71,17 +68,16 @@ def reference_paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, batch: 
 
 
 def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, batch: PagedBatch, backend: str = "auto") -> Tensor:
-    """Dispatch: ``"triton"`` (CUDA), ``"torch"`` (reference), ``"auto"`` (triton when on CUDA)."""
-    if _backend(q, backend) == "triton":
-        from .kernels import triton_paged_attention
+    """Dispatch: ``"triton"`` (the kernel), ``"torch"`` (the reference), ``"auto"`` (the kernel where
+    ``config.default_triton`` says so: on CUDA)."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend={backend!r}: use 'auto', 'triton' or 'torch'")
+    if backend == "auto":
+        from .config import default_triton
+
+        backend = "triton" if default_triton(q.device) else "torch"
+    if backend == "triton":
+        from .kernels.attention import triton_paged_attention
 
         return triton_paged_attention(q, k_pool, v_pool, batch)
     return reference_paged_attention(q, k_pool, v_pool, batch)
-
-
-def _backend(q: Tensor, backend: str) -> str:
-    if backend == "auto":  # (SMCDECODE_TRITON=0 forces the torch references here too)
-        from .model import _use_triton
-
-        return "triton" if _use_triton(q) else "torch"
-    return backend

@@ -26,11 +26,10 @@ OPTIONS = ("dtype", "device", "page_size", "num_pages", "use_graphs")
 
 
 def check_options(options: dict | None, allowed: tuple[str, ...] = OPTIONS, backend: str = "engine") -> dict:
-    options = dict(options or {})
-    bad = sorted(set(options) - set(allowed))
-    if bad:
-        raise SMCDecodeError(f"unknown engine option(s) {bad}: backend={backend!r} takes {list(allowed)}")
-    return options
+    """``engine_options`` checked (names and values; see ``config.check_options``)."""
+    from .config import check_options as check
+
+    return check(options, allowed, backend)
 
 
 def to_llama(model, role: str, dtype=None, device=None):
@@ -47,9 +46,11 @@ def to_llama(model, role: str, dtype=None, device=None):
         raise SMCDecodeError(
             f"the engine runs Llama-family models (model_type {list(SUPPORTED)}); the {role} {model.name!r} is "
             f"{kind!r}: use backend='reference' for it")
+    from .config import parse_device, parse_dtype
+
     p = next(model.hf.parameters())
-    dtype = p.dtype if dtype is None else (getattr(torch, dtype) if isinstance(dtype, str) else dtype)
-    device = torch.device(device) if device is not None else p.device
+    dtype = p.dtype if dtype is None else parse_dtype(dtype)
+    device = parse_device(device) if device is not None else p.device
     cache = _LLAMAS.setdefault(model, {})
     key = (dtype, str(device))
     if key not in cache:
@@ -73,23 +74,22 @@ def _share_modules(target_hf, draft_hf, target, draft) -> None:
 
 def engine_for(target_model, draft_model, rows: int, context: int, options: dict):
     """An Engine over the two models with room for ``rows`` sequences of ``context`` positions
-    (reused across calls when it fits)."""
+    (reused across calls when it fits): its settings are ``EngineConfig.from_options(options, ...)``."""
+    from .config import EngineConfig
     from .engine import Engine
 
     target = to_llama(target_model, "target", options.get("dtype"), options.get("device"))
     draft = to_llama(draft_model, "draft", options.get("dtype"), options.get("device")) if draft_model else None
     if draft is not None and draft_model is not target_model:
         _share_modules(target_model.hf, draft_model.hf, target, draft)
-    page_size = int(options.get("page_size", 16))
-    context = max(64, 1 << (context - 1).bit_length())  # a power of two: few distinct graph shapes
-    pages = int(options.get("num_pages", rows * (context // page_size + 2) + 16))
-    key = (id(draft_model), page_size, pages, context, target.tok_embeddings.weight.dtype,
-           str(target.tok_embeddings.weight.device))
+    p = target.tok_embeddings.weight
+    config = EngineConfig.from_options(options, rows, context).resolved(p.dtype, p.device)
+    key = (id(draft_model), config)
     engines = _ENGINES.setdefault(target_model, {})
     engine = engines.get(key)
     if engine is None:
         engines.clear()  # one engine (KV pools) per target at a time
-        engine = Engine(target, draft, num_pages=pages, page_size=page_size, max_context=context)
+        engine = Engine(target, draft, config)
         engines[key] = engine
     return engine
 

@@ -26,10 +26,14 @@ class KVPool:
     """The keys and values of all layers of one model: ``kv [n_layers, 2, num_pages, Hkv, PS, D]``."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, num_pages: int, page_size: int,
-                 dtype=torch.bfloat16, device="cuda", attention_backend: str = "auto"):
+                 dtype=torch.bfloat16, device="cuda", triton: bool | None = None):
+        """``triton``: whether forwards over this pool (and its page copies) run the Triton kernels;
+        None: ``config.default_triton(device)`` (on CUDA)."""
+        from .config import default_triton
+
         self.kv = torch.zeros(n_layers, 2, num_pages, n_kv_heads, page_size, head_dim, dtype=dtype, device=device)
         self.page_size = page_size
-        self.attention_backend = attention_backend
+        self.triton = default_triton(device) if triton is None else bool(triton)
 
     @classmethod
     def for_model(cls, cfg, num_pages: int, page_size: int, dtype=torch.bfloat16, device="cuda", **kw) -> KVPool:
@@ -51,14 +55,12 @@ class KVPool:
         """kv[..., dst, ...] = kv[..., src, ...] for every layer (copy-on-write; dst not in src, and a
         page named twice in dst gets the same source page each time). Entries with dst == 0 (the
         null page) or dst == src copy nothing, so a caller with a fixed number of entries (the fused
-        round: one a row) pads with zeros. On CUDA one Triton launch
+        round: one a row) pads with zeros. With Triton one launch
         (``kernels.triton_copy_pages``); elsewhere, and the reference, a gather and a scatter of
         whole pages over a [layers·2, pages, page elements] view (a page of one layer's keys, or
         values, is contiguous)."""
-        from .model import _use_triton
-
-        if _use_triton(self.kv):
-            from .kernels import triton_copy_pages
+        if self.triton:
+            from .kernels.pages import triton_copy_pages
 
             triton_copy_pages(self.kv, src, dst)
             return

@@ -1,8 +1,8 @@
 """Native Llama-family decoder (Llama 3.x, SmolLM2, Qwen2-style GQA) over a paged KV cache.
 
 A plain module in the gpt-fast manner: fused QKV and gate/up projections, RoPE with Llama-3
-frequency scaling, RMSNorm, SwiGLU. On CUDA the elementwise parts are Triton kernels (kernels.py):
-residual add + RMSNorm, RoPE + KV-page write, SiLU·mul; elsewhere their torch references here. The KV cache lives outside the module (``kv_cache.KVPool``);
+frequency scaling, RMSNorm, SwiGLU. Its layer operations are ``ops.py``'s (the Triton kernels on
+CUDA, their torch references elsewhere). The KV cache lives outside the module (``kv_cache.KVPool``);
 ``forward`` writes the new keys/values into the pages named by the page table and attends over them.
 
 Shapes: B rows (requests × particles), L new tokens per row, H query heads, Hkv key/value heads,
@@ -15,11 +15,10 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...errors import SMCDecodeError
-from .attention import paged_attention
+from . import ops
 
 
 @dataclass
@@ -105,349 +104,6 @@ def rope_inv_freq(cfg: LlamaConfig) -> Tensor:
     return torch.where(is_mid, mid, scaled).float()
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: [B, L, h, D]; cos/sin: [B, L, 1, D/2]  (HF's rotate-half convention)
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def add_rms_norm_reference(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(h, rms_norm(h)) with h = x + delta (the residual stream after a block's branch)."""
-    h = x if delta is None else x + delta
-    return h, rms_norm(h, weight, eps)
-
-
-def rope_kv_write_reference(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor,
-                            v_pool: Tensor, pages: Tensor, offsets: Tensor, H: int, Hkv: int) -> Tensor:
-    """Split the fused projection [B, L, (H + 2Hkv)·D], rotate q and k (tables cos/sin [max_pos, D/2]),
-    write k and v into pools [num_pages, Hkv, PS, D] at (pages, offsets) [B·L]; return q [B, L, H, D]."""
-    B, L, _ = qkv.shape
-    D = k_pool.shape[-1]
-    q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-    c, s = cos[positions][:, :, None], sin[positions][:, :, None]  # [B, L, 1, D/2]
-    q = apply_rope(q.reshape(B, L, H, D), c, s)
-    k = apply_rope(k.reshape(B, L, Hkv, D), c, s)
-    # NOTE: (page, offset) pairs must be distinct
-    k_pool[pages, :, offsets] = k.reshape(-1, Hkv, D)
-    v_pool[pages, :, offsets] = v.reshape(-1, Hkv, D)
-    return q
-
-
-def silu_mul(gate_up: Tensor) -> Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def _use_triton(x: Tensor) -> bool:
-    """Triton kernels on CUDA when triton imports (SMCDECODE_TRITON=0 forces the torch references)."""
-    import os
-
-    if not x.is_cuda or os.environ.get("SMCDECODE_TRITON", "1") == "0":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@dataclass
-class SplitSum:
-    """A product's float32 partial sums over K splits, ``parts`` [S, ..., N], not yet added up: the
-    next residual add + RMSNorm adds them (one launch fewer than a split-K reduce; see
-    ``linear_to_residual``). ``total`` is the product itself (the reference)."""
-
-    parts: Tensor
-
-    def total(self, dtype: torch.dtype) -> Tensor:
-        return self.parts.sum(0).to(dtype)
-
-    def __getitem__(self, idx) -> SplitSum:  # indexes the product's own dims, e.g. s[:, -1:]
-        return SplitSum(self.parts[(slice(None), *(idx if isinstance(idx, tuple) else (idx,)))])
-
-
-@dataclass
-class Normed:
-    """The residual stream after a product was added, with the next RMSNorm folded into that
-    product's epilogue instead of a launch of its own: ``h`` the stream, ``gh`` = γ ⊙ h (rounded;
-    the input of the norm's products) and ``sumsq`` [rows, T] float32, partial sums of h² over T
-    column blocks. rms_norm(h) · Wᵀ = rstd · (γ ⊙ h) · Wᵀ row by row, so the products take ``gh``
-    and their consumers scale the rows by ``rstd`` (the attention kernel, SiLU·mul)."""
-
-    h: Tensor
-    gh: Tensor
-    sumsq: Tensor | None  # None: ``gh`` is rms_norm(h) itself (no row scale left to apply)
-    eps: float
-
-    def rstd(self) -> Tensor:
-        """1 / rms(h) of each row, float32 [rows] (reference of kernels._row_rstd)."""
-        return torch.rsqrt(self.sumsq.sum(-1) / self.h.shape[-1] + self.eps)
-
-    def rowscale(self) -> tuple[Tensor, float, int]:
-        """The kernels' form: (sumsq, eps, dim)."""
-        return self.sumsq, self.eps, self.h.shape[-1]
-
-    def scale(self, y: Tensor) -> Tensor:
-        """y [..., n] (a product of ``gh``, same rows) with each row times rstd, in y's dtype."""
-        return (y.float() * self.rstd().reshape(*y.shape[:-1], 1)).to(y.dtype)
-
-
-def linear_add_norm_reference(x: Tensor, weight: Tensor, resid: Tensor, gamma: Tensor, eps: float) -> Normed:
-    """resid + x · Wᵀ as a ``Normed`` for the RMSNorm of weight ``gamma`` (one column block)."""
-    h = resid + F.linear(x, weight)
-    hf = h.float()
-    return Normed(h, (hf * gamma.float()).to(h.dtype), hf.pow(2).sum(-1).reshape(-1, 1), eps)
-
-
-def add_rms_norm(x: Tensor, delta: Tensor | SplitSum | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    split = isinstance(delta, SplitSum)
-    if _use_triton(x):
-        from .kernels import triton_add_rms_norm
-
-        if split:
-            return triton_add_rms_norm(x, None, weight, eps, parts=delta.parts)
-        return triton_add_rms_norm(x, delta, weight, eps)
-    return add_rms_norm_reference(x, delta.total(x.dtype) if split else delta, weight, eps)
-
-
-def embed_norm(tokens: Tensor, table: Tensor, weight: Tensor, eps: float) -> Tensor | Normed:
-    """The embedding lookup of ``tokens``; on the GPU with the first layer's RMSNorm (weight ``weight``)
-    in the same launch, as a ``Normed`` without a row scale (kernels.triton_embed_rms_norm)."""
-    if _use_triton(table):
-        from .kernels import triton_embed_rms_norm
-
-        return Normed(*triton_embed_rms_norm(tokens, table, weight, eps), None, eps)
-    return F.embedding(tokens, table)
-
-
-def rope_kv_write(qkv: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor,
-                  pages: Tensor, offsets: Tensor, H: int, Hkv: int) -> Tensor:
-    if _use_triton(qkv):
-        from .kernels import triton_rope_kv_write
-
-        return triton_rope_kv_write(qkv.contiguous(), positions.reshape(-1), cos, sin, k_pool, v_pool, pages,
-                                    offsets, H, Hkv)
-    return rope_kv_write_reference(qkv, positions, cos, sin, k_pool, v_pool, pages, offsets, H, Hkv)
-
-
-def rope_attention(qkv: Tensor, batch, cos: Tensor, sin: Tensor, k_pool: Tensor, v_pool: Tensor, H: int, Hkv: int,
-                   backend: str = "auto", normed: Normed | None = None) -> Tensor:
-    """RoPE on the fused projection qkv [B, L, (H + 2Hkv)·D], the new keys/values written to the
-    pools, and paged attention of the L new queries of each row -> [B, L, H, D].
-
-    On CUDA with Triton, for L <= 16 (decode and verify) and D >= 32, one kernel does all three
-    (``kernels.triton_rope_paged_attention``; SMCDECODE_FUSED_ROPE=0 disables it); otherwise the
-    RoPE + KV-write step and the attention run separately (reference: rope_kv_write_reference, then
-    attention.reference_paged_attention). ``normed``: qkv is the product of a folded norm's γ ⊙ h,
-    its rows still to be scaled by 1 / rms(h) (done in the fused kernel, else first)."""
-    import os
-
-    from .attention import _backend
-
-    L, D = qkv.shape[1], k_pool.shape[-1]
-    if (L <= 16 and D >= 32 and _use_triton(qkv) and _backend(qkv, backend) == "triton"
-            and os.environ.get("SMCDECODE_FUSED_ROPE", "1") != "0"):
-        from .kernels import triton_rope_paged_attention
-
-        return triton_rope_paged_attention(qkv, cos, sin, k_pool, v_pool, batch, H,
-                                           rowscale=normed.rowscale() if normed is not None else None)
-    if normed is not None:
-        qkv = normed.scale(qkv)
-    q = rope_kv_write(qkv, batch.positions, cos, sin, k_pool, v_pool, batch.slot_pages, batch.slot_offsets, H, Hkv)
-    return paged_attention(q, k_pool, v_pool, batch, backend=backend)
-
-
-def fused_silu_mul(gate_up: Tensor, normed: Normed | None = None) -> Tensor:
-    if _use_triton(gate_up):
-        from .kernels import triton_silu_mul
-
-        return triton_silu_mul(gate_up.contiguous(), rowscale=normed.rowscale() if normed is not None else None)
-    return silu_mul(gate_up if normed is None else normed.scale(gate_up))
-
-
-def _use_skinny(x: Tensor, weight: Tensor, silu: bool = False) -> bool:
-    """The Triton skinny product (kernels.triton_skinny_linear) where it measured faster than cuBLAS
-    (kernels.skinny_wins: few rows, some shapes); SMCDECODE_SKINNY=0 disables it."""
-    import os
-
-    if not _use_triton(x) or x.dtype != weight.dtype or weight.dtype not in (torch.bfloat16, torch.float16):
-        return False  # (float32 stays on cuBLAS: tl.dot would round its inputs to tf32)
-    if os.environ.get("SMCDECODE_SKINNY", "1") == "0":
-        return False
-    from .kernels import skinny_wins
-
-    N, K = weight.shape
-    return skinny_wins(x.numel() // K, N // 2 if silu else N, K, weight.numel() * weight.element_size(), silu)
-
-
-# Products where cuBLASLt measured faster than cuBLAS (both through torch; H200, bf16, every layer's
-# own weights, CUDA-graph replay: benchmarks/gemm_variants.py, session 9, docs/benchmarks.md):
-# (rows, N, K), with µs for all layers, cuBLAS -> cuBLASLt.
-CUBLASLT_SHAPES = {
-    (72, 4096, 14336),  # 8B w2 in the verify pass of 8 particles × 9 tokens: 1,144 -> 1,034
-    (576, 4096, 4096),  # 8B wo, verify pass of 8 requests: 1,014 -> 900
-    (576, 128256, 4096),  # 8B head, the same: 1,051 -> 934
-    (128, 2048, 8192),  # 1B w2, first draft step of 8 requests (2 tokens a particle): 277 -> 254
-}
-
-
-def cublaslt_wins(M: int, N: int, K: int, capability: tuple[int, int]) -> bool:
-    """Whether an [M, K] · [N, K]ᵀ product goes to cuBLASLt: SMCDECODE_CUBLASLT=auto (default) for
-    the measured shapes of ``CUBLASLT_SHAPES`` on Hopper (sm_90, where they were measured), 1 for
-    every product that is not on a Triton kernel, 0 never."""
-    import os
-
-    v = os.environ.get("SMCDECODE_CUBLASLT", "auto")
-    if v not in ("auto", "0", "1"):
-        raise ValueError(f"SMCDECODE_CUBLASLT={v!r}: use auto (measured shapes, the default), 1 (always) or 0 (never)")
-    return v == "1" or (v == "auto" and capability[0] == 9 and (M, N, K) in CUBLASLT_SHAPES)
-
-
-def dense(x: Tensor, layer: nn.Linear) -> Tensor:
-    """``layer(x)`` through torch's BLAS: cuBLASLt where ``cublaslt_wins``, else the default library."""
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-        N, K = layer.weight.shape
-        if cublaslt_wins(x.numel() // K, N, K, torch.cuda.get_device_capability(x.device)):
-            prev = torch.backends.cuda.preferred_blas_library()
-            torch.backends.cuda.preferred_blas_library("cublaslt")
-            try:
-                return layer(x)
-            finally:
-                torch.backends.cuda.preferred_blas_library(prev)
-    return layer(x)
-
-
-def linear(x: Tensor, layer: nn.Linear) -> Tensor:
-    if layer.bias is None and _use_skinny(x, layer.weight):
-        from .kernels import triton_skinny_linear
-
-        return triton_skinny_linear(x, layer.weight)
-    return dense(x, layer)
-
-
-def _split_config(x: Tensor, weight: Tensor, rows: int | None = None):
-    """(skinny config, K splits) where a product feeding a residual add + RMSNorm runs split-K on the
-    skinny kernel (kernels.splitk_config: few rows; SMCDECODE_SPLITK=0 disables it), else None.
-    ``rows``: of the product (default: x's)."""
-    import os
-
-    if not _use_triton(x) or x.dtype != weight.dtype or weight.dtype not in (torch.bfloat16, torch.float16):
-        return None
-    if os.environ.get("SMCDECODE_SKINNY", "1") == "0":
-        return None
-    from .kernels import splitk_config
-
-    N, K = weight.shape
-    return splitk_config(x.numel() // K if rows is None else rows, N, K, x.device)
-
-
-# Products read only by the next residual add + RMSNorm where cuBLAS on the transposed problem W · xᵀ
-# measured faster than x · Wᵀ by either library (benchmarks/gemm_variants.py, session 9, H200: µs for
-# all layers, cuBLAS -> transposed): (rows, N, K).
-TRANSPOSED_SHAPES = {
-    (576, 4096, 14336),  # 8B w2, verify pass of 8 requests × 8 particles × 9 tokens: 3,373 -> 3,155
-}
-
-
-def transposed_wins(M: int, N: int, K: int, capability: tuple[int, int]) -> bool:
-    """Whether ``linear_to_residual`` runs [M, K] · [N, K]ᵀ as W · xᵀ (its output then transposed in
-    memory, which the add + RMSNorm reads as such): SMCDECODE_TRANSPOSED=auto (default) for the
-    measured shapes of ``TRANSPOSED_SHAPES`` on Hopper (sm_90), 1 for every such product not on a
-    Triton kernel, 0 never."""
-    import os
-
-    v = os.environ.get("SMCDECODE_TRANSPOSED", "auto")
-    if v not in ("auto", "0", "1"):
-        raise ValueError(f"SMCDECODE_TRANSPOSED={v!r}: use auto (measured shapes, the default), 1 (always) or 0 (never)")
-    return v == "1" or (v == "auto" and capability[0] == 9 and (M, N, K) in TRANSPOSED_SHAPES)
-
-
-def linear_to_residual(x: Tensor, layer: nn.Linear) -> Tensor | SplitSum:
-    """``linear`` for a product whose only reader is the next residual add + RMSNorm (a block's wo and
-    w2): at few rows its K is split over more programs (the 1B's 2048-column products have only 64
-    column blocks of 32 for 132 SMs) and the float32 partials go to the norm as a ``SplitSum``; where
-    ``transposed_wins`` it is computed as W · xᵀ and returned as the transposed view of that (unit
-    stride between rows), which ``kernels.triton_add_rms_norm`` reads without a copy."""
-    if layer.bias is None:
-        cfg = _split_config(x, layer.weight)
-        if cfg is not None:
-            from .kernels import triton_skinny_linear
-
-            y = triton_skinny_linear(x, layer.weight, config=cfg[0], split=cfg[1])
-            return SplitSum(y) if y.dim() == x.dim() + 1 else y
-        N, K = layer.weight.shape
-        if (_use_triton(x) and x.dtype == layer.weight.dtype and not _use_skinny(x, layer.weight)
-                and transposed_wins(x.numel() // K, N, K, torch.cuda.get_device_capability(x.device))):
-            return torch.mm(layer.weight, x.reshape(-1, K).t()).t().reshape(*x.shape[:-1], N)
-    return linear(x, layer)
-
-
-def linear_silu_mul(x: Tensor, layer: nn.Linear, normed: Normed | None = None) -> Tensor:
-    """silu(x·gateᵀ) · (x·upᵀ) for the fused [gate; up] projection ``layer`` (no bias). ``normed``:
-    x is its ``gh`` and the products' rows are scaled by its rstd before SiLU·mul."""
-    if _use_skinny(x, layer.weight, silu=True):
-        from .kernels import triton_skinny_linear
-
-        return triton_skinny_linear(x, layer.weight, silu=True,
-                                    rowscale=normed.rowscale() if normed is not None else None)
-    return fused_silu_mul(dense(x, layer), normed)
-
-
-FOLD_MAX_ROWS = 16
-
-
-def fold_max_rows() -> int:
-    """Most rows whose norms ``fold_norms`` folds: SMCDECODE_FOLD_ROWS, default ``FOLD_MAX_ROWS``."""
-    import os
-
-    v = os.environ.get("SMCDECODE_FOLD_ROWS", str(FOLD_MAX_ROWS))
-    if not v.isdigit():
-        raise ValueError(f"SMCDECODE_FOLD_ROWS={v!r}: give a row count such as 16 or 64")
-    return int(v)
-
-
-def fold_norms(x: Tensor, block: Block) -> bool:
-    """Whether a block's two RMSNorms after it (its ffn norm, and the next block's attention norm) fold
-    into the epilogues of its wo and w2 (``linear_add_norm``): where both products run split-K on the
-    skinny kernel (few rows, Triton on CUDA; see ``_split_config``), at most ``fold_max_rows()`` rows
-    (16; SMCDECODE_FOLD_ROWS), and the projections have no bias (a bias would have to be added after
-    the row scale). Saves a norm launch for each (2 of a layer's 7). SMCDECODE_FOLD_NORM=0 turns it off.
-
-    Measured on an H200 (session 8, docs/benchmarks.md; SMC-SD N=8 K=8, 512-token outputs): 1
-    request (the draft at 8 and 16 rows) 14.34 -> 14.03 ms a round (interleaved A/B); 8 requests (64
-    rows, where the last split's epilogue costs more than the norm launch it saves) 28.67 -> 28.99,
-    hence the limit."""
-    import os
-
-    v = os.environ.get("SMCDECODE_FOLD_NORM", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"SMCDECODE_FOLD_NORM={v!r}: use 0 or 1")
-    if v == "0" or block.cfg.attention_bias or not _use_triton(x):
-        return False
-    rows = x.numel() // x.shape[-1]
-    return (rows <= fold_max_rows() and _split_config(x, block.wo.weight, rows) is not None
-            and _split_config(x, block.w2.weight, rows) is not None)
-
-
-def linear_add_norm(x: Tensor, layer: nn.Linear, resid: Tensor, gamma: Tensor, eps: float) -> Normed:
-    """resid + x · Wᵀ with the next RMSNorm (weight ``gamma``) folded in: a ``Normed``. On the GPU one
-    launch (kernels.triton_skinny_linear_add_norm, split-K as ``linear_to_residual``); reference:
-    linear_add_norm_reference."""
-    cfg = _split_config(x, layer.weight)
-    if cfg is not None:
-        from .kernels import triton_skinny_linear_add_norm
-
-        h, gh, ss = triton_skinny_linear_add_norm(x, layer.weight, resid, gamma, cfg[0], cfg[1])
-        return Normed(h, gh, ss, eps)
-    return linear_add_norm_reference(x, layer.weight, resid, gamma, eps)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -455,7 +111,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return add_rms_norm(x, None, self.weight, self.eps)[1]
+        return ops.add_rms_norm(x, None, self.weight, self.eps)[1]
 
 
 class Block(nn.Module):
@@ -470,34 +126,34 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, x: Tensor | Normed, delta: Tensor | SplitSum | None, rope: tuple[Tensor, Tensor], kv, batch,
-                next_norm: Tensor | None = None) -> tuple[Tensor | Normed, Tensor | SplitSum | None]:
+    def forward(self, x: Tensor | ops.Normed, delta: Tensor | ops.SplitSum | None, rope: tuple[Tensor, Tensor], kv,
+                batch, next_norm: Tensor | None = None) -> tuple[Tensor | ops.Normed, Tensor | ops.SplitSum | None]:
         """Residual stream x [B, L, dim] plus the previous block's pending branch output ``delta``
         (added here, fused with the norm) -> (stream, this block's MLP output, still to be added).
 
-        Where ``fold_norms`` holds, the norms after wo and w2 are folded into those products: x may
-        arrive as the previous block's ``Normed`` (delta None), and with ``next_norm`` (the next
-        block's attention-norm weight) the block returns its own ``Normed`` and None."""
+        Where ``ops.fold_norms`` holds, the norms after wo and w2 are folded into those products: x
+        may arrive as the previous block's ``ops.Normed`` (delta None), and with ``next_norm`` (the
+        next block's attention-norm weight) the block returns its own ``ops.Normed`` and None."""
         cfg = self.cfg
-        eps = cfg.norm_eps
-        B, L, _ = (x.h if isinstance(x, Normed) else x).shape
+        eps, tri = cfg.norm_eps, kv.triton
+        B, L, _ = (x.h if isinstance(x, ops.Normed) else x).shape
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        if isinstance(x, Normed):
+        if isinstance(x, ops.Normed):
             normed, x, n = (x if x.sumsq is not None else None), x.h, x.gh
         else:
             normed = None
-            x, n = add_rms_norm(x, delta, self.attention_norm.weight, eps)
-        o = rope_attention(linear(n, self.wqkv), batch, rope[0], rope[1], kv.k(self.layer), kv.v(self.layer), H,
-                           Hkv, backend=kv.attention_backend, normed=normed)
+            x, n = ops.add_rms_norm(x, delta, self.attention_norm.weight, eps, tri)
+        o = ops.rope_attention(ops.linear(n, self.wqkv, tri), batch, rope[0], rope[1], kv.k(self.layer),
+                               kv.v(self.layer), H, Hkv, tri, normed)
         o = o.reshape(B, L, H * D)
-        if fold_norms(o, self):
-            mid = linear_add_norm(o, self.wo, x, self.ffn_norm.weight, eps)
-            g = linear_silu_mul(mid.gh, self.w13, normed=mid)
+        if ops.fold_norms(o, self, tri):
+            mid = ops.linear_add_norm(o, self.wo, x, self.ffn_norm.weight, eps, tri)
+            g = ops.linear_silu_mul(mid.gh, self.w13, mid, tri)
             if next_norm is not None:
-                return linear_add_norm(g, self.w2, mid.h, next_norm, eps), None
-            return mid.h, linear_to_residual(g, self.w2)
-        h, n = add_rms_norm(x, linear_to_residual(o, self.wo), self.ffn_norm.weight, eps)
-        return h, linear_to_residual(linear_silu_mul(n, self.w13), self.w2)
+                return ops.linear_add_norm(g, self.w2, mid.h, next_norm, eps, tri), None
+            return mid.h, ops.linear_to_residual(g, self.w2, tri)
+        h, n = ops.add_rms_norm(x, ops.linear_to_residual(o, self.wo, tri), self.ffn_norm.weight, eps, tri)
+        return h, ops.linear_to_residual(ops.linear_silu_mul(n, self.w13, None, tri), self.w2, tri)
 
 
 class Llama(nn.Module):
@@ -534,18 +190,19 @@ class Llama(nn.Module):
 
         Keys/values of the new tokens are written to the cache first; query i of row b attends to
         cache positions <= its own position (``batch`` is an ``attention.PagedBatch``). Positions must
-        be below the rope tables' length (``set_rope_cache``; 4096 by default)."""
+        be below the rope tables' length (``set_rope_cache``; 4096 by default). The pool ``kv``
+        decides whether the Triton kernels run (``kv.triton``)."""
         if self.rope_cos is None:
             self.set_rope_cache(min(self.cfg.max_position, 4096))
-        rope = (self.rope_cos, self.rope_sin)
-        x, delta = embed_norm(tokens, self.tok_embeddings.weight, self.layers[0].attention_norm.weight,
-                              self.cfg.norm_eps), None
+        rope, tri = (self.rope_cos, self.rope_sin), kv.triton
+        x, delta = ops.embed_norm(tokens, self.tok_embeddings.weight, self.layers[0].attention_norm.weight,
+                                  self.cfg.norm_eps, tri), None
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1].attention_norm.weight if i + 1 < len(self.layers) else None
             x, delta = layer(x, delta, rope, kv, batch, nxt)
         if last_only:
             x, delta = x[:, -1:], delta[:, -1:]
-        return linear(add_rms_norm(x, delta, self.norm.weight, self.cfg.norm_eps)[1], self.output)
+        return ops.linear(ops.add_rms_norm(x, delta, self.norm.weight, self.cfg.norm_eps, tri)[1], self.output, tri)
 
     # ------------------------------------------------------------------------------------------
     # construction

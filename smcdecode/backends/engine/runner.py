@@ -25,7 +25,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ...errors import SMCDecodeError
 from ...models import Model
 from .attention import PagedBatch
 from .kv_cache import KVPool, PageTable
@@ -38,7 +37,7 @@ class EngineRunner:
     """``batch`` rows over one :class:`Llama`, its own KV pool (grown on demand) and page table."""
 
     def __init__(self, model: Llama, prefix_ids: list[int], batch: int, *, page_size: int = 16,
-                 attention_backend: str = "auto"):
+                 triton: bool | None = None):
         self.model = model
         self.batch = batch
         self.page_size = PS = page_size
@@ -47,8 +46,7 @@ class EngineRunner:
         max_pages = -(-model.cfg.max_position // PS) + 1
         num_pages = 1 + -(-len(prefix_ids) // PS) + batch * 4
         self.table = PageTable(batch, max_pages, num_pages, PS)
-        self.pool = KVPool.for_model(model.cfg, num_pages, PS, p.dtype, self.device,
-                                     attention_backend=attention_backend)
+        self.pool = KVPool.for_model(model.cfg, num_pages, PS, p.dtype, self.device, triton=triton)
         self.rows = np.arange(batch)
         self.length = 0
         if prefix_ids:
@@ -143,14 +141,9 @@ class EngineModel(Model):
 
 
 def check_options(options: dict | None) -> dict:
-    from .bridge import check_options as check
+    from .config import check_options as check
 
-    options = check(options, OPTIONS, "engine-runner")
-    page_size = options.get("page_size", 16)
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise SMCDecodeError(f"engine option page_size must be a positive integer (tokens per KV page, e.g. 16), "
-                             f"got {page_size!r}")
-    return options
+    return check(options, OPTIONS, "engine-runner")
 
 
 def engine_model(model: Model, role: str, options: dict) -> EngineModel:

@@ -33,7 +33,10 @@ import torch
 from torch import Tensor
 
 from ...errors import SMCDecodeError
-from .smc import NEG_INF, CombinedAutomaton, DeviceAutomaton, EngineTarget, Settings, _build, _capture, _host_terms
+from ...samplers.common import RewardTracker
+from .kv_cache import PageTable
+from .smc import NEG_INF, Round, build_round, capture_round, host_terms, round_code
+from .targets import CombinedAutomaton, DeviceAutomaton, EngineTarget, Settings
 
 
 @dataclass
@@ -110,17 +113,15 @@ class Scheduler:
             raise SMCDecodeError("constraints allow EOS only in accepting states: pass eos_token_id")
         self.eos = -1 if eos_token_id is None else eos_token_id
         self.pad = max(self.eos, 0)
-        self.use_graphs = dev.type == "cuda" if use_graphs is None else use_graphs
+        self.use_graphs = engine.config.use_graphs if use_graphs is None else use_graphs
         self.resampler, self.tau = resampler, ess_threshold
         B = slots * max_particles
-        from .kv_cache import PageTable
-
         PS = engine.page_size
-        engine._ensure_rope(engine.max_context + PS)
+        engine.ensure_rope(engine.max_context + PS)
         self.table = PageTable(B, -(-engine.max_context // PS) + 1, engine.num_pages, PS)
         pt = torch.from_numpy(self.table.table).to(dev)
         self.cap = self.table.table.shape[1] * PS
-        self.full = _build(engine, slots, max_particles, max_block_size, self.cap, pt, self.automata, self.eos,
+        self.full = build_round(engine, slots, max_particles, max_block_size, self.cap, pt, self.automata, self.eos,
                            self.pad, resampler, ess_threshold, None)
         b = self.full.buffers
         b["finished"].fill_(True)
@@ -132,8 +133,6 @@ class Scheduler:
         self.queue: deque[Request] = deque()
         self.requests: list[Request | None] = [None] * slots
         self.history: list[dict] = [{} for _ in range(slots)]
-        from ...samplers.common import RewardTracker
-
         # one reward tracker per program with rewards, and the rows its requests hold
         self.rewards = [(t, RewardTracker(t.rewards, t.decoder, B), torch.zeros(B, dtype=torch.bool))
                         for t in self.programs if t.rewards]
@@ -184,8 +183,8 @@ class Scheduler:
         self.table.reserve(rows[:1], np.array([len(ids) - 1]))
         self.table.advance(rows[:1], np.array([len(ids) - 1]))
         b["pt"].copy_(torch.from_numpy(self.table.table))
-        e._prefill(e.target, e.kv_t, b["pt"], int(rows[0]), ids[:-1])
-        e._prefill(e.draft, e.kv_d, b["pt"], int(rows[0]), ids[:-2])
+        e.prefill(e.target, e.kv_t, b["pt"], int(rows[0]), ids[:-1])
+        e.prefill(e.draft, e.kv_d, b["pt"], int(rows[0]), ids[:-2])
         self.table.share_prefix(rows.tolist(), int(rows[0]))
         self.lens[rows] = len(ids) - 1
         r = slice(int(rows[0]), int(rows[-1]) + 1)
@@ -210,14 +209,12 @@ class Scheduler:
         own = self.own[id(prog)]
         for c, s in enumerate(b["states"]):
             s[r] = self.combined.initial_of(own[c]) if c < len(own) else 0
-        from ...samplers.common import _reward_scores
-
         for t, tracker, mine in self.rewards:
             mine[r] = t is prog
-            if t is prog:
-                for i, rw in enumerate(tracker.rewards):
-                    if rw.mode == "prefix":
-                        tracker.prev[i][torch.from_numpy(rows)] = _reward_scores(rw, [""], [[]])
+            if t is prog:  # the prefix rewards' scores of the empty text, as a fresh tracker starts
+                fresh = RewardTracker(tracker.rewards, tracker.model, len(rows))
+                for i, v in fresh.prev.items():
+                    tracker.prev[i][torch.from_numpy(rows)] = v
         self.requests[g] = req
         self.history[g] = {"ess": [], "resampled": [], "joined": self.round}
 
@@ -251,8 +248,6 @@ class Scheduler:
         rnd = self.rounds.get(bucket)
         if rnd is not None:
             return rnd
-        from .smc import _Round, _round_code
-
         R = bucket * self.Nmax
         full = self.full.buffers
         view = {}
@@ -267,12 +262,12 @@ class Scheduler:
                 view[k] = v[: 3 * R + 2 * bucket + 1]
             else:
                 view[k] = v[:R]
-        rnd = _Round(view, None, None, keep=list(self.full.keep))
-        rnd.propose_code, rnd.finish_code = _round_code(self.engine, view, self.automata, self.eos, self.pad,
+        rnd = Round(view, None, None, keep=list(self.full.keep))
+        rnd.propose_code, rnd.finish_code = round_code(self.engine, view, self.automata, self.eos, self.pad,
                                                          self.resampler, self.tau)
         # NOTE: capturing runs the round once (warm-up); save and restore every buffer around it
         saved = {k: (v.clone() if isinstance(v, Tensor) else [s.clone() for s in v]) for k, v in full.items()}
-        _capture(self.engine, rnd, self.use_graphs, split=bool(self.rewards))
+        capture_round(self.engine, rnd, self.use_graphs, split=bool(self.rewards))
         for k, v in full.items():
             if isinstance(v, Tensor):
                 v.copy_(saved[k])
@@ -300,13 +295,13 @@ class Scheduler:
         b = self.full.buffers
         rows = np.arange(R)
         copies = self.table.reserve(rows, self.lens[:R] + self.Kmax + 1, write_from=self.lens[:R] - 1)
-        self.engine._upload(self.table, b["pt"], copies)
+        self.engine.upload(self.table, b["pt"], copies)
         rnd = self._round(bucket)
         self.host_s += time.perf_counter() - t0
         rnd.propose()
         if self.rewards:
             t1 = time.perf_counter()
-            _host_terms(rnd.buffers, [(tracker, mine[:R]) for _, tracker, mine in self.rewards], None, self.cap)
+            host_terms(rnd.buffers, [(tracker, mine[:R]) for _, tracker, mine in self.rewards], None, self.cap)
             self.host_s += time.perf_counter() - t1
         rnd.finish()
         packed = torch.cat([b["index"][:R].double(), b["seq"][:R].double(), b["finished"][:R].double(),

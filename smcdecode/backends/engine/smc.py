@@ -1,7 +1,7 @@
 """SMC-SD on the engine for any target program: constraints, powers, rewards, per-request settings.
 
-``Engine.smc_sd`` runs this when the call uses anything beyond the plain, uniform case (which keeps
-its fused-kernel round in engine.py). Rows are G requests × N_max particles (request g uses its first
+``Engine.smc_sd`` runs this when the call uses anything beyond the plain, uniform case (which runs
+the fused round of fused_smc.py). Rows are G requests × N_max particles (request g uses its first
 N_g rows; the rest are padding rows that start dead, log w = -inf, and are never chosen). Every row
 carries its own K ≤ K_max, temperatures, power α and token budget as device tensors, so one
 captured round serves every mix of settings of that shape.
@@ -26,10 +26,7 @@ token automaton) run the round eagerly: one host mask per draft step and one for
 
 from __future__ import annotations
 
-import math
 import time
-import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,119 +36,10 @@ from torch import Tensor
 from ...errors import SMCDecodeError
 from ...samplers.resampling import RESAMPLERS, _inverse_cdf, counts_to_ancestors, normalise
 from .attention import PagedBatch
+from .output import EngineOutput
+from .targets import CombinedAutomaton, DeviceAutomaton, EngineTarget, Settings
 
 NEG_INF = float("-inf")
-_AUTOMATA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Regex -> {device: DeviceAutomaton}
-
-
-# -- the target program on the device ----------------------------------------------------------
-
-
-@dataclass
-class DeviceAutomaton:
-    """A token automaton on the device: ``table [S+1, V]`` int32 next state (row and value S = dead),
-    ``accepting [S+1]`` bool, the initial state. Masks and advances are gathers (graph-capturable)."""
-
-    table: Tensor
-    accepting: Tensor
-    initial: int
-    dead: int
-
-    @classmethod
-    def of(cls, constraint, device) -> DeviceAutomaton | None:
-        """The automaton of a :class:`~smcdecode.potentials.regex.Regex` (None for other constraints),
-        cached per constraint and device (captured graphs are keyed by the table they read)."""
-        from ...potentials.regex import Regex
-
-        if not isinstance(constraint, Regex):
-            return None
-        cache = _AUTOMATA.setdefault(constraint, {})
-        key = str(torch.device(device))
-        if key not in cache:
-            cache[key] = cls(constraint.table.to(device=device, dtype=torch.int32).contiguous(),
-                             constraint._accepting.to(device), int(constraint._initial), int(constraint._dead))
-        return cache[key]
-
-    def allowed(self, state: Tensor) -> Tensor:
-        return self.table[state] != self.dead  # [B, V]
-
-    def advance(self, state: Tensor, tokens: Tensor) -> Tensor:
-        return self.table[state, tokens].long()
-
-
-class CombinedAutomaton(DeviceAutomaton):
-    """Several requests' automata in one device table, so one captured round serves per-request
-    constraints: state 0 is the free automaton (every token, always accepting: a request with fewer
-    constraints than the others), then each automaton's live states at an offset; every dead state
-    is the one shared dead state (the last row)."""
-
-    offsets: dict
-
-    @classmethod
-    def of(cls, automata: list, device) -> CombinedAutomaton:
-        distinct = list({id(a): a for a in automata}.values())
-        key = (tuple(id(a) for a in distinct), str(torch.device(device)))
-        hit = _COMBINED.get(key)
-        if hit is not None:
-            return hit
-        V = distinct[0].table.shape[1]
-        total = 1 + sum(a.dead for a in distinct)  # live states (each automaton's dead state is its last row)
-        table = torch.zeros(total + 1, V, dtype=torch.int32, device=device)
-        accepting = torch.zeros(total + 1, dtype=torch.bool, device=device)
-        accepting[0] = True
-        table[total] = total
-        offsets, at = {}, 1
-        for a in distinct:
-            S = a.dead
-            live = a.table[:S].long()
-            table[at : at + S] = torch.where(live == a.dead, total, live + at).to(torch.int32)
-            accepting[at : at + S] = a.accepting[:S]
-            offsets[id(a)] = at
-            at += S
-        out = cls(table, accepting, 0, total)
-        out.offsets = offsets
-        out.parts = distinct  # (keeps the ids in `key` alive)
-        if len(_COMBINED) >= 16:
-            _COMBINED.pop(next(iter(_COMBINED)))
-        _COMBINED[key] = out
-        return out
-
-    def initial_of(self, automaton: DeviceAutomaton) -> int:
-        return self.offsets[id(automaton)] + automaton.initial if automaton.initial != automaton.dead else self.dead
-
-
-_COMBINED: dict = {}  # (automata ids, device) -> CombinedAutomaton (a few, most recent)
-
-
-@dataclass
-class EngineTarget:
-    """What the engine needs of a target ``LM(model, T) ** α * constraints * rewards``:
-    α, the constraints (token automata go to the device, other constraints' masks come from the
-    host), the rewards and the model that decodes token ids into the texts rewards score."""
-
-    alpha: float = 1.0
-    constraints: Sequence = ()
-    rewards: Sequence = ()
-    decoder: object = None  # a smcdecode Model (decode, eos_token_id)
-    host_masks: bool = False  # run token automata through the host path too (tests compare both)
-
-    @classmethod
-    def of(cls, target, host_masks: bool = False) -> EngineTarget:
-        """From a smcdecode target (a potential or a Product)."""
-        from ...potentials.base import as_target
-
-        prod = as_target(target)
-        return cls(alpha=prod.lm.alpha, constraints=list(prod.constraints), rewards=list(prod.rewards),
-                   decoder=prod.lm.model, host_masks=host_masks)
-
-    def check(self) -> None:
-        if not (self.alpha > 0 and math.isfinite(self.alpha)):
-            raise SMCDecodeError(f"alpha must be a finite number > 0, got {self.alpha!r}")
-        for c in self.constraints:
-            if getattr(c, "model", None) is None:
-                raise SMCDecodeError(f"constraint {c!r} is not bound to a vocabulary: call .bind(model) first")
-        if self.rewards and self.decoder is None:
-            raise SMCDecodeError("rewards score texts: pass EngineTarget(decoder=model) (a smcdecode Model)")
 
 
 def segment_resample(W: Tensor, n: Tensor, scheme: str, live: Tensor) -> Tensor:
@@ -188,58 +76,7 @@ def segment_resample(W: Tensor, n: Tensor, scheme: str, live: Tensor) -> Tensor:
     return torch.where(j < n[:, None], A, j.expand(G, M))
 
 
-# -- requests ----------------------------------------------------------------------------------
-
-
-def _per_request(name: str, value, G: int, kind: type) -> list:
-    values = list(value) if isinstance(value, (list, tuple, np.ndarray)) else [value] * G
-    if len(values) != G:
-        raise SMCDecodeError(f"{name} lists {len(values)} values for {G} prompts: give one value or one per prompt")
-    out = []
-    for v in values:
-        if kind is int:
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise SMCDecodeError(f"{name} must be an integer >= 1 (or one per prompt), got {v!r}")
-            out.append(int(v))
-        else:
-            try:
-                f = float(v)
-            except (TypeError, ValueError):
-                raise SMCDecodeError(f"{name} must be a number > 0 (or one per prompt), got {v!r}") from None
-            if not (f > 0 and math.isfinite(f)):
-                raise SMCDecodeError(f"{name} must be a finite number > 0 (or one per prompt), got {v!r}")
-            out.append(f)
-    return out
-
-
-@dataclass
-class Settings:
-    """Per-request settings of one ``smc_sd`` call, validated."""
-
-    particles: list[int]
-    block_size: list[int]
-    max_new_tokens: list[int]
-    draft_temperature: list[float]
-    target_temperature: list[float]
-
-    @classmethod
-    def of(cls, G: int, particles, block_size, max_new_tokens, draft_temperature, target_temperature) -> Settings:
-        return cls(_per_request("particles", particles, G, int), _per_request("block_size", block_size, G, int),
-                   _per_request("max_new_tokens", max_new_tokens, G, int),
-                   _per_request("draft_temperature", draft_temperature, G, float),
-                   _per_request("target_temperature", target_temperature, G, float))
-
-    @property
-    def uniform(self) -> bool:
-        return all(len(set(v)) == 1 for v in (self.particles, self.block_size, self.max_new_tokens,
-                                                self.draft_temperature, self.target_temperature))
-
-
-# -- the run -----------------------------------------------------------------------------------
-
-
-
-class _HostMasks:
+class HostMasks:
     """Constraints whose masks come from the host (llguidance matchers, user TokenConstraints):
     their states live on the host and advance in lockstep (one K and budget for every row), so
     draft step i's mask is the constraints' ``allowed`` after the row's first i drafts."""
@@ -289,7 +126,7 @@ class _HostMasks:
 
 
 @dataclass
-class _Round:
+class Round:
     """The static buffers and the device code of one round shape: ``propose`` (steps 1–4) and
     ``finish`` (resampling); after capture, their graph replays."""
 
@@ -304,10 +141,9 @@ class _Round:
 def run(engine, prompts: list[list[int]], settings: Settings, target: EngineTarget, *, eos_token_id: int | None,
         resampler: str, ess_threshold: float, use_graphs: bool, seed: int, record_weights: bool = False):
     """SMC-SD of ``prompts`` on ``engine`` with per-request ``settings`` and ``target``; returns an
-    :class:`~smcdecode.backends.engine.engine.EngineOutput` whose tensors are [G, N_max, ...]
+    :class:`~smcdecode.backends.engine.output.EngineOutput` whose tensors are [G, N_max, ...]
     (rows j >= N_g of request g are padding: log w = -inf, length 0)."""
     from ...samplers.common import RewardTracker
-    from .engine import EngineOutput
 
     if resampler not in RESAMPLERS:
         raise SMCDecodeError(f"unknown resampler {resampler!r}: choose one of {sorted(RESAMPLERS)}")
@@ -358,17 +194,17 @@ def run(engine, prompts: list[list[int]], settings: Settings, target: EngineTarg
     initial = [[combined.initial_of(own[c]) if c < len(own) else 0 for own in per_request] for c in range(slots)]
     with_rewards = [t for t in {id(t): t for t in targets}.values() if t.rewards]
 
-    table, pt_start = engine._start(prompts, Nmax, longest_new + Kmax + 2)
+    table, pt_start = engine.start(prompts, Nmax, longest_new + Kmax + 2)
     cap = table.table.shape[1] * engine.page_size
     rows = np.arange(B)
     lens = np.repeat([len(p) - 1 for p in prompts], Nmax)
     copies = table.reserve(rows, lens + Kmax + 1, write_from=lens - 1)
     key = ("smc-general", G, Nmax, Kmax, eos, resampler, ess_threshold, table.table.shape[1], graphs,
            slots, id(combined.table) if combined else None, bool(with_rewards))
-    rnd = engine._graphs.get(key) if graphs else None
-    hosted = _HostMasks(host_constraints, B, dev) if eager else None
+    rnd = engine.graphs.get(key) if graphs else None
+    hosted = HostMasks(host_constraints, B, dev) if eager else None
     if rnd is None:
-        rnd = _build(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resampler, ess_threshold,
+        rnd = build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resampler, ess_threshold,
                      hosted.mask if hosted else None)
     b = rnd.buffers
     N_of = torch.tensor(settings.particles, device=dev)
@@ -398,12 +234,12 @@ def run(engine, prompts: list[list[int]], settings: Settings, target: EngineTarg
         for s, init in zip(b["states"], initial):
             s.copy_(per_row(init, torch.long))
 
-    engine._upload(table, b["pt"], copies)
+    engine.upload(table, b["pt"], copies)
     reset()
     if rnd.propose is None:
-        _capture(engine, rnd, graphs, split=bool(with_rewards))
+        capture_round(engine, rnd, graphs, split=bool(with_rewards))
         if graphs:
-            engine._graphs[key] = rnd
+            engine.graphs.put(key, rnd)
             reset()  # the warm-up run advanced the state
     # NOTE: the warm-up also wrote KV entries; every entry a round reads at or after position T−1
     # is written earlier in that same round, so the first replay overwrites them.
@@ -427,7 +263,7 @@ def run(engine, prompts: list[list[int]], settings: Settings, target: EngineTarg
             rnd.propose()
         if rewards or hosted is not None:
             t0 = time.perf_counter()
-            _host_terms(b, rewards, hosted, longest_new)
+            host_terms(b, rewards, hosted, longest_new)
             out.host_s += time.perf_counter() - t0
         rnd.finish()
         if record_weights:
@@ -452,7 +288,7 @@ def run(engine, prompts: list[list[int]], settings: Settings, target: EngineTarg
         lens = h[B : 2 * B].astype(np.int64)
         table.fork(index)
         table.advance(rows, lens)
-        engine._upload(table, b["pt"], table.reserve(rows, lens + Kmax + 1, write_from=lens - 1))
+        engine.upload(table, b["pt"], table.reserve(rows, lens + Kmax + 1, write_from=lens - 1))
         out.host_s += time.perf_counter() - t0
     out.peak_pages = table.peak_used
     out.tokens = b["tokens"][:, :longest_new].reshape(G, Nmax, -1).clone()
@@ -465,7 +301,7 @@ def run(engine, prompts: list[list[int]], settings: Settings, target: EngineTarg
     return out
 
 
-def _host_terms(b: dict, rewards: list, hosted: _HostMasks | None, longest_new: int) -> None:
+def host_terms(b: dict, rewards: list, hosted: HostMasks | None, longest_new: int) -> None:
     """Reward increments (``rewards``: (RewardTracker, its rows as a bool mask or None for all)) and
     the host constraints' verdict on cut sequences -> b["host_incr"]."""
     active, ended, hit_eos = b["active"].cpu(), b["ended"].cpu(), b["hit_eos"].cpu()
@@ -484,7 +320,7 @@ def _host_terms(b: dict, rewards: list, hosted: _HostMasks | None, longest_new: 
     b["host_incr"].copy_(incr)
 
 
-def _build(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resampler, tau, host_mask) -> _Round:
+def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resampler, tau, host_mask) -> Round:
     dev = engine.device
     B = G * Nmax
 
@@ -507,8 +343,8 @@ def _build(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resampler, 
         # what the host reads after the round's sync, packed in the round's graph: index, seq, n_gen, do, ess, done
         packed=z(3 * B + 2 * G + 1, dtype=torch.float64),
     )
-    rnd = _Round(b, None, None, keep=[a.table for a in automata] + [a.accepting for a in automata])
-    rnd.propose_code, rnd.finish_code = _round_code(engine, b, automata, eos, pad, resampler, tau, host_mask)
+    rnd = Round(b, None, None, keep=[a.table for a in automata] + [a.accepting for a in automata])
+    rnd.propose_code, rnd.finish_code = round_code(engine, b, automata, eos, pad, resampler, tau, host_mask)
     return rnd
 
 
@@ -518,7 +354,7 @@ def _race(x: Tensor) -> Tensor:
     return torch.argmax(torch.where(torch.isneginf(x), NEG_INF, x - e.log()), dim=-1)
 
 
-def _round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, tau: float, host_mask=None):
+def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, tau: float, host_mask=None):
     """(propose, finish) over the static buffers ``b``; ``host_mask(i)`` gives the host masks of
     draft step i (i = K_max: the bonus) in the eager host-mask path."""
     G, Nmax = b["W"].shape
@@ -640,20 +476,20 @@ def _round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, t
     return propose, finish
 
 
-def _capture(engine, rnd: _Round, graphs: bool, split: bool) -> None:
+def capture_round(engine, rnd: Round, graphs: bool, split: bool) -> None:
     """Eager closures, or their CUDA graphs: one for the whole round, two when the host scores
     rewards between the proposal and the resampling."""
     propose, finish = rnd.propose_code, rnd.finish_code
     if not graphs:
         rnd.propose, rnd.finish = propose, finish
     elif split:
-        rnd.propose = engine._capture(propose, True)
-        rnd.finish = engine._capture(finish, True)
+        rnd.propose = engine.graphs.capture(propose, True)
+        rnd.finish = engine.graphs.capture(finish, True)
     else:
         def whole() -> None:
             propose()
             finish()
 
-        rnd.propose = engine._capture(whole, True)
+        rnd.propose = engine.graphs.capture(whole, True)
         rnd.finish = lambda: None
     rnd.keep.append(rnd.buffers)

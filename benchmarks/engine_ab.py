@@ -99,8 +99,8 @@ def main() -> None:
             res["passes"].append({"pass": p, "tree": name, **r})
             print(f"pass {p} {name}: " + ", ".join(f"{x['system']} G={x['requests']} {x['tok_s_total']:.1f} tok/s"
                                                    for x in r["rows"]), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=1))
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(res, indent=1))  # after every process: a cut-off run keeps its passes
     print(f"\n{res['device']}, {res['date']}; medians over {args.passes} passes (tok/s, all requests)")
     print(f"{'case':<28}{'A':>10}{'B':>10}{'B/A':>8}")
     cases = [(x["system"], x["requests"]) for x in res["passes"][0]["rows"]]

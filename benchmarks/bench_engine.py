@@ -258,6 +258,7 @@ def main() -> None:
                             "prompt_len": args.prompt_len, "out_len": args.out_len, "page_size": 16,
                             "weights": "random (normal 0, 0.02)", "eos": "ignored (fixed-length outputs)"},
                  "repeats": args.repeats, "runs": [], "errors": [],
+                 # (SMCDECODE_TRITON=0, the engine's one switch, would show here)
                  "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SMCDECODE_")}}
     if args.append and (out_dir / "benchmarks.json").exists():
         res = json.loads((out_dir / "benchmarks.json").read_text())

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import SMCDecodeError
 from ..backends.reference import head_logits, target_hidden
+from ..errors import SMCDecodeError
 from ..models import HFModel, Model
 
 # The parameter names of one decoder layer, as in Hugging Face's Llama / Mistral / Qwen2 (with or

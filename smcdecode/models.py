@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import numbers
 import os
 from collections.abc import Callable, Sequence
 from functools import cached_property
@@ -57,13 +58,20 @@ class Model:
         if isinstance(prompt, str):
             if not prompt:
                 raise SMCDecodeError("prompt is empty: give some text, token ids, or chat messages")
-            ids = self.encode(prompt)
-        elif isinstance(prompt, Tensor):
-            ids = [int(i) for i in prompt.reshape(-1).tolist()]
-        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self.chat(prompt)
-        elif isinstance(prompt, Sequence) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-            ids = list(prompt)
+            ids = self.encode(check_text("prompt", prompt))
+        elif isinstance(prompt, (bytes, bytearray)):
+            raise SMCDecodeError(
+                f"prompt is {type(prompt).__name__} {bytes(prompt[:40])!r}: decode it to text first "
+                "(prompt.decode('utf-8')) or pass token ids as a list of ints"
+            )
+        elif isinstance(prompt, Tensor) or _is_array(prompt):
+            ids = _tensor_ids(prompt)
+        elif isinstance(prompt, Sequence) and any(isinstance(m, dict) for m in prompt):
+            ids = self.chat(check_messages(prompt))
+        elif isinstance(prompt, Sequence) and all(
+            isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in prompt
+        ):
+            ids = [int(i) for i in prompt]
         else:
             raise SMCDecodeError(
                 f"prompt must be text, a list of token ids, or a list of chat messages "
@@ -82,6 +90,66 @@ class Model:
                 f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context of "
                 f"model {self.name!r} ({self.max_context} tokens): shorten the prompt or lower max_new_tokens"
             )
+
+
+CHAT_KEYS = ("role", "content")
+
+
+def check_text(name: str, text: str) -> str:
+    """``text`` if it can be encoded as UTF-8 (tokenizers cannot take lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise SMCDecodeError(
+            f"{name} is not valid Unicode text ({e.reason} at position {e.start}: {text[max(0, e.start - 10):e.start + 10]!r}): "
+            "remove the lone surrogate, e.g. text.encode('utf-8', 'replace').decode()"
+        ) from None
+    return text
+
+
+def check_messages(messages: Sequence) -> list[dict]:
+    """Chat messages as a list of dicts, each with a string ``role`` and a string ``content``;
+    anything else raises SMCDecodeError naming the message's index and key."""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise SMCDecodeError(
+                f"chat message {i} must be a dict {{'role': ..., 'content': ...}}, got {type(m).__name__} "
+                f"{str(m)[:60]!r}: pass every message as a dict, or the prompt as text or token ids"
+            )
+        for key in CHAT_KEYS:
+            if key not in m:
+                raise SMCDecodeError(
+                    f"chat message {i} has no {key!r} key (keys: {sorted(map(str, m))}): write it as "
+                    "{'role': 'user', 'content': 'your text'}"
+                )
+            if not isinstance(m[key], str):
+                raise SMCDecodeError(
+                    f"chat message {i}: {key!r} must be a string, got {type(m[key]).__name__} {str(m[key])[:60]!r}"
+                )
+        check_text(f"chat message {i}'s content", m["content"])
+        if not m["role"].strip():
+            raise SMCDecodeError(f"chat message {i}: 'role' is empty: use 'system', 'user' or 'assistant'")
+        out.append(m)
+    return out
+
+
+def _is_array(x) -> bool:
+    return type(x).__module__ == "numpy" and hasattr(x, "dtype") and hasattr(x, "shape")
+
+
+def _tensor_ids(prompt) -> list[int]:
+    """Token ids from a 1-D integer tensor or array (or one row of shape [1, T])."""
+    t = torch.as_tensor(prompt)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise SMCDecodeError(f"prompt tensor must hold integer token ids, got dtype {t.dtype}")
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1:
+        raise SMCDecodeError(
+            f"prompt tensor must be 1-D token ids (or one row, shape [1, T]), got shape {tuple(t.shape)}"
+        )
+    return [int(i) for i in t.tolist()]
 
 
 class HFModel(Model):
@@ -120,7 +188,13 @@ class HFModel(Model):
     def chat(self, messages: Sequence[dict]) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:
             return super().chat(messages)
-        out = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        try:
+            out = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # noqa: BLE001 - jinja2 raises its own types from inside the template
+            raise SMCDecodeError(
+                f"the chat template of model {self.name!r} rejected the messages ({type(e).__name__}: "
+                f"{str(e)[:160]}): check the roles and their order, or pass the prompt as text"
+            ) from None
         if hasattr(out, "keys"):
             out = out["input_ids"]
         if isinstance(out, Tensor):
@@ -161,15 +235,23 @@ class FunctionModel(Model):
     ):
         if not callable(fn):
             raise SMCDecodeError(f"fn must be callable, got {type(fn).__name__}")
+        if isinstance(vocab, (str, bytes)) or not isinstance(vocab, Sequence):
+            raise SMCDecodeError(
+                f"vocab must be a list of token strings, got {type(vocab).__name__} {str(vocab)[:60]!r}"
+            )
         vocab = list(vocab)
+        if not all(isinstance(t, str) for t in vocab):
+            raise SMCDecodeError(f"vocab must be a list of token strings, got {vocab[:10]!r}")
         if len(vocab) < 2 or len(set(vocab)) != len(vocab):
-            raise SMCDecodeError(f"vocab must list at least 2 distinct token strings, got {vocab!r}")
+            raise SMCDecodeError(f"vocab must list at least 2 distinct token strings, got {vocab[:10]!r}")
         if eos is None:
             eos = len(vocab) - 1
         if isinstance(eos, str):
             if eos not in vocab:
                 raise SMCDecodeError(f"eos {eos!r} is not in vocab {vocab!r}")
             eos = vocab.index(eos)
+        if isinstance(eos, bool) or not isinstance(eos, numbers.Integral):
+            raise SMCDecodeError(f"eos must be a token string of vocab or its integer id, got {eos!r}")
         if not 0 <= int(eos) < len(vocab):
             raise SMCDecodeError(f"eos id {eos} is outside the vocabulary [0, {len(vocab)})")
         self.fn = fn
@@ -262,6 +344,115 @@ def _load_gguf(
     return HFModel(hf.to(device), tok, name=name or path.stem)
 
 
+def check_device(device, name: str = "device") -> torch.device:
+    """``device`` as a torch.device that this machine can use, or an SMCDecodeError that says why
+    not and what to pass instead (a malformed string, a GPU that torch cannot see, a missing index)."""
+    if isinstance(device, torch.device):
+        dev = device
+    elif isinstance(device, str):
+        try:
+            dev = torch.device(device.strip())
+        except (RuntimeError, ValueError):
+            raise SMCDecodeError(
+                f"{name} {device!r} is not a torch device: use 'cpu', 'cuda' or 'cuda:N' (or 'mps' on a Mac)"
+            ) from None
+    else:
+        raise SMCDecodeError(
+            f"{name} must be a string such as 'cpu' or 'cuda:0' (or a torch.device), got {type(device).__name__} {device!r}"
+        )
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise SMCDecodeError(
+            f"{name} 'mps' is not available (torch.backends.mps.is_available() is False; MPS needs a Mac with "
+            "Apple silicon and a torch build for it): use 'cpu'"
+        )
+    if dev.type == "meta":
+        raise SMCDecodeError(f"{name} 'meta' holds no weights, so a model cannot run there: use 'cpu' or 'cuda'")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA support" if torch.version.cuda is None else "torch sees no CUDA GPU"
+            raise SMCDecodeError(
+                f"{name} {str(dev)!r} is not available: {why} (torch {torch.__version__}, "
+                "torch.cuda.is_available() is False): use 'cpu', or on a machine with an NVIDIA GPU install a "
+                "CUDA build of torch"
+            )
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise SMCDecodeError(
+                f"{name} {str(dev)!r} does not exist: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+            )
+        return dev
+    try:
+        torch.empty(1, device=dev)
+    except Exception as e:  # noqa: BLE001 - each backend fails in its own way (AssertionError, NotImplementedError...)
+        raise SMCDecodeError(
+            f"{name} {str(dev)!r} is not available in this torch build ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:100] if str(e) else 'no support'}): use 'cpu' or 'cuda'"
+        ) from None
+    return dev
+
+
+def _check_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None) if dtype.isidentifier() else None
+        if not isinstance(dtype, torch.dtype):
+            dtype = None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise SMCDecodeError(f"dtype must be a floating-point torch dtype, got {dtype!r}: use float32, bfloat16 or float16")
+    return dtype
+
+
+def _local_path(name: str) -> Path:
+    try:
+        return Path(name).expanduser()
+    except RuntimeError:  # "~user" of an unknown user
+        return Path(name)
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):  # a name too long for a path, a NUL byte
+        return False
+
+
+def _is_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def _check_gguf(path: Path) -> Path:
+    try:
+        exists = path.is_file()
+    except (OSError, ValueError):
+        exists = False
+    if not exists:
+        raise SMCDecodeError(f"GGUF file {str(path)!r} does not exist: give the path of a .gguf file")
+    if not _is_gguf(path):
+        raise SMCDecodeError(
+            f"{str(path)!r} is not a GGUF file (it does not start with the GGUF magic bytes; "
+            f"{path.stat().st_size} bytes): check the path, or re-download the model"
+        )
+    return path.resolve()
+
+
+def _gguf_model(path: Path, dtype, device, **kw) -> HFModel:
+    try:
+        return _load_gguf(_check_gguf(path), dtype, device, **kw)
+    except SMCDecodeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - gguf and transformers raise many types for bad files
+        raise SMCDecodeError(
+            f"could not load GGUF file {str(path)!r} ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}): "
+            "it may be truncated or of an architecture transformers cannot read; use another file or a "
+            "Hugging Face model directory"
+        ) from None
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     *,
@@ -270,38 +461,53 @@ def load_model(
     gguf_file: str | None = None,
 ) -> HFModel:
     """Load a causal LM: ``"smollm2"`` (the built-in default), a local Hugging Face directory,
-    a ``.gguf`` file, or a model name already in the local Hugging Face cache."""
-    if isinstance(dtype, str):
-        if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
-            raise SMCDecodeError(f"dtype {dtype!r} is not a torch dtype: use float32, bfloat16 or float16")
-        dtype = getattr(torch, dtype)
+    a ``.gguf`` file, or a model name already in the local Hugging Face cache (nothing is
+    downloaded: a name that is not cached fails at once)."""
+    if isinstance(name_or_path, os.PathLike):
+        name_or_path = os.fspath(name_or_path)
+    if not isinstance(name_or_path, str):
+        raise SMCDecodeError(
+            f"model must be a name or path (a string), got {type(name_or_path).__name__} {name_or_path!r}: "
+            "use 'smollm2', a .gguf file or a model directory"
+        )
+    if not name_or_path.strip():
+        raise SMCDecodeError("model name is empty: use 'smollm2', a .gguf file or a model directory")
+    if gguf_file is not None and not isinstance(gguf_file, str):
+        raise SMCDecodeError(f"gguf_file must be a file name (a string), got {type(gguf_file).__name__}")
+    dtype = _check_dtype(dtype)
+    device = check_device(device)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name_or_path in ("smollm2", "default", "SmolLM2-135M-Instruct"):
-        return _load_gguf(_smollm2_dir() / SMOLLM2_GGUF, dtype, device, name="SmolLM2-135M-Instruct")
-    path = Path(name_or_path).expanduser()
+        return _gguf_model(_smollm2_dir() / SMOLLM2_GGUF, dtype, device, name="SmolLM2-135M-Instruct")
+    path = _local_path(name_or_path)
     if path.suffix == ".gguf":
-        if not path.is_file():
-            raise SMCDecodeError(f"GGUF file {str(path)!r} does not exist")
-        return _load_gguf(path.resolve(), dtype, device)
-    if path.is_dir():
+        return _gguf_model(path, dtype, device)
+    if _is_dir(path):
         if gguf_file is not None:
-            return _load_gguf((path / gguf_file).resolve(), dtype, device)
+            return _gguf_model(path / gguf_file, dtype, device)
         if not (path / "config.json").exists():
             ggufs = sorted(path.glob("*.gguf"))
             if len(ggufs) == 1:
-                return _load_gguf(ggufs[0].resolve(), dtype, device)
+                return _gguf_model(ggufs[0], dtype, device)
             raise SMCDecodeError(
                 f"directory {str(path)!r} holds no config.json (a Hugging Face model) and "
                 f"{len(ggufs)} .gguf files: point at one .gguf file or a model directory"
             )
+    elif name_or_path.startswith(("/", "./", "../", "~")) or path.suffix in (".safetensors", ".bin", ".json"):
+        raise SMCDecodeError(f"model path {name_or_path!r} does not exist: give an existing directory or .gguf file")
+    source = str(path) if _is_dir(path) else name_or_path
     try:
-        tok = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else name_or_path)
-        hf = AutoModelForCausalLM.from_pretrained(str(path) if path.is_dir() else name_or_path, dtype=dtype)
-    except (OSError, ValueError) as e:
+        # NOTE: local_files_only: a name that is not in the local cache fails at once instead of
+        # retrying the Hub for most of a minute when there is no network
+        tok = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        hf = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - OSError, ValueError, KeyError... for what is not a loadable model
+        reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
         raise SMCDecodeError(
             f"could not load model {name_or_path!r}: it is not 'smollm2', a .gguf file, a local model "
-            f"directory, or a model in the local Hugging Face cache ({str(e).splitlines()[0][:160]})"
+            f"directory, or a model in the local Hugging Face cache ({reason}); nothing is downloaded: "
+            "fetch it first (e.g. `hf download NAME`) or pass a local path"
         ) from None
     return HFModel(hf.to(device), tok, name=Path(name_or_path).name)
 

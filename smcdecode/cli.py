@@ -270,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
+        print("smcdecode: error: no command given: use `smcdecode generate ...` or `smcdecode distill ...`",
+              file=sys.stderr)
         return 2
     from .errors import SMCDecodeError
 

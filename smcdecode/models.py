@@ -6,6 +6,7 @@ token ids and back, and how to ``start`` a batched runner (see ``backends/refere
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import numbers
@@ -306,6 +307,21 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("SMCDECODE_CACHE", Path.home() / ".cache" / "smcdecode"))
 
 
+@contextlib.contextmanager
+def _quiet_loading():
+    """No transformers loading/conversion progress bars on stderr while a model loads (the CLI's
+    errors are one line), restored afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def _load_gguf(
     path: Path, dtype: torch.dtype, device: str | torch.device, cache: bool = True, name: str | None = None
 ) -> HFModel:
@@ -442,7 +458,8 @@ def _check_gguf(path: Path) -> Path:
 
 def _gguf_model(path: Path, dtype, device, **kw) -> HFModel:
     try:
-        return _load_gguf(_check_gguf(path), dtype, device, **kw)
+        with _quiet_loading():
+            return _load_gguf(_check_gguf(path), dtype, device, **kw)
     except SMCDecodeError:
         raise
     except Exception as e:  # noqa: BLE001 - gguf and transformers raise many types for bad files
@@ -500,8 +517,9 @@ def load_model(
     try:
         # NOTE: local_files_only: a name that is not in the local cache fails at once instead of
         # retrying the Hub for most of a minute when there is no network
-        tok = AutoTokenizer.from_pretrained(source, local_files_only=True)
-        hf = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True)
+        with _quiet_loading():
+            tok = AutoTokenizer.from_pretrained(source, local_files_only=True)
+            hf = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - OSError, ValueError, KeyError... for what is not a loadable model
         reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
         raise SMCDecodeError(

@@ -533,10 +533,12 @@ def load_model(
 def truncated_draft(model: HFModel, num_layers: int) -> HFModel:
     """A draft that runs the target's first ``num_layers`` decoder layers, then its final norm and
     LM head. It shares the target's weights (no extra memory) and its tokenizer."""
+    if not isinstance(model, HFModel):
+        raise SMCDecodeError(f"truncated_draft needs an HFModel (load_model(...)), got {type(model).__name__}")
     layers = model.hf.model.layers
-    if not 1 <= num_layers < len(layers):
+    if isinstance(num_layers, bool) or not isinstance(num_layers, numbers.Integral) or not 1 <= num_layers < len(layers):
         raise SMCDecodeError(
-            f"num_layers must be in [1, {len(layers) - 1}] for a {len(layers)}-layer target, got {num_layers}"
+            f"num_layers must be in [1, {len(layers) - 1}] for a {len(layers)}-layer target (an integer), got {num_layers!r}"
         )
     hf = copy.copy(model.hf)  # shallow: shares every parameter
     hf._modules = dict(model.hf._modules)

@@ -388,6 +388,18 @@ def test_huge_max_new_tokens_allocates_only_what_is_generated():
         assert all(t and t[-1] == m.eos_token_id for t in res.tokens)
 
 
+def test_truncated_draft_and_exact_target_arguments():
+    model, _ = tiny_llama_pair("cpu", head_std=1.0)
+    for layers in ("1", 1.0, True, 0, 2):
+        with pytest.raises(sd.SMCDecodeError, match=r"num_layers must be in \[1, 1\]"):
+            sd.truncated_draft(model, layers)
+    with pytest.raises(sd.SMCDecodeError, match="truncated_draft needs an HFModel"):
+        sd.truncated_draft(_toy(), 1)
+    for budget in (-1, 2.5, "3"):
+        with pytest.raises(sd.SMCDecodeError, match="max_new_tokens must be a non-negative integer"):
+            exact_target(sd.LM(_toy()), [0], budget)
+
+
 def test_prompt_plus_budget_past_the_drafts_context():
     m, d = _toy(), _toy(1)
     d.max_context = 4

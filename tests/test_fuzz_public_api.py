@@ -5,7 +5,7 @@ exception, and never NaN or ±inf weights or evidence without a message in the r
 Most examples run a tiny toy model (a 16-token vocabulary whose text covers regexes, JSON and
 grammars); a few marked ``slow`` run the real default model, whose tokenizer (special tokens,
 byte pieces, a chat template) toy models cannot imitate. Deterministic: hypothesis is
-derandomised, every run seeded. Wall time on a 2-core CI machine: ~25 s, ~40 s more for ``slow``.
+derandomised, every run seeded. Wall time on a 2-core machine: ~10 s, ~25 s more for ``slow``.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from .devices import check_device, check_dtype
 from .errors import SMCDecodeError, check_nonneg_int, check_positive_int, check_unit_interval
 from .potentials.base import as_target
 from .result import Result
@@ -22,14 +23,37 @@ from .samplers.resampling import RESAMPLERS, normalise
 from .samplers.smc_sd import SMCOutput, smc_sd
 from .samplers.speculative import speculative
 
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
+MAX_PARTICLES = 2**20  # particles (times groups, or samples) in one run: a bound far above any useful run
+
+
+def _check_flag(name: str, value) -> bool:
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise SMCDecodeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+def _check_engine_options(options: dict) -> dict:
+    """Types and values of the engine options (which names each backend takes is checked there)."""
+    options = dict(options)
+    if options.get("dtype") is not None:
+        options["dtype"] = check_dtype(options["dtype"])
+    if options.get("device") is not None:
+        options["device"] = check_device(options["device"], "engine_options['device']")
+    for key in ("page_size", "num_pages"):
+        if options.get(key) is not None:
+            check_positive_int(f"engine_options[{key!r}]", options[key])
+    if options.get("use_graphs") is not None:
+        _check_flag("engine_options['use_graphs']", options["use_graphs"])
+    return options
+
 
 def _generator(seed: int | None) -> torch.Generator:
     g = torch.Generator()
     if seed is None:
         g.seed()
     else:
-        check_nonneg_int("seed", seed)
-        g.manual_seed(seed)
+        g.manual_seed(check_nonneg_int("seed", seed, maximum=MAX_SEED))
     return g
 
 
@@ -67,17 +91,21 @@ class _Strategy:
         KV cache: every program and proposal the reference backend runs)."""
         from .backends import BACKENDS
 
-        if backend not in BACKENDS:
+        if not isinstance(backend, str) or backend not in BACKENDS:
             raise SMCDecodeError(f"unknown backend {backend!r}: choose one of {sorted(BACKENDS)}")
+        if engine_options is not None and not isinstance(engine_options, dict):
+            raise SMCDecodeError(
+                f"engine_options must be a dict such as {{'device': 'cuda'}}, got {type(engine_options).__name__}"
+            )
         self.backend = backend
         if backend == "engine":
             from .backends.engine.bridge import check_options
 
-            self.engine_options = check_options(engine_options)
+            self.engine_options = _check_engine_options(check_options(engine_options))
         elif backend == "engine-runner":
             from .backends.engine.runner import check_options
 
-            self.engine_options = check_options(engine_options)
+            self.engine_options = _check_engine_options(check_options(engine_options))
         elif engine_options:
             raise SMCDecodeError(
                 "engine_options apply to backend='engine' or 'engine-runner' only: drop them or pass one of those")
@@ -96,6 +124,12 @@ class _Strategy:
         check_positive_int("max_new_tokens", max_new_tokens)
         ids = self.model.prompt_ids(prompt)
         self.model.check_length(len(ids), max_new_tokens)
+        proposal = getattr(self, "proposal", None)
+        if proposal is not None and hasattr(proposal.model, "check_length"):
+            proposal.model.check_length(len(ids), max_new_tokens)
+        for r in self.target.rewards:
+            if hasattr(r, "scorer"):  # an LMReward scores the generated tokens after its own prompt
+                r.scorer.check_length(len(r.prompt_ids), max_new_tokens + 1)
         for c in self.target.constraints:
             if hasattr(c, "satisfiable") and not c.satisfiable():
                 self._unsatisfiable = f"no token sequence satisfies the constraint {c!r} with this vocabulary"
@@ -106,6 +140,7 @@ class _Strategy:
 
     def run(self, prompt, max_new_tokens: int = 64, seed: int | None = None, progress: bool = True) -> Result:
         """Generate from ``prompt`` (text, token ids, or chat messages) and return a :class:`Result`."""
+        progress = _check_flag("progress", progress)
         ids = self._prepare(prompt, max_new_tokens)
         g = _generator(seed)
         start = time.perf_counter()
@@ -120,6 +155,12 @@ class _Strategy:
         """``groups`` independent runs at once (vectorised), as raw tensors with a leading group
         dimension: used for replicate studies such as checking that E[Ẑ] = Z."""
         check_positive_int("groups", groups)
+        per_group = getattr(self, "particles", None) or getattr(self, "samples", 1)
+        if groups * per_group > MAX_PARTICLES:
+            raise SMCDecodeError(
+                f"groups × particles = {groups} × {per_group} exceeds {MAX_PARTICLES} sequences in one run: "
+                "run the replicates in several calls"
+            )
         ids = self._prepare(prompt, max_new_tokens)
         return self._run(ids, groups, max_new_tokens, _generator(seed), None)
 
@@ -198,9 +239,9 @@ class SMC(_Strategy):
     ):
         super().__init__(target)
         self._set_backend(backend, engine_options)
-        self.particles = check_positive_int("particles", particles, "use at least 1 particle")
+        self.particles = check_positive_int("particles", particles, "use at least 1 particle", MAX_PARTICLES)
         self.block_size = check_positive_int("block_size", block_size, "draft at least 1 token per round")
-        if resampler not in RESAMPLERS:
+        if not isinstance(resampler, str) or resampler not in RESAMPLERS:
             raise SMCDecodeError(f"unknown resampler {resampler!r}: choose one of {sorted(RESAMPLERS)}")
         self.resampler = resampler
         self.ess_threshold = check_unit_interval("ess_threshold", ess_threshold, "0 never resamples, 1 always")
@@ -251,7 +292,7 @@ class SpeculativeDecoding(_Strategy):
                 "target's hidden states): use SMC with it, or a layer draft (load_default_draft(model) or load_draft(model, DIR))"
             )
         self.block_size = check_positive_int("block_size", block_size, "draft at least 1 token per round")
-        self.samples = check_positive_int("samples", samples)
+        self.samples = check_positive_int("samples", samples, maximum=MAX_PARTICLES)
 
     def _bar_scale(self) -> int:
         return self.samples
@@ -287,7 +328,7 @@ class Autoregressive(_Strategy):
                 f"the engine's autoregressive decoding applies no constraint masks, and {self.target!r} has "
                 f"{len(self.target.constraints)}: use backend='engine-runner' (the generic masked loop on the "
                 "engine's models) or backend='reference'")
-        self.samples = check_positive_int("samples", samples)
+        self.samples = check_positive_int("samples", samples, maximum=MAX_PARTICLES)
         self.block_size = 0
 
     def _run(self, ids, groups, max_new_tokens, g, bar):

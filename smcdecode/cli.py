@@ -22,8 +22,19 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad argument in one line (status 2), like every other error here."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
+
+
+def _one_line(message: str) -> str:
+    return " | ".join(line.strip() for line in str(message).splitlines() if line.strip())
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="smcdecode",
         description="Sequential Monte Carlo over language models: SMC speculative decoding, "
         "constrained and reward-weighted generation.",
@@ -99,7 +110,7 @@ def _draft(spec: str, target_model, args):
     if spec == "default":
         from .drafts import proposal_temperature
 
-        draft = _default_draft(target_model)
+        draft = _default_draft(target_model, args)
         t = args.draft_temperature if args.draft_temperature is not None else \
             proposal_temperature(draft, args.temperature)
         return sd.Draft(draft, t)
@@ -109,7 +120,7 @@ def _draft(spec: str, target_model, args):
         except ValueError:
             raise UsageError(f"--draft {spec!r}: write truncated:L with an integer L, e.g. truncated:8") from None
         return sd.Draft(sd.truncated_draft(target_model, layers), args.draft_temperature or args.temperature)
-    if Path(spec, "draft.json").is_file():  # a distilled draft directory
+    if _is_file(Path(spec, "draft.json")):  # a distilled draft directory
         from .drafts import load_draft, proposal_temperature
 
         draft = load_draft(target_model, spec)
@@ -117,7 +128,7 @@ def _draft(spec: str, target_model, args):
     return sd.Draft(sd.load_model(spec, device=args.device), args.draft_temperature or args.temperature)
 
 
-def _default_draft(target_model):
+def _default_draft(target_model, args):
     """The built-in draft for the default model (see docs/drafts.md)."""
     import smcdecode as sd
 
@@ -134,8 +145,33 @@ def _default_draft(target_model):
         reason = "no shipped drafts"
     layers = target_model.hf.config.num_hidden_layers
     keep = max(1, layers // 3)
-    print(f"smcdecode: note: using the target's first {keep} layers as the draft ({reason})", file=sys.stderr)
+    # NOTE: printed once the run succeeds, so that an error stays the only line on stderr
+    notes = vars(args).setdefault("notes", [])
+    note = f"smcdecode: note: using the target's first {keep} layers as the draft ({reason})"
+    if note not in notes:
+        notes.append(note)
     return sd.truncated_draft(target_model, keep)
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.expanduser().is_file()
+    except (OSError, ValueError, RuntimeError):  # inline text too long to be a file name, a NUL byte, ~nobody
+        return False
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.expanduser().is_dir()
+    except (OSError, ValueError, RuntimeError):
+        return False
+
+
+def _read(flag: str, path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{flag} {str(path)!r}: cannot read it as UTF-8 text ({type(e).__name__})") from None
 
 
 def _generate(args) -> int:
@@ -152,22 +188,30 @@ def _generate(args) -> int:
             raise UsageError(f"{flag} must be a finite number > 0, got {value}")
     if not 0.0 <= args.ess_threshold <= 1.0:
         raise UsageError(f"--ess-threshold must lie in [0, 1], got {args.ess_threshold}")
-    if args.seed < 0:
-        raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    if not 0 <= args.seed < 2**64:
+        raise UsageError(f"--seed must lie in [0, 2**64), got {args.seed}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    from .devices import check_device
+
+    check_device(args.device, "--device")
+    if args.plot and not _is_dir(Path(args.plot).parent):
+        raise UsageError(f"--plot {args.plot!r}: its directory does not exist")
     if args.prompt is not None and not args.prompt:
         raise UsageError("--prompt is empty: give some text")
     regex = sd.Regex(args.regex) if args.regex is not None else None
     schema = grammar = None
     if args.json_schema is not None:
         path = Path(args.json_schema)
-        schema = sd.JSONSchema(path.read_text() if path.is_file() else args.json_schema)
+        if not _is_file(path) and args.json_schema.strip()[:1] not in ("{", "[", '"') and \
+                args.json_schema.strip() not in ("true", "false"):
+            raise UsageError(f"--json-schema {args.json_schema!r}: no such file, and not inline JSON (give a .json file or a schema such as '{{\"type\": \"integer\"}}')")
+        schema = sd.JSONSchema(_read("--json-schema", path) if _is_file(path) else args.json_schema)
     if args.grammar is not None:
         path = Path(args.grammar)
-        if not path.is_file():
+        if not _is_file(path):
             raise UsageError(f"--grammar {args.grammar!r}: no such file (give a Lark or GBNF grammar file)")
-        grammar = sd.Grammar(path.read_text(), syntax=args.grammar_syntax)
+        grammar = sd.Grammar(_read("--grammar", path), syntax=args.grammar_syntax)
     model = sd.load_model(args.model, device=args.device, threads=args.threads)
     target = sd.LM(model, temperature=args.temperature) ** args.alpha
     for constraint in (regex, schema, grammar):
@@ -180,6 +224,7 @@ def _generate(args) -> int:
         prompt = args.prompt
     else:
         prompt = [{"role": "user", "content": args.chat if args.chat is not None else DEFAULT_CHAT}]
+    model.check_length(len(model.prompt_ids(prompt)), args.max_new_tokens)  # before any draft is built
     strategies = ["smc", "sd", "ar"] if args.strategy == "all" else [args.strategy]
     results = []
     for name in strategies:
@@ -209,6 +254,8 @@ def _generate(args) -> int:
         smc = next((r for r in results if r.strategy == "smc"), results[0])
         smc.plot(args.plot)
         print(f"plot saved to {args.plot}", file=sys.stderr)
+    for note in getattr(args, "notes", []):
+        print(note, file=sys.stderr)
     return 0
 
 
@@ -240,13 +287,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
+        print("smcdecode: error: no command given: use `smcdecode generate ...` or `smcdecode distill ...`",
+              file=sys.stderr)
         return 2
     from .errors import SMCDecodeError
 
     try:
         return _generate(args)
     except (UsageError, SMCDecodeError) as e:
-        print(f"smcdecode: error: {e}", file=sys.stderr)
+        print(f"smcdecode: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -7,6 +7,7 @@ They subclass ``ValueError`` so callers that already catch bad arguments keep wo
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 
@@ -18,39 +19,50 @@ class RewardError(SMCDecodeError):
     """A user reward function raised or returned a non-finite value."""
 
 
-def _check_int(name: str, value: Any, minimum: int, kind: str, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        hint = f": {fix}" if fix else ""
+def _check_int(name: str, value: Any, minimum: int, kind: str, fix: str, maximum: int | None = None) -> int:
+    hint = f": {fix}" if fix else ""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise SMCDecodeError(f"{name} must be a {kind} integer, got {value!r}{hint}")
-    return value
+    if maximum is not None and value > maximum:
+        raise SMCDecodeError(f"{name} must be at most {maximum}, got {value!r}{hint}")
+    return int(value)
 
 
-def check_positive_int(name: str, value: Any, fix: str = "") -> int:
-    return _check_int(name, value, 1, "positive", fix)
+def check_positive_int(name: str, value: Any, fix: str = "", maximum: int | None = None) -> int:
+    return _check_int(name, value, 1, "positive", fix, maximum)
 
 
-def check_nonneg_int(name: str, value: Any, fix: str = "") -> int:
-    return _check_int(name, value, 0, "non-negative", fix)
+def check_nonneg_int(name: str, value: Any, fix: str = "", maximum: int | None = None) -> int:
+    return _check_int(name, value, 0, "non-negative", fix, maximum)
+
+
+def _as_float(name: str, value: Any, kind: str) -> float:
+    """``value`` as a float; text, booleans and non-numbers are refused (``float("0.5")`` would
+    accept a string silently)."""
+    if not isinstance(value, (str, bytes, bool, complex)) and hasattr(value, "__float__"):
+        try:
+            return float(value)  # a Python, numpy or one-element torch number
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            pass
+    raise SMCDecodeError(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
+
+
+MIN_TEMPERATURE = 1e-4  # logits / T stays far inside float32 (the engine divides in float32)
 
 
 def check_temperature(name: str, value: Any) -> float:
-    try:
-        t = float(value)
-    except (TypeError, ValueError):
-        raise SMCDecodeError(f"{name} must be a number > 0, got {value!r}") from None
-    if not math.isfinite(t) or t <= 0:
+    t = _as_float(name, value, "a number > 0")
+    if not math.isfinite(t) or t < MIN_TEMPERATURE:
         raise SMCDecodeError(
-            f"{name} must be a finite number > 0, got {value!r}: greedy decoding (temperature 0) "
-            "is not a distribution SMC can target; use a small temperature such as 0.05 instead"
+            f"{name} must be a finite number >= {MIN_TEMPERATURE:g}, got {value!r}: greedy decoding (temperature 0) "
+            "is not a distribution SMC can target, and tinier temperatures overflow the tempered logits; use a "
+            "small temperature such as 0.05 instead"
         )
     return t
 
 
 def check_finite_float(name: str, value: Any) -> float:
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        raise SMCDecodeError(f"{name} must be a finite number, got {value!r}") from None
+    x = _as_float(name, value, "a finite number")
     if not math.isfinite(x):
         raise SMCDecodeError(f"{name} must be a finite number, got {value!r}")
     return x

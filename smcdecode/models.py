@@ -6,8 +6,10 @@ token ids and back, and how to ``start`` a batched runner (see ``backends/refere
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
+import numbers
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .devices import check_device, check_dtype, set_cpu_threads
 from .errors import SMCDecodeError
 
 DEFAULT_MODEL = "smollm2"
@@ -58,13 +61,20 @@ class Model:
         if isinstance(prompt, str):
             if not prompt:
                 raise SMCDecodeError("prompt is empty: give some text, token ids, or chat messages")
-            ids = self.encode(prompt)
-        elif isinstance(prompt, Tensor):
-            ids = [int(i) for i in prompt.reshape(-1).tolist()]
-        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self.chat(prompt)
-        elif isinstance(prompt, Sequence) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-            ids = list(prompt)
+            ids = self.encode(check_text("prompt", prompt))
+        elif isinstance(prompt, (bytes, bytearray)):
+            raise SMCDecodeError(
+                f"prompt is {type(prompt).__name__} {bytes(prompt[:40])!r}: decode it to text first "
+                "(prompt.decode('utf-8')) or pass token ids as a list of ints"
+            )
+        elif isinstance(prompt, Tensor) or _is_array(prompt):
+            ids = _tensor_ids(prompt)
+        elif isinstance(prompt, Sequence) and any(isinstance(m, dict) for m in prompt):
+            ids = self.chat(check_messages(prompt))
+        elif isinstance(prompt, Sequence) and all(
+            isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in prompt
+        ):
+            ids = [int(i) for i in prompt]
         else:
             raise SMCDecodeError(
                 f"prompt must be text, a list of token ids, or a list of chat messages "
@@ -83,6 +93,66 @@ class Model:
                 f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context of "
                 f"model {self.name!r} ({self.max_context} tokens): shorten the prompt or lower max_new_tokens"
             )
+
+
+CHAT_KEYS = ("role", "content")
+
+
+def check_text(name: str, text: str) -> str:
+    """``text`` if it can be encoded as UTF-8 (tokenizers cannot take lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise SMCDecodeError(
+            f"{name} is not valid Unicode text ({e.reason} at position {e.start}: {text[max(0, e.start - 10):e.start + 10]!r}): "
+            "remove the lone surrogate, e.g. text.encode('utf-8', 'replace').decode()"
+        ) from None
+    return text
+
+
+def check_messages(messages: Sequence) -> list[dict]:
+    """Chat messages as a list of dicts, each with a string ``role`` and a string ``content``;
+    anything else raises SMCDecodeError naming the message's index and key."""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise SMCDecodeError(
+                f"chat message {i} must be a dict {{'role': ..., 'content': ...}}, got {type(m).__name__} "
+                f"{str(m)[:60]!r}: pass every message as a dict, or the prompt as text or token ids"
+            )
+        for key in CHAT_KEYS:
+            if key not in m:
+                raise SMCDecodeError(
+                    f"chat message {i} has no {key!r} key (keys: {sorted(map(str, m))}): write it as "
+                    "{'role': 'user', 'content': 'your text'}"
+                )
+            if not isinstance(m[key], str):
+                raise SMCDecodeError(
+                    f"chat message {i}: {key!r} must be a string, got {type(m[key]).__name__} {str(m[key])[:60]!r}"
+                )
+        check_text(f"chat message {i}'s content", m["content"])
+        if not m["role"].strip():
+            raise SMCDecodeError(f"chat message {i}: 'role' is empty: use 'system', 'user' or 'assistant'")
+        out.append(m)
+    return out
+
+
+def _is_array(x) -> bool:
+    return type(x).__module__ == "numpy" and hasattr(x, "dtype") and hasattr(x, "shape")
+
+
+def _tensor_ids(prompt) -> list[int]:
+    """Token ids from a 1-D integer tensor or array (or one row of shape [1, T])."""
+    t = torch.as_tensor(prompt)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise SMCDecodeError(f"prompt tensor must hold integer token ids, got dtype {t.dtype}")
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1:
+        raise SMCDecodeError(
+            f"prompt tensor must be 1-D token ids (or one row, shape [1, T]), got shape {tuple(t.shape)}"
+        )
+    return [int(i) for i in t.tolist()]
 
 
 class HFModel(Model):
@@ -121,7 +191,13 @@ class HFModel(Model):
     def chat(self, messages: Sequence[dict]) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:
             return super().chat(messages)
-        out = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        try:
+            out = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # noqa: BLE001 - jinja2 raises its own types from inside the template
+            raise SMCDecodeError(
+                f"the chat template of model {self.name!r} rejected the messages ({type(e).__name__}: "
+                f"{str(e)[:160]}): check the roles and their order, or pass the prompt as text"
+            ) from None
         if hasattr(out, "keys"):
             out = out["input_ids"]
         if isinstance(out, Tensor):
@@ -162,15 +238,23 @@ class FunctionModel(Model):
     ):
         if not callable(fn):
             raise SMCDecodeError(f"fn must be callable, got {type(fn).__name__}")
+        if isinstance(vocab, (str, bytes)) or not isinstance(vocab, Sequence):
+            raise SMCDecodeError(
+                f"vocab must be a list of token strings, got {type(vocab).__name__} {str(vocab)[:60]!r}"
+            )
         vocab = list(vocab)
+        if not all(isinstance(t, str) for t in vocab):
+            raise SMCDecodeError(f"vocab must be a list of token strings, got {vocab[:10]!r}")
         if len(vocab) < 2 or len(set(vocab)) != len(vocab):
-            raise SMCDecodeError(f"vocab must list at least 2 distinct token strings, got {vocab!r}")
+            raise SMCDecodeError(f"vocab must list at least 2 distinct token strings, got {vocab[:10]!r}")
         if eos is None:
             eos = len(vocab) - 1
         if isinstance(eos, str):
             if eos not in vocab:
                 raise SMCDecodeError(f"eos {eos!r} is not in vocab {vocab!r}")
             eos = vocab.index(eos)
+        if isinstance(eos, bool) or not isinstance(eos, numbers.Integral):
+            raise SMCDecodeError(f"eos must be a token string of vocab or its integer id, got {eos!r}")
         if not 0 <= int(eos) < len(vocab):
             raise SMCDecodeError(f"eos id {eos} is outside the vocabulary [0, {len(vocab)})")
         self.fn = fn
@@ -236,49 +320,19 @@ def _announce_cache(source: Path, converted: Path) -> None:
     )
 
 
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask): torch's default thread count."""
+@contextlib.contextmanager
+def _quiet_loading():
+    """No transformers loading/conversion progress bars on stderr while a model loads (the CLI's
+    errors are one line), restored afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
     try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def default_cpu_threads() -> int:
-    """The thread count smcdecode picks when nobody chose one: half the usable CPUs, at least 1.
-
-    On a 2-core machine (benchmarks/cpu_threads.py; docs/cli.md) the README job sampled several
-    times faster with 1 thread than with torch's default of 2 whenever another process also wanted
-    the CPU: torch's threads wait on each other, and one descheduled thread stalls them all. Half
-    the CPUs keeps that margin on larger machines (measured on 2 CPUs only)."""
-    return max(1, usable_cpus() // 2)
-
-
-# NOTE: torch's thread count is process-wide; this records the count smcdecode itself set, so a later
-# load_model() without ``threads`` keeps it rather than taking it for torch's untouched default.
-_threads_set: int | None = None
-
-
-def set_cpu_threads(threads: int | None = None) -> int:
-    """Set torch's CPU threads for the models and return the count in effect.
-
-    ``threads`` given: that many. ``None``: keep a count already chosen (``OMP_NUM_THREADS`` or
-    ``MKL_NUM_THREADS`` set, an earlier ``threads=``, or ``torch.set_num_threads`` called with a
-    count other than torch's default, the usable CPUs), else :func:`default_cpu_threads`. To run
-    with torch's own default, pass ``threads=usable_cpus()``."""
-    global _threads_set
-    if threads is not None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise SMCDecodeError(f"threads must be a positive integer (CPU threads for torch), got {threads!r}")
-        torch.set_num_threads(threads)
-        _threads_set = threads
-        return threads
-    current = torch.get_num_threads()
-    chosen = any(os.environ.get(v) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"))
-    if not chosen and current != _threads_set and current == usable_cpus():
-        _threads_set = default_cpu_threads()
-        torch.set_num_threads(_threads_set)
-    return torch.get_num_threads()
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def _load_gguf(
@@ -321,6 +375,57 @@ def _load_gguf(
     return HFModel(hf.to(device), tok, name=name or path.stem)
 
 
+def _local_path(name: str) -> Path:
+    try:
+        return Path(name).expanduser()
+    except RuntimeError:  # "~user" of an unknown user
+        return Path(name)
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):  # a name too long for a path, a NUL byte
+        return False
+
+
+def _is_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def _check_gguf(path: Path) -> Path:
+    try:
+        exists = path.is_file()
+    except (OSError, ValueError):
+        exists = False
+    if not exists:
+        raise SMCDecodeError(f"GGUF file {str(path)!r} does not exist: give the path of a .gguf file")
+    if not _is_gguf(path):
+        raise SMCDecodeError(
+            f"{str(path)!r} is not a GGUF file (it does not start with the GGUF magic bytes; "
+            f"{path.stat().st_size} bytes): check the path, or re-download the model"
+        )
+    return path.resolve()
+
+
+def _gguf_model(path: Path, dtype, device, **kw) -> HFModel:
+    try:
+        with _quiet_loading():
+            return _load_gguf(_check_gguf(path), dtype, device, **kw)
+    except SMCDecodeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - gguf and transformers raise many types for bad files
+        raise SMCDecodeError(
+            f"could not load GGUF file {str(path)!r} ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}): "
+            "it may be truncated or of an architecture transformers cannot read; use another file or a "
+            "Hugging Face model directory"
+        ) from None
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     *,
@@ -330,44 +435,60 @@ def load_model(
     threads: int | None = None,
 ) -> HFModel:
     """Load a causal LM: ``"smollm2"`` (the built-in default), a local Hugging Face directory,
-    a ``.gguf`` file, or a model name already in the local Hugging Face cache.
+    a ``.gguf`` file, or a model name already in the local Hugging Face cache (nothing is
+    downloaded: a name that is not cached fails at once).
 
     ``threads``: torch's CPU threads (process-wide). By default, on a CPU device, smcdecode keeps
     a count already chosen (``OMP_NUM_THREADS``, ``torch.set_num_threads``) and otherwise uses half
-    the usable CPUs (:func:`set_cpu_threads`; measured in docs/cli.md)."""
+    the usable CPUs (:func:`set_cpu_threads`)."""
+    if isinstance(name_or_path, os.PathLike):
+        name_or_path = os.fspath(name_or_path)
+    if not isinstance(name_or_path, str):
+        raise SMCDecodeError(
+            f"model must be a name or path (a string), got {type(name_or_path).__name__} {name_or_path!r}: "
+            "use 'smollm2', a .gguf file or a model directory"
+        )
+    if not name_or_path.strip():
+        raise SMCDecodeError("model name is empty: use 'smollm2', a .gguf file or a model directory")
+    if gguf_file is not None and not isinstance(gguf_file, str):
+        raise SMCDecodeError(f"gguf_file must be a file name (a string), got {type(gguf_file).__name__}")
+    dtype = check_dtype(dtype)
+    device = check_device(device)
     if threads is not None or str(device).startswith("cpu"):
         set_cpu_threads(threads)
-    if isinstance(dtype, str):
-        if not hasattr(torch, dtype) or not isinstance(getattr(torch, dtype), torch.dtype):
-            raise SMCDecodeError(f"dtype {dtype!r} is not a torch dtype: use float32, bfloat16 or float16")
-        dtype = getattr(torch, dtype)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name_or_path in ("smollm2", "default", "SmolLM2-135M-Instruct"):
-        return _load_gguf(_smollm2_dir() / SMOLLM2_GGUF, dtype, device, name="SmolLM2-135M-Instruct")
-    path = Path(name_or_path).expanduser()
+        return _gguf_model(_smollm2_dir() / SMOLLM2_GGUF, dtype, device, name="SmolLM2-135M-Instruct")
+    path = _local_path(name_or_path)
     if path.suffix == ".gguf":
-        if not path.is_file():
-            raise SMCDecodeError(f"GGUF file {str(path)!r} does not exist")
-        return _load_gguf(path.resolve(), dtype, device)
-    if path.is_dir():
+        return _gguf_model(path, dtype, device)
+    if _is_dir(path):
         if gguf_file is not None:
-            return _load_gguf((path / gguf_file).resolve(), dtype, device)
+            return _gguf_model(path / gguf_file, dtype, device)
         if not (path / "config.json").exists():
             ggufs = sorted(path.glob("*.gguf"))
             if len(ggufs) == 1:
-                return _load_gguf(ggufs[0].resolve(), dtype, device)
+                return _gguf_model(ggufs[0], dtype, device)
             raise SMCDecodeError(
                 f"directory {str(path)!r} holds no config.json (a Hugging Face model) and "
                 f"{len(ggufs)} .gguf files: point at one .gguf file or a model directory"
             )
+    elif name_or_path.startswith(("/", "./", "../", "~")) or path.suffix in (".safetensors", ".bin", ".json"):
+        raise SMCDecodeError(f"model path {name_or_path!r} does not exist: give an existing directory or .gguf file")
+    source = str(path) if _is_dir(path) else name_or_path
     try:
-        tok = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else name_or_path)
-        hf = AutoModelForCausalLM.from_pretrained(str(path) if path.is_dir() else name_or_path, dtype=dtype)
-    except (OSError, ValueError) as e:
+        # NOTE: local_files_only: a name that is not in the local cache fails at once instead of
+        # retrying the Hub for most of a minute when there is no network
+        with _quiet_loading():
+            tok = AutoTokenizer.from_pretrained(source, local_files_only=True)
+            hf = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - OSError, ValueError, KeyError... for what is not a loadable model
+        reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
         raise SMCDecodeError(
             f"could not load model {name_or_path!r}: it is not 'smollm2', a .gguf file, a local model "
-            f"directory, or a model in the local Hugging Face cache ({str(e).splitlines()[0][:160]})"
+            f"directory, or a model in the local Hugging Face cache ({reason}); nothing is downloaded: "
+            "fetch it first (e.g. `hf download NAME`) or pass a local path"
         ) from None
     return HFModel(hf.to(device), tok, name=Path(name_or_path).name)
 
@@ -375,10 +496,12 @@ def load_model(
 def truncated_draft(model: HFModel, num_layers: int) -> HFModel:
     """A draft that runs the target's first ``num_layers`` decoder layers, then its final norm and
     LM head. It shares the target's weights (no extra memory) and its tokenizer."""
+    if not isinstance(model, HFModel):
+        raise SMCDecodeError(f"truncated_draft needs an HFModel (load_model(...)), got {type(model).__name__}")
     layers = model.hf.model.layers
-    if not 1 <= num_layers < len(layers):
+    if isinstance(num_layers, bool) or not isinstance(num_layers, numbers.Integral) or not 1 <= num_layers < len(layers):
         raise SMCDecodeError(
-            f"num_layers must be in [1, {len(layers) - 1}] for a {len(layers)}-layer target, got {num_layers}"
+            f"num_layers must be in [1, {len(layers) - 1}] for a {len(layers)}-layer target (an integer), got {num_layers!r}"
         )
     hf = copy.copy(model.hf)  # shallow: shares every parameter
     hf._modules = dict(model.hf._modules)

@@ -105,11 +105,16 @@ def generate_json(
     ``strategy``: "smc" (``particles`` particles, ``proposal`` = "target" or a Draft) or "masked"
     (locally-masked decoding of one sample, the usual constrained decoder).
     """
-    if strategy not in STRATEGIES:
+    if not isinstance(model, Model):
+        raise SMCDecodeError(
+            f"model must be a smcdecode Model (load_model(...) or FunctionModel(...)), got {type(model).__name__}"
+        )
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise SMCDecodeError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     check_temperature("temperature", temperature)
     constraint = JSONSchema(schema, whitespace=whitespace).bind(model)
     if schema_in_prompt:
+        model.prompt_ids(prompt)  # a malformed prompt or message is reported as it was given
         prompt = schema_prompt(model, prompt, constraint.schema)
     target = LM(model, temperature=temperature) * constraint
     if strategy == "smc":

@@ -50,6 +50,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .errors import check_nonneg_int
 from .potentials.base import Potential, as_target
 from .potentials.constraint import TokenConstraint
 from .potentials.lm import LM
@@ -96,6 +97,7 @@ def exact_log_weights(target: Potential, prompt, max_new_tokens: int) -> dict[Se
     """log γ(x) − log Φ_prefix(ε) for every complete sequence x of positive weight (see the module
     docstring), by breadth-first enumeration with the potentials' own ``batch_logw_next``
     (one call per length) and, for cut sequences, ``prefix``/``complete``. Float64."""
+    check_nonneg_int("max_new_tokens", max_new_tokens)
     prod = as_target(target)
     model = prod.lm.model
     ids = model.prompt_ids(prompt)
@@ -162,6 +164,7 @@ def exact_autoregressive(target: Potential, prompt, max_new_tokens: int) -> Exac
 
     With α = 1 and no constraint this equals :func:`exact_target`; with a constraint it generally
     differs from the global conditional p(x | x ∈ A) that SMC targets."""
+    check_nonneg_int("max_new_tokens", max_new_tokens)
     prod = as_target(target)
     model = prod.lm.model
     ids = model.prompt_ids(prompt)

@@ -96,34 +96,34 @@ def test_threads_below_one_exits_2(capsys):
 
 @pytest.fixture
 def threads_restored(monkeypatch):
-    import smcdecode.models as models
+    import smcdecode.devices as devices
 
     before = torch.get_num_threads()
-    monkeypatch.setattr(models, "_threads_set", None)
+    monkeypatch.setattr(devices, "_threads_set", None)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
-    monkeypatch.setattr(models, "usable_cpus", lambda: 4)  # as on a 4-CPU machine
-    yield models
+    monkeypatch.setattr(devices, "usable_cpus", lambda: 4)  # as on a 4-CPU machine
+    yield devices
     torch.set_num_threads(before)
 
 
 def test_default_threads_are_half_the_cpus_when_nobody_chose(threads_restored):
-    models = threads_restored
+    devices = threads_restored
     torch.set_num_threads(4)  # torch's default on a 4-CPU machine
-    assert models.set_cpu_threads() == 2 == torch.get_num_threads()
-    assert models.set_cpu_threads() == 2  # a second model load keeps it
+    assert devices.set_cpu_threads() == 2 == torch.get_num_threads()
+    assert devices.set_cpu_threads() == 2  # a second model load keeps it
 
 
 def test_explicit_thread_counts_are_kept(threads_restored, monkeypatch):
-    models = threads_restored
+    devices = threads_restored
     torch.set_num_threads(3)  # the user called torch.set_num_threads
-    assert models.set_cpu_threads() == 3
+    assert devices.set_cpu_threads() == 3
     torch.set_num_threads(4)
-    assert models.set_cpu_threads(4) == 4  # threads=4 (--threads 4) wins, even at torch's default count
-    assert models.set_cpu_threads() == 4  # and a later load without threads keeps it
-    monkeypatch.setattr(models, "_threads_set", None)
+    assert devices.set_cpu_threads(4) == 4  # threads=4 (--threads 4) wins, even at torch's default count
+    assert devices.set_cpu_threads() == 4  # and a later load without threads keeps it
+    monkeypatch.setattr(devices, "_threads_set", None)
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
-    assert models.set_cpu_threads() == 4  # OMP_NUM_THREADS is a choice too
+    assert devices.set_cpu_threads() == 4  # OMP_NUM_THREADS is a choice too
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])

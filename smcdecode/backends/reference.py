@@ -19,6 +19,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..errors import SMCDecodeError
+
 
 def cache_keyword(module: torch.nn.Module) -> str:
     """The keyword under which ``module.forward`` takes its KV cache: ``cache`` where transformers
@@ -89,12 +91,27 @@ class FunctionRunner:
         outs = []
         for i in range(tokens.shape[1]):
             self.history = torch.cat([self.history, tokens[:, i : i + 1].to(self.history.device)], dim=1)
-            out = torch.as_tensor(self.fn(self.history)).float()
+            out = self.fn(self.history)
+            try:
+                out = torch.as_tensor(out).float()
+            except (TypeError, ValueError, RuntimeError):
+                raise SMCDecodeError(
+                    f"the model function returned {type(out).__name__} {str(out)[:60]!r}: it must return a tensor of "
+                    f"next-token logits or log-probabilities [batch, vocab_size]"
+                ) from None
             if out.shape != (self.history.shape[0], self.vocab_size):
-                raise ValueError(
+                raise SMCDecodeError(
                     f"the model function returned shape {tuple(out.shape)} for {self.history.shape[0]} "
                     f"contexts; it must return next-token log-probabilities of shape "
                     f"[batch, vocab_size] = [{self.history.shape[0]}, {self.vocab_size}]"
+                )
+            # NOTE: NaN, +inf or an all -inf row has no next-token distribution (log_softmax gives NaN)
+            bad = torch.isnan(out).any(-1) | torch.isposinf(out).any(-1) | torch.isneginf(out).all(-1)
+            if bool(bad.any()):
+                row = int(bad.nonzero()[0, 0])
+                raise SMCDecodeError(
+                    f"the model function returned {out[row].tolist()[:8]} for context {self.history[row].tolist()[-8:]}: "
+                    "next-token logits must be finite or -inf, with at least one finite entry per row"
                 )
             outs.append(out)
         return torch.stack(outs, dim=1)

@@ -57,21 +57,29 @@ class Potential:
         return torch.stack([self.logw_next(s, prompt) for s in seqs])
 
     def bind(self, model: Model) -> Potential:
-        """This potential over ``model``'s vocabulary (LMs are already bound)."""
+        """This potential over ``model``'s vocabulary (LMs are already bound). Returns the bound
+        potential and leaves ``self`` as it was: write ``c = c.bind(model)``."""
         return self
 
     def _require_model(self) -> Model:
         if self.model is None:
             raise SMCDecodeError(
-                f"{self!r} is not bound to a vocabulary: multiply it with an LM potential "
-                "(LM(model) * ...) or call .bind(model)"
+                f"{self!r} is not bound to a vocabulary: use the bound copy that bind returns, "
+                "`c = c.bind(model)` (binding never changes c itself), or pass the whole target "
+                "`LM(model) * c`, whose factors are bound"
             )
         return self.model
 
     def __mul__(self, other: Potential) -> Product:
         if not isinstance(other, Potential):
-            return NotImplemented
+            raise SMCDecodeError(
+                f"cannot multiply {self!r} by {type(other).__name__} {str(other)[:40]!r}: a target is a product of "
+                "potentials (LM, Regex, JSONSchema, Grammar, Reward, LMReward, your TokenConstraint)"
+            )
         return Product([self, other])
+
+    def __rmul__(self, other) -> Product:
+        return self.__mul__(other)  # `3 * potential`: the same error as `potential * 3`
 
     def __pow__(self, alpha: float) -> Potential:
         raise SMCDecodeError(f"{type(self).__name__} does not support a power")

@@ -13,12 +13,13 @@ The tensor path used by the samplers, for a batch of B particles:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from ..errors import SMCDecodeError
+from ..errors import SMCDecodeError, check_finite_float
 from .base import Potential
 
 
@@ -40,8 +41,25 @@ class TokenConstraint(Potential):
     def fork(self, state, index: Tensor):
         return state[index.to(state.device)]
 
+    def bind(self, model) -> TokenConstraint:
+        """A copy of this constraint over ``model``'s vocabulary (``self`` is left as it was):
+        ``self.model`` is the model in the copy, which is what ``allowed`` and the scoring methods
+        read. Subclasses that compile per vocabulary (Regex, Grammar) override this."""
+        from ..models import Model
+
+        if self.model is model:
+            return self
+        if not isinstance(model, Model):
+            raise SMCDecodeError(
+                f"bind needs a smcdecode Model (load_model(...) or FunctionModel(...)), got {type(model).__name__}"
+            )
+        bound = copy.copy(self)
+        bound.model = model
+        return bound
+
     def __pow__(self, alpha: float) -> TokenConstraint:
-        if not float(alpha) > 0:
+        a = check_finite_float("constraint power", alpha)
+        if not a > 0:
             raise SMCDecodeError(f"a constraint can only be raised to a power > 0, got {alpha!r}")
         return self  # 1[x ∈ A]^α = 1[x ∈ A]
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..errors import SMCDecodeError, check_temperature
+from ..errors import SMCDecodeError, check_finite_float, check_temperature
 from ..models import Model
 from .base import Potential
 
@@ -71,11 +71,11 @@ class LM(Potential):
         return self.alpha * self.log_probs(runner.extend(feed)[:, -1]).double().cpu()
 
 
+MAX_ALPHA = 1e3  # p^α with larger α is the arg-max to float64 precision; T/α must stay a float32 temperature
+
+
 def _check_alpha(alpha) -> float:
-    try:
-        a = float(alpha)
-    except (TypeError, ValueError):
-        raise SMCDecodeError(f"power alpha must be a number > 0, got {alpha!r}") from None
-    if not (a > 0 and a < float("inf")):
-        raise SMCDecodeError(f"power alpha must be a finite number > 0, got {alpha!r}")
+    a = check_finite_float("power alpha", alpha)
+    if not 0 < a <= MAX_ALPHA:
+        raise SMCDecodeError(f"power alpha must be a number in (0, {MAX_ALPHA:g}], got {alpha!r}")
     return a

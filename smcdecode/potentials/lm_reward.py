@@ -17,9 +17,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..errors import SMCDecodeError, check_finite_float, check_temperature
+from ..errors import SMCDecodeError, check_finite_float, check_positive_int, check_temperature
 from ..models import Model
-from .reward import MODES, Reward
+from .reward import MODES, Reward, tilt
 
 
 class LMReward(Reward):
@@ -58,7 +58,7 @@ class LMReward(Reward):
         self.mode = mode
         self.batched = True
         self.name = name or f"log p'(x | {_short(prompt)})"
-        self.chunk = max(1, int(chunk))
+        self.chunk = check_positive_int("chunk", chunk, "rows per forward pass, e.g. 8")
         self.incremental = bool(incremental)
         self.model = None
 
@@ -88,7 +88,7 @@ class LMReward(Reward):
         return self._copy(model=model)
 
     def __pow__(self, alpha: float) -> LMReward:
-        return self._copy(beta=self.beta * check_finite_float("alpha", alpha))
+        return self._copy(beta=check_finite_float("beta × alpha", self.beta * check_finite_float("alpha", alpha)))
 
     # -- scoring ---------------------------------------------------------------------------
     def _token_logprobs(self, seqs: list[list[int]]) -> Tensor:
@@ -133,10 +133,10 @@ class LMReward(Reward):
     def prefix(self, tokens, prompt=()):
         if self.mode == "complete":
             return 0.0
-        return self.beta * float(self.score_tokens([list(tokens)])[0])
+        return float(tilt(self, self.score_tokens([list(tokens)]))[0])
 
     def complete(self, tokens, prompt=()):
-        return self.beta * float(self.score_tokens([[*tokens, self.scorer.eos_token_id]])[0])
+        return float(tilt(self, self.score_tokens([[*tokens, self.scorer.eos_token_id]]))[0])
 
     def logw_next(self, tokens, prompt=()):
         return self.batch_logw_next([tokens], prompt)[0]
@@ -151,12 +151,12 @@ class LMReward(Reward):
             lp = self._token_logprobs([s])[0].double()  # [len+1, V]
             nxt = lp[-1]
             if self.mode == "prefix":
-                out[i] = self.beta * nxt  # prefix(x·v) − prefix(x); EOS: complete(x) − prefix(x)
+                out[i] = tilt(self, nxt)  # prefix(x·v) − prefix(x); EOS: complete(x) − prefix(x)
             else:
                 idx = torch.tensor(s, dtype=torch.long)
                 so_far = lp[:-1].gather(1, idx[:, None]).sum() if s else torch.tensor(0.0, dtype=torch.float64)
                 out[i] = 0.0
-                out[i, eos] = self.beta * float(so_far + nxt[eos])
+                out[i, eos] = tilt(self, (so_far + nxt[eos]).reshape(1))[0]
         return out
 
 

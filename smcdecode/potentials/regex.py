@@ -158,17 +158,30 @@ def _reject_unsupported(pattern: str) -> None:
     bad = {"ASSERT": "look-around", "ASSERT_NOT": "look-around", "GROUPREF": "back-reference",
            "GROUPREF_EXISTS": "conditional", "AT": "anchor"}
 
-    def walk(items):
+    def walk(items, copies):
         for op, arg in items:
             name = str(op)
             if name in bad and not (name == "AT" and str(arg) in ("AT_BEGINNING", "AT_END", "AT_BEGINNING_STRING", "AT_END_STRING")):
                 raise ValueError(f"{bad[name]} ({name}) is not supported")
+            inner = copies
+            if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+                low, high = arg[0], arg[1]
+                # NOTE: the automaton holds a copy of the repeated part per counted repetition
+                inner = copies * (max(low, 1) if high == sre_parse.MAXREPEAT else max(high, 1))
+                if inner > MAX_REPEAT:
+                    raise ValueError(
+                        f"repetition counts multiply to {inner} copies, more than {MAX_REPEAT}: the token automaton "
+                        "would take minutes to build; bound the length with max_new_tokens instead"
+                    )
             for a in arg if isinstance(arg, (list, tuple)) else [arg]:
                 if isinstance(a, sre_parse.SubPattern):
-                    walk(a)
+                    walk(a, inner)
                 elif isinstance(a, (list, tuple)):
                     for b in a:
                         if isinstance(b, sre_parse.SubPattern):
-                            walk(b)
+                            walk(b, inner)
 
-    walk(sre_parse.parse(pattern))
+    walk(sre_parse.parse(pattern), 1)
+
+
+MAX_REPEAT = 1000  # counted repetitions in one regex (a{n}, a{m,n}, nested counts multiplied)

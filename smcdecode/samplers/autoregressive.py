@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .common import NEG_INF, Constraints, gumbel_argmax
-from .smc_sd import SMCOutput
+from ..errors import SMCDecodeError
+from .common import NEG_INF, Constraints, dead_rows, draw_allowed
+from .smc_sd import CHUNK, SMCOutput, _grow
 
 
 def autoregressive(
@@ -22,7 +23,7 @@ def autoregressive(
     B = batch
     runner = model.start(prompt_ids[:-1], B)
     last = torch.full((B, 1), prompt_ids[-1], dtype=torch.long)
-    tokens = torch.full((B, max_new_tokens), eos, dtype=torch.long)
+    tokens = torch.full((B, min(max_new_tokens, CHUNK)), eos, dtype=torch.long)  # grows with t
     lengths = torch.zeros(B, dtype=torch.long)
     finished = torch.zeros(B, dtype=torch.bool)
     failed = torch.zeros(B, dtype=torch.bool)
@@ -30,17 +31,28 @@ def autoregressive(
     for t in range(max_new_tokens):
         if bool(finished.all()):
             break
-        lw = lm.alpha * lm.log_probs(runner.extend(last)[:, -1].cpu()).double()
+        lw_all = lm.alpha * lm.log_probs(runner.extend(last)[:, -1].cpu()).double()
         mask = constraints.allowed()
-        if mask is not None:
-            lw = lw.masked_fill(~mask, NEG_INF)
-            failed |= ~finished & ~mask.any(-1)
-        v = gumbel_argmax(lw, generator)
+        lw = lw_all if mask is None else lw_all.masked_fill(~mask, NEG_INF)
+        dead = dead_rows(mask)
         active = ~finished
+        if dead is not None:
+            # NOTE: a sequence at a dead end fails and stops: its draw (from the unmasked target, so
+            # the model is only fed tokens it can produce) is not recorded
+            failed |= active & dead
+            active = active & ~dead
+        if bool(torch.isnan(lw_all).any()):
+            raise SMCDecodeError(
+                f"the target model {model.name!r} returned NaN logits at step {t + 1} (a float16 model can "
+                "overflow: load it with dtype='float32')"
+            )
+        v = draw_allowed(lw_all, lw, dead, generator)
+        if t >= tokens.shape[1]:
+            tokens = _grow(tokens, min(max_new_tokens, 2 * tokens.shape[1]), eos)
         tokens[active, t] = v[active]
         lengths[active] += 1
         constraints.states = constraints.advanced(v)
-        finished |= active & ((v == eos) | failed)
+        finished |= failed | (active & (v == eos))
         last = v[:, None]
         if progress is not None:
             progress.update(1)
@@ -49,4 +61,5 @@ def autoregressive(
         failed |= cut & ~constraints.accepting(B)
     finished[:] = True
     log_w = torch.where(failed, NEG_INF, 0.0).double()
+    tokens = tokens[:, : int(lengths.max())]
     return SMCOutput(tokens[None], lengths[None], finished[None], log_w[None], torch.full((1,), float("nan")))

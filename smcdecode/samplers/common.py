@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..errors import RewardError
+from ..potentials.reward import tilt
+
 NEG_INF = float("-inf")
 
 
@@ -29,6 +32,22 @@ def masked_log_softmax(log_weights: Tensor, allowed: Tensor | None) -> Tensor:
         log_weights = log_weights.masked_fill(~allowed, NEG_INF)
     lse = torch.logsumexp(log_weights, dim=-1, keepdim=True)
     return torch.where(torch.isfinite(lse), log_weights - torch.where(torch.isfinite(lse), lse, 0.0), NEG_INF)
+
+
+def dead_rows(mask: Tensor | None) -> Tensor | None:
+    """bool [B]: rows of a token mask [B, V] that allow no token (a particle at a dead end)."""
+    return None if mask is None else ~mask.any(-1)
+
+
+def draw_allowed(log_weights: Tensor, masked: Tensor, dead: Tensor | None, generator) -> Tensor:
+    """One draw per row ∝ exp(masked) [B, V] (the proposal restricted to the allowed tokens).
+
+    NOTE: a dead row (nothing allowed) draws from its unmasked ``log_weights`` instead. Its
+    particle gets weight 0 and stops there, but the batched models still consume a token for its
+    row: this way it is always one the proposal itself can produce (never an arbitrary id)."""
+    if dead is not None:
+        masked = torch.where(dead[:, None], log_weights, masked)
+    return gumbel_argmax(masked, generator)
 
 
 @dataclass
@@ -124,13 +143,21 @@ class RewardTracker:
                 if values is None:  # no session, or a row it cannot extend: score the whole prefixes
                     self.sessions.pop(i, None)
                     values = _reward_scores(r, texts, ids)
-                incr[idx] += r.beta * (values - self.prev[i][idx])
+                incr[idx] += tilt(r, values, self.prev[i][idx], texts if needs_text else None)
                 self.prev[i][idx] = values
             else:
                 fin = [j for j, row in enumerate(rows) if bool(finishing[row])]
                 if fin:
-                    values = _reward_scores(r, [texts[j] for j in fin], None if ids is None else [ids[j] for j in fin])
-                    incr[idx[fin]] += r.beta * values
+                    fin_texts = [texts[j] for j in fin]
+                    values = _reward_scores(r, fin_texts, None if ids is None else [ids[j] for j in fin])
+                    incr[idx[fin]] += tilt(r, values, texts=fin_texts if needs_text else None)
+        if not bool(torch.isfinite(incr).all()):  # NOTE: -inf (weight 0) is exact; NaN or +inf never is
+            bad = torch.isnan(incr) | torch.isposinf(incr)
+            if bool(bad.any()):
+                raise RewardError(
+                    f"the rewards {[r.name for r in self.rewards]} add up to {float(incr[bad][0])} for one particle: "
+                    "their beta·R terms overflow float64 together; rescale the rewards or their betas"
+                )
         return incr
 
     def fork(self, index: Tensor) -> None:

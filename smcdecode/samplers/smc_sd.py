@@ -26,15 +26,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .common import NEG_INF, Constraints, RewardTracker, gumbel_argmax, masked_log_softmax
+from ..errors import SMCDecodeError
+from .common import NEG_INF, Constraints, RewardTracker, dead_rows, draw_allowed, masked_log_softmax
 from .resampling import get_resampler, normalise
+
+CHUNK = 256  # initial room for generated tokens per particle (the buffer doubles as needed)
 
 
 @dataclass
 class SMCOutput:
     """Raw output of a run, with a leading group dimension G and particle dimension N."""
 
-    tokens: Tensor  # [G, N, max_new_tokens] long, EOS-padded
+    tokens: Tensor  # [G, N, T] long, EOS-padded: T ≤ max_new_tokens, the longest generation's room
     lengths: Tensor  # [G, N] generated tokens (an ending EOS included)
     finished: Tensor  # [G, N] bool: ended by EOS, budget, or weight -inf
     log_weights: Tensor  # [G, N] float64, since the last resampling
@@ -79,7 +82,7 @@ def smc_sd(
     pending_features = d_runner.tail_feature[:, None] if feature else None
     last = torch.full((B,), prompt_ids[-1], dtype=torch.long)  # token the target has not seen
 
-    tokens = torch.full((B, max_new_tokens), eos, dtype=torch.long)
+    tokens = torch.full((B, min(max_new_tokens, CHUNK)), eos, dtype=torch.long)  # grows with position
     lengths = torch.zeros(B, dtype=torch.long)
     finished = torch.zeros(B, dtype=torch.bool)
     log_w = torch.zeros(B, dtype=torch.float64)
@@ -94,11 +97,11 @@ def smc_sd(
         k = min(K, remaining)
         bonus = remaining > K
         active = ~finished
+        never = k + 2
+        dead_at = torch.full((B,), never, dtype=torch.long)  # first position of the round with no allowed token
 
         # 1. draft k tokens from q' (masked by the constraints)
-        drafts = torch.empty(B, k, dtype=torch.long)
-        log_q = torch.zeros(B, k, dtype=torch.float64)
-        masks = []
+        drafted, drafted_log_q = [], []
         states = constraints.states
         if k > 0:
             if feature:
@@ -106,14 +109,24 @@ def smc_sd(
                 logits, hidden, committed = logits[:, -1].cpu(), hidden[:, -1:], d_runner.length
             else:
                 logits = d_runner.extend(pending)[:, -1].cpu()
+            over = finished.clone()  # rows whose later drafts this round are discarded: ended or dead
             for i in range(k):
                 mask = constraints.allowed(states)
-                masks.append(mask)
-                lq = masked_log_softmax(torch.log_softmax(logits.double() / draft.temperature, -1), mask)
-                d = gumbel_argmax(lq, generator)
-                drafts[:, i] = d
-                log_q[:, i] = lq.gather(1, d[:, None])[:, 0]
+                lq_all = torch.log_softmax(logits.double() / draft.temperature, -1)
+                lq = masked_log_softmax(lq_all, mask)
+                dead = dead_rows(mask)
+                if dead is not None:
+                    dead_at = torch.where(dead & (dead_at == never), i, dead_at)
+                d = draw_allowed(lq_all, lq, dead, generator)
+                drafted.append(d)
+                drafted_log_q.append(lq.gather(1, d[:, None])[:, 0])
                 states = constraints.advanced(d, states)
+                over |= d == eos if dead is None else (d == eos) | dead
+                if bool(over.all()) and i < k - 1:
+                    # NOTE: every particle ends this round: its remaining drafts (a huge block_size
+                    # can ask for millions) and the bonus would be discarded, so they are not drawn
+                    k, bonus = i + 1, False
+                    break
                 if i < k - 1:
                     if feature:
                         logits, hidden = d_runner.extend(d[:, None], hidden)
@@ -121,6 +134,8 @@ def smc_sd(
                     else:
                         logits = d_runner.extend(d[:, None])[:, -1].cpu()
             out.draft_tokens += int(active.sum()) * k
+        drafts = torch.stack(drafted, 1) if drafted else torch.empty(B, 0, dtype=torch.long)
+        log_q = torch.stack(drafted_log_q, 1) if drafted else torch.zeros(B, 0, dtype=torch.float64)
 
         # 2. one target pass over [last, d_1..d_k]
         feed = torch.cat([last[:, None], drafts], dim=1)
@@ -145,11 +160,13 @@ def smc_sd(
         # 3. bonus token from π_loc ∝ p^α·1[valid], weighted by its normaliser
         if bonus:
             mask = constraints.allowed(states)
-            lb = alpha * log_p[:, k]
-            if mask is not None:
-                lb = lb.masked_fill(~mask, NEG_INF)
-            log_norm = torch.logsumexp(lb, dim=-1)
-            b = gumbel_argmax(lb, generator)
+            lb_all = alpha * log_p[:, k]
+            lb = lb_all if mask is None else lb_all.masked_fill(~mask, NEG_INF)
+            log_norm = torch.logsumexp(lb, dim=-1)  # -inf for a dead row
+            dead = dead_rows(mask)
+            if dead is not None:
+                dead_at = torch.where(dead & (dead_at == never), k, dead_at)
+            b = draw_allowed(lb_all, lb, dead, generator)
             incr = incr + torch.where(any_eos, 0.0, log_norm)
             n_new = torch.where(any_eos, n_new, k + 1)
             block = torch.cat([drafts, b[:, None]], dim=1)
@@ -162,7 +179,11 @@ def smc_sd(
         constraints.states = states
 
         width = block.shape[1]
+        # NOTE: a particle stops before its first position with no allowed token (weight 0 there)
+        n_new = torch.minimum(n_new, dead_at)
         block = torch.where(torch.arange(width)[None, :] < n_new[:, None], block, eos)
+        if position + width > tokens.shape[1]:
+            tokens = _grow(tokens, min(max_new_tokens, max(2 * tokens.shape[1], position + width)), eos)
         tokens[active, position : position + width] = block[active]
         lengths[active] += n_new[active]
         position += width
@@ -172,9 +193,11 @@ def smc_sd(
         truncated = ended & ~hit_eos
         if constraints:
             incr = torch.where(truncated & ~constraints.accepting(B), NEG_INF, incr)
-        if rewards:
-            incr = incr + rewards.increment(tokens, lengths, active, ended)
+        if rewards:  # particles whose weight is already 0 are not scored
+            incr = incr + rewards.increment(tokens, lengths, active & ~torch.isneginf(incr), ended)
         log_w = torch.where(active, log_w + incr, log_w)
+        if not bool((torch.isfinite(log_w) | torch.isneginf(log_w)).all()):
+            raise _non_finite(log_w, log_p, log_q, model, draft, out.rounds)
         finished |= ended | torch.isneginf(log_w)
         if progress is not None:
             progress.update(width)
@@ -207,9 +230,32 @@ def smc_sd(
 
     lw = log_w.view(G, N)
     log_Z += torch.logsumexp(lw, dim=1) - math.log(N)
-    out.tokens = tokens.view(G, N, -1)
+    out.tokens = tokens[:, :position].reshape(G, N, -1)
     out.lengths = lengths.view(G, N)
     out.finished = finished.view(G, N)
     out.log_weights = lw
     out.log_evidence = log_Z
     return out
+
+
+def _grow(tokens: Tensor, width: int, eos: int) -> Tensor:
+    """``tokens`` [B, T] with room for ``width`` ≥ T columns (EOS-padded)."""
+    out = torch.full((tokens.shape[0], width), eos, dtype=tokens.dtype)
+    out[:, : tokens.shape[1]] = tokens
+    return out
+
+
+def _non_finite(log_w: Tensor, log_p: Tensor, log_q: Tensor, model, draft, rounds: int) -> SMCDecodeError:
+    """Why a log-weight became NaN or +inf (rewards raise their own RewardError earlier)."""
+    i = int((torch.isnan(log_w) | torch.isposinf(log_w)).nonzero()[0, 0])
+    if bool(torch.isnan(log_p[i]).any()):
+        source = f"the target model {model.name!r} returned NaN logits"
+    elif bool(torch.isnan(log_q[i]).any()):
+        source = f"the draft model {draft.model.name!r} returned NaN logits"
+    else:
+        source = "the round's terms overflowed float64"
+    return SMCDecodeError(
+        f"particle {i}'s log-weight became {float(log_w[i])} in round {rounds + 1}: {source} (a float16 model "
+        "can overflow: load it with dtype='float32'; a temperature or power that is extreme for these logits "
+        "can too)"
+    )

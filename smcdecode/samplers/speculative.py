@@ -21,15 +21,16 @@ def speculative(
     lm = target.lm
     model = lm.model
     eos = model.eos_token_id
-    tokens = torch.full((batch, max_new_tokens), eos, dtype=torch.long)
-    lengths = torch.zeros(batch, dtype=torch.long)
     stats = {"drafted": 0, "accepted": 0, "rounds": 0}
-    for row in range(batch):
-        seq = _one_sequence(lm, draft, prompt_ids, block_size, max_new_tokens, generator, stats, progress)
-        tokens[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        lengths[row] = len(seq)
+    seqs = []
+    for _ in range(batch):
+        seqs.append(_one_sequence(lm, draft, prompt_ids, block_size, max_new_tokens, generator, stats, progress))
         if progress is not None:  # the bar counts max_new_tokens a sequence, however early it ended
-            progress.update(max_new_tokens - len(seq))
+            progress.update(max_new_tokens - len(seqs[-1]))
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    tokens = torch.full((batch, int(lengths.max())), eos, dtype=torch.long)  # EOS-padded to the longest
+    for row, seq in enumerate(seqs):
+        tokens[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
     out = SMCOutput(
         tokens[None], lengths[None], torch.ones(1, batch, dtype=torch.bool),
         torch.zeros(1, batch, dtype=torch.float64), torch.full((1,), float("nan")),

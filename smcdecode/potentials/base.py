@@ -23,7 +23,6 @@ from ..errors import SMCDecodeError
 
 if TYPE_CHECKING:
     from ..models import Model
-    from .lm import LM
 
 
 class Potential:
@@ -31,6 +30,9 @@ class Potential:
 
     #: the model whose vocabulary this potential is defined over (set for LMs; bound for others)
     model: Model | None = None
+    #: what the samplers do with this factor of a target: "lm" (LM), "constraint" (TokenConstraint),
+    #: "reward" (Reward); None for a potential the samplers cannot use
+    role: str | None = None
 
     def prefix(self, tokens: Sequence[int], prompt: Sequence[int] = ()) -> float:
         raise NotImplementedError  # abstract
@@ -92,9 +94,6 @@ class Product(Potential):
         flat: list[Potential] = []
         for f in factors:
             flat.extend(f.factors if isinstance(f, Product) else [f])
-        from .lm import LM
-
-        lms = [f for f in flat if isinstance(f, LM)]
         models = [f.model for f in flat if f.model is not None]
         model = models[0] if models else None
         for m in models[1:]:
@@ -106,16 +105,13 @@ class Product(Potential):
                 )
         self.factors = [f.bind(model) if model is not None else f for f in flat]
         self.model = model
-        self._lms = lms
 
     def __repr__(self) -> str:
         return " * ".join(repr(f) for f in self.factors)
 
     @property
-    def lm(self) -> LM:
-        from .lm import LM
-
-        lms = [f for f in self.factors if isinstance(f, LM)]
+    def lm(self) -> Potential:
+        lms = [f for f in self.factors if f.role == "lm"]
         if len(lms) != 1:
             raise SMCDecodeError(
                 f"a target needs exactly one language-model potential, this one has {len(lms)}: {self!r}"
@@ -124,15 +120,11 @@ class Product(Potential):
 
     @property
     def constraints(self) -> list:
-        from .constraint import TokenConstraint
-
-        return [f for f in self.factors if isinstance(f, TokenConstraint)]
+        return [f for f in self.factors if f.role == "constraint"]
 
     @property
     def rewards(self) -> list:
-        from .reward import Reward
-
-        return [f for f in self.factors if isinstance(f, Reward)]
+        return [f for f in self.factors if f.role == "reward"]
 
     def bind(self, model: Model) -> Product:
         return Product([f.bind(model) for f in self.factors])
@@ -174,12 +166,8 @@ def as_target(target: Potential) -> Product:
             f"target must be a potential such as LM(model) or LM(model) * Regex(...), got {type(target).__name__}"
         )
     prod.lm  # noqa: B018 - validates that there is exactly one LM
-    from .constraint import TokenConstraint
-    from .lm import LM
-    from .reward import Reward
-
     for f in prod.factors:
-        if not isinstance(f, (LM, TokenConstraint, Reward)):
+        if f.role not in ("lm", "constraint", "reward"):
             raise SMCDecodeError(
                 f"the samplers cannot use potential {f!r} ({type(f).__name__}): it is not an LM, a "
                 "TokenConstraint (implement start/allowed/advance/accepting) or a Reward; wrap a "

@@ -26,6 +26,8 @@ from .base import Potential
 class TokenConstraint(Potential):
     """Base for constraints with a tensor path. Subclasses implement the five state methods."""
 
+    role = "constraint"
+
     def start(self, batch: int):
         raise NotImplementedError  # abstract
 

@@ -18,6 +18,8 @@ class LM(Potential):
     ``LM(model, temperature=0.7) ** 2`` is the power target p_T^2 (``alpha`` multiplies).
     """
 
+    role = "lm"
+
     def __init__(self, model: Model, temperature: float = 1.0, alpha: float = 1.0):
         if not isinstance(model, Model):
             raise SMCDecodeError(

@@ -21,6 +21,8 @@ class Reward(Potential):
     Either way the target is ∝ p·exp(β·R(x)). ``batched=True`` means ``fn(list[str]) -> list[float]``.
     """
 
+    role = "reward"
+
     def __init__(
         self,
         fn: Callable,

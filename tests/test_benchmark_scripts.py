@@ -98,14 +98,3 @@ def test_schemas_come_from_the_data_argument(ec, tmp_path):
     got = ec.sample_schemas(tmp_path, per_subset=2, max_chars=1500)
     assert [s for s, _, _ in got] == [s for s in ec.SUBSETS for _ in range(2)]
     assert all(sid.startswith(subset) for subset, sid, _ in got)
-
-
-def test_truncated_draft_report_is_computed_and_names_its_files(tmp_path):
-    td = _script("truncated_draft")
-    meta = {"date": "2000-01-01", "device": "a test", "load_average": (0.5, 0.5, 0.5), "particles": 8}
-    rows = [{"layers": 10, "mean_ess": 3.7, "mean_ess_fraction": 0.4625, "rounds_ess_below_2": 0.25,
-             "resample_rate": 0.5, "tokens_per_second_median": 1.0}]
-    md = td.markdown(meta, rows, tmp_path / "t.md", tmp_path / "t.json", tmp_path / "img" / "run.png")
-    assert "| 10 | 3.70 | 0.46 | 25% | 0.50 | 1.0 |" in md
-    assert f"`{tmp_path / 't.json'}`" in md and "(img/run.png)" in md
-    assert "most rounds" not in md and "docs/truncated_draft.json" not in md

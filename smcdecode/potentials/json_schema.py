@@ -77,6 +77,19 @@ def check_schema(schema: dict):
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
 
 
+class _RepeatedKey(Exception):
+    pass
+
+
+def _unique_pairs(pairs: list) -> dict:
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _RepeatedKey(k)
+        out[k] = v
+    return out
+
+
 class JSONSchema(LLGuidanceConstraint):
     """Ψ(x) = 1[text(x) is valid JSON under ``schema``] (a dict, JSON string or pydantic model).
 
@@ -84,6 +97,10 @@ class JSONSchema(LLGuidanceConstraint):
     ``coerce_one_of``: enforce ``oneOf`` as ``anyOf`` (documents may then match several branches);
     off by default, so a ``oneOf`` schema raises instead (llguidance accepts ``oneOf`` whose
     branches are provably disjoint, e.g. of different types, either way).
+    ``unique_keys``: no object may name a key twice (default True). JSON Schema itself allows
+    ``{"a": 1, "a": 2}`` wherever additional properties are allowed, and llguidance's grammar cannot
+    exclude it; with ``unique_keys`` the mask also forbids every token that would close a key its
+    object already has (``json_keys.py``), and :meth:`parse` rejects such documents.
     ``force_canonical``: see :class:`~smcdecode.potentials.grammar.Grammar`.
     """
 
@@ -93,6 +110,7 @@ class JSONSchema(LLGuidanceConstraint):
         *,
         whitespace: str = "compact",
         coerce_one_of: bool = False,
+        unique_keys: bool = True,
         force_canonical: bool = False,
         model=None,
         threads: int | None = None,
@@ -103,6 +121,7 @@ class JSONSchema(LLGuidanceConstraint):
         self.validator = check_schema(self.schema)
         self.whitespace = whitespace
         self.coerce_one_of = bool(coerce_one_of)
+        self.unique_keys = bool(unique_keys)
         options = {"lenient": False, "coerce_one_of": self.coerce_one_of}
         if whitespace == "compact":
             options.update(whitespace_flexible=False, item_separator=", ", key_separator=": ")
@@ -125,9 +144,13 @@ class JSONSchema(LLGuidanceConstraint):
         """The document ``text`` as a Python object (or a pydantic instance when the schema came from
         a pydantic model), validated; an invalid document raises SMCDecodeError."""
         try:
-            value = json.loads(text)
+            value = json.loads(text, object_pairs_hook=_unique_pairs if self.unique_keys else None)
         except json.JSONDecodeError as e:
             raise SMCDecodeError(f"output is not valid JSON ({e}): {text[:80]!r}") from None
+        except _RepeatedKey as e:
+            raise SMCDecodeError(
+                f"output repeats the key {e.args[0]!r} in one object (unique_keys=True): {text[:80]!r}"
+            ) from None
         errors = sorted(self.validator.iter_errors(value), key=lambda e: list(e.absolute_path))
         if errors:
             where = "/".join(str(p) for p in errors[0].absolute_path) or "(root)"

@@ -173,7 +173,7 @@ def llguidance_tokenizer(model):
         return _TOKENIZERS[model]
     except (KeyError, TypeError):  # not built yet, or a model that cannot be a weak key: build it
         pass
-    llg = _llguidance()
+    _llguidance()  # a clear error when it is missing
     hf_tok = getattr(model, "tokenizer", None)
     candidates = []
     if hf_tok is not None and hasattr(hf_tok, "backend_tokenizer"):

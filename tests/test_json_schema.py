@@ -16,7 +16,7 @@ from hypothesis_jsonschema import from_schema
 
 import smcdecode as sd
 from smcdecode.potentials.grammar import MatcherBatch
-from smcdecode.potentials.json_schema import JSONSchema
+from smcdecode.potentials.json_schema import JSONSchema, closed_schema
 from smcdecode.testing import (
     check_distribution,
     check_logw_next_consistency,
@@ -521,3 +521,35 @@ def test_smc_matches_the_exact_conditional_without_repeated_keys(seed):
     assert repeated > 0.01  # without the rule the target puts real mass on repeated keys
     out = sd.SMC(target, particles=4).run_groups(PROMPT, groups=800, max_new_tokens=9, seed=seed)
     check_distribution(out, exact)
+
+
+# -- closed schemas (extra_properties=False, generate_json's default) ---------------------------------
+
+
+@statistical_settings(30)
+@given(data=st.data(), schema=schemas)
+def test_documents_of_the_closed_schema_are_valid_under_the_schema(data, schema):
+    closed = closed_schema(schema)
+    jsonschema.Draft202012Validator.check_schema(closed)
+    value = data.draw(from_schema(closed))
+    jsonschema.validate(value, schema)
+
+
+def test_closed_schema_names_its_keys_and_refuses_schema_keywords():
+    text = '{"address": "x", "type": 1, "b": 2, "properties": {}}'
+    model = char_model(text)
+    via_all_of = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object",
+                  "allOf": [{"properties": {"address": {"type": "string"}}}]}
+    c = JSONSchema(via_all_of, extra_properties=False).bind(model)
+    assert c.matches('{"address": "x"}') and not c.matches('{"address": "x", "b": 2}')
+    assert JSONSchema(via_all_of).bind(model).matches('{"address": "x", "b": 2}')
+    open_object = JSONSchema({"type": "object"}, extra_properties=False).bind(model)
+    assert open_object.matches('{"b": 2}') and not open_object.matches('{"type": 1}')
+    assert not open_object.matches('{"properties": {}}')
+    declared = JSONSchema({"type": "object", "properties": {"type": {"type": "integer"}}}, extra_properties=False)
+    assert declared.bind(model).matches('{"type": 1}')
+    # objects whose keys follow patternProperties stay as they are; other open objects refuse keywords
+    mapping = {"type": "object", "patternProperties": {"^[a-z]+$": {"type": "integer"}}}
+    assert closed_schema(mapping) == mapping
+    typed = JSONSchema({"type": "object", "additionalProperties": {"type": "integer"}}, extra_properties=False)
+    assert typed.bind(model).matches('{"b": 2}') and not typed.bind(model).matches('{"type": 1}')

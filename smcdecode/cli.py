@@ -1,6 +1,7 @@
 """Command line: ``smcdecode generate`` runs SMC-SD (and the baselines) on a prompt.
 
-Bad input exits with status 2 and a one-line message on stderr.
+Bad input exits with status 2 and a one-line message on stderr; a run that returns no sample (no
+particle satisfied the constraints) exits with status 1 and says so in one line on stderr.
 """
 
 from __future__ import annotations
@@ -224,6 +225,10 @@ def _generate(args) -> int:
         prompt = args.prompt
     else:
         prompt = [{"role": "user", "content": args.chat if args.chat is not None else DEFAULT_CHAT}]
+        if schema is not None:  # as generate_json does: the model reads the schema in a system message
+            from .structured import schema_prompt
+
+            prompt = schema_prompt(model, prompt, schema.schema)
     model.check_length(len(model.prompt_ids(prompt)), args.max_new_tokens)  # before any draft is built
     strategies = ["smc", "sd", "ar"] if args.strategy == "all" else [args.strategy]
     results = []
@@ -256,6 +261,12 @@ def _generate(args) -> int:
         print(f"plot saved to {args.plot}", file=sys.stderr)
     for note in getattr(args, "notes", []):
         print(note, file=sys.stderr)
+    failed = [r.strategy for r in results if r.text is None]
+    if failed:  # ran, but returned nothing: exit status 1 (2 is bad usage)
+        print(f"smcdecode: no valid sample ({', '.join(failed)}): every particle has weight 0 (none satisfied the "
+              f"constraints within --max-new-tokens {args.max_new_tokens}); raise --max-new-tokens or loosen the "
+              "constraints", file=sys.stderr)
+        return 1
     return 0
 
 

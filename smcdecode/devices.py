@@ -79,10 +79,10 @@ def usable_cpus() -> int:
 def default_cpu_threads() -> int:
     """The thread count smcdecode picks when nobody chose one: half the usable CPUs, at least 1.
 
-    On a 2-core machine (benchmarks/cpu_threads.py; docs/cli.md) the README job sampled several
-    times faster with 1 thread than with torch's default of 2 whenever another process also wanted
-    the CPU: torch's threads wait on each other, and one descheduled thread stalls them all. Half
-    the CPUs keeps that margin on larger machines (measured on 2 CPUs only)."""
+    On a 2-core machine (benchmarks/cpu_threads.py; docs/cli.md) the README job sampled 2.5-2.9x
+    faster with 1 thread than with 2 whenever another process wanted a core, and 1.3x slower on an
+    idle machine: torch's threads wait on each other, and one descheduled thread stalls them all.
+    Half the CPUs keeps that margin on larger machines (measured on 2 CPUs only)."""
     return max(1, usable_cpus() // 2)
 
 

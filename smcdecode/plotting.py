@@ -30,7 +30,8 @@ def plot_result(result, path: str | None = None):
     ax_w.set_xlabel("round")
     ax_w.set_ylabel("particle")
     ax_w.set_title("weights before resampling")
-    fig.suptitle(f"{result.strategy}: N={result.particles}, K={result.block_size}, log Z={result.log_evidence:.3f}")
+    proposal = f"K={result.block_size}" if result.block_size else "the target as proposal"
+    fig.suptitle(f"{result.strategy}: N={result.particles}, {proposal}, log Z={result.log_evidence:.3f}")
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=120)

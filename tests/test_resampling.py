@@ -12,7 +12,7 @@ from conftest import statistical_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
-from smcdecode.samplers.resampling import RESAMPLERS, _inverse_cdf, normalise
+from smcdecode.samplers.resampling import RESAMPLERS, inverse_cdf, normalise
 
 SCHEMES = sorted(RESAMPLERS)
 LOW_VARIANCE = ["residual", "stratified", "systematic"]
@@ -120,7 +120,7 @@ def test_inverse_cdf_float32_cumsum_below_one():
     W = torch.tensor([[0.1] * 9 + [0.0999, 0.0]], dtype=torch.float32)
     assert float(W.cumsum(-1)[0, -1]) < 1.0
     u = torch.tensor([[0.0, 0.55, 0.99999, 1 - 2**-53]], dtype=torch.float64)
-    A = _inverse_cdf(W.double(), u)
+    A = inverse_cdf(W.double(), u)
     assert A.tolist() == [[0, 5, 9, 9]]
     # and the same through every scheme, many times over
     for scheme in SCHEMES:

@@ -19,7 +19,7 @@ from torch import Tensor
 from ..errors import SMCDecodeError
 
 
-def _inverse_cdf(W: Tensor, u: Tensor) -> Tensor:
+def inverse_cdf(W: Tensor, u: Tensor) -> Tensor:
     """Ancestors for uniforms u [G, M] in [0, 1) against weights W [G, N] (u need not be sorted;
     sorted u give sorted ancestors)."""
     cdf = torch.cumsum(W, dim=-1)
@@ -35,21 +35,21 @@ def multinomial(W: Tensor, generator: torch.Generator | None = None) -> Tensor:
     G, N = W.shape
     u = torch.rand(G, N, generator=generator, dtype=torch.float64, device=W.device)
     u, _ = torch.sort(u, dim=-1)
-    return _inverse_cdf(W.double(), u)
+    return inverse_cdf(W.double(), u)
 
 
 def stratified(W: Tensor, generator: torch.Generator | None = None) -> Tensor:
     G, N = W.shape
     u = torch.rand(G, N, generator=generator, dtype=torch.float64, device=W.device)
     u = (torch.arange(N, dtype=torch.float64, device=W.device) + u) / N
-    return _inverse_cdf(W.double(), u)
+    return inverse_cdf(W.double(), u)
 
 
 def systematic(W: Tensor, generator: torch.Generator | None = None) -> Tensor:
     G, N = W.shape
     u = torch.rand(G, 1, generator=generator, dtype=torch.float64, device=W.device)
     u = (torch.arange(N, dtype=torch.float64, device=W.device) + u) / N
-    return _inverse_cdf(W.double(), u)
+    return inverse_cdf(W.double(), u)
 
 
 def residual(W: Tensor, generator: torch.Generator | None = None) -> Tensor:
@@ -66,7 +66,7 @@ def residual(W: Tensor, generator: torch.Generator | None = None) -> Tensor:
     # NOTE: unsorted: the first R of N *sorted* uniforms are the R smallest, which biases the draws
     # towards low indices; the first R columns of i.i.d. uniforms are R independent draws.
     u = torch.rand(G, N, generator=generator, dtype=torch.float64, device=W.device)
-    extra = _inverse_cdf(res_W, u)  # [G, N]; only the first R columns are used
+    extra = inverse_cdf(res_W, u)  # [G, N]; only the first R columns are used
     use = torch.arange(N, device=W.device)[None, :] < R
     counts = counts.long()
     counts.scatter_add_(1, extra, use.long())

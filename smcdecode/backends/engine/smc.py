@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ...errors import SMCDecodeError
-from ...samplers.resampling import RESAMPLERS, _inverse_cdf, counts_to_ancestors, normalise
+from ...samplers.resampling import RESAMPLERS, counts_to_ancestors, inverse_cdf, normalise
 from .attention import PagedBatch
 from .output import EngineOutput
 from .targets import CombinedAutomaton, DeviceAutomaton, EngineTarget, Settings
@@ -52,12 +52,12 @@ def segment_resample(W: Tensor, n: Tensor, scheme: str, live: Tensor) -> Tensor:
     Wd = W.double()
     if scheme == "systematic":
         u = (j + torch.rand(G, 1, dtype=torch.float64, device=dev)) / nd
-        A = _inverse_cdf(Wd, u.clamp(max=1.0 - 1e-12))
+        A = inverse_cdf(Wd, u.clamp(max=1.0 - 1e-12))
     elif scheme == "stratified":
         u = (j + torch.rand(G, M, dtype=torch.float64, device=dev)) / nd
-        A = _inverse_cdf(Wd, u.clamp(max=1.0 - 1e-12))
+        A = inverse_cdf(Wd, u.clamp(max=1.0 - 1e-12))
     elif scheme == "multinomial":
-        A = _inverse_cdf(Wd, torch.rand(G, M, dtype=torch.float64, device=dev))
+        A = inverse_cdf(Wd, torch.rand(G, M, dtype=torch.float64, device=dev))
     elif scheme == "residual":
         total = Wd.sum(-1, keepdim=True)
         Wn = torch.where(total > 0, Wd / total.clamp(min=1e-300), 0.0)
@@ -66,7 +66,7 @@ def segment_resample(W: Tensor, n: Tensor, scheme: str, live: Tensor) -> Tensor:
         res = (nd * Wn - counts).clamp(min=0)
         res_total = res.sum(-1, keepdim=True)
         res_W = torch.where(res_total > 0, res / res_total.clamp(min=1e-300), Wn)
-        extra = _inverse_cdf(res_W, torch.rand(G, M, dtype=torch.float64, device=dev))
+        extra = inverse_cdf(res_W, torch.rand(G, M, dtype=torch.float64, device=dev))
         counts = counts.long().scatter_add_(1, extra, (j < R).long())
         # a dead group (all weights 0) has no counts; its ancestors are unused (do = False)
         counts = torch.where(live[:, None], counts, (j < n[:, None]).long())

@@ -276,8 +276,8 @@ def _as_json(r) -> dict:
         "text": r.text,
         "log_evidence": None if r.log_evidence != r.log_evidence else r.log_evidence,
         "particles": [
-            {"text": t, "tokens": len(tok), "weight": float(w), "log_weight": float(lw), "finished": bool(f)}
-            for t, tok, w, lw, f in zip(r.texts, r.tokens, r.weights, r.log_weights, r.finished)
+            {"text": t, "tokens": len(tok), "weight": float(w), "log_weight": float(lw), "end": end}
+            for t, tok, w, lw, end in zip(r.texts, r.tokens, r.weights, r.log_weights, r.endings)
         ],
         "ess": r.ess,
         "resampled": r.resampled,

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .errors import SMCDecodeError
+
 
 @dataclass
 class Result:
@@ -155,7 +157,16 @@ class Result:
         return self.summary()
 
     def plot(self, path: str | None = None):
-        """ESS per round (resampling rounds marked) and the particle weights over rounds."""
+        """ESS per round (resampling rounds marked) and the particle weights over rounds; saved to
+        ``path`` (a PNG, say) when given, else returned as a matplotlib figure."""
+        from pathlib import Path
+
         from .plotting import plot_result
+
+        if path is not None:
+            if not isinstance(path, (str, Path)):
+                raise SMCDecodeError(f"plot path must be a file name, got {type(path).__name__} {path!r}")
+            if not Path(path).parent.is_dir():
+                raise SMCDecodeError(f"cannot save the plot to {str(path)!r}: its directory does not exist")
 
         return plot_result(self, path)

@@ -56,3 +56,29 @@ def test_result_fields(strategies, tmp_path):
 def test_progress_bar_is_shown(strategies, capsys):
     strategies[0].run([0], max_new_tokens=6, seed=0, progress=True)
     assert "tok" in capsys.readouterr().err
+
+
+def test_plot_to_a_missing_directory_is_a_clear_error(strategies, tmp_path):
+    result = strategies[0].run([0], max_new_tokens=6, seed=0, progress=False)
+    with pytest.raises(sd.SMCDecodeError, match="directory does not exist"):
+        result.plot(str(tmp_path / "no" / "such" / "dir" / "run.png"))
+    with pytest.raises(sd.SMCDecodeError, match="must be a file name"):
+        result.plot(3)
+    result.plot(str(tmp_path / "run.png"))
+    assert (tmp_path / "run.png").stat().st_size > 0
+
+
+def test_cli_json_says_how_each_particle_ended():
+    """--json reports each particle's end (eos / cut / stopped) as the text summary does, not a
+    'finished' flag that was true for particles cut at the budget."""
+    import json
+
+    from smcdecode import cli
+
+    target = sd.LM(_toy(0), temperature=0.8)
+    result = sd.Autoregressive(target, samples=8).run([0], max_new_tokens=2, seed=0, progress=False)
+    rows = json.loads(json.dumps(cli._as_json(result)))["particles"]
+    assert [r["end"] for r in rows] == result.endings
+    assert "cut" in result.endings  # 8 samples of at most 2 tokens: some reach the budget
+    for r, toks in zip(rows, result.tokens):
+        assert r["end"] == ("eos" if toks[-1] == result.eos_token_id else "cut")

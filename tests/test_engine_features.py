@@ -175,16 +175,18 @@ def test_reward_target(device, mode):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_per_request_settings_in_one_call(device):
+@pytest.mark.parametrize("host_masks", [False, True])
+def test_per_request_settings_in_one_call(device, host_masks):
     """Requests with different N, K, temperatures and budgets in one call: each request follows its
-    own exact target (rows are padded to N_max; padding rows never count)."""
+    own exact target (rows are padded to N_max; padding rows never count). ``host_masks``: the
+    constraint's masks come from the host (the llguidance path), each request in its own lockstep."""
     engine, model = _setup(device)
     pattern = r"[ab]+"  # (no dead ends: the z-tests stay well-conditioned at this many replicates)
     a = dict(N=4, K=1, n=3, T=1.0, Td=1.25)
     b = dict(N=3, K=3, n=2, T=0.8, Td=1.0)
     G = 1200
     reqs = [a if g % 2 == 0 else b for g in range(G)]
-    prog = EngineTarget.of(sd.LM(model) * sd.Regex(pattern))
+    prog = EngineTarget.of(sd.LM(model) * sd.Regex(pattern), host_masks=host_masks)
     out = engine.smc_sd([PROMPT] * G, particles=[r["N"] for r in reqs], block_size=[r["K"] for r in reqs],
                         max_new_tokens=[r["n"] for r in reqs], target_temperature=[r["T"] for r in reqs],
                         draft_temperature=[r["Td"] for r in reqs], eos_token_id=EOS, ess_threshold=0.5,
@@ -226,9 +228,6 @@ def test_segment_resample_offspring(scheme):
 
 def test_engine_refuses_what_it_cannot_run():
     engine, model = _setup("cpu")
-    prog = EngineTarget.of(sd.LM(model) * sd.Regex("a+"), host_masks=True)
-    with pytest.raises(sd.SMCDecodeError, match="one block_size"):
-        engine.smc_sd([PROMPT] * 2, particles=2, block_size=[1, 2], max_new_tokens=3, eos_token_id=EOS, target=prog)
     with pytest.raises(sd.SMCDecodeError, match="eos_token_id"):
         engine.smc_sd([PROMPT], particles=2, block_size=1, max_new_tokens=3, target=EngineTarget.of(
             sd.LM(model) * sd.Regex("a+")))

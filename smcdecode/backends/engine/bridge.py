@@ -100,7 +100,7 @@ def _seed(generator: torch.Generator) -> int:
 
 def run_smc(strategy, ids: list[int], groups: int, max_new_tokens: int, generator, options: dict) -> SMCOutput:
     """``SMC.run`` / ``run_groups`` on the engine: ``groups`` requests of one prompt × N particles."""
-    from .smc import EngineTarget
+    from .targets import EngineTarget
 
     if strategy.proposal is None:
         raise SMCDecodeError(

@@ -4,8 +4,9 @@ An :class:`Engine` holds a target (and optionally a draft) :class:`~.model.Llama
 model, its :class:`~.config.EngineConfig` and the cache of captured CUDA graphs. Its strategies
 live in their own modules and take the engine as their first argument:
 
-    smc_sd          fused_smc.py (plain, uniform calls: one fused round a graph) or smc.py (any
-                    target program: constraints, powers, rewards, per-request settings)
+    smc_sd          fused_smc.py (plain, uniform calls: one fused round a graph) or the request
+                    loop of scheduler.py over the round of smc.py (any target program:
+                    constraints, powers, rewards, per-request settings)
     speculative     speculative.py (exact speculative decoding)
     autoregressive  autoregressive.py
     serve           scheduler.py (continuous batching of SMC-SD requests)
@@ -23,7 +24,7 @@ from torch import Tensor
 
 from ...errors import SMCDecodeError
 from . import autoregressive as _autoregressive
-from . import fused_smc, prefill, smc
+from . import fused_smc, prefill, scheduler
 from . import speculative as _speculative
 from .config import EngineConfig
 from .graphs import GraphCache
@@ -150,7 +151,8 @@ class Engine:
         per prompt. ``target`` (an :class:`~smcdecode.backends.engine.targets.EngineTarget`, e.g.
         ``EngineTarget.of(LM(model) ** 2 * Regex(...) * Reward(...))``, or one per prompt) adds a
         power α, constraints and rewards. The plain uniform case runs the fused round
-        (``fused_smc.run``); anything else runs ``smc.run`` (per-row settings, masks, rewards).
+        (``fused_smc.run``); anything else runs the request loop (``scheduler.run_batch``: per-row
+        settings, masks, rewards).
         eos_token_id None ignores EOS (fixed-length outputs, as in the benchmark).
 
         Page bookkeeping of the fused round: the host sets pages aside before each launch, so the
@@ -173,9 +175,9 @@ class Engine:
             if target is None or (isinstance(target, (list, tuple)) and any(t is None for t in target)):
                 target = [t or EngineTarget() for t in programs] if isinstance(target, (list, tuple)) \
                     else EngineTarget()
-            return smc.run(self, prompts, settings, target, eos_token_id=eos_token_id,
-                           resampler=resampler, ess_threshold=ess_threshold, use_graphs=use_graphs, seed=seed,
-                           record_weights=record_weights)
+            return scheduler.run_batch(self, prompts, settings, target, eos_token_id=eos_token_id,
+                                       resampler=resampler, ess_threshold=ess_threshold, use_graphs=use_graphs,
+                                       seed=seed, record_weights=record_weights)
         return fused_smc.run(self, prompts, settings, eos_token_id=eos_token_id, resampler=resampler,
                              ess_threshold=ess_threshold, use_graphs=use_graphs, seed=seed,
                              record_weights=record_weights, pipeline=pipeline)

@@ -1,13 +1,14 @@
-"""Continuous batching for SMC-SD: requests join between rounds, finished requests leave.
+"""The engine's request loop for SMC-SD: requests join between rounds, finished requests leave.
 
 A :class:`Scheduler` owns ``slots`` request slots of ``max_particles`` rows each (rows of slot g:
 g·N_max … g·N_max + N_max − 1) in the static buffers of :mod:`smc`. Between rounds it admits queued
-requests into free slots (lowest first: prefill the prompt once, share its pages with the request's
-rows, write the request's per-row settings into the buffers) and releases requests whose particles
-have all finished (their pages are freed, the rows become dead padding). Each round runs over the
-first ``bucket`` slots only, ``bucket`` the smallest power of two covering every occupied slot:
-one captured graph per bucket, each over views of the same buffers, so the slots past the last
-occupied one cost nothing.
+requests into free slots (lowest first: prefill the prompts once, batched, share their pages with
+each request's rows, write the request's per-row settings into the buffers) and releases requests
+whose particles have all finished (their pages are freed, the rows become dead padding). Each round
+runs over the first ``bucket`` slots only, ``bucket`` the smallest power of two covering every
+occupied slot: one captured graph per bucket, each over views of the same buffers, so the slots past
+the last occupied one cost nothing. The buffers and graphs are kept in the engine's graph cache and
+reused by later schedulers of the same shape.
 
     sched = Scheduler(engine, slots=8, max_particles=8, max_block_size=4, eos_token_id=eos)
     sched.submit(Request(prompt_ids, particles=8, block_size=4, max_new_tokens=64))
@@ -17,8 +18,9 @@ occupied one cost nothing.
 
 A scheduler runs a fixed set of target programs (``target=[...]``; a request names its own in
 ``Request.target``): their automata share one device table, α is per row, rewards are scored per
-program. Constraints whose masks come from the host (llguidance) need lockstep rows and run
-through ``Engine.smc_sd`` instead.
+program. Constraints whose masks come from the host (llguidance) run the round eagerly
+(host_masks.py). ``Engine.smc_sd`` is this loop with every request submitted at once
+(:func:`run_batch`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ from torch import Tensor
 
 from ...errors import SMCDecodeError
 from ...samplers.common import RewardTracker
+from ...samplers.resampling import RESAMPLERS
+from .host_masks import HostMasks, RequestMasks
 from .kv_cache import PageTable
+from .output import EngineOutput
 from .smc import NEG_INF, Round, build_round, capture_round, host_terms, round_code
 from .targets import CombinedAutomaton, DeviceAutomaton, EngineTarget, Settings
 
@@ -67,10 +72,20 @@ class Finished:
     resampled: list = field(default_factory=list)
     rounds: int = 0
     joined_round: int = 0
+    drafted: Tensor | None = None  # [N] tokens drafted in each row slot while unfinished
+    weights: list = field(default_factory=list)  # per round, normalised [N_max] (record_weights)
 
 
 def _bucket(n: int, slots: int) -> int:
     return min(slots, 1 << max(0, (n - 1).bit_length()))
+
+
+@dataclass
+class _Rounds:
+    """The full buffers of one scheduler shape and its captured rounds, by bucket."""
+
+    full: Round
+    by_bucket: dict = field(default_factory=dict)
 
 
 class Scheduler:
@@ -80,56 +95,76 @@ class Scheduler:
     def __init__(self, engine, *, slots: int, max_particles: int, max_block_size: int,
                  target: EngineTarget | list | None = None, eos_token_id: int | None = None,
                  resampler: str = "systematic", ess_threshold: float = 0.5, use_graphs: bool | None = None,
-                 seed: int = 0):
+                 seed: int = 0, max_context: int | None = None, record_weights: bool = False):
         if engine.draft is None:
             raise SMCDecodeError("SMC-SD needs a draft model: Engine(target, draft, ...)")
-        if engine.max_context is None:
-            raise SMCDecodeError("a Scheduler needs an engine with a fixed max_context: Engine(..., max_context=...)")
+        max_context = max_context or engine.max_context
+        if max_context is None:
+            raise SMCDecodeError("a Scheduler needs max_context (or an engine with a fixed max_context)")
         for name, v in (("slots", slots), ("max_particles", max_particles), ("max_block_size", max_block_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise SMCDecodeError(f"{name} must be an integer >= 1, got {v!r}")
+        if resampler not in RESAMPLERS:
+            raise SMCDecodeError(f"unknown resampler {resampler!r}: choose one of {sorted(RESAMPLERS)}")
         self.engine, self.slots, self.Nmax, self.Kmax = engine, slots, max_particles, max_block_size
+        self.max_context = max_context
         self.programs = list(target) if isinstance(target, (list, tuple)) else [target or EngineTarget()]
         dev = engine.device
+        V = engine.target.cfg.vocab_size
         self.own: dict[int, list] = {}  # program id -> its device automata
+        self.hosted: dict[int, list] = {}  # program id -> its host-mask constraints
         for t in self.programs:
             if not isinstance(t, EngineTarget):
                 raise SMCDecodeError(f"target must be an EngineTarget or a list of them, got {type(t).__name__}")
             t.check()
-            own = []
+            own, host = [], []
             for c in t.constraints:
-                a = DeviceAutomaton.of(c, dev)
-                if a is None or t.host_masks:
-                    raise SMCDecodeError(
-                        f"constraint {c!r} computes its masks on the host, which needs every row in lockstep: run "
-                        "it through Engine.smc_sd (one call per batch of requests) instead of a Scheduler")
-                own.append(a)
-            self.own[id(t)] = own
+                if c.model.vocab_size != V:
+                    raise SMCDecodeError(f"constraint {c!r} is over a vocabulary of {c.model.vocab_size} tokens, "
+                                         f"the engine's model has {V}: bind it to the model the engine runs")
+                a = None if t.host_masks else DeviceAutomaton.of(c, dev)
+                (own.append(a) if a is not None else host.append(c))
+            self.own[id(t)], self.hosted[id(t)] = own, host
         n_slots = max(len(o) for o in self.own.values())
         self.combined = (CombinedAutomaton.of([a for o in self.own.values() for a in o], dev)
                          if n_slots else None)
         self.automata = [self.combined] * n_slots
-        if self.automata and eos_token_id is None:
+        eager = any(self.hosted.values())
+        if (self.automata or eager) and eos_token_id is None:
             raise SMCDecodeError("constraints allow EOS only in accepting states: pass eos_token_id")
         self.eos = -1 if eos_token_id is None else eos_token_id
         self.pad = max(self.eos, 0)
-        self.use_graphs = engine.config.use_graphs if use_graphs is None else use_graphs
+        use_graphs = engine.config.use_graphs if use_graphs is None else use_graphs
+        self.use_graphs = use_graphs and not eager
+        self.host = HostMasks(max_particles, V, dev) if eager else None
         self.resampler, self.tau = resampler, ess_threshold
+        self.record_weights = record_weights
         B = slots * max_particles
         PS = engine.page_size
-        engine.ensure_rope(engine.max_context + PS)
-        self.table = PageTable(B, -(-engine.max_context // PS) + 1, engine.num_pages, PS)
-        pt = torch.from_numpy(self.table.table).to(dev)
+        engine.ensure_rope(max_context + PS)
+        self.table = PageTable(B, -(-max_context // PS) + 1, engine.num_pages, PS)
         self.cap = self.table.table.shape[1] * PS
-        self.full = build_round(engine, slots, max_particles, max_block_size, self.cap, pt, self.automata, self.eos,
-                           self.pad, resampler, ess_threshold, None)
+        with_rewards = any(t.rewards for t in self.programs)
+        key = ("smc", slots, max_particles, max_block_size, self.cap, self.eos, resampler, ess_threshold,
+               self.use_graphs, n_slots, id(self.combined.table) if self.combined else None, with_rewards)
+        rounds = None if eager else engine.graphs.get(key)
+        if rounds is None:
+            pt = torch.from_numpy(self.table.table).to(dev)
+            rounds = _Rounds(build_round(engine, slots, max_particles, max_block_size, self.cap, pt, self.automata,
+                                         self.eos, self.pad, resampler, ess_threshold,
+                                         self.host.mask if eager else None))
+            if not eager:
+                engine.graphs.put(key, rounds)
+        self._rounds = rounds
+        self.full = rounds.full
         b = self.full.buffers
         b["finished"].fill_(True)
+        b["valid"].fill_(False)
         b["log_w"].fill_(NEG_INF)
         b["n"].fill_(1)
         b["seq"].fill_(1)
+        b["host_incr"].zero_()
         self.lens = np.ones(B, dtype=np.int64)  # target tokens cached per row (dead rows: 1)
-        self.rounds: dict[int, object] = {}  # bucket -> _Round over views of the buffers
         self.queue: deque[Request] = deque()
         self.requests: list[Request | None] = [None] * slots
         self.history: list[dict] = [{} for _ in range(slots)]
@@ -138,6 +173,8 @@ class Scheduler:
                         for t in self.programs if t.rewards]
         self.round = 0
         self.host_s = 0.0
+        pinned = dev.type == "cuda"
+        self._packed = torch.empty(3 * B + 2 * slots + 1, dtype=torch.float64, pin_memory=pinned)
         torch.manual_seed(seed)
 
     # -- requests ------------------------------------------------------------------------------
@@ -163,10 +200,10 @@ class Scheduler:
             raise SMCDecodeError(f"block_size ({request.block_size}) exceeds the scheduler's max_block_size "
                                  f"({self.Kmax}): raise max_block_size")
         need = len(request.prompt) + s.max_new_tokens[0] + self.Kmax + 2
-        if len(request.prompt) < 2 or need > self.engine.max_context:
+        if len(request.prompt) < 2 or need > self.max_context:
             raise SMCDecodeError(f"prompt ({len(request.prompt)} tokens) must have at least 2 tokens and, with "
                                  f"max_new_tokens and a block, fit the engine's max_context "
-                                 f"({self.engine.max_context}; needs {need})")
+                                 f"({self.max_context}; needs {need})")
         self._program(request)
         self.queue.append(request)
 
@@ -174,17 +211,28 @@ class Scheduler:
     def busy(self) -> bool:
         return bool(self.queue) or any(r is not None for r in self.requests)
 
-    def _admit(self, g: int, req: Request) -> None:
+    def _admit(self, joining: list[tuple[int, Request]]) -> None:
+        """Requests into free slots: one batched prefill of all their prompts (target and draft)."""
         e, b, N, dev = self.engine, self.full.buffers, self.Nmax, self.engine.device
-        rows = np.arange(g * N, (g + 1) * N)
-        n = req.particles
-        ids = list(req.prompt)
-        self.table.free_rows(rows)
-        self.table.reserve(rows[:1], np.array([len(ids) - 1]))
-        self.table.advance(rows[:1], np.array([len(ids) - 1]))
+        heads = []
+        for g, req in joining:
+            rows = np.arange(g * N, (g + 1) * N)
+            self.table.free_rows(rows)
+            self.table.reserve(rows[:1], np.array([len(req.prompt) - 1]))
+            self.table.advance(rows[:1], np.array([len(req.prompt) - 1]))
+            heads.append(g * N)
         b["pt"].copy_(torch.from_numpy(self.table.table))
-        e.prefill(e.target, e.kv_t, b["pt"], int(rows[0]), ids[:-1])
-        e.prefill(e.draft, e.kv_d, b["pt"], int(rows[0]), ids[:-2])
+        e.prefill_rows(e.target, e.kv_t, b["pt"], heads, [list(req.prompt[:-1]) for _, req in joining])
+        e.prefill_rows(e.draft, e.kv_d, b["pt"], heads, [list(req.prompt[:-2]) for _, req in joining])
+        for g, req in joining:
+            self._settings(g, req)
+
+    def _settings(self, g: int, req: Request) -> None:
+        """The request's rows: shared prompt pages and its settings in the round's buffers."""
+        b, N, dev = self.full.buffers, self.Nmax, self.engine.device
+        rows = np.arange(g * N, (g + 1) * N)
+        ids = list(req.prompt)
+        n = req.particles
         self.table.share_prefix(rows.tolist(), int(rows[0]))
         self.lens[rows] = len(ids) - 1
         r = slice(int(rows[0]), int(rows[-1]) + 1)
@@ -209,6 +257,8 @@ class Scheduler:
         own = self.own[id(prog)]
         for c, s in enumerate(b["states"]):
             s[r] = self.combined.initial_of(own[c]) if c < len(own) else 0
+        if self.hosted[id(prog)]:
+            self.host.add(g, RequestMasks(self.hosted[id(prog)], n, req.block_size, req.max_new_tokens))
         for t, tracker, mine in self.rewards:
             mine[r] = t is prog
             if t is prog:  # the prefix rewards' scores of the empty text, as a fresh tracker starts
@@ -216,7 +266,7 @@ class Scheduler:
                 for i, v in fresh.prev.items():
                     tracker.prev[i][torch.from_numpy(rows)] = v
         self.requests[g] = req
-        self.history[g] = {"ess": [], "resampled": [], "joined": self.round}
+        self.history[g] = {"ess": [], "resampled": [], "weights": [], "joined": self.round}
 
     def _release(self, g: int) -> Finished:
         b, N = self.full.buffers, self.Nmax
@@ -224,10 +274,11 @@ class Scheduler:
         n = req.particles
         r = slice(g * N, g * N + n)
         lw = b["log_w"][r].cpu().clone()  # (copies: the rows are reused)
+        h = self.history[g]
         out = Finished(req, b["tokens"][r, : req.max_new_tokens].cpu().clone(), b["n_gen"][r].cpu().clone(), lw,
                        float(b["log_Z"][g].cpu() + torch.logsumexp(lw, 0) - math.log(n)),
-                       self.history[g]["ess"], self.history[g]["resampled"],
-                       self.round - self.history[g]["joined"], self.history[g]["joined"])
+                       h["ess"], h["resampled"], self.round - h["joined"], h["joined"],
+                       drafted=b["drafted"][r].cpu().clone(), weights=h["weights"])
         rows = np.arange(g * N, (g + 1) * N)
         self.table.free_rows(rows)
         self.lens[rows] = 1
@@ -239,13 +290,15 @@ class Scheduler:
         b["n"][g] = 1
         for _, _, mine in self.rewards:
             mine[full] = False
+        if self.host is not None:
+            self.host.remove(g)
         self.requests[g] = None
         return out
 
     # -- rounds --------------------------------------------------------------------------------
 
     def _round(self, bucket: int):
-        rnd = self.rounds.get(bucket)
+        rnd = self._rounds.by_bucket.get(bucket) if self.host is None else None
         if rnd is not None:
             return rnd
         R = bucket * self.Nmax
@@ -258,23 +311,28 @@ class Scheduler:
                 view[k] = v[:bucket]
             elif k in ("ar", "done"):
                 view[k] = v
-            elif k == "packed":  # (the round packs what smc_sd's loop reads; this loop reads its own)
+            elif k == "packed":
                 view[k] = v[: 3 * R + 2 * bucket + 1]
             else:
                 view[k] = v[:R]
         rnd = Round(view, None, None, keep=list(self.full.keep))
         rnd.propose_code, rnd.finish_code = round_code(self.engine, view, self.automata, self.eos, self.pad,
-                                                         self.resampler, self.tau)
-        # NOTE: capturing runs the round once (warm-up); save and restore every buffer around it
-        saved = {k: (v.clone() if isinstance(v, Tensor) else [s.clone() for s in v]) for k, v in full.items()}
-        capture_round(self.engine, rnd, self.use_graphs, split=bool(self.rewards))
-        for k, v in full.items():
-            if isinstance(v, Tensor):
-                v.copy_(saved[k])
-            else:
-                for s, o in zip(v, saved[k]):
-                    s.copy_(o)
-        self.rounds[bucket] = rnd
+                                                         self.resampler, self.tau,
+                                                         self.host.mask if self.host is not None else None)
+        if self.use_graphs:
+            # NOTE: capturing runs the round once (warm-up); save and restore every buffer around it
+            saved = {k: (v.clone() if isinstance(v, Tensor) else [s.clone() for s in v]) for k, v in full.items()}
+            capture_round(self.engine, rnd, True, split=bool(self.rewards))
+            for k, v in full.items():
+                if isinstance(v, Tensor):
+                    v.copy_(saved[k])
+                else:
+                    for s, o in zip(v, saved[k]):
+                        s.copy_(o)
+        else:
+            capture_round(self.engine, rnd, False, split=bool(self.rewards))
+        if self.host is None:
+            self._rounds.by_bucket[bucket] = rnd
         return rnd
 
     @torch.inference_mode()
@@ -282,11 +340,14 @@ class Scheduler:
         """Admit queued requests into free slots, run one round over the occupied bucket, release
         the requests that finished. Returns those requests."""
         t0 = time.perf_counter()
+        joining = []
         for g in range(self.slots):
             if not self.queue:
                 break
             if self.requests[g] is None:
-                self._admit(g, self.queue.popleft())
+                joining.append((g, self.queue.popleft()))
+        if joining:
+            self._admit(joining)
         occupied = [g for g, r in enumerate(self.requests) if r is not None]
         if not occupied:
             return []
@@ -298,31 +359,44 @@ class Scheduler:
         self.engine.upload(self.table, b["pt"], copies)
         rnd = self._round(bucket)
         self.host_s += time.perf_counter() - t0
+        if self.host is not None:
+            self.host.begin(R, self.Kmax, rnd.buffers["drafts"])
         rnd.propose()
-        if self.rewards:
+        if self.host is not None:
+            self.host.end(rnd.buffers["bonus"])
+        if self.rewards or self.host is not None:
             t1 = time.perf_counter()
-            host_terms(rnd.buffers, [(tracker, mine[:R]) for _, tracker, mine in self.rewards], None, self.cap)
+            host_terms(rnd.buffers, [(tracker, mine[:R]) for _, tracker, mine in self.rewards], self.host, self.cap)
             self.host_s += time.perf_counter() - t1
         rnd.finish()
-        packed = torch.cat([b["index"][:R].double(), b["seq"][:R].double(), b["finished"][:R].double(),
-                            b["do"][:bucket].double(), b["ess"][:bucket]]).cpu()  # the round's one sync
+        weights = b["W"][:bucket].clone() if self.record_weights else None
+        n_packed = 3 * R + 2 * bucket + 1
+        host = self._packed[:n_packed]
+        host.copy_(b["packed"][:n_packed], non_blocking=True)
+        if self._packed.is_pinned():
+            torch.cuda.current_stream().synchronize()  # the round's one host sync
         t1 = time.perf_counter()
-        h = packed.numpy()
+        h = host.numpy()
         self.round += 1
         index = np.arange(self.slots * self.Nmax)
         index[:R] = h[:R].astype(np.int64)
         self.lens[:R] = h[R : 2 * R].astype(np.int64)
         finished = h[2 * R : 3 * R].reshape(bucket, self.Nmax) > 0
-        do, ess = h[3 * R : 3 * R + bucket] > 0, h[3 * R + bucket :]
+        do, ess = h[3 * R : 3 * R + bucket] > 0, h[3 * R + bucket : 3 * R + 2 * bucket]
         self.table.fork(index)
         self.table.advance(rows, self.lens[:R])
         if not np.array_equal(index[:R], rows):
+            idx_t = torch.from_numpy(index)
             for _, tracker, _ in self.rewards:
-                tracker.fork(torch.from_numpy(index))
+                tracker.fork(idx_t)
+            if self.host is not None:
+                self.host.fork(idx_t)
         done = []
         for g in occupied:
             self.history[g]["ess"].append(float(ess[g]))
             self.history[g]["resampled"].append(bool(do[g]))
+            if weights is not None:
+                self.history[g]["weights"].append(weights[g])
             if finished[g].all():
                 done.append(self._release(g))
         self.host_s += time.perf_counter() - t1
@@ -334,3 +408,64 @@ class Scheduler:
         while self.busy:
             out.extend(self.step())
         return out
+
+    @property
+    def peak_pages(self) -> int:
+        return self.table.peak_used
+
+
+def run_batch(engine, prompts: list[list[int]], settings: Settings, target, *, eos_token_id: int | None,
+              resampler: str, ess_threshold: float, use_graphs: bool, seed: int,
+              record_weights: bool = False) -> EngineOutput:
+    """SMC-SD of ``prompts`` (each its own request, all submitted at once) with per-request
+    ``settings`` and ``target`` (one EngineTarget or one per prompt). Returns an
+    :class:`~smcdecode.backends.engine.output.EngineOutput` whose tensors are [G, N_max, ...] (rows
+    j >= N_g of request g are padding: log w = -inf, length 0); its per-round lists hold one entry
+    per request (NaN / False once a request has left)."""
+    G = len(prompts)
+    targets = list(target) if isinstance(target, (list, tuple)) else [target] * G
+    if len(targets) != G:
+        raise SMCDecodeError(f"target lists {len(targets)} programs for {G} prompts: give one or one per prompt")
+    for t in targets:
+        if not isinstance(t, EngineTarget):
+            raise SMCDecodeError(f"target must be an EngineTarget (EngineTarget.of(LM(model) * ...)), got "
+                                 f"{type(t).__name__}")
+    programs = list({id(t): t for t in targets}.values())
+    Nmax, Kmax = max(settings.particles), max(settings.block_size)
+    longest_new = max(settings.max_new_tokens)
+    context = engine.max_context or max(len(p) for p in prompts) + longest_new + Kmax + 2
+    sched = Scheduler(engine, slots=G, max_particles=Nmax, max_block_size=Kmax, target=programs,
+                      eos_token_id=eos_token_id, resampler=resampler, ess_threshold=ess_threshold,
+                      use_graphs=use_graphs, seed=seed, max_context=context, record_weights=record_weights)
+    for g, p in enumerate(prompts):
+        sched.submit(Request(list(p), settings.particles[g], settings.block_size[g], settings.max_new_tokens[g],
+                             settings.draft_temperature[g], settings.target_temperature[g], id=g,
+                             target=targets[g]))
+    by_id = {f.request.id: f for f in sched.run()}
+    done = [by_id[g] for g in range(G)]
+    pad = sched.pad
+    tokens = torch.full((G, Nmax, longest_new), pad, dtype=torch.long)
+    lengths = torch.zeros(G, Nmax, dtype=torch.long)
+    log_w = torch.full((G, Nmax), NEG_INF, dtype=torch.float64)
+    drafted = torch.zeros(G, Nmax, dtype=torch.long)
+    for g, f in enumerate(done):
+        n, T = f.tokens.shape
+        tokens[g, :n, :T] = f.tokens
+        lengths[g, :n] = f.lengths
+        log_w[g, :n] = f.log_weights
+        drafted[g, :n] = f.drafted
+    out = EngineOutput(tokens, lengths, log_w, torch.tensor([f.log_evidence for f in done], dtype=torch.float64))
+    rounds = max(f.rounds for f in done)
+    out.rounds = rounds
+    for t in range(rounds):
+        out.ess.append(np.array([f.ess[t] if t < len(f.ess) else math.nan for f in done]))
+        out.resampled.append(np.array([f.resampled[t] if t < len(f.resampled) else False for f in done]))
+        if record_weights:
+            out.weights.append(torch.stack([f.weights[t] if t < len(f.weights) else torch.zeros_like(f.weights[0])
+                                            for f in done]))
+    out.finished = torch.ones(G, Nmax, dtype=torch.bool)
+    out.drafted = drafted
+    out.peak_pages = sched.peak_pages
+    out.host_s = sched.host_s
+    out.particles = list(settings.particles)
+    return out

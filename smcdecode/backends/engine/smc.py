@@ -1,10 +1,9 @@
-"""SMC-SD on the engine for any target program: constraints, powers, rewards, per-request settings.
+"""The engine's SMC-SD round for any target program: constraints, powers, rewards, per-request settings.
 
-``Engine.smc_sd`` runs this when the call uses anything beyond the plain, uniform case (which runs
-the fused round of fused_smc.py). Rows are G requests × N_max particles (request g uses its first
-N_g rows; the rest are padding rows that start dead, log w = -inf, and are never chosen). Every row
-carries its own K ≤ K_max, temperatures, power α and token budget as device tensors, so one
-captured round serves every mix of settings of that shape.
+Rows are G request slots × N_max particles (request g uses its first N_g rows; the rest are padding
+rows that start dead, log w = -inf, and are never chosen). Every row carries its own K ≤ K_max,
+temperatures, power α and token budget as device tensors, so one captured round serves every mix of
+settings of that shape. The request loop that drives it is scheduler.py.
 
 One round, per row with history h (DESIGN.md §2):
   1. K_max draft steps x_i = logits/T_d, masked by the constraints: q'(v) = q(v)·1[valid]/Z_q;
@@ -20,24 +19,20 @@ One round, per row with history h (DESIGN.md §2):
 
 Steps 1–4 and 6 are device tensor code. Without rewards or host-mask constraints they are captured
 as one CUDA graph; with rewards as two (1–4, and 6), the host scores texts in between. Constraints
-whose masks come from the host (llguidance: JSONSchema, Grammar; any TokenConstraint without a
-token automaton) run the round eagerly: one host mask per draft step and one for the bonus.
+whose masks come from the host (host_masks.py) run the round eagerly: one host mask per draft step
+and one for the bonus.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from ...errors import SMCDecodeError
 from ...samplers.resampling import RESAMPLERS, counts_to_ancestors, inverse_cdf, normalise
 from .attention import PagedBatch
-from .output import EngineOutput
-from .targets import CombinedAutomaton, DeviceAutomaton, EngineTarget, Settings
 
 NEG_INF = float("-inf")
 
@@ -76,55 +71,6 @@ def segment_resample(W: Tensor, n: Tensor, scheme: str, live: Tensor) -> Tensor:
     return torch.where(j < n[:, None], A, j.expand(G, M))
 
 
-class HostMasks:
-    """Constraints whose masks come from the host (llguidance matchers, user TokenConstraints):
-    their states live on the host and advance in lockstep (one K and budget for every row), so
-    draft step i's mask is the constraints' ``allowed`` after the row's first i drafts."""
-
-    def __init__(self, constraints: list, batch: int, device):
-        self.constraints = constraints
-        self.states = [c.start(batch) for c in constraints]
-        self.device = device
-        self.k = 0  # drafts that count this round: min(K, remaining budget)
-        self.consumed = 0
-        self.drafts: Tensor | None = None
-
-    def begin(self, k: int, drafts: Tensor) -> None:
-        self.k, self.consumed, self.drafts = k, 0, drafts
-
-    def _advance(self, tokens: Tensor) -> None:
-        self.states = [c.advance(s, tokens.cpu()) for c, s in zip(self.constraints, self.states)]
-
-    def mask(self, i: int) -> Tensor | None:
-        """Mask of draft step i (i = K_max: the bonus, after k drafts); None where nothing counts."""
-        while self.consumed < min(i, self.k):
-            self._advance(self.drafts[:, self.consumed])
-            self.consumed += 1
-        if i >= self.k and i < self.drafts.shape[1]:
-            return None  # past the budget: these drafts are not used
-        m = None
-        for c, s in zip(self.constraints, self.states):
-            mi = c.allowed(s)
-            m = mi if m is None else m & mi
-        return m.to(self.device)
-
-    def end(self, bonus: Tensor, bonus_taken: bool) -> None:
-        while self.consumed < self.k:  # (when no draft step needed the last masks)
-            self._advance(self.drafts[:, self.consumed])
-            self.consumed += 1
-        if bonus_taken:
-            self._advance(bonus)
-
-    def accepting(self, batch: int) -> Tensor:
-        ok = torch.ones(batch, dtype=torch.bool)
-        for c, s in zip(self.constraints, self.states):
-            ok = ok & c.accepting(s).cpu()
-        return ok
-
-    def fork(self, index: Tensor) -> None:
-        self.states = [c.fork(s, index) for c, s in zip(self.constraints, self.states)]
-
-
 @dataclass
 class Round:
     """The static buffers and the device code of one round shape: ``propose`` (steps 1–4) and
@@ -138,170 +84,7 @@ class Round:
     keep: list = field(default_factory=list)  # tensors the captured code reads (kept alive)
 
 
-def run(engine, prompts: list[list[int]], settings: Settings, target: EngineTarget, *, eos_token_id: int | None,
-        resampler: str, ess_threshold: float, use_graphs: bool, seed: int, record_weights: bool = False):
-    """SMC-SD of ``prompts`` on ``engine`` with per-request ``settings`` and ``target``; returns an
-    :class:`~smcdecode.backends.engine.output.EngineOutput` whose tensors are [G, N_max, ...]
-    (rows j >= N_g of request g are padding: log w = -inf, length 0)."""
-    from ...samplers.common import RewardTracker
-
-    if resampler not in RESAMPLERS:
-        raise SMCDecodeError(f"unknown resampler {resampler!r}: choose one of {sorted(RESAMPLERS)}")
-    dev = engine.device
-    G = len(prompts)
-    targets = list(target) if isinstance(target, (list, tuple)) else [target] * G
-    if len(targets) != G:
-        raise SMCDecodeError(f"target lists {len(targets)} programs for {G} prompts: give one or one per prompt")
-    for t in targets:
-        if not isinstance(t, EngineTarget):
-            raise SMCDecodeError(f"target must be an EngineTarget (EngineTarget.of(LM(model) * ...)), got "
-                                 f"{type(t).__name__}")
-        t.check()
-    Nmax, Kmax = max(settings.particles), max(settings.block_size)
-    B = G * Nmax
-    V = engine.target.cfg.vocab_size
-    eos = -1 if eos_token_id is None else eos_token_id
-    pad = max(eos, 0)
-    longest_new = max(settings.max_new_tokens)
-    per_request, hosts = [], []  # each request's device automata and host-mask constraints
-    for t in targets:
-        own, host = [], []
-        for c in t.constraints:
-            if c.model.vocab_size != V:
-                raise SMCDecodeError(f"constraint {c!r} is over a vocabulary of {c.model.vocab_size} tokens, the "
-                                     f"engine's model has {V}: bind it to the model the engine runs")
-            a = None if t.host_masks else DeviceAutomaton.of(c, dev)
-            (own.append(a) if a is not None else host.append(c))
-        per_request.append(own)
-        hosts.append(host)
-    host_constraints = hosts[0]
-    if any(len(h) != len(host_constraints) or any(x is not y for x, y in zip(h, host_constraints)) for h in hosts):
-        raise SMCDecodeError(
-            "constraints whose masks come from the host (llguidance) must be the same objects for every prompt of "
-            "a call: split the call by target")
-    if (host_constraints or any(per_request)) and eos_token_id is None:
-        raise SMCDecodeError("constraints allow EOS only in accepting states: pass eos_token_id")
-    if host_constraints and (len(set(settings.block_size)) > 1 or len(set(settings.max_new_tokens)) > 1):
-        raise SMCDecodeError(
-            f"constraints whose masks come from the host ({host_constraints[0]!r}) need one block_size and one "
-            "max_new_tokens for all prompts in a call: split the call by those settings")
-    eager = bool(host_constraints)
-    graphs = use_graphs and not eager
-    # every request's automata in one device table; request g's c-th constraint is state slot c
-    slots = max(len(a) for a in per_request)
-    combined = CombinedAutomaton.of([a for own in per_request for a in own], dev) if slots else None
-    automata = [combined] * slots
-    initial = [[combined.initial_of(own[c]) if c < len(own) else 0 for own in per_request] for c in range(slots)]
-    with_rewards = [t for t in {id(t): t for t in targets}.values() if t.rewards]
-
-    table, pt_start = engine.start(prompts, Nmax, longest_new + Kmax + 2)
-    cap = table.table.shape[1] * engine.page_size
-    rows = np.arange(B)
-    lens = np.repeat([len(p) - 1 for p in prompts], Nmax)
-    copies = table.reserve(rows, lens + Kmax + 1, write_from=lens - 1)
-    key = ("smc-general", G, Nmax, Kmax, eos, resampler, ess_threshold, table.table.shape[1], graphs,
-           slots, id(combined.table) if combined else None, bool(with_rewards))
-    rnd = engine.graphs.get(key) if graphs else None
-    hosted = HostMasks(host_constraints, B, dev) if eager else None
-    if rnd is None:
-        rnd = build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resampler, ess_threshold,
-                     hosted.mask if hosted else None)
-    b = rnd.buffers
-    N_of = torch.tensor(settings.particles, device=dev)
-    valid = (torch.arange(Nmax, device=dev)[None] < N_of[:, None]).flatten()
-
-    def per_row(values, dtype):
-        return torch.tensor(values, dtype=dtype, device=dev).repeat_interleave(Nmax)
-
-    def reset() -> None:
-        b["seq"].copy_(torch.as_tensor(lens, device=dev))
-        b["pending"].copy_(torch.tensor([p[-2:] for p in prompts], device=dev).repeat_interleave(Nmax, 0))
-        b["last"].copy_(b["pending"][:, 1])
-        b["tokens"].fill_(pad)
-        b["n_gen"].zero_()
-        b["budget"].copy_(per_row(settings.max_new_tokens, torch.long))
-        b["K_row"].copy_(per_row(settings.block_size, torch.long))
-        b["T_draft"].copy_(per_row(settings.draft_temperature, torch.float32))
-        b["T_target"].copy_(per_row(settings.target_temperature, torch.float32))
-        b["alpha"].copy_(per_row([t.alpha for t in targets], torch.float32))
-        b["n"].copy_(N_of)
-        b["valid"].copy_(valid)
-        b["finished"].copy_(~valid)
-        b["log_w"].copy_(torch.where(valid, 0.0, NEG_INF).double())
-        b["log_Z"].zero_()
-        b["host_incr"].zero_()
-        b["drafted"].zero_()
-        for s, init in zip(b["states"], initial):
-            s.copy_(per_row(init, torch.long))
-
-    engine.upload(table, b["pt"], copies)
-    reset()
-    if rnd.propose is None:
-        capture_round(engine, rnd, graphs, split=bool(with_rewards))
-        if graphs:
-            engine.graphs.put(key, rnd)
-            reset()  # the warm-up run advanced the state
-    # NOTE: the warm-up also wrote KV entries; every entry a round reads at or after position T−1
-    # is written earlier in that same round, so the first replay overwrites them.
-
-    # rewards: one tracker per distinct target, over that target's rows
-    owner = np.repeat(np.array([id(t) for t in targets], dtype=object), Nmax)
-    rewards = [(RewardTracker(t.rewards, t.decoder, B), torch.from_numpy(owner == id(t))) for t in with_rewards]
-    torch.manual_seed(seed)
-    out = EngineOutput(b["tokens"], b["n_gen"], b["log_w"], b["log_Z"])
-    pinned = dev.type == "cuda"
-    host = torch.empty(3 * B + 2 * G + 1, dtype=torch.float64, pin_memory=pinned)
-    position = 0  # the lockstep position (host-mask path: one K and budget for every row)
-    while True:
-        if hosted is not None:
-            k = min(Kmax, longest_new - position)
-            hosted.begin(k, b["drafts"])
-            rnd.propose()
-            hosted.end(b["bonus"].cpu(), longest_new - position > Kmax)
-            position += Kmax + 1
-        else:
-            rnd.propose()
-        if rewards or hosted is not None:
-            t0 = time.perf_counter()
-            host_terms(b, rewards, hosted, longest_new)
-            out.host_s += time.perf_counter() - t0
-        rnd.finish()
-        if record_weights:
-            out.weights.append(b["W"].clone())
-        host.copy_(b["packed"], non_blocking=True)
-        if pinned:
-            torch.cuda.current_stream().synchronize()  # the round's one host sync
-        t0 = time.perf_counter()
-        h = host.numpy()
-        out.rounds += 1
-        out.resampled.append(h[3 * B : 3 * B + G] > 0)
-        out.ess.append(h[3 * B + G : 3 * B + 2 * G].copy())
-        index = h[:B].astype(np.int64)
-        if not np.array_equal(index, rows):
-            idx_t = torch.from_numpy(index)
-            if hosted is not None:
-                hosted.fork(idx_t)
-            for tracker, _ in rewards:
-                tracker.fork(idx_t)
-        if h[-1] > 0:
-            break
-        lens = h[B : 2 * B].astype(np.int64)
-        table.fork(index)
-        table.advance(rows, lens)
-        engine.upload(table, b["pt"], table.reserve(rows, lens + Kmax + 1, write_from=lens - 1))
-        out.host_s += time.perf_counter() - t0
-    out.peak_pages = table.peak_used
-    out.tokens = b["tokens"][:, :longest_new].reshape(G, Nmax, -1).clone()
-    out.lengths = b["n_gen"].view(G, Nmax).clone()
-    out.finished = b["finished"].view(G, Nmax).clone()
-    out.drafted = b["drafted"].view(G, Nmax).clone()
-    out.log_weights = b["log_w"].view(G, Nmax).clone()
-    out.log_evidence = b["log_Z"] + torch.logsumexp(out.log_weights, 1) - torch.log(N_of.double())
-    out.particles = list(settings.particles)
-    return out
-
-
-def host_terms(b: dict, rewards: list, hosted: HostMasks | None, longest_new: int) -> None:
+def host_terms(b: dict, rewards: list, hosted, longest_new: int) -> None:
     """Reward increments (``rewards``: (RewardTracker, its rows as a bool mask or None for all)) and
     the host constraints' verdict on cut sequences -> b["host_incr"]."""
     active, ended, hit_eos = b["active"].cpu(), b["ended"].cpu(), b["hit_eos"].cpu()
@@ -310,7 +93,7 @@ def host_terms(b: dict, rewards: list, hosted: HostMasks | None, longest_new: in
     if hosted is not None:
         cut = ended & ~hit_eos
         if bool(cut.any()):
-            incr = torch.where(cut & ~hosted.accepting(B), NEG_INF, incr)
+            incr = torch.where(cut & hosted.rejects(B), NEG_INF, incr)
     if rewards and bool(active.any()):
         tokens, lengths = b["tokens"][:, :longest_new].cpu(), b["n_gen"].cpu()
         for tracker, mine in rewards:
@@ -340,7 +123,7 @@ def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resamp
         # read by the host between the two halves of a round
         active=z(B, dtype=torch.bool), ended=z(B, dtype=torch.bool), hit_eos=z(B, dtype=torch.bool),
         host_incr=z(B, dtype=torch.float64),
-        # what the host reads after the round's sync, packed in the round's graph: index, seq, n_gen, do, ess, done
+        # what the host reads after the round's sync, packed in the round's graph: index, seq, finished, do, ess, done
         packed=z(3 * B + 2 * G + 1, dtype=torch.float64),
     )
     rnd = Round(b, None, None, keep=[a.table for a in automata] + [a.accepting for a in automata])
@@ -470,7 +253,7 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         b["do"].copy_(do)
         b["ess"].copy_(ess)
         b["done"].copy_(finished.all()[None])
-        b["packed"].copy_(torch.cat([idx.double(), T.double(), n_gen.double(), do.double(), ess,
+        b["packed"].copy_(torch.cat([idx.double(), T.double(), finished.double(), do.double(), ess,
                                      b["done"].double()]))
 
     return propose, finish

@@ -213,7 +213,7 @@ class Scheduler:
 
     def _admit(self, joining: list[tuple[int, Request]]) -> None:
         """Requests into free slots: one batched prefill of all their prompts (target and draft)."""
-        e, b, N, dev = self.engine, self.full.buffers, self.Nmax, self.engine.device
+        e, b, N = self.engine, self.full.buffers, self.Nmax
         heads = []
         for g, req in joining:
             rows = np.arange(g * N, (g + 1) * N)

@@ -330,3 +330,23 @@ def test_per_request_targets_in_one_call(device):
             _check_constraint(o, r"[ab]+" if i == 0 else r"a[ab]{1,3}", model)
         check_distribution(o, exact, z_max=5.0)
         check_evidence_unbiased(o, exact.log_Z, z_max=5.0)
+
+
+def test_round_shape_follows_the_largest_block_size_present():
+    """Mixed K: while a K = 3 request is in, every row runs the 3-draft round; once it has left, the
+    K = 1 requests run the 1-draft round (they stop paying for the largest K)."""
+    from smcdecode.backends.engine.scheduler import Request, Scheduler
+
+    engine, model = _setup("cpu")
+    sched = Scheduler(engine, slots=4, max_particles=2, max_block_size=3, eos_token_id=None, use_graphs=False,
+                      seed=0)
+    sched.submit(Request(PROMPT, particles=2, block_size=3, max_new_tokens=8))
+    for _ in range(3):
+        sched.submit(Request(PROMPT, particles=2, block_size=1, max_new_tokens=12))
+    left = [len(sched.step()) for _ in range(2)]
+    assert left == [0, 1]  # the K = 3 request: 2 rounds of 4 tokens
+    assert set(sched._rounds.by_bucket) == {(4, 3)}
+    done = sched.run()
+    assert len(done) == 3 and all(int(f.lengths.max()) == 12 for f in done)
+    assert sched.round == 2 + (12 - 2 * 2) // 2  # the K = 1 requests: 2 tokens a round
+    assert set(sched._rounds.by_bucket) == {(4, 3), (4, 1)}

@@ -163,6 +163,7 @@ class Scheduler:
         b["log_w"].fill_(NEG_INF)
         b["n"].fill_(1)
         b["seq"].fill_(1)
+        b["K_row"].fill_(1)  # (dead rows: a block size that fits every round shape)
         b["host_incr"].zero_()
         self.lens = np.ones(B, dtype=np.int64)  # target tokens cached per row (dead rows: 1)
         self.queue: deque[Request] = deque()
@@ -287,6 +288,7 @@ class Scheduler:
         b["finished"][full] = True
         b["log_w"][full] = NEG_INF
         b["seq"][full] = 1
+        b["K_row"][full] = 1
         b["n"][g] = 1
         for _, _, mine in self.rewards:
             mine[full] = False
@@ -297,24 +299,30 @@ class Scheduler:
 
     # -- rounds --------------------------------------------------------------------------------
 
-    def _round(self, bucket: int):
-        rnd = self._rounds.by_bucket.get(bucket) if self.host is None else None
+    def _round(self, bucket: int, k: int):
+        """The round over the first ``bucket`` slots with ``k`` draft steps (the largest block size
+        among the requests in them)."""
+        rnd = self._rounds.by_bucket.get((bucket, k)) if self.host is None else None
         if rnd is not None:
             return rnd
         R = bucket * self.Nmax
         full = self.full.buffers
         view = {}
-        for k, v in full.items():
-            if k == "states":
-                view[k] = [s[:R] for s in v]
-            elif k in ("n", "log_Z", "do", "ess", "W", "group_base"):
-                view[k] = v[:bucket]
-            elif k in ("ar", "done"):
-                view[k] = v
-            elif k == "packed":
-                view[k] = v[: 3 * R + 2 * bucket + 1]
+        for name, v in full.items():
+            if name == "states":
+                view[name] = [s[:R] for s in v]
+            elif name in ("n", "log_Z", "do", "ess", "W", "group_base"):
+                view[name] = v[:bucket]
+            elif name == "ar":
+                view[name] = v[: k + 1]
+            elif name == "done":
+                view[name] = v
+            elif name == "packed":
+                view[name] = v[: 3 * R + 2 * bucket + 1]
+            elif name in ("drafts", "log_q"):
+                view[name] = v[:R, :k]
             else:
-                view[k] = v[:R]
+                view[name] = v[:R]
         rnd = Round(view, None, None, keep=list(self.full.keep))
         rnd.propose_code, rnd.finish_code = round_code(self.engine, view, self.automata, self.eos, self.pad,
                                                          self.resampler, self.tau,
@@ -332,7 +340,7 @@ class Scheduler:
         else:
             capture_round(self.engine, rnd, False, split=bool(self.rewards))
         if self.host is None:
-            self._rounds.by_bucket[bucket] = rnd
+            self._rounds.by_bucket[(bucket, k)] = rnd
         return rnd
 
     @torch.inference_mode()
@@ -352,15 +360,18 @@ class Scheduler:
         if not occupied:
             return []
         bucket = _bucket(max(occupied) + 1, self.slots)
+        # NOTE: the round's shape follows the largest block size present, so requests with a
+        # small K stop paying for a large one once the requests that asked for it have left
+        k = max(self.requests[g].block_size for g in occupied)
         R = bucket * self.Nmax
         b = self.full.buffers
         rows = np.arange(R)
-        copies = self.table.reserve(rows, self.lens[:R] + self.Kmax + 1, write_from=self.lens[:R] - 1)
+        copies = self.table.reserve(rows, self.lens[:R] + k + 1, write_from=self.lens[:R] - 1)
         self.engine.upload(self.table, b["pt"], copies)
-        rnd = self._round(bucket)
+        rnd = self._round(bucket, k)
         self.host_s += time.perf_counter() - t0
         if self.host is not None:
-            self.host.begin(R, self.Kmax, rnd.buffers["drafts"])
+            self.host.begin(R, k, rnd.buffers["drafts"])
         rnd.propose()
         if self.host is not None:
             self.host.end(rnd.buffers["bonus"])

@@ -4,7 +4,8 @@
 
 Each pass runs one process per tree, in alternating order (A B, then B A, …), each importing
 ``smcdecode`` from its own tree and timing, on random-weight Llama-3.1-8B / Llama-3.2-1B shapes in
-bf16: SMC-SD N×K for 1 and G requests (fixed-length outputs) and the engine's autoregressive decoding.
+bf16: SMC-SD N×K for 1 and G requests (fixed-length outputs; ``--programs``: the plain round, α = 2, a
+regex over a synthetic vocabulary, mixed per-request K) and the engine's autoregressive decoding.
 Only the public engine API (``Engine``, ``Llama.random``, ``PRESETS``) is used, so both trees run the
 same measurement. Raw results (every pass) go to --out as JSON; the table printed gives medians over
 passes of each process's median run.
@@ -43,13 +44,49 @@ def timed(fn):
         out.append(time.perf_counter() - t0)
     return out
 
+def program(name):  # (keyword arguments of smc_sd, label) of a target program beyond the plain round
+    from smcdecode.backends.engine.targets import EngineTarget
+    if name == "alpha2":
+        return {"target": EngineTarget(alpha=2.0)}, "alpha=2"
+    if name == "regex":  # a synthetic 128,256-token vocabulary of letter strings; the regex allows ~7 % of it
+        def word(i):
+            w = ""
+            while True:
+                w, i = w + chr(97 + i % 26), i // 26
+                if i == 0:
+                    return w
+        vocab = [word(i) for i in range(128256)]
+        vocab[128001] = "<eos>"
+        model = smcdecode.FunctionModel(lambda ctx: None, vocab=vocab, eos="<eos>", name="synthetic")
+        prog = EngineTarget.of(smcdecode.LM(model) * smcdecode.Regex(r"[a-m]*"))
+        return {"target": prog, "eos_token_id": 128001}, "regex"
+    return {}, "plain"
+
 rows = []
 for G in cfg["requests"]:
-    engine.smc_sd(P[:G], particles=N, block_size=K, max_new_tokens=3 * (K + 1))
-    s = timed(lambda: engine.smc_sd(P[:G], particles=N, block_size=K, max_new_tokens=L))
-    rows.append({"system": f"SMC-SD N={N} K={K}", "requests": G, "seconds": s,
-                 "tok_s_total": G * L / statistics.median(s)})
-    engine.clear_graphs()
+    for name in cfg["programs"]:
+        if name == "mixed":  # half the requests at K, half at K/2; and the two halves in calls of their own
+            ks = [K if g % 2 == 0 else K // 2 for g in range(G)]
+            engine.smc_sd(P[:G], particles=N, block_size=ks, max_new_tokens=3 * (K + 1))
+            s = timed(lambda: engine.smc_sd(P[:G], particles=N, block_size=ks, max_new_tokens=L))
+            rows.append({"system": f"SMC-SD N={N} K={K}|{K // 2} mixed", "requests": G, "seconds": s,
+                         "tok_s_total": G * L / statistics.median(s)})
+            if G > 1:
+                def apart():
+                    engine.smc_sd(P[:G:2], particles=N, block_size=K, max_new_tokens=L)
+                    engine.smc_sd(P[1:G:2], particles=N, block_size=K // 2, max_new_tokens=L)
+                engine.smc_sd(P[1:G:2], particles=N, block_size=K // 2, max_new_tokens=3 * (K + 1))
+                s = timed(apart)
+                rows.append({"system": f"SMC-SD N={N} K={K}|{K // 2} apart", "requests": G, "seconds": s,
+                             "tok_s_total": G * L / statistics.median(s)})
+            engine.clear_graphs()
+            continue
+        kw, label = program(name)
+        engine.smc_sd(P[:G], particles=N, block_size=K, max_new_tokens=3 * (K + 1), **kw)
+        s = timed(lambda: engine.smc_sd(P[:G], particles=N, block_size=K, max_new_tokens=L, **kw))
+        rows.append({"system": f"SMC-SD N={N} K={K}" + ("" if label == "plain" else f" {label}"), "requests": G,
+                     "seconds": s, "tok_s_total": G * L / statistics.median(s)})
+        engine.clear_graphs()
     if cfg["ar"]:
         engine.autoregressive(P[:G], max_new_tokens=8)
         s = timed(lambda: engine.autoregressive(P[:G], max_new_tokens=L))
@@ -81,13 +118,16 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--requests", default="1,8")
     ap.add_argument("--no-ar", action="store_true", help="skip the autoregressive runs")
+    ap.add_argument("--programs", default="plain",
+                    help="comma-separated SMC-SD programs: plain, alpha2, regex, mixed (K and K/2 per request, "
+                         "and the two halves run apart)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/engine_ab.json"))
     args = ap.parse_args()
     import torch
 
     cfg = {"particles": args.particles, "block_size": args.block_size, "out_len": args.out_len,
            "prompt_len": args.prompt_len, "requests": [int(g) for g in args.requests.split(",")],
-           "repeats": args.repeats, "ar": not args.no_ar}
+           "repeats": args.repeats, "ar": not args.no_ar, "programs": args.programs.split(",")}
     trees = {"A": args.a, "B": args.b}
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -97,7 +97,8 @@ print("RESULT " + json.dumps({"smcdecode": smcdecode.__file__, "rows": rows}))
 
 
 def run_tree(tree: Path, cfg: dict) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
+    extra = os.environ.get("PYTHONPATH", "")  # (other paths after the tree: e.g. wheels installed elsewhere)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(tree.resolve()), extra) if p))
     p = subprocess.run([sys.executable, "-c", WORKER, json.dumps(cfg)], env=env, capture_output=True, text=True,
                        cwd=tree)
     for line in p.stdout.splitlines():

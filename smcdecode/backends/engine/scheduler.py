@@ -329,13 +329,14 @@ class Scheduler:
                                                          self.host.mask if self.host is not None else None)
         if self.use_graphs:
             # NOTE: capturing runs the round once (warm-up); save and restore every buffer around it
-            saved = {k: (v.clone() if isinstance(v, Tensor) else [s.clone() for s in v]) for k, v in full.items()}
+            saved = {name: (v.clone() if isinstance(v, Tensor) else [s.clone() for s in v])
+                     for name, v in full.items()}
             capture_round(self.engine, rnd, True, split=bool(self.rewards))
-            for k, v in full.items():
+            for name, v in full.items():
                 if isinstance(v, Tensor):
-                    v.copy_(saved[k])
+                    v.copy_(saved[name])
                 else:
-                    for s, o in zip(v, saved[k]):
+                    for s, o in zip(v, saved[name]):
                         s.copy_(o)
         else:
             capture_round(self.engine, rnd, False, split=bool(self.rewards))

@@ -332,14 +332,16 @@ def test_per_request_targets_in_one_call(device):
         check_evidence_unbiased(o, exact.log_Z, z_max=5.0)
 
 
-def test_round_shape_follows_the_largest_block_size_present():
+@pytest.mark.parametrize("device", DEVICES)
+def test_round_shape_follows_the_largest_block_size_present(device):
     """Mixed K: while a K = 3 request is in, every row runs the 3-draft round; once it has left, the
-    K = 1 requests run the 1-draft round (they stop paying for the largest K)."""
+    K = 1 requests run the 1-draft round (they stop paying for the largest K). Each shape is
+    captured once (CUDA graphs on the GPU)."""
     from smcdecode.backends.engine.scheduler import Request, Scheduler
 
-    engine, model = _setup("cpu")
-    sched = Scheduler(engine, slots=4, max_particles=2, max_block_size=3, eos_token_id=None, use_graphs=False,
-                      seed=0)
+    engine, model = _setup(device)
+    engine.clear_graphs()
+    sched = Scheduler(engine, slots=4, max_particles=2, max_block_size=3, eos_token_id=None, seed=0)
     sched.submit(Request(PROMPT, particles=2, block_size=3, max_new_tokens=8))
     for _ in range(3):
         sched.submit(Request(PROMPT, particles=2, block_size=1, max_new_tokens=12))

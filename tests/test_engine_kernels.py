@@ -248,7 +248,7 @@ def test_triton_sample_and_score_matches_reference(V):
     gather = torch.randint(0, V, (R,), device="cuda")
     gather[::2] = support[torch.randint(0, 4, (R // 2,), device="cuda")]
     seed = torch.tensor(1234, device="cuda")
-    tok, lp_tok, lp_gather = triton_sample_and_score(logits, T, seed, gather)
+    tok, lp_tok, _, lp_gather = triton_sample_and_score(logits, T, seed, gather)
     logp = torch.log_softmax(logits.float() / T, -1)
     assert torch.allclose(lp_tok, logp.gather(1, tok[:, None])[:, 0], atol=1e-4)
     assert torch.allclose(lp_gather, logp.gather(1, gather[:, None])[:, 0], atol=1e-4)
@@ -258,10 +258,10 @@ def test_triton_sample_and_score_matches_reference(V):
     assert int(counts.sum()) == R
     chi2 = float(((counts - R * p) ** 2 / (R * p)).sum())
     assert chi2 < 21.0, chi2  # 3 degrees of freedom: P(chi2 > 21) ≈ 1e-4
-    tok2, _, _ = triton_sample_and_score(logits, T, torch.tensor(99, device="cuda"))
+    tok2 = triton_sample_and_score(logits, T, torch.tensor(99, device="cuda")).token
     assert not torch.equal(tok, tok2)  # a new seed gives new draws
     # verify's rows: only every 9th row draws (the same token as above), the others are only scored
-    tok9, lp_tok9, lp_gather9 = triton_sample_and_score(logits, T, seed, gather, sample_every=9)
+    tok9, lp_tok9, _, lp_gather9 = triton_sample_and_score(logits, T, seed, gather, sample_every=9)
     drawn = torch.arange(R, device="cuda") % 9 == 8
     assert torch.equal(tok9[drawn], tok[drawn])
     torch.testing.assert_close(lp_tok9[drawn], lp_tok[drawn], rtol=0, atol=1e-5)

@@ -79,7 +79,7 @@ def _per_row(value, R: int, like: Tensor) -> Tensor:
     return t.reshape(1, 1) if t.dim() == 0 else t.reshape(R, 1)
 
 
-def sample_and_score(logits: Tensor, temperature: float | Tensor, *, alpha: Tensor | None = None,
+def sample_and_score(logits: Tensor, temperature: float | Tensor, *, alpha: float | Tensor | None = None,
                      mask: Tensor | None = None, gather: Tensor | None = None, sample_every: int = 1,
                      draw: bool = True, generator: torch.Generator | None = None,
                      bits: Tensor | None = None) -> Scored:
@@ -90,7 +90,7 @@ def sample_and_score(logits: Tensor, temperature: float | Tensor, *, alpha: Tens
       log_norm  log Σ_v p(v)^α·1[valid(v)]  (the bonus normaliser; 0 for α = 1 and no mask);
       gathered  log p(gather) (the target's unmasked log-probability, α = 1).
 
-    ``alpha`` [R] (None: 1), ``mask`` [R, V] bool (None: every token valid). A dead row (nothing
+    ``alpha`` a float or [R] (None: 1), ``mask`` [R, V] bool (None: every token valid). A dead row (nothing
     valid) draws from the unmasked π so the batch still gets a token its model can produce; its
     log_prob and log_norm are −inf. ``sample_every`` = S: only rows r with r % S == S − 1 draw
     (``draw`` False: none); the others return token −1 and log_prob nan. Arithmetic in float32
@@ -105,7 +105,9 @@ def sample_and_score(logits: Tensor, temperature: float | Tensor, *, alpha: Tens
         inv_t = 1.0 / temperature
     x = logits.to(dtype) * inv_t
     lse = torch.logsumexp(x, -1)
-    gathered = x.gather(1, gather[:, None])[:, 0] - lse if gather is not None else None
+    gathered = None
+    if gather is not None:
+        gathered = torch.where(torch.isneginf(lse), NEG_INF, x.gather(1, gather[:, None])[:, 0] - lse)
     general = alpha is not None or mask is not None
     y = x * _per_row(alpha, R, x) if alpha is not None else x
     dead = None
@@ -116,7 +118,7 @@ def sample_and_score(logits: Tensor, temperature: float | Tensor, *, alpha: Tens
     log_norm = None
     if general:
         a = _per_row(alpha, R, x)[:, 0] if alpha is not None else 1.0
-        log_norm = lse_y - a * lse
+        log_norm = torch.where(torch.isneginf(lse_y) | torch.isneginf(lse), NEG_INF, lse_y - a * lse)
         if dead is not None:
             log_norm = torch.where(dead, NEG_INF, log_norm)
     token = torch.full((R,), -1, dtype=torch.long, device=logits.device)
@@ -125,8 +127,8 @@ def sample_and_score(logits: Tensor, temperature: float | Tensor, *, alpha: Tens
         s = slice(sample_every - 1, None, sample_every)
         t = race(y[s], generator, None if bits is None else bits[s])
         lp = y[s].gather(1, t[:, None])[:, 0] - lse_y[s]
-        if dead is not None:
-            lp = torch.where(dead[s], NEG_INF, lp)
+        none = torch.isneginf(lse_y[s]) if dead is None else torch.isneginf(lse_y[s]) | dead[s]
+        lp = torch.where(none, NEG_INF, lp)  # (no valid token with mass: q' = 0, never nan)
         if sample_every == 1:
             token, log_prob = t, lp
         else:
@@ -142,7 +144,7 @@ def propose(logits: Tensor, temperature: float | Tensor, mask: Tensor | None = N
     return s.token, s.log_prob
 
 
-def bonus(logits: Tensor, temperature: float | Tensor, alpha: Tensor | None = None, mask: Tensor | None = None, *,
+def bonus(logits: Tensor, temperature: float | Tensor, alpha: float | Tensor | None = 1.0, mask: Tensor | None = None, *,
           generator: torch.Generator | None = None, bits: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The bonus token b ~ π_loc(v) ∝ p_T(v)^α·1[valid] and log Σ_v p_T(v)^α·1[valid] [R] (the
     normaliser that enters the weight; −inf on a dead row)."""
@@ -216,7 +218,7 @@ def resample(log_w: Tensor, tau: float, scheme: str, *, n: Tensor | None = None,
     G, M = log_w.shape
     dev = log_w.device
     W, ess = normalise(log_w)
-    n_d = torch.full((G,), float(M), dtype=torch.float64, device=dev) if n is None else n.double()
+    n_d = float(M) if n is None else n.double()
     do = (ess > 0) & ((ess < tau * n_d) | (tau >= 1.0))
     if live is not None:
         do = do & live
@@ -225,10 +227,9 @@ def resample(log_w: Tensor, tau: float, scheme: str, *, n: Tensor | None = None,
         A = j.expand(G, M)
     else:
         A = torch.where(do[:, None], ancestors(W, scheme, generator, n), j)
-    lse = torch.logsumexp(log_w, dim=1)
-    log_Z_incr = torch.where(do, lse.double() - torch.log(n_d), 0.0)
-    valid = j < (M if n is None else n[:, None])
-    new_log_w = torch.where(do[:, None] & valid, 0.0, log_w)
+    log_Z_incr = torch.where(do, log_mean_weight(log_w, M if n is None else n), 0.0)
+    reset = do[:, None] if n is None else do[:, None] & (j < n[:, None])
+    new_log_w = torch.where(reset, 0.0, log_w)
     return Resampled(A, do, W, ess, log_Z_incr, new_log_w)
 
 

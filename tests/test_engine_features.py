@@ -18,8 +18,8 @@ import torch
 
 import smcdecode as sd
 from smcdecode.backends.engine import Engine, Llama
-from smcdecode.backends.engine.smc import segment_resample
 from smcdecode.backends.engine.targets import EngineTarget
+from smcdecode.samplers.resampling import ancestors
 from smcdecode.testing import check_distribution, check_evidence_unbiased, exact_target, sequences
 
 transformers = pytest.importorskip("transformers")
@@ -204,7 +204,7 @@ def test_per_request_settings_in_one_call(device, host_masks):
 
 
 @pytest.mark.parametrize("scheme", ["systematic", "stratified", "multinomial", "residual"])
-def test_segment_resample_offspring(scheme):
+def test_segmented_resampler_offspring(scheme):
     """E[#children of i] = n_g·W_i over each group's first n_g rows; padding rows keep themselves."""
     torch.manual_seed(0)
     n = torch.tensor([5, 3, 1, 2])
@@ -216,7 +216,7 @@ def test_segment_resample_offspring(scheme):
     reps = 4000
     counts = torch.zeros(4, M, dtype=torch.float64)
     for _ in range(reps):
-        A = segment_resample(W, n, scheme, torch.ones(4, dtype=torch.bool))
+        A = ancestors(W, scheme, n=n)
         for g in range(4):
             assert torch.equal(A[g, n[g]:], torch.arange(n[g], M))
             counts[g] += torch.bincount(A[g, : n[g]], minlength=M).double()

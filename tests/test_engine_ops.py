@@ -8,7 +8,7 @@ import torch
 
 from smcdecode.backends.engine.model import LlamaConfig, rope_inv_freq
 from smcdecode.backends.engine.ops import add_rms_norm_reference, rope_kv_write_reference
-from smcdecode.backends.engine.sampling import sample_and_score_reference
+from smcdecode.samplers.steps import sample_and_score
 
 
 def test_add_rms_norm_reference_is_the_norm_of_the_sum():
@@ -55,13 +55,13 @@ def test_rope_kv_write_reference_rotates_and_writes_slots():
     assert int(torch.isnan(k_pool).any(-1).sum()) == (6 * PS - 6) * Hkv  # nothing else written
 
 
-def test_sample_and_score_reference_scores_exactly_and_samples_the_softmax():
+def test_torch_sample_and_score_scores_exactly_and_samples_the_softmax():
     g = torch.Generator().manual_seed(2)
     V, R, T = 6, 40000, 0.7
     base = torch.randn(V, generator=g) * 2
     logits = base.repeat(R, 1)
     gather = torch.randint(0, V, (R,), generator=g)
-    tok, lp_tok, lp_gather = sample_and_score_reference(logits, T, gather, generator=g)
+    tok, lp_tok, _, lp_gather = sample_and_score(logits, T, gather=gather, generator=g)
     logp = torch.log_softmax(base / T, -1)
     torch.testing.assert_close(lp_tok, logp[tok])
     torch.testing.assert_close(lp_gather, logp[gather])
@@ -420,12 +420,12 @@ def test_interpreted_model_forward_matches_reference_path(monkeypatch):
     assert len(folds) == 3 * 3
 
 
-def test_sample_and_score_reference_sample_every_draws_only_the_last_row_of_each_group():
+def test_torch_sample_and_score_sample_every_draws_only_the_last_row_of_each_group():
     g = torch.Generator().manual_seed(3)
     R, V, S = 12, 50, 4
     logits = torch.randn(R, V, generator=g) * 3
     gather = torch.randint(0, V, (R,), generator=g)
-    tok, lp_tok, lp_gather = sample_and_score_reference(logits, 0.9, gather, generator=g, sample_every=S)
+    tok, lp_tok, _, lp_gather = sample_and_score(logits, 0.9, gather=gather, generator=g, sample_every=S)
     logp = torch.log_softmax(logits / 0.9, -1)
     torch.testing.assert_close(lp_gather, logp.gather(1, gather[:, None])[:, 0])
     drawn = torch.arange(R) % S == S - 1
@@ -435,7 +435,7 @@ def test_sample_and_score_reference_sample_every_draws_only_the_last_row_of_each
     # the rows that draw follow the softmax (one repeated row, many groups)
     base = torch.randn(8, generator=g)
     n = 20000
-    tok, _, _ = sample_and_score_reference(base.repeat(n * S, 1), 1.0, generator=g, sample_every=S)
+    tok = sample_and_score(base.repeat(n * S, 1), 1.0, generator=g, sample_every=S).token
     assert (tok[S - 1 :: S] >= 0).all()
     counts = torch.bincount(tok[S - 1 :: S], minlength=8).double()
     expected = n * torch.softmax(base.double(), -1)
@@ -459,7 +459,7 @@ def test_interpreted_sample_and_score_draws_the_softmax(support):
     values = torch.tensor([0.4, 0.4, -0.3, 0.8, 0.2, -0.6])
     logits = torch.full((R, V), -1e4)
     logits[:, support] = values
-    tok, lp_tok, _ = kernels.triton_sample_and_score(logits, T, torch.tensor(2024))
+    tok, lp_tok, _, _ = kernels.triton_sample_and_score(logits, T, torch.tensor(2024))
     p = torch.softmax(values.double() / T, 0)
     counts = torch.stack([(tok == s).sum() for s in support]).double()
     assert int(counts.sum()) == R
@@ -484,7 +484,7 @@ def test_interpreted_sample_and_score_races_long_lanes_and_masked_tails():
     logits[1::2, lane] = float("-inf")  # rows whose support is one lane: its race decides the draw
     gather = torch.randint(0, 100, (R,), generator=g)
     seed = torch.tensor(31)
-    tok, lp_tok, lp_g = kernels.triton_sample_and_score(logits, 0.9, seed, gather, chunk=8192)
+    tok, lp_tok, _, lp_g = kernels.triton_sample_and_score(logits, 0.9, seed, gather, chunk=8192)
     assert (tok[::4] < 100).all() and (tok[1::2] % 256 == 7).all()
     logp = torch.log_softmax(logits / 0.9, -1)
     torch.testing.assert_close(lp_tok, logp.gather(1, tok[:, None])[:, 0], rtol=1e-5, atol=1e-5)
@@ -503,8 +503,8 @@ def test_interpreted_sample_and_score_skips_rows_but_draws_the_same_tokens():
     logits = torch.randn(R, V, generator=g) * 4
     gather = torch.randint(0, V, (R,), generator=g)
     seed = torch.tensor(77)
-    tok, lp_tok, lp_gather = kernels.triton_sample_and_score(logits, T, seed, gather)
-    tok_s, lp_tok_s, lp_gather_s = kernels.triton_sample_and_score(logits, T, seed, gather, sample_every=S)
+    tok, lp_tok, _, lp_gather = kernels.triton_sample_and_score(logits, T, seed, gather)
+    tok_s, lp_tok_s, _, lp_gather_s = kernels.triton_sample_and_score(logits, T, seed, gather, sample_every=S)
     logp = torch.log_softmax(logits / T, -1)
     torch.testing.assert_close(lp_gather_s, logp.gather(1, gather[:, None])[:, 0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lp_gather_s, lp_gather)
@@ -512,7 +512,7 @@ def test_interpreted_sample_and_score_skips_rows_but_draws_the_same_tokens():
     assert torch.equal(tok_s[drawn], tok[drawn])
     torch.testing.assert_close(lp_tok_s[drawn], lp_tok[drawn])
     assert (tok_s[~drawn] == -1).all() and torch.isnan(lp_tok_s[~drawn]).all()
-    tok_other, _, _ = kernels.triton_sample_and_score(logits, T, torch.tensor(78), gather, sample_every=S)
+    tok_other = kernels.triton_sample_and_score(logits, T, torch.tensor(78), gather, sample_every=S).token
     assert not torch.equal(tok_other[drawn], tok_s[drawn])  # the seed still matters
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import SMCDecodeError
-from .common import NEG_INF, Constraints, dead_rows, draw_allowed
+from . import steps
+from .common import Constraints, dead_rows
 from .smc_sd import CHUNK, SMCOutput, _grow
 
 
@@ -31,9 +32,8 @@ def autoregressive(
     for t in range(max_new_tokens):
         if bool(finished.all()):
             break
-        lw_all = lm.alpha * lm.log_probs(runner.extend(last)[:, -1].cpu()).double()
+        log_p = lm.log_probs(runner.extend(last)[:, -1].cpu()).double()
         mask = constraints.allowed()
-        lw = lw_all if mask is None else lw_all.masked_fill(~mask, NEG_INF)
         dead = dead_rows(mask)
         active = ~finished
         if dead is not None:
@@ -41,12 +41,12 @@ def autoregressive(
             # the model is only fed tokens it can produce) is not recorded
             failed |= active & dead
             active = active & ~dead
-        if bool(torch.isnan(lw_all).any()):
+        if bool(torch.isnan(log_p).any()):
             raise SMCDecodeError(
                 f"the target model {model.name!r} returned NaN logits at step {t + 1} (a float16 model can "
                 "overflow: load it with dtype='float32')"
             )
-        v = draw_allowed(lw_all, lw, dead, generator)
+        v, _ = steps.bonus(log_p, 1.0, lm.alpha, mask, generator=generator)  # v ∝ p^α·1[valid]
         if t >= tokens.shape[1]:
             tokens = _grow(tokens, min(max_new_tokens, 2 * tokens.shape[1]), eos)
         tokens[active, t] = v[active]
@@ -60,6 +60,6 @@ def autoregressive(
         cut = ~finished & (lengths >= max_new_tokens)
         failed |= cut & ~constraints.accepting(B)
     finished[:] = True
-    log_w = torch.where(failed, NEG_INF, 0.0).double()
+    log_w = torch.where(failed, steps.NEG_INF, 0.0).double()
     tokens = tokens[:, : int(lengths.max())]
     return SMCOutput(tokens[None], lengths[None], finished[None], log_w[None], torch.full((1,), float("nan")))

@@ -1,4 +1,5 @@
-"""Tensor helpers shared by the strategies: sampling, masks, constraint/reward bookkeeping."""
+"""Bookkeeping shared by the reference strategies: constraint states and masks, reward increments.
+The sampling maths (the race, masked proposals, weights, resampling) is in ``samplers.steps``."""
 
 from __future__ import annotations
 
@@ -11,43 +12,10 @@ from torch import Tensor
 from ..errors import RewardError
 from ..potentials.reward import tilt
 
-NEG_INF = float("-inf")
-
-
-def gumbel_argmax(log_weights: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One draw per row from softmax(log_weights) [B, V] by the exponential race (no host sync).
-
-    argmax_v (log w_v − log E_v), E_v ~ Exp(1), is distributed ∝ w_v. Rows that are all -inf
-    return an arbitrary index; callers give those particles weight -inf.
-    """
-    u = torch.rand(log_weights.shape, generator=generator, dtype=torch.float64, device=log_weights.device)
-    e = -torch.log1p(-u)  # Exp(1) with u in [0, 1)
-    return torch.argmax(log_weights.double() - torch.log(e.clamp(min=1e-300)), dim=-1)
-
-
-def masked_log_softmax(log_weights: Tensor, allowed: Tensor | None) -> Tensor:
-    """log of the normalised distribution ∝ exp(log_weights)·1[allowed]; rows with nothing allowed
-    are all -inf (never NaN)."""
-    if allowed is not None:
-        log_weights = log_weights.masked_fill(~allowed, NEG_INF)
-    lse = torch.logsumexp(log_weights, dim=-1, keepdim=True)
-    return torch.where(torch.isfinite(lse), log_weights - torch.where(torch.isfinite(lse), lse, 0.0), NEG_INF)
-
 
 def dead_rows(mask: Tensor | None) -> Tensor | None:
     """bool [B]: rows of a token mask [B, V] that allow no token (a particle at a dead end)."""
     return None if mask is None else ~mask.any(-1)
-
-
-def draw_allowed(log_weights: Tensor, masked: Tensor, dead: Tensor | None, generator) -> Tensor:
-    """One draw per row ∝ exp(masked) [B, V] (the proposal restricted to the allowed tokens).
-
-    NOTE: a dead row (nothing allowed) draws from its unmasked ``log_weights`` instead. Its
-    particle gets weight 0 and stops there, but the batched models still consume a token for its
-    row: this way it is always one the proposal itself can produce (never an arbitrary id)."""
-    if dead is not None:
-        masked = torch.where(dead[:, None], log_weights, masked)
-    return gumbel_argmax(masked, generator)
 
 
 @dataclass

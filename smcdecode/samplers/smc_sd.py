@@ -20,15 +20,15 @@ tokens are fed again with the target's features at the start of the next round.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from ..errors import SMCDecodeError
-from .common import NEG_INF, Constraints, RewardTracker, dead_rows, draw_allowed, masked_log_softmax
-from .resampling import get_resampler, normalise
+from . import steps
+from .common import Constraints, RewardTracker, dead_rows
+from .resampling import get_resampler
 
 CHUNK = 256  # initial room for generated tokens per particle (the buffer doubles as needed)
 
@@ -112,14 +112,12 @@ def smc_sd(
             over = finished.clone()  # rows whose later drafts this round are discarded: ended or dead
             for i in range(k):
                 mask = constraints.allowed(states)
-                lq_all = torch.log_softmax(logits.double() / draft.temperature, -1)
-                lq = masked_log_softmax(lq_all, mask)
+                d, lq_d = steps.propose(logits.double(), draft.temperature, mask, generator=generator)
                 dead = dead_rows(mask)
                 if dead is not None:
                     dead_at = torch.where(dead & (dead_at == never), i, dead_at)
-                d = draw_allowed(lq_all, lq, dead, generator)
                 drafted.append(d)
-                drafted_log_q.append(lq.gather(1, d[:, None])[:, 0])
+                drafted_log_q.append(lq_d)
                 states = constraints.advanced(d, states)
                 over |= d == eos if dead is None else (d == eos) | dead
                 if bool(over.all()) and i < k - 1:
@@ -146,29 +144,14 @@ def smc_sd(
             t_logits = t_runner.extend(feed)
         log_p = lm.log_probs(t_logits.cpu()).double()  # [B, k+1, V]
 
-        # 4. incremental weights of the drafted tokens, up to and including the first EOS
-        term = alpha * log_p[:, :k].gather(2, drafts[:, :, None])[:, :, 0] - log_q
-        term = torch.where(torch.isneginf(log_q), NEG_INF, term)  # masked-out dead end
-        is_eos = drafts == eos
-        keep = (torch.cumsum(is_eos.long(), 1) - is_eos.long()) == 0
-        incr = torch.where(keep, term, 0.0).sum(1)
-        any_eos = is_eos.any(1)
-        first_eos = is_eos.long().argmax(1) if k > 0 else torch.zeros(B, dtype=torch.long)
-        n_new = torch.where(any_eos, first_eos + 1, k)
-        block = drafts
-
-        # 3. bonus token from π_loc ∝ p^α·1[valid], weighted by its normaliser
+        # 3. bonus token from π_loc ∝ p^α·1[valid], and its normaliser log Σ_v p^α·1[valid]
+        block, log_norm = drafts, None
         if bonus:
             mask = constraints.allowed(states)
-            lb_all = alpha * log_p[:, k]
-            lb = lb_all if mask is None else lb_all.masked_fill(~mask, NEG_INF)
-            log_norm = torch.logsumexp(lb, dim=-1)  # -inf for a dead row
+            b, log_norm = steps.bonus(log_p[:, k], 1.0, alpha, mask, generator=generator)  # (-inf: a dead row)
             dead = dead_rows(mask)
             if dead is not None:
                 dead_at = torch.where(dead & (dead_at == never), k, dead_at)
-            b = draw_allowed(lb_all, lb, dead, generator)
-            incr = incr + torch.where(any_eos, 0.0, log_norm)
-            n_new = torch.where(any_eos, n_new, k + 1)
             block = torch.cat([drafts, b[:, None]], dim=1)
             states = constraints.advanced(b, states)
             if feature:  # the round's tokens again, each with the target's feature of the position before
@@ -177,6 +160,10 @@ def smc_sd(
                 pending = torch.stack([drafts[:, -1], b], dim=1) if k > 0 else b[:, None]
             last = b
         constraints.states = states
+
+        # 4. incremental weights of the drafted tokens, up to and including the first EOS (+ the bonus's)
+        log_p_drafts = log_p[:, :k].gather(2, drafts[:, :, None])[:, :, 0]
+        incr, n_new, any_eos, _ = steps.weigh(log_p_drafts, log_q, drafts, alpha, k, eos, log_norm, bonus)
 
         width = block.shape[1]
         # NOTE: a particle stops before its first position with no allowed token (weight 0 there)
@@ -190,9 +177,8 @@ def smc_sd(
 
         hit_eos = any_eos | (block[:, -1] == eos) if bonus else any_eos
         ended = active & (hit_eos | (lengths >= max_new_tokens))
-        truncated = ended & ~hit_eos
         if constraints:
-            incr = torch.where(truncated & ~constraints.accepting(B), NEG_INF, incr)
+            incr = steps.reject_cut(incr, ended, hit_eos, constraints.accepting(B))
         if rewards:  # particles whose weight is already 0 are not scored
             incr = incr + rewards.increment(tokens, lengths, active & ~torch.isneginf(incr), ended)
         log_w = torch.where(active, log_w + incr, log_w)
@@ -203,21 +189,17 @@ def smc_sd(
             progress.update(width)
 
         # resample per group when ESS < τN
-        lw = log_w.view(G, N)
-        W, ess = normalise(lw)
         live_group = (~finished).view(G, N).any(1)
-        do = live_group & (ess > 0) & ((ess < ess_threshold * N) | (ess_threshold >= 1.0))
-        out.ess.append(ess)
-        out.resampled.append(do)
-        out.weights.append(W)
+        rs = steps.resample(log_w.view(G, N), ess_threshold, resample, live=live_group, generator=generator,
+                            sync=True)
+        out.ess.append(rs.ess)
+        out.resampled.append(rs.resampled)
+        out.weights.append(rs.W)
         out.rounds += 1
-        if bool(do.any()):  # the one host sync of the round
-            A = resample(W, generator)
-            A = torch.where(do[:, None], A, torch.arange(N)[None, :])
-            index = (A + (torch.arange(G) * N)[:, None]).flatten()
-            lse = torch.logsumexp(lw, dim=1)
-            log_Z += torch.where(do, lse - math.log(N), 0.0)
-            log_w = torch.where(do[:, None], 0.0, lw).flatten()
+        if bool(rs.resampled.any()):  # the one host sync of the round
+            index = (rs.ancestors + (torch.arange(G) * N)[:, None]).flatten()
+            log_Z += rs.log_Z_incr
+            log_w = rs.log_w.flatten()
             tokens, lengths, finished = tokens[index], lengths[index], finished[index]
             pending, last = pending[index], last[index]
             if feature:
@@ -229,7 +211,7 @@ def smc_sd(
                 d_runner.reorder(index)
 
     lw = log_w.view(G, N)
-    log_Z += torch.logsumexp(lw, dim=1) - math.log(N)
+    log_Z += steps.log_mean_weight(lw, N)
     out.tokens = tokens[:, :position].reshape(G, N, -1)
     out.lengths = lengths.view(G, N)
     out.finished = finished.view(G, N)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .common import gumbel_argmax
 from .smc_sd import SMCOutput
+from .steps import race
 
 
 def speculative(
@@ -73,7 +73,7 @@ def _one_sequence(lm, draft, prompt_ids, K, max_new_tokens, generator, stats, pr
         drafts, qs = [], []
         for i in range(k):
             q = torch.softmax(logits[-1].double() / draft.temperature, -1)
-            d = int(gumbel_argmax(torch.log(q)[None], generator)[0])
+            d = int(race(torch.log(q)[None], generator)[0])
             drafts.append(d)
             qs.append(q)
             if d == eos:
@@ -93,11 +93,11 @@ def _one_sequence(lm, draft, prompt_ids, K, max_new_tokens, generator, stats, pr
                 continue
             residual = (p[i] - qs[i]).clamp(min=0)
             dist = residual if float(residual.sum()) > 0 else p[i]
-            new.append(int(gumbel_argmax(torch.log(dist)[None], generator)[0]))
+            new.append(int(race(torch.log(dist)[None], generator)[0]))
             break
         else:
             if len(context) - 1 + len(new) < max_new_tokens and (not new or new[-1] != eos):
-                new.append(int(gumbel_argmax(log_p[len(drafts)][None], generator)[0]))
+                new.append(int(race(log_p[len(drafts)][None], generator)[0]))
         if eos in new:
             new = new[: new.index(eos) + 1]
         context.extend(new)

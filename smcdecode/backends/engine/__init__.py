@@ -7,10 +7,9 @@ from .engine import Engine
 from .kv_cache import KVPool, PageTable
 from .model import PRESETS, Llama, LlamaConfig
 from .output import EngineOutput
-from .sampling import sample_exponential_race
 from .scheduler import Finished, Request, Scheduler
 from .targets import EngineTarget
 
 __all__ = ["Engine", "EngineConfig", "EngineOutput", "EngineTarget", "Finished", "KVPool", "Llama", "LlamaConfig",
            "PRESETS", "PageTable", "PagedBatch", "Request", "Scheduler", "paged_attention",
-           "reference_paged_attention", "sample_exponential_race"]
+           "reference_paged_attention"]

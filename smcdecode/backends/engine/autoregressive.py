@@ -95,8 +95,8 @@ def _step(engine, b: dict, temperature: float, eos: int = -1):
     def step_() -> None:
         batch = PagedBatch.build(seq_t[:, None], pt, PS)
         seeds = torch.randint(0, 2**62, (1,), device=dev)
-        t, _, _ = sample_and_score(engine.target(last[:, None], engine.kv_t, batch)[:, 0], temperature, seeds[0],
-                                   triton=engine.config.triton)
+        t = sample_and_score(engine.target(last[:, None], engine.kv_t, batch)[:, 0], temperature, seeds[0],
+                             triton=engine.config.triton).token
         if eos >= 0:
             t = torch.where(finished, eos, t)
             finished.logical_or_(t == eos)

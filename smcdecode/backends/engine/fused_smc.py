@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from ...errors import SMCDecodeError
-from ...samplers.resampling import get_resampler, normalise
+from ...samplers import steps
+from ...samplers.resampling import get_resampler
 from .graphs import Graph
 from .kv_cache import KVPool, PageTable
 from .output import EngineOutput
@@ -230,7 +231,7 @@ def _rounds(engine, graph: Graph, out: EngineOutput, table: PageTable, G: int, N
 def round_code(engine, b: dict, G: int, N: int, K: int, draft_temperature: float, target_temperature: float,
                eos: int, pad: int, resampler: str, ess_threshold: float):
     """The device code of one SMC-SD round over the static buffers ``b`` (captured as one graph)."""
-    resample = get_resampler(resampler)
+    get_resampler(resampler)  # (refuses an unknown name before capture)
     dev = engine.device
     ar = b["ar"]
     seq_t, pending, last, tokens, n_gen = b["seq"], b["pending"], b["last"], b["tokens"], b["n_gen"]
@@ -242,14 +243,8 @@ def round_code(engine, b: dict, G: int, N: int, K: int, draft_temperature: float
         log_p, bonus, _ = verify(engine, b, K, target_temperature, seeds)
 
         remaining = b["budget"] - n_gen
-        in_budget = ar[None, :K] < remaining[:, None]
-        is_eos = (drafts == eos) & in_budget
-        first = (torch.cumsum(is_eos.long(), 1) - is_eos.long()) == 0
-        keep = first & in_budget
-        incr = torch.where(keep, log_p - log_q, 0.0).double().sum(1)
-        any_eos = is_eos.any(1)
-        n_new = torch.where(any_eos, is_eos.long().argmax(1) + 1, remaining.clamp(max=K))
-        n_new = torch.where(~any_eos & (remaining > K), K + 1, n_new)
+        incr, n_new, any_eos, has_bonus = steps.weigh(log_p, log_q, drafts, 1.0, remaining.clamp(max=K), eos,
+                                                      bonus_allowed=remaining > K)
         active = ~finished
         b["drafted"].add_(torch.where(active, remaining.clamp(max=K), 0))
         block = torch.cat([drafts, bonus[:, None]], dim=1)
@@ -257,19 +252,16 @@ def round_code(engine, b: dict, G: int, N: int, K: int, draft_temperature: float
         tokens.scatter_(1, n_gen[:, None] + ar, block)
         n_gen.add_(torch.where(active, n_new, 0))
         lw = torch.where(active, log_w + incr, log_w)
-        hit_eos = any_eos | ((bonus == eos) & (n_new == K + 1))
+        hit_eos = any_eos | (has_bonus & (bonus == eos))
         finished.copy_(finished | (active & (hit_eos | (n_gen >= b["budget"]))) | torch.isneginf(lw))
         pending.copy_(torch.stack([drafts[:, -1], bonus], dim=1))
         last.copy_(bonus)
 
-        lw = lw.view(G, N)
-        W, ess = normalise(lw)
         live = (~finished).view(G, N).any(1)
-        do = live & (ess > 0) & ((ess < ess_threshold * N) | (ess_threshold >= 1.0))
-        A = torch.where(do[:, None], resample(W, None), torch.arange(N, device=dev)[None])
+        A, do, W, ess, log_Z_incr, lw = steps.resample(lw.view(G, N), ess_threshold, resampler, live=live)
         idx = (A + b["group_base"]).flatten()
-        log_Z.add_(torch.where(do, torch.logsumexp(lw, 1) - math.log(N), 0.0))
-        log_w.copy_(torch.where(do[:, None], 0.0, lw).flatten())
+        log_Z.add_(log_Z_incr)
+        log_w.copy_(lw.flatten())
         for t in (pending, last, tokens, n_gen, finished, log_w):
             t.copy_(t[idx])
         b["index"].copy_(idx)

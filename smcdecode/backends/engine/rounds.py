@@ -65,7 +65,7 @@ def draft_block(engine, buf: dict, K: int, draft_temperature: float, seeds: Tens
     batch = PagedBatch.build((T - 1)[:, None] + ar[:2], pt, PS)
     logits = engine.draft(buf["pending"], engine.kv_d, batch, last_only=True)[:, 0]  # [B, V]
     for i in range(K):
-        d, lq, _ = sample_and_score(logits, draft_temperature, seeds[i], triton=engine.config.triton)
+        d, lq, _, _ = sample_and_score(logits, draft_temperature, seeds[i], triton=engine.config.triton)
         buf["drafts"][:, i] = d
         buf["log_q"][:, i] = lq
         if keep_logits:
@@ -84,6 +84,6 @@ def verify(engine, buf: dict, K: int, target_temperature: float, seeds: Tensor) 
     logits = engine.target(feed, engine.kv_t, batch)  # [B, K+1, V]
     gather = torch.cat([buf["drafts"], buf["drafts"][:, :1]], dim=1).reshape(-1)
     # only the last row of each particle's K + 1 draws a token (the bonus); the others are scored
-    tok, _, lp = sample_and_score(logits.view(B * (K + 1), -1), target_temperature, seeds[K], gather,
-                                  sample_every=K + 1, triton=engine.config.triton)
+    tok, _, _, lp = sample_and_score(logits.view(B * (K + 1), -1), target_temperature, seeds[K], gather,
+                                     sample_every=K + 1, triton=engine.config.triton)
     return lp.view(B, K + 1)[:, :K], tok.view(B, K + 1)[:, K], logits

@@ -30,45 +30,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ...errors import SMCDecodeError
-from ...samplers.resampling import RESAMPLERS, counts_to_ancestors, inverse_cdf, normalise
+from ...samplers import steps
 from .attention import PagedBatch
+from .sampling import sample_and_score
 
-NEG_INF = float("-inf")
-
-
-def segment_resample(W: Tensor, n: Tensor, scheme: str, live: Tensor) -> Tensor:
-    """Ancestors A [G, M] for weights W [G, M] whose group g uses its first n[g] rows (the others
-    have weight 0): the scheme over n[g] draws; rows j >= n[g] keep A = j. E[#children of i] = n_g·W_i."""
-    G, M = W.shape
-    dev = W.device
-    j = torch.arange(M, device=dev)[None, :]
-    nd = n.double()[:, None]
-    Wd = W.double()
-    if scheme == "systematic":
-        u = (j + torch.rand(G, 1, dtype=torch.float64, device=dev)) / nd
-        A = inverse_cdf(Wd, u.clamp(max=1.0 - 1e-12))
-    elif scheme == "stratified":
-        u = (j + torch.rand(G, M, dtype=torch.float64, device=dev)) / nd
-        A = inverse_cdf(Wd, u.clamp(max=1.0 - 1e-12))
-    elif scheme == "multinomial":
-        A = inverse_cdf(Wd, torch.rand(G, M, dtype=torch.float64, device=dev))
-    elif scheme == "residual":
-        total = Wd.sum(-1, keepdim=True)
-        Wn = torch.where(total > 0, Wd / total.clamp(min=1e-300), 0.0)
-        counts = torch.floor(nd * Wn)
-        R = nd - counts.sum(-1, keepdim=True)
-        res = (nd * Wn - counts).clamp(min=0)
-        res_total = res.sum(-1, keepdim=True)
-        res_W = torch.where(res_total > 0, res / res_total.clamp(min=1e-300), Wn)
-        extra = inverse_cdf(res_W, torch.rand(G, M, dtype=torch.float64, device=dev))
-        counts = counts.long().scatter_add_(1, extra, (j < R).long())
-        # a dead group (all weights 0) has no counts; its ancestors are unused (do = False)
-        counts = torch.where(live[:, None], counts, (j < n[:, None]).long())
-        A = counts_to_ancestors(counts)
-    else:
-        raise SMCDecodeError(f"unknown resampler {scheme!r}: choose one of {sorted(RESAMPLERS)}")
-    return torch.where(j < n[:, None], A, j.expand(G, M))
+NEG_INF = steps.NEG_INF
 
 
 @dataclass
@@ -91,9 +57,8 @@ def host_terms(b: dict, rewards: list, hosted, longest_new: int) -> None:
     B = active.shape[0]
     incr = torch.zeros(B, dtype=torch.float64)
     if hosted is not None:
-        cut = ended & ~hit_eos
-        if bool(cut.any()):
-            incr = torch.where(cut & hosted.rejects(B), NEG_INF, incr)
+        if bool((ended & ~hit_eos).any()):
+            incr = steps.reject_cut(incr, ended, hit_eos, ~hosted.rejects(B))
     if rewards and bool(active.any()):
         tokens, lengths = b["tokens"][:, :longest_new].cpu(), b["n_gen"].cpu()
         for tracker, mine in rewards:
@@ -131,19 +96,14 @@ def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resamp
     return rnd
 
 
-def _race(x: Tensor) -> Tensor:
-    """argmax_v (x_v − log E_v), E ~ Exp(1): one draw ∝ exp(x) per row; -inf entries never win."""
-    e = torch.empty_like(x).exponential_().clamp_min(1e-30)
-    return torch.argmax(torch.where(torch.isneginf(x), NEG_INF, x - e.log()), dim=-1)
-
-
 def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, tau: float, host_mask=None):
     """(propose, finish) over the static buffers ``b``; ``host_mask(i)`` gives the host masks of
     draft step i (i = K_max: the bonus) in the eager host-mask path."""
     G, Nmax = b["W"].shape
     B, Kmax = b["drafts"].shape
     ar, PS = b["ar"], engine.page_size
-    draft = engine.draft
+    draft, fused = engine.draft, engine.config.triton
+    rows = torch.arange(B, device=b["ar"].device)
     tokens, n_gen, finished, log_w = b["tokens"], b["n_gen"], b["finished"], b["log_w"]
     drafts, log_q, K_row, alpha, T = b["drafts"], b["log_q"], b["K_row"], b["alpha"], b["seq"]
 
@@ -159,6 +119,7 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         return m
 
     def propose() -> None:
+        seeds = torch.randint(0, 2**62, (Kmax + 2,), device=T.device)
         remaining = b["budget"] - n_gen
         k_eff = torch.minimum(K_row, remaining)
         states = list(b["states"])
@@ -167,14 +128,8 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         batch = PagedBatch.build((T - 1)[:, None] + ar[:2], b["pt"], PS)
         logits = draft(b["pending"], engine.kv_d, batch, last_only=True)[:, 0]  # [B, V]
         for i in range(Kmax):
-            x = logits.float() / b["T_draft"][:, None]
-            m = masks(states, i)
-            if m is not None:
-                x = x.masked_fill(~m, NEG_INF)
-            lse = torch.logsumexp(x, -1)
-            d = _race(x)
+            d, log_q[:, i], _, _ = sample_and_score(logits, b["T_draft"], seeds[i], mask=masks(states, i), triton=fused)
             drafts[:, i] = d
-            log_q[:, i] = torch.where(torch.isfinite(lse), x.gather(1, d[:, None])[:, 0] - lse, NEG_INF)
             states = [a.advance(s, d) for a, s in zip(automata, states)]
             kept = [torch.where(i < k_eff, s, k) for s, k in zip(states, kept)]
             if i < Kmax - 1:
@@ -184,27 +139,17 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         feed = torch.cat([b["last"][:, None], drafts], dim=1)
         batch = PagedBatch.build(T[:, None] + ar, b["pt"], PS)
         logits_t = engine.target(feed, engine.kv_t, batch)  # [B, Kmax+1, V]
-        logp = torch.log_softmax(logits_t.float() / b["T_target"][:, None, None], -1)
-        log_p = logp[:, :Kmax].gather(2, drafts[:, :, None])[:, :, 0]
+        V = logits_t.shape[-1]
+        gather = torch.cat([drafts, drafts[:, :1]], dim=1).reshape(-1)
+        log_p = sample_and_score(logits_t.view(B * (Kmax + 1), V), b["T_target"][:, None].expand(B, Kmax + 1).reshape(-1),
+                                 seeds[Kmax], gather, draw=False, triton=fused).gathered.view(B, Kmax + 1)[:, :Kmax]
         # 3. the bonus after the row's K drafts, from π_loc ∝ p^α·1[valid], and its normaliser
-        lb = alpha[:, None] * logp.gather(1, K_row[:, None, None].expand(B, 1, logp.shape[-1]))[:, 0]
-        m = masks(kept, Kmax)
-        if m is not None:
-            lb = lb.masked_fill(~m, NEG_INF)
-        log_norm = torch.logsumexp(lb, -1)
-        bonus = _race(lb)
+        bonus, _, log_norm, _ = sample_and_score(logits_t[rows, K_row], b["T_target"], seeds[Kmax + 1], alpha=alpha,
+                                                 mask=masks(kept, Kmax), triton=fused)
         b["bonus"].copy_(bonus)
-        # 4. incremental weights up to the first EOS and the budget
-        in_budget = ar[None, :Kmax] < k_eff[:, None]
-        is_eos = (drafts == eos) & in_budget
-        keep = ((torch.cumsum(is_eos.long(), 1) - is_eos.long()) == 0) & in_budget
-        term = torch.where(torch.isneginf(log_q), NEG_INF, alpha[:, None] * log_p - log_q)  # (a dead end: -inf)
-        incr = torch.where(keep, term, 0.0).double().sum(1)
-        any_eos = is_eos.any(1)
-        n_new = torch.where(any_eos, is_eos.long().argmax(1) + 1, k_eff)
-        has_bonus = ~any_eos & (remaining > K_row)
-        incr = incr + torch.where(has_bonus, log_norm.double(), 0.0)
-        n_new = torch.where(has_bonus, K_row + 1, n_new)
+        # 4. incremental weights up to the first EOS and the budget (a dead end: -inf)
+        incr, n_new, any_eos, has_bonus = steps.weigh(log_p, log_q, drafts, alpha, k_eff, eos, log_norm,
+                                                      remaining > K_row)
         active = ~finished
         b["drafted"].add_(torch.where(active, k_eff, 0))
         block = torch.cat([drafts, torch.full_like(bonus, pad)[:, None]], dim=1)
@@ -218,7 +163,7 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         accepted = torch.ones_like(ended)
         for a, s in zip(automata, final):
             accepted = accepted & a.accepting[s]
-        incr = torch.where(ended & ~hit_eos & ~accepted, NEG_INF, incr)  # cut, and not in the language
+        incr = steps.reject_cut(incr, ended, hit_eos, accepted)  # cut, and not in the language
         lw = torch.where(active, log_w + incr, log_w)
         log_w.copy_(lw)
         finished.copy_(finished | ended | torch.isneginf(lw))
@@ -236,16 +181,11 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         lw = log_w + b["host_incr"]
         finished.copy_(finished | torch.isneginf(lw))
         b["host_incr"].zero_()
-        lw = lw.view(G, Nmax)
-        W, ess = normalise(lw)
-        n = b["n"]
         live = (~finished).view(G, Nmax).any(1)
-        do = live & (ess > 0) & ((ess < tau * n) | (tau >= 1.0))
-        A = segment_resample(W, n, resampler, live)
-        A = torch.where(do[:, None], A, torch.arange(Nmax, device=lw.device)[None])
+        A, do, W, ess, log_Z_incr, lw = steps.resample(lw.view(G, Nmax), tau, resampler, n=b["n"], live=live)
         idx = (A + b["group_base"]).flatten()
-        b["log_Z"].add_(torch.where(do, torch.logsumexp(lw, 1) - torch.log(n.double()), 0.0))
-        log_w.copy_(torch.where(do[:, None] & b["valid"].view(G, Nmax), 0.0, lw).flatten())
+        b["log_Z"].add_(log_Z_incr)
+        log_w.copy_(lw.flatten())
         b["W"].copy_(W)
         for t in (b["pending"], b["last"], tokens, n_gen, finished, log_w, T, *b["states"]):
             t.copy_(t[idx])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ...samplers.steps import race
 from .output import EngineOutput
 from .rounds import draft_block, round_buffers, round_graph, verify
 
@@ -90,8 +91,7 @@ def _round(engine, b: dict, K: int, draft_temperature: float, target_temperature
         p = torch.softmax(logits_t[rows, j].float() / target_temperature, -1)  # [B, V]
         q = torch.softmax(b["draft_logits"][rows, j].float() / draft_temperature, -1)
         residual = (p - q).clamp_min(0.0)
-        e = torch.empty_like(residual).exponential_()
-        c_res = torch.argmax(residual.log() - e.log(), -1)  # ∝ (p − q)+
+        c_res = race(residual.log())  # ∝ (p − q)+
         c = torch.where((n_acc == K) | (residual.sum(-1) <= 0), bonus, c_res)
         block = torch.cat([drafts, bonus[:, None]], dim=1)
         block = torch.where(ar[None] == n_acc[:, None], c[:, None], block)

@@ -37,12 +37,19 @@ N, K, L = cfg["particles"], cfg["block_size"], cfg["out_len"]
 num_pages = 8 * (N + 4) * (-(-(L + 16) // 16) + 1) + G_max * (-(-cfg["prompt_len"] // 16)) + 64
 engine = Engine(target, draft, num_pages=num_pages, page_size=16, max_context=cfg["prompt_len"] + L + 16)
 
+generated = []  # tokens of the last timed call: the longest particle of each request, summed
+
 def timed(fn):
     out = []
     for _ in range(cfg["repeats"]):
-        torch.cuda.synchronize(); t0 = time.perf_counter(); fn(); torch.cuda.synchronize()
+        torch.cuda.synchronize(); t0 = time.perf_counter(); r = fn(); torch.cuda.synchronize()
         out.append(time.perf_counter() - t0)
+    generated[:] = [int(r.lengths.max(1).values.sum())] if hasattr(r, "lengths") else [None]
     return out
+
+def rate(G, s):  # tokens generated per second (all requests)
+    n = generated[0] if generated and generated[0] is not None else G * L
+    return n / statistics.median(s)
 
 def program(name):  # (keyword arguments of smc_sd, label) of a target program beyond the plain round
     from smcdecode.backends.engine.targets import EngineTarget
@@ -70,11 +77,12 @@ for G in cfg["requests"]:
             engine.smc_sd(P[:G], particles=N, block_size=ks, max_new_tokens=3 * (K + 1))
             s = timed(lambda: engine.smc_sd(P[:G], particles=N, block_size=ks, max_new_tokens=L))
             rows.append({"system": f"SMC-SD N={N} K={K}|{K // 2} mixed", "requests": G, "seconds": s,
-                         "tok_s_total": G * L / statistics.median(s)})
+                         "tok_s_total": rate(G, s)})
             if G > 1:
                 def apart():
                     engine.smc_sd(P[:G:2], particles=N, block_size=K, max_new_tokens=L)
                     engine.smc_sd(P[1:G:2], particles=N, block_size=K // 2, max_new_tokens=L)
+                    generated[:] = [None]
                 engine.smc_sd(P[1:G:2], particles=N, block_size=K // 2, max_new_tokens=3 * (K + 1))
                 s = timed(apart)
                 rows.append({"system": f"SMC-SD N={N} K={K}|{K // 2} apart", "requests": G, "seconds": s,
@@ -85,7 +93,7 @@ for G in cfg["requests"]:
         engine.smc_sd(P[:G], particles=N, block_size=K, max_new_tokens=3 * (K + 1), **kw)
         s = timed(lambda: engine.smc_sd(P[:G], particles=N, block_size=K, max_new_tokens=L, **kw))
         rows.append({"system": f"SMC-SD N={N} K={K}" + ("" if label == "plain" else f" {label}"), "requests": G,
-                     "seconds": s, "tok_s_total": G * L / statistics.median(s)})
+                     "seconds": s, "tok_s_total": rate(G, s)})
         engine.clear_graphs()
     if cfg["ar"]:
         engine.autoregressive(P[:G], max_new_tokens=8)

@@ -115,6 +115,9 @@ class RMSNorm(nn.Module):
 
 
 class Block(nn.Module):
+    # tensor parallelism (parallel.py): sums this rank's partial wo and w2 products over the ranks
+    reduce = None
+
     def __init__(self, cfg: LlamaConfig, layer: int):
         super().__init__()
         self.cfg, self.layer = cfg, layer
@@ -146,14 +149,16 @@ class Block(nn.Module):
         o = ops.rope_attention(ops.linear(n, self.wqkv, tri), batch, rope[0], rope[1], kv.k(self.layer),
                                kv.v(self.layer), H, Hkv, tri, normed)
         o = o.reshape(B, L, H * D)
-        if ops.fold_norms(o, self, tri):
+        if self.reduce is None and ops.fold_norms(o, self, tri):
             mid = ops.linear_add_norm(o, self.wo, x, self.ffn_norm.weight, eps, tri)
             g = ops.linear_silu_mul(mid.gh, self.w13, mid, tri)
             if next_norm is not None:
                 return ops.linear_add_norm(g, self.w2, mid.h, next_norm, eps, tri), None
             return mid.h, ops.linear_to_residual(g, self.w2, tri)
-        h, n = ops.add_rms_norm(x, ops.linear_to_residual(o, self.wo, tri), self.ffn_norm.weight, eps, tri)
-        return h, ops.linear_to_residual(ops.linear_silu_mul(n, self.w13, None, tri), self.w2, tri)
+        attn = ops.linear_to_residual(o, self.wo, tri)
+        h, n = ops.add_rms_norm(x, attn if self.reduce is None else self.reduce(attn), self.ffn_norm.weight, eps, tri)
+        mlp = ops.linear_to_residual(ops.linear_silu_mul(n, self.w13, None, tri), self.w2, tri)
+        return h, mlp if self.reduce is None else self.reduce(mlp)
 
 
 class Llama(nn.Module):

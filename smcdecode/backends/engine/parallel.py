@@ -111,7 +111,8 @@ def init(backend: str | None = None, *, rank: int | None = None, world: int | No
                                      "one rank a GPU (--nproc-per-node <= the GPU count)")
             torch.cuda.set_device(local)
             kw["device_id"] = torch.device("cuda", local)  # eager communicator (capturable collectives)
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, **kw)
+        dist.init_process_group(backend, init_method=init_method, rank=-1 if rank is None else rank,
+                                world_size=-1 if world is None else world, **kw)
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     control = dist.new_group(backend="gloo") if backend == "nccl" else None
@@ -161,7 +162,7 @@ def build(reader, tp: TensorParallel, dtype: torch.dtype = torch.bfloat16, devic
         if vocab_parallel:
             model.output = nn.Linear(cfg.dim, cfg.vocab_size // w, bias=False)
     model = model.to(dtype).to_empty(device=device)
-    H, Hkv, D, I, V = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
+    H, Hkv, D, F, V = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
 
     def mine(n: int) -> slice:  # this rank's share of n rows (or columns)
         return slice(r * n // w, (r + 1) * n // w)
@@ -169,7 +170,7 @@ def build(reader, tp: TensorParallel, dtype: torch.dtype = torch.bfloat16, devic
     def read(name: str, rows: slice = _ALL, cols: slice = _ALL) -> Tensor:
         return reader.read(name, rows, cols).to(device=device, dtype=dtype)
 
-    qr, kvr, ir = mine(H * D), mine(Hkv * D), mine(I)
+    qr, kvr, ir = mine(H * D), mine(Hkv * D), mine(F)
     with torch.no_grad():
         emb = model.tok_embeddings.weight
         emb.copy_(read("model.embed_tokens.weight"))

@@ -41,7 +41,7 @@ class StateDictReader:
     def of_llama(cls, model) -> StateDictReader:
         """Views of an engine ``Llama``'s (unsharded) fused weights under Hugging Face names."""
         cfg = model.cfg
-        H, Hkv, D, I = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size
+        H, Hkv, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size
         sd = {"model.embed_tokens.weight": model.tok_embeddings.weight, "model.norm.weight": model.norm.weight}
         if not cfg.tie_embeddings:
             sd["lm_head.weight"] = model.output.weight
@@ -53,7 +53,7 @@ class StateDictReader:
                 for part, b in zip(("q", "k", "v"), blk.wqkv.bias.split([H * D, Hkv * D, Hkv * D])):
                     sd[f"{p}self_attn.{part}_proj.bias"] = b
             sd[p + "self_attn.o_proj.weight"] = blk.wo.weight
-            sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"] = blk.w13.weight.split([I, I])
+            sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"] = blk.w13.weight.split([F, F])
             sd[p + "mlp.down_proj.weight"] = blk.w2.weight
             sd[p + "input_layernorm.weight"] = blk.attention_norm.weight
             sd[p + "post_attention_layernorm.weight"] = blk.ffn_norm.weight
@@ -233,7 +233,7 @@ class RandomReader:
 
 
 def _hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    H, Hkv, D, I, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.dim
+    H, Hkv, D, F, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.dim
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, d)
@@ -241,8 +241,8 @@ def _hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         shapes.update({p + "self_attn.q_proj.weight": (H * D, d), p + "self_attn.k_proj.weight": (Hkv * D, d),
                        p + "self_attn.v_proj.weight": (Hkv * D, d), p + "self_attn.o_proj.weight": (d, H * D),
-                       p + "mlp.gate_proj.weight": (I, d), p + "mlp.up_proj.weight": (I, d),
-                       p + "mlp.down_proj.weight": (d, I), p + "input_layernorm.weight": (d,),
+                       p + "mlp.gate_proj.weight": (F, d), p + "mlp.up_proj.weight": (F, d),
+                       p + "mlp.down_proj.weight": (d, F), p + "input_layernorm.weight": (d,),
                        p + "post_attention_layernorm.weight": (d,)})
         if cfg.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (H * D,), p + "self_attn.k_proj.bias": (Hkv * D,),

@@ -337,6 +337,41 @@ def test_agree_catches_ranks_that_diverge():
 
 
 # ------------------------------------------------------------------------------------------------
+# the real default model: its GGUF (Q4_1, 9 heads, 3 KV heads) sharded over 3 ranks
+
+
+@torch.no_grad()
+def _smollm2_rank(tp, source, tokens):
+    """Logits of ``tokens`` from this rank's shard of the GGUF at ``source`` (its rows and columns
+    only), or from ``source`` itself (an unsharded Llama)."""
+    model = parallel.load(source, tp, torch.float32) if isinstance(source, str) else source
+    assert model.cfg.n_heads * tp.world == 9 and model.cfg.n_kv_heads * tp.world == 3
+    n = tokens.shape[1]
+    pool = KVPool.for_model(model.cfg, 8, 16, torch.float32, "cpu")
+    pt = torch.arange(1, 1 + -(-n // 16), dtype=torch.int32)[None]
+    return model(tokens, pool, PagedBatch.build(torch.arange(n)[None], pt, 16))
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_sharded_over_three_ranks_equals_the_transformers_load():
+    import smcdecode as sd
+    from smcdecode.models import SMOLLM2_GGUF, _smollm2_dir
+
+    path = str(_smollm2_dir() / SMOLLM2_GGUF)
+    hf = sd.load_model(path)  # transformers' GGUF loader, dequantised whole
+    tokens = torch.tensor([hf.prompt_ids([{"role": "user", "content": "What is the capital of France?"}])])
+    with torch.no_grad():
+        ref = _smollm2_rank(parallel.TensorParallel(0, 1, torch.device("cpu")), Llama.from_hf(hf, dtype=torch.float32),
+                            tokens)
+        ref_hf = hf.hf(tokens).logits
+    assert (ref - ref_hf).abs().max() < 1e-3
+    logits = run_ranks(3, _smollm2_rank, path, tokens)
+    assert all(torch.equal(logits[0], x) for x in logits[1:])
+    assert (logits[0] - ref).abs().max() < 1e-3, (logits[0] - ref).abs().max()
+    assert int(logits[0][0, -1].argmax()) == int(ref[0, -1].argmax())
+
+
+# ------------------------------------------------------------------------------------------------
 # GPU: NCCL, Triton kernels, CUDA graphs (run by hand on a machine with >= 2 GPUs)
 
 def _gpu_rank(tp):

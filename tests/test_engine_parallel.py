@@ -2,8 +2,8 @@
 the sharded forward equals the unsharded one through prefill, extend and fork (every loader: a model
 in memory, transformers, safetensors, GGUF in float32 and Q8_0); the ranks' logits are the same
 bytes; the exact-enumeration tests of test_engine_statistics.py pass through a TP = 2 engine whose
-ranks return identical outputs; ``launch`` / ``Lockstep`` run calls on every rank and ``agree``
-catches ranks that diverge. Marked ``gpu``: the same on 2 GPUs with NCCL, Triton kernels and CUDA
+ranks return identical outputs, and ``agree`` catches ranks that diverge; ``launch`` /
+``Lockstep`` run calls on every rank. Marked ``gpu``: the same on 2 GPUs with NCCL, Triton kernels and CUDA
 graphs (collectives captured in the round's graph)."""
 
 from __future__ import annotations
@@ -34,12 +34,10 @@ def _rank_entry(rank, world, address, fn, args, queue, backend):
     torch.set_num_threads(1)
     try:
         tp = parallel.init(backend, rank=rank, world=world, init_method=address)
-        try:
-            queue.put((rank, "ok", pickle.dumps(fn(tp, *args))))  # by value (no shared-memory handles)
-        finally:
-            torch.distributed.destroy_process_group()
+        queue.put((rank, "ok", pickle.dumps(fn(tp, *args))))  # by value (no shared-memory handles)
     except BaseException:  # noqa: BLE001 - reported to the test process
         queue.put((rank, "error", traceback.format_exc()))
+    os._exit(0)  # the result is in the pipe: skip the interpreter's (and gloo's) slow teardown
 
 
 def run_ranks(world: int, fn, *args, backend: str = "gloo", timeout: float = 240.0) -> list:
@@ -165,37 +163,34 @@ def write_gguf(hf, path: str, qtype) -> None:
 
 
 @torch.no_grad()
-def _forward_rank(tp, files: dict):
-    from smcdecode.backends.engine.shards import GGUFReader
+def _forward_rank(tp, files: dict, cases: tuple[str, ...]):
+    """Per case, this rank's shard from each loader against the whole model (max |Δ logit|), and the
+    shard's logits (to compare across ranks). No transformers model here: spawned ranks start fast."""
+    from safetensors.torch import load_file
 
-    torch.manual_seed(0)
+    from smcdecode.backends.engine.shards import GGUFReader, StateDictReader
+
     report = {}
-    for case in ("gqa", "tied_bias"):
-        hf = _hf(case)
-        full = Llama.from_hf(hf, dtype=torch.float32)
+    for case in cases:
+        full = Llama.from_safetensors(files[case + "/st"], dtype=torch.float32)
         ref = _logits(full)
-        ref_hf = hf(torch.randint(0, hf.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(5))).logits
-        one = parallel.TensorParallel(0, 1, torch.device("cpu"))
-        models = {"shard": parallel.shard(full, tp), "from_hf": parallel.from_hf(hf, tp, torch.float32),
+        state_dict = load_file(os.path.join(files[case + "/st"], "model.safetensors"))
+        models = {"shard": parallel.shard(full, tp),
+                  "state_dict": parallel.build(StateDictReader(full.cfg, state_dict), tp, torch.float32),
                   "safetensors": parallel.load(files[case + "/st"], tp, torch.float32),
                   "gguf_f32": parallel.load(files[case + "/f32"], tp, torch.float32)}
         for name, m in models.items():
-            assert m.cfg.n_heads == hf.config.num_attention_heads // tp.world
+            assert m.cfg.n_heads * tp.world == full.cfg.n_heads
             got = _logits(m)
             report[f"{case}/{name}"] = max(float((a - b).abs().max()) for a, b in zip(got, ref))
             report[f"{case}/{name}/logits"] = [t.clone() for t in got]
-        pool = KVPool.for_model(models["shard"].cfg, 4, 4, torch.float32, "cpu")
-        report[f"{case}/kv_heads"] = pool.kv.shape[3]
-        # Q8_0: the sharded GGUF equals the unsharded GGUF (same dequantised values, any slicing)
+        report[f"{case}/kv_heads"] = KVPool.for_model(models["shard"].cfg, 4, 4, torch.float32, "cpu").kv.shape[3]
+        # Q8_0: the sharded GGUF equals the unsharded GGUF (the same dequantised values, however sliced)
+        one = parallel.TensorParallel(0, 1, torch.device("cpu"))
         q8 = _logits(parallel.build(GGUFReader(files[case + "/q8"]), one, torch.float32))
         got = _logits(parallel.load(files[case + "/q8"], tp, torch.float32))
         report[f"{case}/gguf_q8"] = max(float((a - b).abs().max()) for a, b in zip(got, q8))
         report[f"{case}/gguf_q8_vs_f32"] = max(float((a - b).abs().max()) for a, b in zip(q8, ref))
-        report[f"{case}/hf_vs_engine"] = float((full(
-            torch.randint(0, hf.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(5)),
-            KVPool.for_model(full.cfg, 8, 4, torch.float32, "cpu"),
-            PagedBatch.build(torch.arange(9)[None], torch.arange(1, 4, dtype=torch.int32)[None], 4)) - ref_hf
-        ).abs().max())
     return report
 
 
@@ -213,13 +208,14 @@ def model_files(tmp_path_factory):
     return files
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_sharded_forward_equals_unsharded(world, model_files):
-    reports = run_ranks(world, _forward_rank, model_files)
+# 4 ranks: the GQA case only (4 processes on CI's 2 cores are slow); its Q8_0 column slices (16 of
+# o_proj's 64, 24 of down_proj's 96) are not 32-aligned, so they take the row-chunk path
+@pytest.mark.parametrize("world, cases", [(2, ("gqa", "tied_bias")), (4, ("gqa",))])
+def test_sharded_forward_equals_unsharded(world, cases, model_files):
+    reports = run_ranks(world, _forward_rank, model_files, cases)
     r0 = reports[0]
-    for case in ("gqa", "tied_bias"):
-        assert r0[f"{case}/hf_vs_engine"] < 1e-4  # the unsharded reference is right
-        for name in ("shard", "from_hf", "safetensors", "gguf_f32"):
+    for case in cases:
+        for name in ("shard", "state_dict", "safetensors", "gguf_f32"):
             assert r0[f"{case}/{name}"] < 1e-5, (case, name, r0[f"{case}/{name}"])
             for r in reports[1:]:  # every rank has the same full logits, bit for bit
                 for a, b in zip(r0[f"{case}/{name}/logits"], r[f"{case}/{name}/logits"]):
@@ -227,6 +223,22 @@ def test_sharded_forward_equals_unsharded(world, model_files):
         assert r0[f"{case}/kv_heads"] == 4 // world  # the KV pool holds this rank's heads
         assert r0[f"{case}/gguf_q8"] < 1e-5
         assert 1e-5 < r0[f"{case}/gguf_q8_vs_f32"] < 0.05  # quantised: near the model, not equal to it
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("case", ["gqa", "tied_bias"])
+def test_one_rank_is_the_plain_model_and_matches_transformers(case):
+    hf = _hf(case)
+    one = parallel.TensorParallel(0, 1, torch.device("cpu"))
+    model = parallel.from_hf(hf, one, torch.float32)
+    assert all(b.reduce is None for b in model.layers) and not model._forward_hooks  # no collectives at all
+    whole = Llama.from_hf(hf, dtype=torch.float32)
+    for a, b in zip(model.state_dict().values(), whole.state_dict().values()):
+        assert torch.equal(a, b)
+    tokens = torch.randint(0, hf.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(5))
+    logits = model(tokens, KVPool.for_model(model.cfg, 8, 4, torch.float32, "cpu"),
+                   PagedBatch.build(torch.arange(9)[None], torch.arange(1, 4, dtype=torch.int32)[None], 4))
+    torch.testing.assert_close(logits, hf(tokens).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_bad_tensor_parallel_sizes_name_the_fix():
@@ -258,13 +270,20 @@ def _stats_rank(tp):
     sd = engine.speculative([[3, 1, 4, 1, 5]] * 20, samples=250, block_size=2, max_new_tokens=3, seed=5)
     smc = engine.smc_sd([[2, 7, 1, 6]] * 1500, particles=4, block_size=1, max_new_tokens=3, ess_threshold=1.0,
                         seed=3)
-    return sd, smc
+    parallel.agree(tp, smc)  # the ranks agree (raises otherwise) ...
+    try:  # ... and a result that differs on one rank is caught on every rank
+        parallel.agree(tp, smc.log_weights + (1e-9 if tp.rank else 0.0))
+        caught = None
+    except SMCDecodeError as e:
+        caught = str(e)
+    return sd, smc, caught
 
 
 def test_tp2_engine_passes_the_exact_enumeration_tests():
     import test_engine_statistics as S
 
-    (sd, smc), (sd1, smc1) = run_ranks(2, _stats_rank)
+    (sd, smc, caught), (sd1, smc1, caught1) = run_ranks(2, _stats_rank)
+    assert caught is not None and "ranks disagree" in caught and caught1 == caught
     assert parallel.digest(sd) == parallel.digest(sd1) and parallel.digest(smc) == parallel.digest(smc1)
     assert torch.equal(smc.tokens, smc1.tokens) and torch.equal(smc.log_weights, smc1.log_weights)
     hf = S._tiny_hf(0, 2)
@@ -320,20 +339,6 @@ def test_launch_runs_every_call_on_every_rank(model_files):
         lock.close()
     with pytest.raises(SMCDecodeError, match="closed"):
         lock.run(_count_rows, 1)
-
-
-def _disagree_rank(tp):
-    parallel.agree(tp, torch.tensor([1.0, 2.0]))  # equal: passes
-    try:
-        parallel.agree(tp, torch.tensor([1.0, 2.0 + tp.rank * 1e-6]))
-    except SMCDecodeError as e:
-        return str(e)
-    return None
-
-
-def test_agree_catches_ranks_that_diverge():
-    msgs = run_ranks(2, _disagree_rank)
-    assert all(m is not None and "ranks disagree" in m for m in msgs)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -136,7 +136,8 @@ class Block(nn.Module):
 
         Where ``ops.fold_norms`` holds, the norms after wo and w2 are folded into those products: x
         may arrive as the previous block's ``ops.Normed`` (delta None), and with ``next_norm`` (the
-        next block's attention-norm weight) the block returns its own ``ops.Normed`` and None."""
+        next block's attention-norm weight) the block returns its own ``ops.Normed`` and None. Not
+        under tensor parallelism (``reduce`` set): the residual add waits for the all-reduce."""
         cfg = self.cfg
         eps, tri = cfg.norm_eps, kv.triton
         B, L, _ = (x.h if isinstance(x, ops.Normed) else x).shape

@@ -341,6 +341,28 @@ def test_launch_runs_every_call_on_every_rank(model_files):
         lock.run(_count_rows, 1)
 
 
+@pytest.mark.slow
+def test_bench_tp_smoke_run_on_two_cpu_ranks(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           os.path.join(root, "benchmarks", "bench_tp.py"), "--tiny", "--out-dir", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "tp_tiny_tp2.json").read_text())
+    assert not res["errors"] and res["gpus"] == 2
+    assert res["forward_check"]["max_abs_err_over_max_logit"] < 1e-5
+    systems = [r["system"] for r in res["runs"]]
+    assert systems == ["engine TP=2 AR"] * 2 + ["engine TP=2 SMC-SD N=8 K=8"] * 2 + ["engine TP=2 exact SD K=4"] * 2
+    smc = [r for r in res["runs"] if r.get("N")]
+    assert all(r["speedup_over_tp_ar"] > 0 and r["rounds"] == 2 for r in smc)
+    assert "engine TP=2 SMC-SD N=8 K=8 | 1 |" in proc.stdout
+
+
 # ------------------------------------------------------------------------------------------------
 # the real default model: its GGUF (Q4_1, 9 heads, 3 KV heads) sharded over 3 ranks
 

@@ -236,8 +236,9 @@ def random(cfg: LlamaConfig, tp: TensorParallel, dtype: torch.dtype = torch.bflo
 
 
 def digest(value) -> str:
-    """A hash of the tensors and arrays in a result (nested dataclasses, lists, tuples, dicts), bit
-    for bit: equal on every rank when the ranks agree."""
+    """A hash of the tensors, arrays, integers and strings in a result (nested dataclasses, lists,
+    tuples, dicts), bit for bit: equal on every rank when the ranks agree. Python floats are left
+    out (they hold timings, e.g. ``EngineOutput.host_s``)."""
     h = hashlib.sha256()
 
     def walk(v):
@@ -255,6 +256,8 @@ def digest(value) -> str:
         elif isinstance(v, dict):
             for k in sorted(v, key=str):
                 walk(v[k])
+        elif isinstance(v, (int, str, bytes)):
+            h.update(repr(v).encode())
 
     walk(value)
     return h.hexdigest()

@@ -226,6 +226,48 @@ def test_sharded_forward_equals_unsharded(world, cases, model_files):
 
 
 @torch.no_grad()
+def _triton_rank(tp):
+    """This rank's shard on the Triton paths (in Triton's interpreter): fused RoPE + KV write +
+    attention over its heads, skinny products, split-K wo/w2 partials summed before the all-reduce,
+    the embedding + norm kernel's first ``Normed``; against the whole model's torch reference."""
+    from smcdecode.backends.engine import LlamaConfig
+    from smcdecode.backends.engine import ops as M
+    from smcdecode.backends.engine.shards import RandomReader
+
+    M.use_skinny = lambda x, w, triton, silu=False: triton
+    M.split_config = lambda x, w, triton, rows=None: ((16, 16, 32, 4, 1), 2) if triton else None
+    cfg = LlamaConfig(64, 128, 2, 4, 2, 96, rope_theta=10000.0)  # head_dim 32
+    one = parallel.TensorParallel(0, 1, torch.device("cpu"))
+    models = {"whole": parallel.build(RandomReader(cfg, 5), one, torch.float32),
+              "shard": parallel.build(RandomReader(cfg, 5), tp, torch.float32)}
+    seen = []
+    for blk in models["shard"].layers:  # which partials reach the all-reduce
+        blk.reduce = (lambda f: lambda partial: (seen.append(type(partial).__name__), f(partial))[1])(blk.reduce)
+    outs = {"partials": seen}
+    for name, model in models.items():
+        PS = 4
+        pool = KVPool.for_model(model.cfg, 16, PS, torch.float32, "cpu", triton=name == "shard")
+        table = PageTable(rows=2, max_pages=6, num_pages=16, page_size=PS)
+        table.reserve(np.array([0, 1]), np.array([15, 15]))
+        pt = torch.from_numpy(table.table)
+        ids = torch.randint(0, 64, (2, 15), generator=torch.Generator().manual_seed(2))
+        outs[name] = [model(ids[:, a:b], pool, PagedBatch.build(torch.arange(a, b)[None].repeat(2, 1), pt, PS))
+                      for a, b in ((0, 12), (12, 14), (14, 15))]
+    return outs
+
+
+def test_tp2_triton_kernels_interpreted_match_the_whole_reference():
+    pytest.importorskip("triton")
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter runs only without a GPU (TRITON_INTERPRET=1, set by conftest)")
+    r0, r1 = run_ranks(2, _triton_rank)
+    assert "SplitSum" in r0["partials"] and len(r0["partials"]) == 3 * 2 * 2  # 3 forwards × 2 layers × wo, w2
+    for a, b, c in zip(r0["shard"], r0["whole"], r1["shard"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert torch.equal(a, c)
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("case", ["gqa", "tied_bias"])
 def test_one_rank_is_the_plain_model_and_matches_transformers(case):
     hf = _hf(case)

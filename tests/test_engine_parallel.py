@@ -22,7 +22,6 @@ from smcdecode.backends.engine import Engine, KVPool, Llama, PagedBatch, PageTab
 from smcdecode.errors import SMCDecodeError
 
 transformers = pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -121,6 +120,8 @@ def _logits(model: Llama, seed: int = 1) -> list[torch.Tensor]:
 def write_gguf(hf, path: str, qtype) -> None:
     """The HF model as a llama.cpp GGUF: q/k rows permuted to llama.cpp's RoPE order, 2-D weights in
     ``qtype`` (F32 or Q8_0), norms F32, Llama-3 scaling as rope_freqs."""
+    import gguf
+
     from smcdecode.backends.engine import LlamaConfig
     from smcdecode.backends.engine.model import rope_inv_freq
     from smcdecode.backends.engine.shards import gguf_name
@@ -196,6 +197,7 @@ def _forward_rank(tp, files: dict, cases: tuple[str, ...]):
 
 @pytest.fixture(scope="module")
 def model_files(tmp_path_factory):
+    gguf = pytest.importorskip("gguf")  # (the GPU machines lack it: the tests that need files skip there)
     d = tmp_path_factory.mktemp("tp_models")
     files = {}
     for case in ("gqa", "tied_bias"):

@@ -115,6 +115,9 @@ class RMSNorm(nn.Module):
 
 
 class Block(nn.Module):
+    # tensor parallelism (parallel.py): sums this rank's partial wo and w2 products over the ranks
+    reduce = None
+
     def __init__(self, cfg: LlamaConfig, layer: int):
         super().__init__()
         self.cfg, self.layer = cfg, layer
@@ -133,7 +136,8 @@ class Block(nn.Module):
 
         Where ``ops.fold_norms`` holds, the norms after wo and w2 are folded into those products: x
         may arrive as the previous block's ``ops.Normed`` (delta None), and with ``next_norm`` (the
-        next block's attention-norm weight) the block returns its own ``ops.Normed`` and None."""
+        next block's attention-norm weight) the block returns its own ``ops.Normed`` and None. Not
+        under tensor parallelism (``reduce`` set): the residual add waits for the all-reduce."""
         cfg = self.cfg
         eps, tri = cfg.norm_eps, kv.triton
         B, L, _ = (x.h if isinstance(x, ops.Normed) else x).shape
@@ -146,14 +150,16 @@ class Block(nn.Module):
         o = ops.rope_attention(ops.linear(n, self.wqkv, tri), batch, rope[0], rope[1], kv.k(self.layer),
                                kv.v(self.layer), H, Hkv, tri, normed)
         o = o.reshape(B, L, H * D)
-        if ops.fold_norms(o, self, tri):
+        if self.reduce is None and ops.fold_norms(o, self, tri):
             mid = ops.linear_add_norm(o, self.wo, x, self.ffn_norm.weight, eps, tri)
             g = ops.linear_silu_mul(mid.gh, self.w13, mid, tri)
             if next_norm is not None:
                 return ops.linear_add_norm(g, self.w2, mid.h, next_norm, eps, tri), None
             return mid.h, ops.linear_to_residual(g, self.w2, tri)
-        h, n = ops.add_rms_norm(x, ops.linear_to_residual(o, self.wo, tri), self.ffn_norm.weight, eps, tri)
-        return h, ops.linear_to_residual(ops.linear_silu_mul(n, self.w13, None, tri), self.w2, tri)
+        attn = ops.linear_to_residual(o, self.wo, tri)
+        h, n = ops.add_rms_norm(x, attn if self.reduce is None else self.reduce(attn), self.ffn_norm.weight, eps, tri)
+        mlp = ops.linear_to_residual(ops.linear_silu_mul(n, self.w13, None, tri), self.w2, tri)
+        return h, mlp if self.reduce is None else self.reduce(mlp)
 
 
 class Llama(nn.Module):

@@ -43,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("distill", add_help=False,
                    help="distil a small draft from a target model (smcdecode distill --help)")
+    sub.add_parser("serve", add_help=False,
+                   help="serve a model over an OpenAI-compatible HTTP API (smcdecode serve --help)")
     g = sub.add_parser(
         "generate",
         help="generate text with SMC-SD, exact speculative decoding or autoregressive sampling",
@@ -294,11 +296,16 @@ def main(argv: list[str] | None = None) -> int:
         from .distill import main as distill_main
 
         return distill_main(argv[1:])
+    if argv[:1] == ["serve"]:
+        from .serve.cli import main as serve_main
+
+        return serve_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
-        print("smcdecode: error: no command given: use `smcdecode generate ...` or `smcdecode distill ...`",
+        print("smcdecode: error: no command given: use `smcdecode generate ...`, `smcdecode serve ...` or "
+              "`smcdecode distill ...`",
               file=sys.stderr)
         return 2
     from .errors import SMCDecodeError

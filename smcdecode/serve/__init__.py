@@ -19,9 +19,14 @@ HTTP_PACKAGES = ("starlette", "uvicorn")
 
 def require_http_stack() -> None:
     """Raise SMCDecodeError naming the extra when the HTTP packages are missing."""
-    import importlib.util
+    import importlib
 
-    missing = [p for p in HTTP_PACKAGES if importlib.util.find_spec(p) is None]
+    missing = []
+    for name in HTTP_PACKAGES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
     if missing:
         raise SMCDecodeError(
             f"smcdecode serve needs {' and '.join(missing)} (the optional extra '{EXTRA}'): "

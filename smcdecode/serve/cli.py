@@ -100,16 +100,17 @@ def load_draft_model(spec: str, model, device):
 
 def build(args):
     """(the ASGI app, its executor) for parsed ``args``."""
+    from . import require_http_stack
+
+    require_http_stack()  # before anything imports the HTTP stack
     import torch
 
     import smcdecode as sd
 
-    from . import require_http_stack
     from .app import create_app
     from .executor import LibraryExecutor
     from .watch import WatchedModel
 
-    require_http_stack()
     _check(args)
     device = args.device
     if device == "auto":

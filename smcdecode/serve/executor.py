@@ -84,6 +84,7 @@ class Executor:
     model_name: str
     stats: Stats
     max_queue: int
+    min_prompt_tokens = 1
 
     def __init__(self, model: WatchedModel, model_name: str, *, limits: Limits, defaults: Defaults,
                  max_queue: int, stats: Stats | None = None, has_draft: bool = True):
@@ -120,8 +121,9 @@ class Executor:
                                        f"context of {context} tokens: lower {name} or shorten the prompt", name,
                                        code="context_length_exceeded")
                 spec.max_tokens = context - len(ids)
-        if len(ids) < 2:
-            ids = [self.model.eos_token_id] + ids  # the strategies need a token before the last (as BOS)
+        if len(ids) < self.min_prompt_tokens:
+            raise RequestError(f"the prompt has {len(ids)} token(s); this server's engine needs at least "
+                               f"{self.min_prompt_tokens}: add a token (e.g. BOS) in front", param)
         return Job(spec, ids, compile_constraint(spec, self.model), self.model_name, loop)
 
     def submit(self, job: Job) -> None:
@@ -216,6 +218,105 @@ def returned_tokens(model, tokens: list[int], text: str) -> list[int]:
     return tokens
 
 
+class LibraryRunner:
+    """Runs one job through the public API's strategies, choice after choice, reporting final text
+    as the target's runner sees it (``watch``)."""
+
+    def __init__(self, model: WatchedModel, draft, stats: Stats, backend: str = "reference",
+                 engine_options: dict | None = None):
+        self.model, self.draft, self.stats = model, draft, stats
+        self.backend, self.engine_options = backend, engine_options
+
+    def strategy(self, spec: Spec, constraint):
+        import smcdecode as sd
+
+        target = sd.LM(self.model, temperature=spec.temperature)
+        if constraint is not None:
+            target = target * constraint
+        options = {"backend": self.backend, "engine_options": self.engine_options}
+        if spec.strategy == "ar":
+            return sd.Autoregressive(target, samples=1, **options)
+        proposal = "target"
+        if self.draft is not None:
+            proposal = sd.Draft(self.draft, draft_temperature(spec, self.draft))
+        if spec.strategy == "sd":
+            return sd.SpeculativeDecoding(target, proposal, block_size=spec.block_size, samples=1, **options)
+        return sd.SMC(target, proposal, particles=spec.particles, block_size=spec.block_size,
+                      resampler=spec.resampler, ess_threshold=spec.ess_threshold, **options)
+
+    def run(self, job: Job) -> Outcome:
+        spec = job.spec
+        strategy = self.strategy(spec, job.constraint)
+        choices = []
+        for i in range(spec.n):
+            stream = TextStream(self.model.decode, spec.stop)
+
+            def on_commit(ids, stream=stream, index=i) -> bool:
+                stream.ids = ids
+                delta = stream.update(ids)
+                if delta and spec.stream:
+                    job.post("delta", index, delta)
+                return stream.stopped
+
+            watch = Watch(spec.strategy, self.model.eos_token_id, on_commit, job.cancelled)
+            if job.cancelled.is_set():
+                raise Cancelled
+            try:
+                with self.model.watching(watch):
+                    result = strategy.run(job.prompt_ids, max_new_tokens=spec.max_tokens,
+                                          seed=choice_seed(spec.seed, i), progress=False)
+            except Stopped:  # a stop sequence is in the final text: the rest of the run cannot change it
+                choice = Choice(i, stream.sent, "stop", returned_tokens(self.model, stream.ids, stream.sent),
+                                run={"stopped_early": True})
+                post_choice(self.model, job, choice, "")
+                choices.append(choice)
+                continue
+            choices.append(finish_choice(self.model, job, i, result, stream))
+            count(self.stats, result)
+        return outcome(self.stats, job, choices, self.draft is not None)
+
+
+def finish_choice(model, job: Job, i: int, result, stream: TextStream) -> Choice:
+    """Choice ``i`` of ``job`` from its :class:`~smcdecode.Result`, reported with the rest of its text."""
+    info = run_info(result, job.spec.return_particles)
+    if result.text is None:
+        choice = Choice(i, None, "length", [], run=info)
+        post_choice(model, job, choice, "")
+        return choice
+    rest, text, stopped = stream.finish(result.text)
+    ending = result.endings[result.sample_index]
+    finish = "stop" if stopped or ending == "eos" else "length"
+    choice = Choice(i, text, finish, returned_tokens(model, result.sample_tokens, text), run=info)
+    post_choice(model, job, choice, rest)
+    return choice
+
+
+def post_choice(model, job: Job, choice: Choice, rest: str) -> None:
+    """Report a finished choice (with its log-probabilities when asked) and the rest of its text."""
+    spec = job.spec
+    if spec.logprobs is not None and choice.text is not None:
+        choice.logprobs = token_logprobs(model, job.prompt_ids, choice.tokens, spec.temperature, spec.logprobs,
+                                         spec.endpoint)
+    job.post("choice", choice, rest)
+
+
+def outcome(stats: Stats, job: Job, choices: list[Choice], has_draft: bool) -> Outcome:
+    spec = job.spec
+    completion = sum(len(c.tokens) for c in choices)
+    stats.add(prompt_tokens=len(job.prompt_ids), completion_tokens=completion)
+    smc = {"strategy": spec.strategy, "runs": [c.run for c in choices], **_settings(spec, has_draft)}
+    return Outcome(choices, len(job.prompt_ids), completion, smc)
+
+
+def count(stats: Stats, result) -> None:
+    """Add a result's work to the counters."""
+    amounts = {"rounds": result.rounds, "particle_tokens": sum(len(t) for t in result.tokens)}
+    if result.strategy == "smc" and result.ess:
+        amounts.update(resampled_rounds=int(sum(result.resampled)), ess_rounds=len(result.ess),
+                       ess_sum=sum(e / result.particles for e in result.ess))
+    stats.add(**amounts)
+
+
 class LibraryExecutor(Executor):
     """The public API's strategies, one request at a time on a worker thread (module docstring)."""
 
@@ -224,15 +325,13 @@ class LibraryExecutor(Executor):
                  stats: Stats | None = None):
         super().__init__(model, model_name, limits=limits, defaults=defaults, max_queue=max_queue, stats=stats,
                          has_draft=draft is not None)
-        self.draft, self.backend, self.engine_options = draft, backend, engine_options
+        self.runner = LibraryRunner(model, draft, self.stats, backend, engine_options)
         self.queue: deque[Job] = deque()
         self.running: Job | None = None
         self.cond = threading.Condition()
         self.closed = False
         self.thread = threading.Thread(target=self._work, name="smcdecode-serve-worker", daemon=True)
         self.thread.start()
-
-    # -- the interface -------------------------------------------------------------------------
 
     def submit(self, job: Job) -> None:
         with self.cond:
@@ -263,8 +362,6 @@ class LibraryExecutor(Executor):
             self.cond.notify_all()
         self.thread.join(timeout=30)
 
-    # -- the worker ------------------------------------------------------------------------------
-
     def _work(self) -> None:
         while True:
             with self.cond:
@@ -274,100 +371,23 @@ class LibraryExecutor(Executor):
                     return
                 job = self.running = self.queue.popleft()
             try:
-                outcome = self._run(job)
-            except Cancelled:
-                self.stats.add(cancelled=1)
-                job.post("error", Cancelled())
-            except Exception as e:  # noqa: BLE001 - reported to the client (SMCDecodeError: a 400)
-                job.post("error", e)
-            else:
-                job.post("done", outcome)
+                run_job(job, self.runner.run, self.stats)
             finally:
                 with self.cond:
                     self.running = None
 
-    def _strategy(self, spec: Spec, constraint):
-        import smcdecode as sd
 
-        target = sd.LM(self.model, temperature=spec.temperature)
-        if constraint is not None:
-            target = target * constraint
-        options = {"backend": self.backend, "engine_options": self.engine_options}
-        if spec.strategy == "ar":
-            return sd.Autoregressive(target, samples=1, **options)
-        proposal = "target"
-        if self.draft is not None:
-            proposal = sd.Draft(self.draft, spec.draft_temperature or _proposal_temperature(self.draft,
-                                                                                           spec.temperature))
-        if spec.strategy == "sd":
-            return sd.SpeculativeDecoding(target, proposal, block_size=spec.block_size, samples=1, **options)
-        return sd.SMC(target, proposal, particles=spec.particles, block_size=spec.block_size,
-                      resampler=spec.resampler, ess_threshold=spec.ess_threshold, **options)
-
-    def _run(self, job: Job) -> Outcome:
-        spec = job.spec
-        strategy = self._strategy(spec, job.constraint)
-        choices, infos = [], []
-        for i in range(spec.n):
-            stream = TextStream(self.model.decode, spec.stop)
-
-            def on_commit(ids, stream=stream, index=i) -> bool:
-                stream.ids = ids
-                delta = stream.update(ids)
-                if delta and spec.stream:
-                    job.post("delta", index, delta)
-                return stream.stopped
-
-            watch = Watch(spec.strategy, self.model.eos_token_id, on_commit, job.cancelled)
-            if job.cancelled.is_set():
-                raise Cancelled
-            try:
-                with self.model.watching(watch):
-                    result = strategy.run(job.prompt_ids, max_new_tokens=spec.max_tokens, seed=choice_seed(spec.seed, i),
-                                          progress=False)
-            except Stopped:  # a stop sequence is in the final text: the rest of the run cannot change it
-                choice = Choice(i, stream.sent, "stop", returned_tokens(self.model, stream.ids, stream.sent),
-                                run={"stopped_early": True})
-                self._post(job, choice, "")
-                choices.append(choice)
-                infos.append(choice.run)
-                continue
-            choice = self._choice(job, i, result, stream)
-            choices.append(choice)
-            infos.append(choice.run)
-            self._count(result)
-        completion = sum(len(c.tokens) for c in choices)
-        self.stats.add(prompt_tokens=len(job.prompt_ids), completion_tokens=completion)
-        smc = {"strategy": spec.strategy, "runs": infos, **_settings(spec, self.draft is not None)}
-        return Outcome(choices, len(job.prompt_ids), completion, smc)
-
-    def _choice(self, job: Job, i: int, result, stream: TextStream) -> Choice:
-        info = run_info(result, job.spec.return_particles)
-        if result.text is None:
-            choice = Choice(i, None, "length", [], run=info)
-            self._post(job, choice, "")
-            return choice
-        rest, text, stopped = stream.finish(result.text)
-        ending = result.endings[result.sample_index]
-        finish = "stop" if stopped or ending == "eos" else "length"
-        choice = Choice(i, text, finish, returned_tokens(self.model, result.sample_tokens, text), run=info)
-        self._post(job, choice, rest)
-        return choice
-
-    def _post(self, job: Job, choice: Choice, rest: str) -> None:
-        """Report a finished choice (with its log-probabilities when asked) and the rest of its text."""
-        spec = job.spec
-        if spec.logprobs is not None and choice.text is not None:
-            choice.logprobs = token_logprobs(self.model, job.prompt_ids, choice.tokens, spec.temperature,
-                                             spec.logprobs, spec.endpoint)
-        job.post("choice", choice, rest)
-
-    def _count(self, result) -> None:
-        amounts = {"rounds": result.rounds, "particle_tokens": sum(len(t) for t in result.tokens)}
-        if result.strategy == "smc" and result.ess:
-            amounts.update(resampled_rounds=int(sum(result.resampled)), ess_rounds=len(result.ess),
-                           ess_sum=sum(e / result.particles for e in result.ess))
-        self.stats.add(**amounts)
+def run_job(job: Job, run, stats: Stats) -> None:
+    """``run(job)`` and report its outcome, its cancellation or its error to the job."""
+    try:
+        result = run(job)
+    except Cancelled:
+        stats.add(cancelled=1)
+        job.post("error", Cancelled())
+    except Exception as e:  # noqa: BLE001 - reported to the client (SMCDecodeError: a 400)
+        job.post("error", e)
+    else:
+        job.post("done", result)
 
 
 def _settings(spec: Spec, has_draft: bool) -> dict:
@@ -379,11 +399,14 @@ def _settings(spec: Spec, has_draft: bool) -> dict:
     return {}
 
 
-def _proposal_temperature(draft, temperature: float) -> float:
-    """The draft's proposal temperature for ``temperature`` (a shipped or distilled draft says it)."""
+def draft_temperature(spec: Spec, draft) -> float:
+    """The request's draft temperature, else the draft's proposal temperature for the target's (a
+    shipped or distilled draft says it; any other draft: the target's)."""
+    if spec.draft_temperature is not None:
+        return spec.draft_temperature
     from ..drafts import proposal_temperature
 
     try:
-        return proposal_temperature(draft, temperature)
+        return proposal_temperature(draft, spec.temperature)
     except (SMCDecodeError, AttributeError, KeyError, TypeError):
-        return temperature
+        return spec.temperature

@@ -11,27 +11,11 @@ import json
 import sys
 from pathlib import Path
 
+from .cli_common import HelpFormatter as _HelpFormatter
+from .cli_common import Parser as _Parser
+from .cli_common import one_line as _one_line
+
 DEFAULT_CHAT = "What is the capital of France?"
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends "(default: ...)" only to options that have a default (not None, not a flag's False)."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad argument in one line (status 2), like every other error here."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
-
-
-def _one_line(message: str) -> str:
-    return " | ".join(line.strip() for line in str(message).splitlines() if line.strip())
 
 
 def _parser() -> argparse.ArgumentParser:

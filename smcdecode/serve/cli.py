@@ -10,11 +10,11 @@ from .protocol import Defaults, Limits
 
 
 def parser() -> argparse.ArgumentParser:
-    from ..cli import _HelpFormatter, _Parser
+    from ..cli_common import HelpFormatter, Parser
 
-    p = _Parser(
+    p = Parser(
         prog="smcdecode serve",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
         "/v1/models, /health, /metrics). Requests choose the strategy (smc, sd, ar) and its settings in the "
         "body (the openai client's extra_body); the options below set the model, the defaults and the limits. "
@@ -57,7 +57,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="max_tokens of chat requests that give none (completions: 16, as the OpenAI API)")
     p.add_argument("--slots", type=int, default=8,
-                   help="requests batched together by the engine's scheduler (backend engine)")
+                   help="engine: requests whose rounds the scheduler runs together")
+    p.add_argument("--engine-particles", type=int, default=8,
+                   help="engine: most particles of a request the scheduler batches (more run on their own); "
+                   "its KV pool holds slots x engine-particles sequences of --engine-context tokens")
+    p.add_argument("--engine-context", type=int, default=2048,
+                   help="engine: most tokens (prompt + output + a block) of a request the scheduler batches")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: as smcdecode generate)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
@@ -66,7 +71,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _check(args) -> None:
     for flag in ("particles", "block_size", "max_queue", "max_particles", "max_block_size", "max_n", "max_tokens",
-                 "default_max_tokens", "slots"):
+                 "default_max_tokens", "slots", "engine_particles", "engine_context"):
         if getattr(args, flag) < 1:
             raise SMCDecodeError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if not 0 <= args.port < 65536:
@@ -132,7 +137,8 @@ def build(args):
     if backend == "engine" and draft is not None:
         from .engine_executor import SchedulerExecutor
 
-        executor = SchedulerExecutor(watched, name, draft, slots=args.slots, **common)
+        executor = SchedulerExecutor(watched, name, draft, slots=args.slots, max_particles=args.engine_particles,
+                                     max_block_size=args.max_block_size, context=args.engine_context, **common)
     else:
         options = {"device": device} if backend != "reference" else None
         executor = LibraryExecutor(watched, name, draft, backend=backend, engine_options=options, **common)
@@ -140,13 +146,13 @@ def build(args):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..cli import _one_line
+    from ..cli_common import one_line
 
     args = parser().parse_args(argv)
     try:
         app, executor = build(args)
     except SMCDecodeError as e:
-        print(f"smcdecode serve: error: {_one_line(e)}", file=sys.stderr)
+        print(f"smcdecode serve: error: {one_line(e)}", file=sys.stderr)
         return 2
     import uvicorn
 

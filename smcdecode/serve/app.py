@@ -86,14 +86,22 @@ def create_app(executor: Executor, *, limits: Limits, defaults: Defaults) -> Sta
         finally:
             gone.cancel()
 
-    async def events(job: Job):
+    async def events(job: Job, request: Request):
         spec = job.spec
+        # NOTE: under ASGI 2.4 starlette notices a client that went away only when a send fails, and a
+        # stream may send nothing for a long time (SMC's particles may not agree yet): watch for it here
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
             if spec.endpoint == "chat":
                 for i in range(spec.n):
                     yield sse(chunk(job, i, "", role=True))
             while True:
-                kind, *rest = await job.events.get()
+                event = asyncio.ensure_future(job.events.get())
+                done, _ = await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if event not in done:
+                    event.cancel()
+                    return
+                kind, *rest = event.result()
                 if kind == "delta":
                     yield sse(chunk(job, rest[0], rest[1]))
                 elif kind == "choice":
@@ -113,7 +121,8 @@ def create_app(executor: Executor, *, limits: Limits, defaults: Defaults) -> Sta
                 else:
                     yield sse(_run_error(rest[0]).body())
                     return
-        finally:  # the client went away (the task was cancelled), or the stream ended
+        finally:  # the client went away (or the task was cancelled), or the stream ended
+            gone.cancel()
             executor.cancel(job)
 
     async def complete(request: Request, endpoint: str):
@@ -124,7 +133,7 @@ def create_app(executor: Executor, *, limits: Limits, defaults: Defaults) -> Sta
             return _error(e)
         if job.spec.stream:
             stats.count_request(endpoint, 200)
-            return StreamingResponse(events(job), media_type="text/event-stream",
+            return StreamingResponse(events(job, request), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         last = await wait(job, request)
         if last is None:

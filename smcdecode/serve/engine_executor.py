@@ -138,12 +138,22 @@ class SchedulerExecutor(Executor):
                     self._enqueue(job)
                 else:
                     self.side_queue.append(job)
-            for job in cancels:
-                self._cancel(job)
-            if self.side_queue and (side_turn or not self.sched.busy):
-                self._run_side()
-            elif self.sched.busy:
-                self._step()
+            try:
+                for job in cancels:
+                    self._cancel(job)
+                if self.side_queue and (side_turn or not self.sched.busy):
+                    self._run_side()
+                elif self.sched.busy:
+                    self._step()
+            except Exception as e:  # noqa: BLE001 - a bug: the requests in flight get it, the thread goes on
+                for job in list(self.live):
+                    job.post("error", e)
+                self.live.clear()
+                with torch.inference_mode():
+                    for g, r in enumerate(self.sched.requests):
+                        if r is not None:
+                            self.sched._release(g)
+                    self.sched.queue.clear()
             side_turn = not side_turn
 
     def _enqueue(self, job: Job) -> None:
@@ -172,9 +182,11 @@ class SchedulerExecutor(Executor):
             return
         for r in [r for r in self.sched.queue if r.id[0] is job]:
             self.sched.queue.remove(r)
-        for g in self._slots(job):
-            # NOTE: Scheduler has no public cancel yet: releasing the slot frees its rows and pages
-            self.sched._release(g)
+        with torch.inference_mode():  # (the scheduler's buffers are inference tensors)
+            for g in self._slots(job):
+                # NOTE: Scheduler has no public cancel yet: releasing the slot frees its rows and pages
+                self.sched._release(g)
+        self.pages_in_use = int(self.sched.table.used)
         del self.live[job]
         self.stats.add(cancelled=1)
         job.post("error", Cancelled())

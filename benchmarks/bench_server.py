@@ -16,6 +16,7 @@ Every response is checked as it comes: status 200, exactly ``--max-tokens`` comp
 finish_reason "length", streamed pieces that concatenate to a text of that many tokens.
 
     python benchmarks/bench_server.py          # one NVIDIA GPU, no network; writes benchmarks/results/server.json
+    python benchmarks/bench_server.py --tiny --out /tmp/server.json   # a 2-layer toy on the CPU (a smoke test)
 
 Needs, besides torch / triton / transformers: starlette, uvicorn, h11, anyio, sniffio, idna,
 typing_extensions, click (uvicorn) and openai, httpx2, httpcore2, certifi, distro, jiter, pydantic,
@@ -39,7 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from smcdecode.backends.engine import PRESETS, Llama, Request  # noqa: E402
+from smcdecode.backends.engine import PRESETS, Llama, LlamaConfig, Request  # noqa: E402
 from smcdecode.models import Model  # noqa: E402
 from smcdecode.serve.app import create_app  # noqa: E402
 from smcdecode.serve.engine_executor import SchedulerExecutor  # noqa: E402
@@ -48,17 +49,25 @@ from smcdecode.serve.protocol import Defaults, Limits  # noqa: E402
 
 class Vocabulary(Model):
     """Token ids as text ("<17>"): enough of a tokenizer to serve models with random weights
-    (prompts are sent as token ids)."""
+    (prompts are sent as token ids). No token ends a sequence: outputs run to max_tokens."""
 
-    def __init__(self, vocab_size: int, eos_token_id: int, max_context: int):
-        self.name, self.vocab_size, self.eos_token_id, self.max_context = "random-llama", vocab_size, eos_token_id, \
-            max_context
+    def __init__(self, vocab_size: int, max_context: int):
+        self.name, self.vocab_size, self.max_context = "random-llama", vocab_size, max_context
+        self.eos_token_id = -1  # (no token id: EOS is ignored)
 
     def decode(self, ids) -> str:
         return "".join(f"<{i}>" for i in ids if i != self.eos_token_id)
 
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in text.replace("<", " ").replace(">", " ").split()]
+
+
+TINY = LlamaConfig(512, 64, 2, 4, 2, 128)  # --tiny: target and draft, on the CPU
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -118,7 +127,7 @@ def offline(executor: SchedulerExecutor, strategy: str, prompts: list[list[int]]
     SD / AR as batched calls of ``clients`` prompts."""
     T, total = args.max_tokens, clients * rounds
     todo = [prompts[i % len(prompts)] for i in range(total)]
-    torch.cuda.synchronize()
+    sync(args.device)
     t0 = time.perf_counter()
     if strategy == "smc":
         reqs = [Request(p, particles=args.particles, block_size=args.block_size, max_new_tokens=T,
@@ -134,7 +143,7 @@ def offline(executor: SchedulerExecutor, strategy: str, prompts: list[list[int]]
             else:
                 tokens, _ = executor.batch_engine.autoregressive(chunk, max_new_tokens=T)
                 assert tokens.shape == (len(chunk), T)
-    torch.cuda.synchronize()
+    sync(args.device)
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "tok_s": total * T / wall}
 
@@ -152,17 +161,23 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="requests each client sends, one after another")
     ap.add_argument("--strategies", default="smc,sd,ar")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "server.json"))
+    ap.add_argument("--tiny", action="store_true",
+                    help="a 2-layer toy target and draft on the CPU, 16-token prompts and outputs, 2 and 4 clients")
     args = ap.parse_args()
     import uvicorn
 
+    args.device = "cpu" if args.tiny else "cuda"
+    if args.tiny:
+        args.prompt_len, args.max_tokens, args.clients, args.rounds = 16, 16, "2,4", 1
     clients = [int(c) for c in args.clients.split(",")]
-    tcfg, dcfg = PRESETS[args.target], PRESETS[args.draft]
-    target = Llama.random(tcfg, device="cuda", seed=1)
-    draft = Llama.random(dcfg, device="cuda", seed=2)
+    tcfg, dcfg = (TINY, TINY) if args.tiny else (PRESETS[args.target], PRESETS[args.draft])
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    target = Llama.random(tcfg, dtype=dtype, device=args.device, seed=1)
+    draft = Llama.random(dcfg, dtype=dtype, device=args.device, seed=2)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, tcfg.vocab_size - 1, (args.prompt_len,), generator=g).tolist() for _ in range(64)]
     context = args.prompt_len + 2 * args.max_tokens + max(args.block_size, args.sd_block_size) + 16
-    vocab = Vocabulary(tcfg.vocab_size, tcfg.vocab_size - 1, context)
+    vocab = Vocabulary(tcfg.vocab_size, context)
     K = max(args.block_size, args.sd_block_size)
     limits = Limits(max_particles=args.particles, max_block_size=K, max_n=1, max_tokens=args.max_tokens)
     defaults = Defaults(particles=args.particles, block_size=args.block_size)
@@ -177,10 +192,11 @@ def main() -> None:
     while not server.started:
         time.sleep(0.05)
     base = f"http://127.0.0.1:{port}/v1"
-    dev = torch.cuda.get_device_properties(0)
-    res = {"device": dev.name, "torch": torch.__version__,
+    res = {"device": torch.cuda.get_device_properties(0).name if args.device == "cuda" else "cpu (--tiny)",
+           "torch": torch.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "shapes": {"target": args.target, "draft": args.draft, "dtype": "bfloat16", "prompt_len": args.prompt_len,
+           "shapes": {"target": "tiny" if args.tiny else args.target, "draft": "tiny" if args.tiny else args.draft,
+                      "dtype": str(dtype).removeprefix("torch."), "prompt_len": args.prompt_len,
                       "max_tokens": args.max_tokens, "weights": "random", "eos": "ignored (fixed-length outputs)"},
            "settings": {"particles": args.particles, "block_size": args.block_size,
                         "sd_block_size": args.sd_block_size, "rounds_per_client": args.rounds},

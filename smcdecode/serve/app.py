@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 import time
+import traceback
 
 import anyio
 from starlette.applications import Starlette
@@ -40,6 +42,7 @@ def _run_error(e: BaseException) -> RequestError:
         return e
     if isinstance(e, SMCDecodeError):
         return RequestError(str(e))
+    traceback.print_exception(e, file=sys.stderr)  # (for the server's log)
     return RequestError(f"internal error: {type(e).__name__}: {str(e)[:300]}", status=500)
 
 

@@ -56,6 +56,12 @@ class SchedulerExecutor(Executor):
         self.sched = Scheduler(self.engine, slots=slots, max_particles=max_particles, max_block_size=max_block_size,
                                target=EngineTarget(), eos_token_id=self.eos, resampler=defaults.resampler,
                                ess_threshold=defaults.ess_threshold, use_graphs=use_graphs, seed=seed)
+        # NOTE: a bucket can hold slots no request has used yet; the scheduler leaves their rows' settings at
+        # zero and its round then gathers draft K_row - 1 = -1 (an error on the CPU, a device assert on a GPU).
+        # Until Scheduler.__init__ gives idle rows valid settings, they get neutral ones here.
+        with torch.inference_mode():
+            for name in ("K_row", "T_draft", "T_target", "alpha", "budget"):
+                self.sched.full.buffers[name].fill_(1)
         self.Nmax, self.Kmax, self.context = max_particles, max_block_size, self.engine.max_context
         # the rest runs through the public API on the engine (it needs the Hugging Face models)
         self.side = (LibraryRunner(model, draft, self.stats, "engine", {"device": str(self.engine.device)})

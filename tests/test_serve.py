@@ -170,6 +170,10 @@ def test_seed_reproduces_the_library_run(server):
     assert got == [expected, expected]
     ar = sd.Autoregressive(sd.LM(model, temperature=0.7)).run(ids, max_new_tokens=10, seed=9, progress=False)
     assert _chat(server, max_tokens=10, seed=9, extra_body={"strategy": "ar"}).choices[0].message.content == ar.text
+    # a stop sequence cuts the same sample (the run stops once the cut text is final)
+    assert " " in ar.text
+    cut = _chat(server, max_tokens=10, seed=9, stop=" ", extra_body={"strategy": "ar"}).choices[0]
+    assert (cut.message.content, cut.finish_reason) == (ar.text.split(" ")[0], "stop")
 
 
 def test_completions_with_a_regex_and_logprobs(server):

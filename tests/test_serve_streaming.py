@@ -118,7 +118,7 @@ def test_text_stream_holds_back_partial_characters_and_stop_sequences():
     rest, whole, stopped = s.finish(text)
     assert (rest, whole, stopped) == ("", "héllo wörld ", True)
     s = TextStream(_bytes_decode, [])
-    assert s.update(list("ab".encode())) == "ab"
+    assert s.update(list(b"ab")) == "ab"
     rest, whole, stopped = s.finish("abc")
     assert (rest, whole, stopped) == ("c", "abc", False)
     s = TextStream(_bytes_decode, [])

@@ -11,27 +11,11 @@ import json
 import sys
 from pathlib import Path
 
+from .cli_common import HelpFormatter as _HelpFormatter
+from .cli_common import Parser as _Parser
+from .cli_common import one_line as _one_line
+
 DEFAULT_CHAT = "What is the capital of France?"
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends "(default: ...)" only to options that have a default (not None, not a flag's False)."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad argument in one line (status 2), like every other error here."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
-
-
-def _one_line(message: str) -> str:
-    return " | ".join(line.strip() for line in str(message).splitlines() if line.strip())
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,6 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("distill", add_help=False,
                    help="distil a small draft from a target model (smcdecode distill --help)")
+    sub.add_parser("serve", add_help=False,
+                   help="serve a model over an OpenAI-compatible HTTP API (smcdecode serve --help)")
     g = sub.add_parser(
         "generate",
         help="generate text with SMC-SD, exact speculative decoding or autoregressive sampling",
@@ -294,11 +280,16 @@ def main(argv: list[str] | None = None) -> int:
         from .distill import main as distill_main
 
         return distill_main(argv[1:])
+    if argv[:1] == ["serve"]:
+        from .serve.cli import main as serve_main
+
+        return serve_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
-        print("smcdecode: error: no command given: use `smcdecode generate ...` or `smcdecode distill ...`",
+        print("smcdecode: error: no command given: use `smcdecode generate ...`, `smcdecode serve ...` or "
+              "`smcdecode distill ...`",
               file=sys.stderr)
         return 2
     from .errors import SMCDecodeError

@@ -1,0 +1,240 @@
+"""The OpenAI-compatible server on the GPU engine against the engine's offline figure, same run.
+
+Random-weight Llama-3.1-8B (target) / Llama-3.2-1B (draft) shapes in bf16 (``--target`` /
+``--draft`` pick other presets), prompts of random token ids, outputs of a fixed length (EOS
+ignored). For SMC-SD, exact speculative decoding (SD) and autoregressive sampling (AR), with 8 and
+32 concurrent clients (``--clients``), each sending ``--rounds`` streamed requests one after
+another through HTTP (the ``openai`` client), it measures
+
+- throughput through HTTP (tokens of all returned choices / wall time) and the engine's offline
+  figure for the same requests (``Engine.serve`` with as many slots as clients for SMC-SD; batched
+  ``Engine.speculative`` / ``Engine.autoregressive`` calls of ``clients`` prompts for SD / AR),
+  and their ratio;
+- p50 / p99 time to the first streamed token, and p50 / p99 per-request tokens per second.
+
+Every response is checked as it comes: status 200, exactly ``--max-tokens`` completion tokens,
+finish_reason "length", streamed pieces that concatenate to a text of that many tokens.
+
+    python benchmarks/bench_server.py          # one NVIDIA GPU, no network; writes benchmarks/results/server.json
+    python benchmarks/bench_server.py --tiny --out /tmp/server.json   # a 2-layer toy on the CPU (a smoke test)
+
+Needs, besides torch / triton / transformers: starlette, uvicorn, h11, anyio, sniffio, idna,
+typing_extensions, click (uvicorn) and openai, httpx2, httpcore2, certifi, distro, jiter, pydantic,
+pydantic_core, annotated_types, typing_inspection (the client).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from smcdecode.backends.engine import PRESETS, Llama, LlamaConfig, Request  # noqa: E402
+from smcdecode.models import Model  # noqa: E402
+from smcdecode.serve.app import create_app  # noqa: E402
+from smcdecode.serve.engine_executor import SchedulerExecutor  # noqa: E402
+from smcdecode.serve.protocol import Defaults, Limits  # noqa: E402
+
+
+class Vocabulary(Model):
+    """Token ids as text ("<17>"): enough of a tokenizer to serve models with random weights
+    (prompts are sent as token ids). No token ends a sequence: outputs run to max_tokens."""
+
+    def __init__(self, vocab_size: int, max_context: int):
+        self.name, self.vocab_size, self.max_context = "random-llama", vocab_size, max_context
+        self.eos_token_id = -1  # (no token id: EOS is ignored)
+
+    def decode(self, ids) -> str:
+        return "".join(f"<{i}>" for i in ids if i != self.eos_token_id)
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.replace("<", " ").replace(">", " ").split()]
+
+
+TINY = LlamaConfig(512, 64, 2, 4, 2, 128)  # --tiny: target and draft, on the CPU
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def http_round(base: str, model: str, prompts: list[list[int]], clients: int, rounds: int, body: dict,
+                     max_tokens: int) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=3600)
+    ttft, rate, errors = [], [], []
+
+    async def one(k: int) -> None:
+        for r in range(rounds):
+            prompt = prompts[(k * rounds + r) % len(prompts)]
+            t0 = time.perf_counter()
+            first, pieces, reason, usage = None, [], None, None
+            stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                                     stream_options={"include_usage": True}, extra_body=body)
+            async for chunk in stream:
+                if chunk.choices:
+                    c = chunk.choices[0]
+                    if c.text:
+                        first = first or time.perf_counter()
+                        pieces.append(c.text)
+                    reason = c.finish_reason or reason
+                elif chunk.usage:
+                    usage = chunk.usage
+            t1 = time.perf_counter()
+            text = "".join(pieces)
+            n = text.count("<")
+            if usage is None or usage.completion_tokens != max_tokens or n != max_tokens or reason != "length":
+                errors.append(f"client {k} round {r}: {usage} tokens in text {n} finish {reason}")
+            ttft.append((first or t1) - t0)
+            rate.append(max_tokens / (t1 - t0))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(k) for k in range(clients)))
+    wall = time.perf_counter() - start
+    await client.close()
+    return {"wall_s": wall, "tok_s": clients * rounds * max_tokens / wall, "ttft_p50_s": pct(ttft, 0.5),
+            "ttft_p99_s": pct(ttft, 0.99), "req_tok_s_p50": pct(rate, 0.5), "req_tok_s_p99": pct(rate, 0.01),
+            "errors": errors}
+
+
+def offline(executor: SchedulerExecutor, strategy: str, prompts: list[list[int]], clients: int, rounds: int,
+            args) -> dict:
+    """The engine's own figure for the same requests: SMC-SD through Engine.serve (slots = clients),
+    SD / AR as batched calls of ``clients`` prompts."""
+    T, total = args.max_tokens, clients * rounds
+    todo = [prompts[i % len(prompts)] for i in range(total)]
+    sync(args.device)
+    t0 = time.perf_counter()
+    if strategy == "smc":
+        reqs = [Request(p, particles=args.particles, block_size=args.block_size, max_new_tokens=T,
+                        draft_temperature=1.0, target_temperature=1.0) for p in todo]
+        out = executor.engine.serve(reqs, slots=clients, eos_token_id=None)
+        assert all(int(f.lengths.min()) == T for f in out), "an offline SMC-SD request ended early"
+    else:
+        for i in range(0, total, clients):
+            chunk = todo[i: i + clients]
+            if strategy == "sd":
+                o = executor.batch_engine.speculative(chunk, block_size=args.sd_block_size, max_new_tokens=T)
+                assert o.tokens.shape[-1] == T
+            else:
+                tokens, _ = executor.batch_engine.autoregressive(chunk, max_new_tokens=T)
+                assert tokens.shape == (len(chunk), T)
+    sync(args.device)
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "tok_s": total * T / wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="llama-3.1-8b", choices=sorted(PRESETS))
+    ap.add_argument("--draft", default="llama-3.2-1b", choices=sorted(PRESETS))
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--particles", type=int, default=8)
+    ap.add_argument("--block-size", type=int, default=8, help="K of SMC-SD")
+    ap.add_argument("--sd-block-size", type=int, default=4, help="K of exact speculative decoding")
+    ap.add_argument("--clients", default="8,32")
+    ap.add_argument("--rounds", type=int, default=2, help="requests each client sends, one after another")
+    ap.add_argument("--strategies", default="smc,sd,ar")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "server.json"))
+    ap.add_argument("--tiny", action="store_true",
+                    help="a 2-layer toy target and draft on the CPU, 16-token prompts and outputs, 2 and 4 clients")
+    args = ap.parse_args()
+    import uvicorn
+
+    args.device = "cpu" if args.tiny else "cuda"
+    if args.tiny:
+        args.prompt_len, args.max_tokens, args.clients, args.rounds = 16, 16, "2,4", 1
+    clients = [int(c) for c in args.clients.split(",")]
+    tcfg, dcfg = (TINY, TINY) if args.tiny else (PRESETS[args.target], PRESETS[args.draft])
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    target = Llama.random(tcfg, dtype=dtype, device=args.device, seed=1)
+    draft = Llama.random(dcfg, dtype=dtype, device=args.device, seed=2)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, tcfg.vocab_size - 1, (args.prompt_len,), generator=g).tolist() for _ in range(64)]
+    context = args.prompt_len + 2 * args.max_tokens + max(args.block_size, args.sd_block_size) + 16
+    vocab = Vocabulary(tcfg.vocab_size, context)
+    K = max(args.block_size, args.sd_block_size)
+    limits = Limits(max_particles=args.particles, max_block_size=K, max_n=1, max_tokens=args.max_tokens)
+    defaults = Defaults(particles=args.particles, block_size=args.block_size)
+    executor = SchedulerExecutor(vocab, "random-llama", None, limits=limits, defaults=defaults,
+                                 max_queue=4 * max(clients), slots=max(clients), max_particles=args.particles,
+                                 max_block_size=K, context=context, ignore_eos=True, llamas=(target, draft))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(executor, limits=limits, defaults=defaults), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    base = f"http://127.0.0.1:{port}/v1"
+    res = {"device": torch.cuda.get_device_properties(0).name if args.device == "cuda" else "cpu (--tiny)",
+           "torch": torch.__version__,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "shapes": {"target": "tiny" if args.tiny else args.target, "draft": "tiny" if args.tiny else args.draft,
+                      "dtype": str(dtype).removeprefix("torch."), "prompt_len": args.prompt_len,
+                      "max_tokens": args.max_tokens, "weights": "random", "eos": "ignored (fixed-length outputs)"},
+           "settings": {"particles": args.particles, "block_size": args.block_size,
+                        "sd_block_size": args.sd_block_size, "rounds_per_client": args.rounds},
+           "runs": []}
+    bodies = {"smc": {"strategy": "smc", "particles": args.particles, "block_size": args.block_size},
+              "sd": {"strategy": "sd", "block_size": args.sd_block_size}, "ar": {"strategy": "ar"}}
+    for strategy in args.strategies.split(","):
+        for C in clients:
+            # warm-up: capture the graphs of every batch shape both paths meet
+            asyncio.run(http_round(base, "random-llama", prompts, C, 1, bodies[strategy], 8))
+            offline(executor, strategy, prompts, C, 1, argparse.Namespace(**{**vars(args), "max_tokens": 8}))
+            off = offline(executor, strategy, prompts, C, args.rounds, args)
+            http = asyncio.run(http_round(base, "random-llama", prompts, C, args.rounds, bodies[strategy],
+                                          args.max_tokens))
+            run = {"strategy": strategy, "clients": C, "offline": off, "http": http,
+                   "ratio": http["tok_s"] / off["tok_s"]}
+            res["runs"].append(run)
+            print(f"{strategy:4s} {C:3d} clients: HTTP {http['tok_s']:8.1f} tok/s, offline {off['tok_s']:8.1f} "
+                  f"({run['ratio']:.1%}); TTFT p50 {http['ttft_p50_s']:.3f} s p99 {http['ttft_p99_s']:.3f} s; "
+                  f"per request p50 {http['req_tok_s_p50']:.1f} tok/s, p99 (slowest 1 %) "
+                  f"{http['req_tok_s_p99']:.1f}; errors {len(http['errors'])}", flush=True)
+            for e in http["errors"][:5]:
+                print("   ", e, flush=True)
+    server.should_exit = True
+    thread.join(timeout=30)
+    executor.close()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print("\n| strategy | clients | HTTP tok/s | offline tok/s | ratio | TTFT p50 / p99 (s) | per-request tok/s p50 |")
+    print("|---|---|---|---|---|---|---|")
+    for r in res["runs"]:
+        h = r["http"]
+        print(f"| {r['strategy']} | {r['clients']} | {h['tok_s']:.1f} | {r['offline']['tok_s']:.1f} | {r['ratio']:.1%} "
+              f"| {h['ttft_p50_s']:.3f} / {h['ttft_p99_s']:.3f} | {h['req_tok_s_p50']:.1f} |")
+    bad = sum(len(r["http"]["errors"]) for r in res["runs"])
+    if bad:
+        sys.exit(f"{bad} responses failed their checks (see {args.out})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,363 @@
+"""The GPU engine behind the server: continuous batching of SMC-SD requests.
+
+One device thread owns the engine. Plain SMC requests (no constraint, no seed, the server's
+resampler and ESS threshold, N and K within the scheduler's bounds) go to the engine's
+:class:`~smcdecode.backends.engine.scheduler.Scheduler`: each choice is one scheduler request with
+its own N, K and temperatures, joining between rounds when a slot is free and leaving when its
+particles have finished; streamed requests get the prefix every particle shares after each round.
+Everything else (exact speculative decoding, autoregressive sampling, constraints, seeded requests)
+runs whole through the public API on the engine (``backend="engine"``, its own KV pools), one at a
+time between scheduler rounds, and streams its text when it ends.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+
+import torch
+
+from ..errors import SMCDecodeError
+from ..result import Result
+from .executor import Choice, Executor, Job, LibraryRunner, count, finish_choice, outcome, run_job
+from .metrics import Stats
+from .protocol import Defaults, Limits
+from .stream import TextStream
+from .watch import Cancelled, WatchedModel
+
+
+class SchedulerExecutor(Executor):
+    """See the module docstring. ``ignore_eos``: generate exactly ``max_tokens`` tokens (benchmarks)."""
+
+    min_prompt_tokens = 2  # the engine feeds the last two prompt tokens to the draft in the first round
+
+    def __init__(self, model, model_name: str, draft, *, limits: Limits, defaults: Defaults,
+                 max_queue: int = 64, slots: int = 8, max_particles: int = 8, max_block_size: int = 8,
+                 context: int = 2048, page_size: int = 16, use_graphs: bool | None = None, ignore_eos: bool = False,
+                 stats: Stats | None = None, seed: int = 0, llamas: tuple | None = None):
+        super().__init__(model, model_name, limits=limits, defaults=defaults, max_queue=max_queue, stats=stats,
+                         has_draft=True)
+        from ..backends.engine import Engine, EngineConfig, EngineTarget, Scheduler
+
+        target_llama, draft_llama = llamas if llamas is not None else _llamas(model, draft)
+        context = min(context, model.max_context or context)
+        rows = slots * max_particles
+        config = EngineConfig(num_pages=rows * (-(-context // page_size) + 2) + 16, page_size=page_size,
+                              max_context=context, use_graphs=use_graphs)
+        self.engine = Engine(target_llama, draft_llama, config)
+        # exact speculative decoding and autoregressive sampling: batched calls on their own KV pools
+        self.batch_engine = Engine(target_llama, draft_llama, EngineConfig(
+            num_pages=slots * (-(-context // page_size) + 2) + 16, page_size=page_size, max_context=context,
+            use_graphs=use_graphs))
+        self.slots, self.use_graphs = slots, use_graphs
+        self.eos = None if ignore_eos else model.eos_token_id
+        self.sched = Scheduler(self.engine, slots=slots, max_particles=max_particles, max_block_size=max_block_size,
+                               target=EngineTarget(), eos_token_id=self.eos, resampler=defaults.resampler,
+                               ess_threshold=defaults.ess_threshold, use_graphs=use_graphs, seed=seed)
+        # NOTE: a bucket can hold slots no request has used yet; the scheduler leaves their rows' settings at
+        # zero and its round then gathers draft K_row - 1 = -1 (an error on the CPU, a device assert on a GPU).
+        # Until Scheduler.__init__ gives idle rows valid settings, they get neutral ones here.
+        with torch.inference_mode():
+            for name in ("K_row", "T_draft", "T_target", "alpha", "budget"):
+                self.sched.full.buffers[name].fill_(1)
+        self.Nmax, self.Kmax, self.context = max_particles, max_block_size, self.engine.max_context
+        # the rest runs through the public API on the engine (it needs the Hugging Face models)
+        self.side = (LibraryRunner(model, draft, self.stats, "engine", {"device": str(self.engine.device)})
+                     if isinstance(model, WatchedModel) else None)
+        self.draft = draft
+        self.generator = torch.Generator().manual_seed(seed)  # the returned particle of each choice
+        self.cond = threading.Condition()
+        self.incoming: deque[Job] = deque()
+        self.side_queue: deque[Job] = deque()
+        self.cancels: list[Job] = []
+        self.waiting: set[Job] = set()  # submitted, not yet running
+        self.live: dict[Job, dict] = {}  # job -> {"choices": {index: Choice}, "streams": [...]}
+        self.running_side: Job | None = None
+        self.closed = False
+        self.thread = threading.Thread(target=self._work, name="smcdecode-serve-engine", daemon=True)
+        self.thread.start()
+
+    # -- the interface -------------------------------------------------------------------------
+
+    def lane(self, job: Job) -> str:
+        """"scheduler", "batch" (plain sd / ar, batched with others of the same settings) or "api"."""
+        s = job.spec
+        plain = job.constraint is None and s.seed is None and s.logprobs is None
+        if (plain and s.strategy == "smc" and s.particles <= self.Nmax and s.block_size <= self.Kmax
+                and s.resampler == self.defaults.resampler and s.ess_threshold == self.defaults.ess_threshold
+                and len(job.prompt_ids) + s.max_tokens + self.Kmax + 2 <= self.context):
+            return "scheduler"
+        if plain and s.strategy in ("sd", "ar") and len(job.prompt_ids) + 2 * s.max_tokens + s.block_size + 2 \
+                <= self.context:
+            return "batch"
+        return "api"
+
+    def submit(self, job: Job) -> None:
+        with self.cond:
+            if len(self.waiting) >= self.max_queue:
+                raise self.full()
+            self.waiting.add(job)
+            self.incoming.append(job)
+            self.cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        job.cancelled.set()
+        with self.cond:
+            self.cancels.append(job)
+            self.cond.notify()
+
+    def gauges(self) -> dict:
+        with self.cond:
+            running = len(self.live) + int(self.running_side is not None)
+            return {"smcdecode_queue_length": len(self.waiting), "smcdecode_running": running,
+                    "smcdecode_kv_pages_in_use": self.pages_in_use}
+
+    pages_in_use = 0
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        self.thread.join(timeout=60)
+
+    # -- the device thread -------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        side_turn = False
+        while True:
+            with self.cond:
+                while not (self.incoming or self.cancels or self.side_queue or self.sched.busy or self.closed):
+                    self.cond.wait()
+                if self.closed:
+                    return
+                incoming, self.incoming = list(self.incoming), deque()
+                cancels, self.cancels = self.cancels, []
+            for job in incoming:
+                if job.cancelled.is_set():  # its client went away before it reached the device thread
+                    with self.cond:
+                        self.waiting.discard(job)
+                    self.stats.add(cancelled=1)
+                    continue
+                if self.lane(job) == "scheduler":
+                    self._enqueue(job)
+                else:
+                    self.side_queue.append(job)
+            try:
+                for job in cancels:
+                    self._cancel(job)
+                if self.side_queue and (side_turn or not self.sched.busy):
+                    self._run_side()
+                elif self.sched.busy:
+                    self._step()
+            except Exception as e:  # noqa: BLE001 - a bug: the requests in flight get it, the thread goes on
+                for job in list(self.live):
+                    job.post("error", e)
+                self.live.clear()
+                with torch.inference_mode():
+                    for g, r in enumerate(self.sched.requests):
+                        if r is not None:
+                            self.sched._release(g)
+                    self.sched.queue.clear()
+            side_turn = not side_turn
+
+    def _enqueue(self, job: Job) -> None:
+        from ..backends.engine import Request
+
+        s = job.spec
+        self.live[job] = {"choices": {}, "streams": [TextStream(self.model.decode, s.stop) for _ in range(s.n)],
+                          "started": time.perf_counter()}
+        dt = _draft_temperature(s, self.draft)
+        for i in range(s.n):
+            self.sched.submit(Request(list(job.prompt_ids), particles=s.particles, block_size=s.block_size,
+                                      max_new_tokens=s.max_tokens, draft_temperature=dt,
+                                      target_temperature=s.temperature, id=(job, i)))
+
+    def _slots(self, job: Job) -> list[int]:
+        return [g for g, r in enumerate(self.sched.requests) if r is not None and r.id[0] is job]
+
+    def _cancel(self, job: Job) -> None:
+        with self.cond:
+            self.waiting.discard(job)
+        if job in self.side_queue:
+            self.side_queue.remove(job)
+            self.stats.add(cancelled=1)
+            return
+        if job not in self.live:  # finished, or running in the side lane (it stops at its next step)
+            return
+        for r in [r for r in self.sched.queue if r.id[0] is job]:
+            self.sched.queue.remove(r)
+        with torch.inference_mode():  # (the scheduler's buffers are inference tensors)
+            for g in self._slots(job):
+                # NOTE: Scheduler has no public cancel yet: releasing the slot frees its rows and pages
+                self.sched._release(g)
+        self.pages_in_use = int(self.sched.table.used)
+        del self.live[job]
+        self.stats.add(cancelled=1)
+        job.post("error", Cancelled())
+
+    def _run_side(self) -> None:
+        """The first waiting side job: with every waiting job of the same settings in one engine call
+        (plain sd / ar), or alone through the public API."""
+        job = self.side_queue.popleft()
+        jobs = [job]
+        if self.lane(job) == "batch":
+            key = _batch_key(job.spec)
+            for other in list(self.side_queue):
+                if len(jobs) < self.slots and self.lane(other) == "batch" and _batch_key(other.spec) == key:
+                    self.side_queue.remove(other)
+                    jobs.append(other)
+        with self.cond:
+            for j in jobs:
+                self.waiting.discard(j)
+            self.running_side = job
+        try:
+            if len(jobs) > 1 or self.lane(job) == "batch":
+                self._run_batch(jobs)
+            elif self.side is None:
+                job.post("error", SMCDecodeError(
+                    "this server runs engine models without a Hugging Face model behind them: it serves plain "
+                    "requests only (no constraint, seed or logprobs)"))
+            else:
+                run_job(job, self.side.run, self.stats)
+        finally:
+            with self.cond:
+                self.running_side = None
+
+    def _run_batch(self, jobs: list[Job]) -> None:
+        """Plain sd or ar of several jobs (their choices as rows) in one engine call."""
+        spec = jobs[0].spec
+        rows = [(job, i) for job in jobs for i in range(job.spec.n) if not job.cancelled.is_set()]
+        if not rows:
+            return
+        prompts = [list(job.prompt_ids) for job, _ in rows]
+        T = max(job.spec.max_tokens for job, _ in rows)
+        start = time.perf_counter()
+        seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+        try:
+            if spec.strategy == "sd":
+                out = self.batch_engine.speculative(
+                    prompts, block_size=spec.block_size, max_new_tokens=T, samples=1,
+                    draft_temperature=_draft_temperature(spec, self.draft), target_temperature=spec.temperature,
+                    eos_token_id=self.eos, use_graphs=self.use_graphs, seed=seed)
+                tokens, rounds = out.tokens[:, 0].cpu(), out.rounds
+                accepted, drafted = out.accepted[:, 0].cpu().tolist(), out.drafted[:, 0].cpu().tolist()
+            else:
+                tokens, _ = self.batch_engine.autoregressive(prompts, max_new_tokens=T, temperature=spec.temperature,
+                                                            use_graphs=self.use_graphs, seed=seed,
+                                                            eos_token_id=self.eos)
+                tokens, rounds, accepted, drafted = tokens.cpu(), 0, None, None
+        except Exception as e:  # noqa: BLE001 - every job of the batch gets the error
+            for job in jobs:
+                job.post("error", e)
+            return
+        seconds = time.perf_counter() - start
+        done: dict[Job, list[Choice]] = {}
+        for r, (job, i) in enumerate(rows):
+            row = tokens[r, : job.spec.max_tokens].tolist()
+            if self.eos is not None and self.eos in row:
+                row = row[: row.index(self.eos) + 1]
+            result = Result(
+                strategy="speculative" if spec.strategy == "sd" else "autoregressive",
+                texts=[self.model.decode([t for t in row if t != self.eos])], tokens=[row],
+                log_weights=torch.zeros(1, dtype=torch.float64), weights=torch.ones(1, dtype=torch.float64),
+                finished=torch.ones(1, dtype=torch.bool), log_evidence=math.nan, ess=[], resampled=[],
+                weight_history=[], sample_index=0, seconds=seconds, prompt_tokens=len(job.prompt_ids), particles=1,
+                block_size=spec.block_size if spec.strategy == "sd" else 0,
+                draft_tokens=int(drafted[r]) if drafted else 0, accepted_tokens=int(accepted[r]) if accepted else None,
+                n_rounds=rounds, eos_token_id=self.eos, max_new_tokens=job.spec.max_tokens)
+            choice = finish_choice(self.model, job, i, result, TextStream(self.model.decode, job.spec.stop))
+            count(self.stats, result)
+            done.setdefault(job, []).append(choice)
+        for job, choices in done.items():
+            job.post("done", outcome(self.stats, job, choices, True))
+
+    def _step(self) -> None:
+        finished = self.sched.step()
+        with self.cond:
+            for r in self.sched.requests:
+                if r is not None:
+                    self.waiting.discard(r.id[0])
+            for f in finished:
+                self.waiting.discard(f.request.id[0])
+        self.pages_in_use = int(self.sched.table.used)
+        self._stream()
+        for f in finished:
+            job, i = f.request.id
+            if job in self.live:
+                self._finish(job, i, f)
+
+    def _stream(self) -> None:
+        """Send each streamed choice the prefix all its particles share (one read for all of them)."""
+        slots = [(g, r) for g, r in enumerate(self.sched.requests)
+                 if r is not None and r.id[0].spec.stream and r.id[0] in self.live]
+        if not slots:
+            return
+        b, N = self.sched.full.buffers, self.Nmax
+        shared, firsts = [], []
+        for g, r in slots:
+            toks = b["tokens"][g * N: g * N + r.particles, : r.max_new_tokens]  # [n, T]
+            same = (toks == toks[:1]).all(0)
+            shared.append(same.long().cumprod(0).sum())
+            firsts.append(toks[0])
+        shared = torch.stack(shared).cpu().tolist()
+        n_gen = [int(x) for x in torch.stack([b["n_gen"][g * N: g * N + r.particles].min() for g, r in slots]).cpu()]
+        for (_, r), n, done, row in zip(slots, shared, n_gen, firsts):
+            job, i = r.id
+            n = min(n, done)  # (past a row's generated tokens lies padding)
+            ids = row[:n].cpu().tolist()
+            if self.eos is not None and self.eos in ids:
+                ids = ids[: ids.index(self.eos)]
+            stream = self.live[job]["streams"][i]
+            delta = stream.update(ids)
+            if delta:
+                job.post("delta", i, delta)
+
+    def _finish(self, job: Job, i: int, f) -> None:
+        state = self.live[job]
+        n = f.request.particles
+        lw = f.log_weights.double()
+        W = torch.softmax(lw, 0) if torch.isfinite(lw).any() else torch.zeros(n, dtype=torch.float64)
+        sample = int(torch.multinomial(W, 1, generator=self.generator)) if float(W.sum()) > 0 else None
+        tokens = [f.tokens[k, : int(f.lengths[k])].tolist() for k in range(n)]
+        texts = [self.model.decode([t for t in row if t != self.eos]) for row in tokens]
+        result = Result(
+            strategy="smc", texts=texts, tokens=tokens, log_weights=lw, weights=W,
+            finished=torch.ones(n, dtype=torch.bool), log_evidence=f.log_evidence, ess=list(f.ess),
+            resampled=list(f.resampled), weight_history=[], sample_index=sample,
+            seconds=time.perf_counter() - state["started"], prompt_tokens=len(job.prompt_ids), particles=n,
+            block_size=f.request.block_size, eos_token_id=self.eos, max_new_tokens=f.request.max_new_tokens,
+            message="" if sample is not None else "every particle has weight 0")
+        choice = finish_choice(self.model, job, i, result, state["streams"][i])
+        count(self.stats, result)
+        state["choices"][i] = choice
+        if len(state["choices"]) == job.spec.n:
+            del self.live[job]
+            choices: list[Choice] = [state["choices"][k] for k in range(job.spec.n)]
+            job.post("done", outcome(self.stats, job, choices, True))
+
+
+def _batch_key(spec) -> tuple:
+    return (spec.strategy, spec.temperature, spec.draft_temperature, spec.block_size if spec.strategy == "sd" else 0)
+
+
+def _llamas(model, draft) -> tuple:
+    """The engine's Llama modules of the target and draft HF models, sharing what HF shares."""
+    from ..backends.engine.bridge import to_llama
+
+    target_llama, draft_llama = to_llama(model, "target"), to_llama(draft, "draft")
+    hf_t, hf_d = model.hf, draft.hf
+    with torch.no_grad():
+        if hf_d.get_input_embeddings() is hf_t.get_input_embeddings():
+            draft_llama.tok_embeddings = target_llama.tok_embeddings
+        if hf_d.get_output_embeddings() is hf_t.get_output_embeddings():
+            draft_llama.output = target_llama.output
+    return target_llama, draft_llama
+
+
+def _draft_temperature(spec, draft) -> float:
+    from .executor import draft_temperature
+
+    t = draft_temperature(spec, draft)
+    return t if math.isfinite(t) else spec.temperature

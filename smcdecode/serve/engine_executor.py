@@ -56,12 +56,6 @@ class SchedulerExecutor(Executor):
         self.sched = Scheduler(self.engine, slots=slots, max_particles=max_particles, max_block_size=max_block_size,
                                target=EngineTarget(), eos_token_id=self.eos, resampler=defaults.resampler,
                                ess_threshold=defaults.ess_threshold, use_graphs=use_graphs, seed=seed)
-        # NOTE: a bucket can hold slots no request has used yet; the scheduler leaves their rows' settings at
-        # zero and its round then gathers draft K_row - 1 = -1 (an error on the CPU, a device assert on a GPU).
-        # Until Scheduler.__init__ gives idle rows valid settings, they get neutral ones here.
-        with torch.inference_mode():
-            for name in ("K_row", "T_draft", "T_target", "alpha", "budget"):
-                self.sched.full.buffers[name].fill_(1)
         self.Nmax, self.Kmax, self.context = max_particles, max_block_size, self.engine.max_context
         # the rest runs through the public API on the engine (it needs the Hugging Face models)
         self.side = (LibraryRunner(model, draft, self.stats, "engine", {"device": str(self.engine.device)})
@@ -155,11 +149,8 @@ class SchedulerExecutor(Executor):
                 for job in list(self.live):
                     job.post("error", e)
                 self.live.clear()
-                with torch.inference_mode():
-                    for g, r in enumerate(self.sched.requests):
-                        if r is not None:
-                            self.sched._release(g)
-                    self.sched.queue.clear()
+                for r in [r for r in self.sched.requests if r is not None] + list(self.sched.queue):
+                    self.sched.cancel(r.id)
             side_turn = not side_turn
 
     def _enqueue(self, job: Job) -> None:
@@ -186,12 +177,8 @@ class SchedulerExecutor(Executor):
             return
         if job not in self.live:  # finished, or running in the side lane (it stops at its next step)
             return
-        for r in [r for r in self.sched.queue if r.id[0] is job]:
-            self.sched.queue.remove(r)
-        with torch.inference_mode():  # (the scheduler's buffers are inference tensors)
-            for g in self._slots(job):
-                # NOTE: Scheduler has no public cancel yet: releasing the slot frees its rows and pages
-                self.sched._release(g)
+        for r in [r for r in [*self.sched.queue, *self.sched.requests] if r is not None and r.id[0] is job]:
+            self.sched.cancel(r.id)  # queued or running: its rows and pages are freed
         self.pages_in_use = int(self.sched.table.used)
         del self.live[job]
         self.stats.add(cancelled=1)

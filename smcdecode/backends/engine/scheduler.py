@@ -76,6 +76,13 @@ class Finished:
     weights: list = field(default_factory=list)  # per round, normalised [N_max] (record_weights)
 
 
+def _idle(b: dict, rows: slice) -> None:
+    """Settings of rows no request holds: the round still runs over them (dead, never chosen), so
+    they get a block size that fits every round shape and finite temperatures, power and budget."""
+    for name in ("K_row", "T_draft", "T_target", "alpha", "budget"):
+        b[name][rows] = 1
+
+
 def _bucket(n: int, slots: int) -> int:
     return min(slots, 1 << max(0, (n - 1).bit_length()))
 
@@ -163,7 +170,7 @@ class Scheduler:
         b["log_w"].fill_(NEG_INF)
         b["n"].fill_(1)
         b["seq"].fill_(1)
-        b["K_row"].fill_(1)  # (dead rows: a block size that fits every round shape)
+        _idle(b, slice(None))
         b["host_incr"].zero_()
         self.lens = np.ones(B, dtype=np.int64)  # target tokens cached per row (dead rows: 1)
         self.queue: deque[Request] = deque()
@@ -288,7 +295,7 @@ class Scheduler:
         b["finished"][full] = True
         b["log_w"][full] = NEG_INF
         b["seq"][full] = 1
-        b["K_row"][full] = 1
+        _idle(b, full)
         b["n"][g] = 1
         for _, _, mine in self.rewards:
             mine[full] = False
@@ -296,6 +303,20 @@ class Scheduler:
             self.host.remove(g)
         self.requests[g] = None
         return out
+
+    @torch.inference_mode()
+    def cancel(self, request_id) -> bool:
+        """Drop the request with this ``id`` (queued or running: its rows and pages are freed at
+        once). Returns whether one was found."""
+        for r in list(self.queue):
+            if r.id == request_id:
+                self.queue.remove(r)
+                return True
+        for g, r in enumerate(self.requests):
+            if r is not None and r.id == request_id:
+                self._release(g)
+                return True
+        return False
 
     # -- rounds --------------------------------------------------------------------------------
 
@@ -367,7 +388,9 @@ class Scheduler:
         R = bucket * self.Nmax
         b = self.full.buffers
         rows = np.arange(R)
-        copies = self.table.reserve(rows, self.lens[:R] + k + 1, write_from=self.lens[:R] - 1)
+        # pages for the rows of occupied slots (the rows of free slots write into the null page)
+        held = np.concatenate([np.arange(g * self.Nmax, (g + 1) * self.Nmax) for g in occupied])
+        copies = self.table.reserve(held, self.lens[held] + k + 1, write_from=self.lens[held] - 1)
         self.engine.upload(self.table, b["pt"], copies)
         rnd = self._round(bucket, k)
         self.host_s += time.perf_counter() - t0

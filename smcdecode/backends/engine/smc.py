@@ -18,6 +18,13 @@ One round, per row with history h (DESIGN.md §2):
   6. per request: ESS, resample when ESS < τ·N_g (systematic, stratified, multinomial or residual
      over N_g rows), log Ẑ += logsumexp(log w) − log N_g, gather of every row field.
 
+A ``schedule`` (``samplers/adaptive.py``) sets each request's K_row ∈ {0..K_max} between rounds
+(the same captured round: K_row is a buffer): the round drafts K_max tokens for every row anyway,
+so the draft statistics the schedule reads (acceptance-like min(1, p/q) and the draft terms'
+spread, over every drafted position within the budget and before an EOS) are fresh each round.
+K_row = 0 takes only the bonus from p_T(· | h) (the target as proposal); the draft's cache stays
+consistent because its next round re-feeds [last, bonus] at positions T−1, T.
+
 Steps 1–4 and 6 are device tensor code. Without rewards or host-mask constraints they are captured
 as one CUDA graph; with rewards as two (1–4, and 6), the host scores texts in between. Constraints
 whose masks come from the host (llguidance: JSONSchema, Grammar; any TokenConstraint without a
@@ -34,6 +41,7 @@ import torch
 from torch import Tensor
 
 from ...errors import SMCDecodeError
+from ...samplers.adaptive import group_statistics, row_statistics
 from ...samplers.resampling import RESAMPLERS, counts_to_ancestors, inverse_cdf, normalise
 from .attention import PagedBatch
 from .output import EngineOutput
@@ -139,7 +147,8 @@ class Round:
 
 
 def run(engine, prompts: list[list[int]], settings: Settings, target: EngineTarget, *, eos_token_id: int | None,
-        resampler: str, ess_threshold: float, use_graphs: bool, seed: int, record_weights: bool = False):
+        resampler: str, ess_threshold: float, use_graphs: bool, seed: int, record_weights: bool = False,
+        schedule=None):
     """SMC-SD of ``prompts`` on ``engine`` with per-request ``settings`` and ``target``; returns an
     :class:`~smcdecode.backends.engine.output.EngineOutput` whose tensors are [G, N_max, ...]
     (rows j >= N_g of request g are padding: log w = -inf, length 0)."""
@@ -249,16 +258,21 @@ def run(engine, prompts: list[list[int]], settings: Settings, target: EngineTarg
     rewards = [(RewardTracker(t.rewards, t.decoder, B), torch.from_numpy(owner == id(t))) for t in with_rewards]
     torch.manual_seed(seed)
     out = EngineOutput(b["tokens"], b["n_gen"], b["log_w"], b["log_Z"])
+    plan = schedule.start(G) if schedule is not None else None
+    K_now = np.array(settings.block_size)
+    if plan is not None:
+        K_now = set_blocks(b, plan.next(), Nmax, settings.block_size, common=hosted is not None)
     pinned = dev.type == "cuda"
     host = torch.empty(3 * B + 2 * G + 1, dtype=torch.float64, pin_memory=pinned)
     position = 0  # the lockstep position (host-mask path: one K and budget for every row)
     while True:
         if hosted is not None:
-            k = min(Kmax, longest_new - position)
+            K_call = int(K_now[0])  # (host masks: one K for every row)
+            k = min(K_call, longest_new - position)
             hosted.begin(k, b["drafts"])
             rnd.propose()
-            hosted.end(b["bonus"].cpu(), longest_new - position > Kmax)
-            position += Kmax + 1
+            hosted.end(b["bonus"].cpu(), longest_new - position > K_call)
+            position += K_call + 1
         else:
             rnd.propose()
         if rewards or hosted is not None:
@@ -277,6 +291,13 @@ def run(engine, prompts: list[list[int]], settings: Settings, target: EngineTarg
         out.resampled.append(h[3 * B : 3 * B + G] > 0)
         out.ess.append(h[3 * B + G : 3 * B + 2 * G].copy())
         index = h[:B].astype(np.int64)
+        out.block_sizes.append(K_now.copy())
+        out.survivors.append(np.array([len(np.unique(a[:n])) for a, n in
+                                       zip(index.reshape(G, Nmax) % Nmax, settings.particles)]))
+        if plan is not None and h[-1] <= 0:
+            stats = torch.stack([b["accept"], b["accept_n"], b["draft_lw"]]).cpu()
+            plan.observe(group_statistics(stats[0], stats[1], stats[2], b["active"].cpu(), G))
+            K_now = set_blocks(b, plan.next(), Nmax, settings.block_size, common=hosted is not None)
         if not np.array_equal(index, rows):
             idx_t = torch.from_numpy(index)
             if hosted is not None:
@@ -299,6 +320,16 @@ def run(engine, prompts: list[list[int]], settings: Settings, target: EngineTarg
     out.log_evidence = b["log_Z"] + torch.logsumexp(out.log_weights, 1) - torch.log(N_of.double())
     out.particles = list(settings.particles)
     return out
+
+
+def set_blocks(b: dict, K: Tensor, Nmax: int, K_max: list[int], common: bool) -> np.ndarray:
+    """A schedule's K [G] (capped by each request's K_max) into the round's K_row buffer; with host
+    masks one K for every row (the smallest). Returns the K per request."""
+    K = torch.minimum(K.long(), torch.tensor(K_max))
+    if common:
+        K = K.min().expand(K.shape[0])
+    b["K_row"].copy_(K.repeat_interleave(Nmax).to(b["K_row"].device))
+    return K.numpy().copy()
 
 
 def host_terms(b: dict, rewards: list, hosted: HostMasks | None, longest_new: int) -> None:
@@ -334,6 +365,8 @@ def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resamp
         alpha=z(B, dtype=torch.float32), n=z(G), valid=z(B, dtype=torch.bool),
         finished=z(B, dtype=torch.bool), log_w=z(B, dtype=torch.float64), log_Z=z(G, dtype=torch.float64),
         drafts=z(B, Kmax), log_q=z(B, Kmax, dtype=torch.float32), bonus=z(B), drafted=z(B),
+        log_q_all=z(B, Kmax, dtype=torch.float32),  # log q(d_i) of the unmasked draft (a schedule's statistic)
+        accept=z(B, dtype=torch.float64), accept_n=z(B, dtype=torch.float64), draft_lw=z(B, dtype=torch.float64),
         states=[z(B) for _ in automata], index=torch.arange(B, device=dev), do=z(G, dtype=torch.bool),
         ess=z(G, dtype=torch.float64), W=z(G, Nmax, dtype=torch.float64), done=z(1, dtype=torch.bool),
         ar=torch.arange(Kmax + 1, device=dev), group_base=(torch.arange(G, device=dev) * Nmax)[:, None],
@@ -386,12 +419,15 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         for i in range(Kmax):
             x = logits.float() / b["T_draft"][:, None]
             m = masks(states, i)
+            lse_all = torch.logsumexp(x, -1) if m is not None else None
             if m is not None:
                 x = x.masked_fill(~m, NEG_INF)
             lse = torch.logsumexp(x, -1)
             d = _race(x)
             drafts[:, i] = d
-            log_q[:, i] = torch.where(torch.isfinite(lse), x.gather(1, d[:, None])[:, 0] - lse, NEG_INF)
+            x_d = x.gather(1, d[:, None])[:, 0]
+            log_q[:, i] = torch.where(torch.isfinite(lse), x_d - lse, NEG_INF)
+            b["log_q_all"][:, i] = log_q[:, i] if lse_all is None else x_d - lse_all
             states = [a.advance(s, d) for a, s in zip(automata, states)]
             kept = [torch.where(i < k_eff, s, k) for s, k in zip(states, kept)]
             if i < Kmax - 1:
@@ -419,6 +455,13 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         incr = torch.where(keep, term, 0.0).double().sum(1)
         any_eos = is_eos.any(1)
         n_new = torch.where(any_eos, is_eos.long().argmax(1) + 1, k_eff)
+        # a schedule's statistics over every drafted position within the budget, up to the first EOS
+        drawn = ar[None, :Kmax] < remaining[:, None]
+        eos_all = (drafts == eos) & drawn
+        counted = ((torch.cumsum(eos_all.long(), 1) - eos_all.long()) == 0) & drawn & ~finished[:, None]
+        for name, value in zip(("accept", "accept_n", "draft_lw"),
+                               row_statistics(log_p, b["log_q_all"], alpha[:, None] * log_p - log_q, counted)):
+            b[name].copy_(value)
         has_bonus = ~any_eos & (remaining > K_row)
         incr = incr + torch.where(has_bonus, log_norm.double(), 0.0)
         n_new = torch.where(has_bonus, K_row + 1, n_new)
@@ -441,7 +484,8 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         finished.copy_(finished | ended | torch.isneginf(lw))
         for s, f in zip(b["states"], final):
             s.copy_(torch.where(active, f, s))
-        d_last = drafts.gather(1, (K_row - 1)[:, None])[:, 0]
+        # the draft's next feed [token at T'−1, bonus]: the row's last draft, or (K_row = 0) the last token
+        d_last = torch.where(K_row > 0, drafts.gather(1, (K_row - 1).clamp(min=0)[:, None])[:, 0], b["last"])
         b["pending"].copy_(torch.where(active[:, None], torch.stack([d_last, bonus], 1), b["pending"]))
         b["last"].copy_(torch.where(active, bonus, b["last"]))
         T.add_(torch.where(active, K_row + 1, 0))

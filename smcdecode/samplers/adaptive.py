@@ -86,6 +86,7 @@ class FixedBlocks:
 class _FixedPlan:
     def __init__(self, blocks: tuple[int, ...], groups: int):
         self.blocks, self.groups, self.round = blocks, groups, 0
+        self.probing = torch.zeros(groups, dtype=torch.bool)
 
     def next(self) -> Tensor:
         k = self.blocks[min(self.round, len(self.blocks) - 1)]

@@ -161,7 +161,7 @@ class Result:
         timing = (f"{self.seconds:.2f} s, {self.tokens_per_second:.1f} tok/s (the returned sample), "
                   f"{self.particle_tokens_per_second:.1f} tok/s (all {n})")
         if self.strategy == "smc":
-            if self.block_sizes and len(set(self.block_sizes)) > 1:
+            if len(set(self.block_sizes[:-1])) > 1:  # (the last round's K may be cut by the budget)
                 proposal = (f"K from {min(self.block_sizes)} to {max(self.block_sizes)} draft tokens a round "
                             f"(mean {sum(self.block_sizes) / len(self.block_sizes):.1f})")
             elif self.block_size:

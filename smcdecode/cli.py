@@ -136,10 +136,11 @@ def choose_proposal(draft: str, block_size, device: str, backend: str) -> tuple[
     """(--draft, --block-size, what was chosen and why) for SMC: explicit choices are kept; 'auto'
     picks the target as proposal on a CPU (measured: the shipped draft makes the default model no
     faster there and its answers worse, docs/strategies.md) and the shipped draft with adaptive K
-    on a GPU; --block-size auto is adaptive whenever a draft proposes."""
+    on a GPU or with --backend engine (whose rounds need a draft); --block-size auto is adaptive
+    whenever a draft proposes."""
     notes = []
     if draft == "auto":
-        if str(device).startswith("cpu"):
+        if str(device).startswith("cpu") and backend != "engine":  # (the engine's own rounds need a draft)
             draft = "target"
             notes.append("the target as proposal (--draft auto on a CPU: the built-in draft does not pay there, "
                          "docs/strategies.md; --draft default uses it)")

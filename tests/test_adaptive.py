@@ -139,3 +139,24 @@ def test_draft_cache_stays_consistent_across_k0_rounds(schedule, toy, seed):
     # (float32 logits: about 1e-7 of rounding; a token the draft missed changes log q by O(1))
     assert torch.allclose(out.log_weights, torch.zeros_like(out.log_weights), atol=1e-5)
     assert torch.allclose(out.log_evidence, torch.zeros_like(out.log_evidence), atol=1e-5)
+
+
+def _result(ess, survivors, log_evidence=-4.0, target_log_evidence=-4.0, block_size=4):
+    n = 8
+    return sd.Result(strategy="smc", texts=["x"] * n, tokens=[[1]] * n, log_weights=torch.zeros(n, dtype=torch.float64),
+                     weights=torch.full((n,), 1 / n, dtype=torch.float64), finished=torch.ones(n, dtype=torch.bool),
+                     log_evidence=log_evidence, ess=ess, resampled=[s < n for s in survivors],
+                     weight_history=[], sample_index=0, seconds=1.0, prompt_tokens=3, particles=n,
+                     block_size=block_size, survivors=survivors, target_log_evidence=target_log_evidence)
+
+
+def test_collapse_diagnosis_names_the_signs_and_the_fix():
+    healthy = _result([6.0, 5.5, 7.0, 6.5], [8, 5, 8, 6])
+    assert healthy.diagnosis == "" and "collapsed" not in healthy.summary()
+    for bad in (_result([3.0, 3.5, 3.9, 3.6], [8, 5, 8, 6]),  # mean ESS < N/2
+                _result([6.0, 5.5, 7.0, 6.5], [1, 8, 1, 8]),  # two of four rounds with one ancestor
+                _result([6.0, 5.5, 7.0, 6.5], [8, 5, 8, 6], log_evidence=-12.0)):  # log Ẑ far below the target's
+        line = bad.diagnosis
+        assert line.startswith("particle system collapsed (mean ESS") and "target as proposal" in line, line
+        assert line in bad.summary()
+    assert "more particles" in _result([3.0, 3.0], [8, 8], block_size=0).diagnosis

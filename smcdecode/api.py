@@ -17,6 +17,7 @@ from .devices import check_device, check_dtype
 from .errors import SMCDecodeError, check_nonneg_int, check_positive_int, check_unit_interval
 from .potentials.base import as_target
 from .result import Result
+from .samplers.adaptive import AdaptiveBlocks, FixedBlocks, as_schedule
 from .samplers.autoregressive import autoregressive
 from .samplers.proposals import as_proposal
 from .samplers.resampling import RESAMPLERS, normalise
@@ -178,6 +179,11 @@ class _Strategy:
         W, _ = normalise(lw[None])
         W = W[0]
         sample = None
+        target_log_evidence = None
+        L = getattr(out, "target_log_weights", None)
+        if L is not None and float(W.sum()) > 0:
+            inv = torch.logsumexp(torch.log(W) - L[0], 0)  # log Σ_i W_i e^{−L_i}
+            target_log_evidence = float(-inv) if bool(torch.isfinite(inv)) else None
         message = self._unsatisfiable
         if float(W.sum()) > 0:
             sample = int(torch.multinomial(W, 1, generator=g)[0])
@@ -207,6 +213,9 @@ class _Strategy:
             message=message,
             n_rounds=None if out.ess else out.rounds,
             eos_token_id=model.eos_token_id,
+            block_sizes=[int(k[0]) for k in getattr(out, "block_sizes", [])],
+            survivors=[int(s[0]) for s in getattr(out, "survivors", [])],
+            target_log_evidence=target_log_evidence,
         )
 
 
@@ -215,7 +224,9 @@ class SMC(_Strategy):
 
     ``proposal``: a :class:`Draft` (its samples are reweighted, never rejected), or ``"target"``
     for a plain particle filter proposing one token per round from the locally normalised target.
-    ``block_size`` K: draft tokens per round (a round adds K+1 tokens: the drafts and a bonus).
+    ``block_size`` K: draft tokens per round (a round adds K+1 tokens: the drafts and a bonus);
+    ``"adaptive"`` (or ``AdaptiveBlocks(max_block_size=...)``) picks K ∈ {0..8} per round from the
+    draft's record so far (docs/strategies.md); a list gives K per round (the last repeats; 0 allowed).
     ``ess_threshold`` τ: resample when ESS < τ·N; 0 never (sequential importance sampling), 1 every round.
     ``backend="engine"`` runs the same program on the GPU engine (paged KV cache, CUDA graphs, Triton;
     its torch reference path on the CPU); ``engine_options``: dtype, device, page_size, num_pages,
@@ -231,7 +242,7 @@ class SMC(_Strategy):
         proposal="target",
         *,
         particles: int = 8,
-        block_size: int = 4,
+        block_size: int | str | list | AdaptiveBlocks | FixedBlocks = 4,
         resampler: str = "systematic",
         ess_threshold: float = 0.5,
         backend: str = "reference",
@@ -240,14 +251,20 @@ class SMC(_Strategy):
         super().__init__(target)
         self._set_backend(backend, engine_options)
         self.particles = check_positive_int("particles", particles, "use at least 1 particle", MAX_PARTICLES)
-        self.block_size = check_positive_int("block_size", block_size, "draft at least 1 token per round")
+        self.schedule = as_schedule(block_size)
+        if self.schedule is not None:
+            self.block_size = self.schedule.max_block_size
+        else:
+            self.block_size = check_positive_int(
+                "block_size", block_size,
+                "draft at least 1 token per round, or pass block_size='adaptive' (K from 0 up, chosen per round)")
         if not isinstance(resampler, str) or resampler not in RESAMPLERS:
             raise SMCDecodeError(f"unknown resampler {resampler!r}: choose one of {sorted(RESAMPLERS)}")
         self.resampler = resampler
         self.ess_threshold = check_unit_interval("ess_threshold", ess_threshold, "0 never resamples, 1 always")
         self.proposal = as_proposal(proposal, self.model)
         if self.proposal is None:
-            self.block_size = 0
+            self.block_size, self.schedule = 0, None
         elif self.proposal.reads_target and backend != "reference":
             raise SMCDecodeError(
                 f"feature draft {self.proposal.model.name!r} runs on backend='reference' only (the engine's "
@@ -264,7 +281,7 @@ class SMC(_Strategy):
         return smc_sd(
             target, proposal, ids, groups=groups, particles=self.particles,
             block_size=self.block_size, max_new_tokens=max_new_tokens, resampler=self.resampler,
-            ess_threshold=self.ess_threshold, generator=g, progress=bar,
+            ess_threshold=self.ess_threshold, generator=g, progress=bar, schedule=self.schedule,
         )
 
 

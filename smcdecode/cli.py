@@ -45,14 +45,17 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--chat", help=f"a user chat message, wrapped in the model's chat template (default: {DEFAULT_CHAT!r})")
     g.add_argument("--model", default="smollm2",
                    help="target model: 'smollm2' (built-in SmolLM2-135M-Instruct), a local Hugging Face directory, or a .gguf file")
-    g.add_argument("--draft", default="default",
-                   help="proposal: 'default' (the built-in draft for the default model), 'truncated:L' (the target's first L layers), "
+    g.add_argument("--draft", default="auto",
+                   help="proposal: 'auto' (the target itself on a CPU, where a draft does not pay; the built-in draft "
+                   "elsewhere), 'default' (the built-in draft for the default model), 'truncated:L' (the target's first L layers), "
                    "'target' (particle filter with the target as proposal), a distilled draft directory (smcdecode distill --out), "
                    "or a model directory/.gguf sharing the target's tokenizer")
     g.add_argument("--strategy", default="smc", choices=["smc", "sd", "ar", "all"],
                    help="smc = SMC speculative decoding; sd = exact speculative decoding; ar = autoregressive; all = the three side by side")
     g.add_argument("-n", "--particles", type=int, default=8, help="number of particles N (SMC) or samples (sd/ar)")
-    g.add_argument("-k", "--block-size", type=int, default=4, help="draft tokens per round K (a round adds K+1 tokens)")
+    g.add_argument("-k", "--block-size", default="auto",
+                   help="draft tokens per round K (a round adds K+1 tokens), 'adaptive' (K from 0 to 8 chosen each round "
+                   "from the draft's record so far) or 'auto' (adaptive for SMC, 4 for exact speculative decoding)")
     g.add_argument("--temperature", type=float, default=0.7, help="target temperature T (> 0)")
     g.add_argument("--draft-temperature", type=float, default=None,
                    help="draft temperature (> 0); default: the draft's proposal temperature for --temperature "
@@ -115,6 +118,28 @@ def _draft(spec: str, target_model, args):
     return sd.Draft(sd.load_model(spec, device=args.device), args.draft_temperature or args.temperature)
 
 
+def choose_proposal(draft: str, block_size, device: str, backend: str) -> tuple[str, int | str, str]:
+    """(--draft, --block-size, what was chosen and why) for SMC: explicit choices are kept; 'auto'
+    picks the target as proposal on a CPU (measured: the shipped draft makes the default model no
+    faster there and its answers worse, docs/strategies.md) and the shipped draft with adaptive K
+    on a GPU or with --backend engine (whose rounds need a draft); --block-size auto is adaptive
+    whenever a draft proposes."""
+    notes = []
+    if draft == "auto":
+        if str(device).startswith("cpu") and backend != "engine":  # (the engine's own rounds need a draft)
+            draft = "target"
+            notes.append("the target as proposal (--draft auto on a CPU: the built-in draft does not pay there, "
+                         "docs/strategies.md; --draft default uses it)")
+        else:
+            draft = "default"
+            notes.append(f"the built-in draft (--draft auto on {device})")
+    if block_size == "auto":
+        block_size = "adaptive"
+        if draft != "target":
+            notes.append("adaptive K from 0 to 8 (--block-size auto; give -k K for a fixed K)")
+    return draft, block_size, ("chosen for you: " + "; ".join(notes)) if notes else ""
+
+
 def _default_draft(target_model, args):
     """The built-in draft for the default model (see docs/drafts.md)."""
     import smcdecode as sd
@@ -165,7 +190,14 @@ def _generate(args) -> int:
     import smcdecode as sd
 
     # check cheap arguments before loading any model
-    for flag, value in (("--particles", args.particles), ("--block-size", args.block_size),
+    if args.block_size not in ("auto", "adaptive"):
+        try:
+            args.block_size = int(args.block_size)
+        except ValueError:
+            raise UsageError(f"--block-size must be an integer >= 1, 'adaptive' or 'auto', got {args.block_size!r}") \
+                from None
+    for flag, value in (("--particles", args.particles), ("--block-size", 1 if isinstance(args.block_size, str)
+                                                          else args.block_size),
                         ("--max-new-tokens", args.max_new_tokens)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
@@ -219,19 +251,26 @@ def _generate(args) -> int:
     strategies = ["smc", "sd", "ar"] if args.strategy == "all" else [args.strategy]
     results = []
     for name in strategies:
+        chosen = ""
         if name == "smc":
-            proposal = _draft(args.draft, model, args)
-            runner = sd.SMC(target, proposal, particles=args.particles, block_size=args.block_size,
+            spec, block, chosen = choose_proposal(args.draft, args.block_size, args.device, args.backend)
+            proposal = _draft(spec, model, args)
+            runner = sd.SMC(target, proposal, particles=args.particles, block_size=block,
                             resampler=args.resampler, ess_threshold=args.ess_threshold, backend=args.backend)
         elif name == "sd":
             if args.draft == "target":
                 raise UsageError("--strategy sd needs a draft model, not --draft target")
-            runner = sd.SpeculativeDecoding(target, _draft(args.draft, model, args), block_size=args.block_size,
-                                            samples=args.particles, backend=args.backend)
+            block = 4 if isinstance(args.block_size, str) else args.block_size
+            if args.block_size == "adaptive":
+                raise UsageError("--block-size adaptive is for SMC: exact speculative decoding takes a fixed K")
+            runner = sd.SpeculativeDecoding(target, _draft("default" if args.draft == "auto" else args.draft, model,
+                                                           args), block_size=block, samples=args.particles,
+                                            backend=args.backend)
         else:
             runner = sd.Autoregressive(target, samples=args.particles, backend=args.backend)
         results.append(runner.run(prompt, max_new_tokens=args.max_new_tokens, seed=args.seed,
                                   progress=not args.no_progress))
+        results[-1].chosen = chosen
     if args.json:
         print(json.dumps([_as_json(r) for r in results], indent=2))
     else:
@@ -266,6 +305,9 @@ def _as_json(r) -> dict:
             for t, tok, w, lw, end in zip(r.texts, r.tokens, r.weights, r.log_weights, r.endings)
         ],
         "ess": r.ess,
+        "block_sizes": r.block_sizes,
+        "diagnosis": r.diagnosis,
+        "chosen": r.chosen,
         "resampled": r.resampled,
         "seconds": r.seconds,
         "tokens_per_second": r.tokens_per_second,

@@ -10,6 +10,9 @@ from torch import Tensor
 
 from .errors import SMCDecodeError
 
+COLLAPSE_GAP = 2.0  # nats of log Ẑ below the target-as-proposal estimate that mean collapse
+COLLAPSE_ESS = 0.5  # mean ESS / N below which the particle system counts as collapsed
+
 
 @dataclass
 class Result:
@@ -42,6 +45,12 @@ class Result:
     n_rounds: int | None = None  # rounds run where ``ess`` does not count them (speculative decoding)
     eos_token_id: int | None = None
     max_new_tokens: int | None = None
+    block_sizes: list[int] = field(default_factory=list)  # per round, the K drafted (SMC)
+    survivors: list[int] = field(default_factory=list)  # per round, distinct ancestors kept (N: not resampled)
+    # log Ẑ that the target as proposal would give, estimated from these particles (−log Σ_i W_i e^{−L_i},
+    # L_i the log-weight particle i's path carries with the target as proposal); None where not tracked
+    target_log_evidence: float | None = None
+    chosen: str = ""  # what the API chose for the user (proposal, K) and why, when it chose
 
     # -- the answer -----------------------------------------------------------------------
     @property
@@ -112,6 +121,39 @@ class Result:
             return None
         return self.accepted_tokens / self.draft_tokens
 
+    @property
+    def one_ancestor_rounds(self) -> int:
+        """Rounds after which every particle descended from a single ancestor."""
+        return sum(1 for s in self.survivors if s == 1) if self.particles > 1 else 0
+
+    @property
+    def diagnosis(self) -> str:
+        """One line when the particle system collapsed, with the fix; "" when it did not (or for
+        strategies without particles). Collapsed means: log Ẑ more than ``COLLAPSE_GAP`` nats below
+        what the target as proposal would give (estimated from the same particles: the proposal
+        missed most of the target's mass), or at least a quarter of the rounds (and two) ended with
+        one surviving ancestor, or a mean ESS below ``COLLAPSE_ESS``·N."""
+        if self.strategy != "smc" or not self.ess or self.sample_index is None:
+            return ""
+        n, rounds = self.particles, self.rounds
+        gap = None
+        if self.target_log_evidence is not None and math.isfinite(self.target_log_evidence):
+            gap = self.target_log_evidence - self.log_evidence
+        ones = self.one_ancestor_rounds
+        low_ess = n > 1 and self.mean_ess < COLLAPSE_ESS * n
+        if not ((gap is not None and gap > COLLAPSE_GAP) or (ones >= max(2, rounds / 4)) or low_ess):
+            return ""
+        facts = [f"mean ESS {self.mean_ess:.1f}/{n}", f"{ones} of {rounds} rounds with one surviving ancestor"]
+        if gap is not None:
+            facts.append(f"log Z {self.log_evidence:.1f} vs about {self.target_log_evidence:.1f} with the target "
+                         "as proposal")
+        if self.block_size:
+            fix = ("the draft cannot propose what the target wants: use the target as proposal (proposal='target', "
+                   "--draft target), block_size='adaptive' or a smaller K, more particles, or a better draft")
+        else:
+            fix = "use more particles (or a resampling threshold nearer 1)"
+        return f"particle system collapsed ({'; '.join(facts)}): {fix}"
+
     def summary(self, max_chars: int = 70) -> str:
         """A few lines in the strategy's own terms, then one row per particle (or sample), highest
         weight first; ``*`` marks the returned sample."""
@@ -119,8 +161,13 @@ class Result:
         timing = (f"{self.seconds:.2f} s, {self.tokens_per_second:.1f} tok/s (the returned sample), "
                   f"{self.particle_tokens_per_second:.1f} tok/s (all {n})")
         if self.strategy == "smc":
-            proposal = (f"K = {self.block_size} draft tokens a round" if self.block_size
-                        else "the target as proposal (one token a round)")
+            if len(set(self.block_sizes[:-1])) > 1:  # (the last round's K may be cut by the budget)
+                proposal = (f"K from {min(self.block_sizes)} to {max(self.block_sizes)} draft tokens a round "
+                            f"(mean {sum(self.block_sizes) / len(self.block_sizes):.1f})")
+            elif self.block_size:
+                proposal = f"K = {self.block_sizes[0] if self.block_sizes else self.block_size} draft tokens a round"
+            else:
+                proposal = "the target as proposal (one token a round)"
             lines = [
                 f"strategy smc: {n} particles, {proposal}, {self.rounds} rounds ({sum(self.resampled)} resampled); "
                 f"{timing}",
@@ -140,6 +187,10 @@ class Result:
             lines = [f"strategy {self.strategy}: {n} particles, {self.rounds} rounds; {timing}"]
             if not math.isnan(self.log_evidence):
                 lines.append(f"log evidence log Z = {self.log_evidence:.4f}")
+        if self.chosen:
+            lines.append(self.chosen)
+        if self.diagnosis:
+            lines.append(self.diagnosis)
         if self.message:
             lines.append(self.message)
         lines.append("  #  weight  end      tokens  text")

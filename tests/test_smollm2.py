@@ -137,3 +137,20 @@ def test_cli_proposes_from_the_shipped_draft_at_its_proposal_temperature(model):
     assert _draft("truncated:4", model, args).temperature == pytest.approx(0.7)
     args.draft_temperature = 0.9
     assert _draft("default", model, args).temperature == pytest.approx(0.9)
+
+
+def test_adaptive_blocks_on_the_issue_date_task(model, capsys):
+    """The date task where a fixed K = 4 with the shipped draft loses the target's answer: the adaptive
+    schedule drafts little there (K = 0 in most rounds), returns a well-formed date, and the CLI's
+    default says what it chose."""
+    target = sd.LM(model, temperature=1.0) * sd.Regex(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+    chat = [{"role": "user", "content": "Give the date of the first moon landing in ISO format (YYYY-MM-DD). "
+                                        "Answer with the date only."}]
+    draft = sd.load_default_draft(model)
+    r = sd.SMC(target, sd.Draft(draft, 0.7), particles=4, block_size="adaptive").run(
+        chat, max_new_tokens=14, seed=0, progress=False)
+    assert r.text is not None and re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", r.text)
+    assert sum(k == 0 for k in r.block_sizes) > len(r.block_sizes) / 2, r.block_sizes
+    assert r.target_log_evidence is not None and isinstance(r.diagnosis, str)
+    assert main(["generate", "--max-new-tokens", "4", "--particles", "2", "--no-progress"]) == 0
+    assert "chosen for you: the target as proposal" in capsys.readouterr().out

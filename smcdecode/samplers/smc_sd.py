@@ -10,7 +10,10 @@ One round, per particle with history h (DESIGN.md §2):
      constraints do not accept gets log w = -inf.
 Then, per group, resample when ESS < τ·N (always when τ = 1) and fold the mean weight into log Ẑ.
 With no draft (proposal = the target) k = 0: a plain particle filter with the locally optimal
-proposal π_loc, one token per round.
+proposal π_loc, one token per round. A ``schedule`` (``samplers/adaptive.py``) picks k per round
+from the past, 0 included (a round with the draft idle; the tokens it has not seen are fed to it
+in the next round that drafts); an adaptive schedule runs each group in its own loop (its k is
+that group's own).
 
 A feature draft (``smcdecode.drafts.feature``) also reads the target's final hidden states: the
 round's first drafted token reads the target's feature of the previous position, the later ones
@@ -20,6 +23,7 @@ tokens are fed again with the target's features at the start of the next round.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +31,7 @@ from torch import Tensor
 
 from ..errors import SMCDecodeError
 from . import steps
+from .adaptive import group_statistics, row_statistics
 from .common import Constraints, RewardTracker, dead_rows
 from .resampling import get_resampler
 
@@ -47,6 +52,11 @@ class SMCOutput:
     weights: list[Tensor] = field(default_factory=list)  # per round, normalised [G, N] before resampling
     draft_tokens: int = 0  # drafted tokens proposed in total (all particles)
     rounds: int = 0
+    block_sizes: list[Tensor] = field(default_factory=list)  # per round, [G] K used
+    survivors: list[Tensor] = field(default_factory=list)  # per round, [G] distinct ancestors kept (N: none resampled)
+    # [G, N] log-weight each particle's path would carry with the target as proposal (Σ of the
+    # local normalisers log Σ_v p_T^α·1[valid], rewards, cuts); None where not tracked
+    target_log_weights: Tensor | None = None
 
 
 def smc_sd(
@@ -62,22 +72,32 @@ def smc_sd(
     ess_threshold: float = 0.5,
     generator: torch.Generator | None = None,
     progress=None,
+    schedule=None,
 ) -> SMCOutput:
     """Run SMC-SD. ``target`` is a Product (one LM, constraints, rewards); ``draft`` is a
-    :class:`~smcdecode.samplers.proposals.Draft` or None (target as proposal, block size 0)."""
+    :class:`~smcdecode.samplers.proposals.Draft` or None (target as proposal, block size 0);
+    ``schedule`` a FixedBlocks / AdaptiveBlocks (K per round) or None (``block_size`` every round)."""
+    if schedule is not None and draft is None:
+        schedule = None
+    if schedule is not None and schedule.adaptive and groups > 1:
+        runs = [smc_sd(target, draft, prompt_ids, groups=1, particles=particles, block_size=block_size,
+                       max_new_tokens=max_new_tokens, resampler=resampler, ess_threshold=ess_threshold,
+                       generator=generator, progress=progress, schedule=schedule) for _ in range(groups)]
+        return _stack(runs, target.lm.model.eos_token_id)
     lm = target.lm
     model = lm.model
     G, N = groups, particles
     B = G * N
     K = block_size if draft is not None else 0
+    plan = schedule.start(G) if schedule is not None else None
     eos = model.eos_token_id
     alpha = lm.alpha
     resample = get_resampler(resampler)
 
     t_runner = model.start(prompt_ids[:-1], B)
-    d_runner = draft.model.start(prompt_ids[:-1], B) if K > 0 else None
+    d_runner = draft.model.start(prompt_ids[:-1], B) if K > 0 or plan is not None else None
     pending = torch.full((B, 1), prompt_ids[-1], dtype=torch.long)  # tokens the draft has not seen
-    feature = K > 0 and draft.reads_target
+    feature = d_runner is not None and draft.reads_target
     # a feature draft: the feature paired with each pending token (the target's, of the position before)
     pending_features = d_runner.tail_feature[:, None] if feature else None
     last = torch.full((B,), prompt_ids[-1], dtype=torch.long)  # token the target has not seen
@@ -90,29 +110,38 @@ def smc_sd(
     constraints = Constraints.start(target.constraints, B)
     rewards = RewardTracker(target.rewards, model, B, incremental=True)
     out = SMCOutput(tokens, lengths, finished, log_w, log_Z)
+    tp_lw = torch.zeros(B, dtype=torch.float64)  # the paths' log-weights with the target as proposal
     position = 0  # generated length of every unfinished particle (they advance in lockstep)
 
     while position < max_new_tokens and not bool(finished.all()):
         remaining = max_new_tokens - position
-        k = min(K, remaining)
-        bonus = remaining > K
+        K_round = K if plan is None else int(plan.next()[0])  # (one group, or the same K for every group)
+        k = min(K_round, remaining)
+        # a probe: a K = 0 round that also drafts one token, for the schedule's statistics only
+        probe = k == 0 and plan is not None and bool(plan.probing[0])
+        n_draw = 1 if probe else k
+        bonus = remaining > K_round
         active = ~finished
         never = k + 2
         dead_at = torch.full((B,), never, dtype=torch.long)  # first position of the round with no allowed token
 
         # 1. draft k tokens from q' (masked by the constraints)
-        drafted, drafted_log_q = [], []
+        drafted, drafted_log_q, drafted_log_q_all, masks = [], [], [], []
         states = constraints.states
-        if k > 0:
+        if n_draw > 0:
             if feature:
                 logits, hidden = d_runner.extend(pending, pending_features)
                 logits, hidden, committed = logits[:, -1].cpu(), hidden[:, -1:], d_runner.length
             else:
                 logits = d_runner.extend(pending)[:, -1].cpu()
             over = finished.clone()  # rows whose later drafts this round are discarded: ended or dead
-            for i in range(k):
+            for i in range(n_draw):
                 mask = constraints.allowed(states)
                 d, lq_d = steps.propose(logits.double(), draft.temperature, mask, generator=generator)
+                if plan is not None:  # log q(d) of the unmasked draft (a schedule's statistic)
+                    lq_all = torch.log_softmax(logits.double() / draft.temperature, -1)
+                    drafted_log_q_all.append(lq_d if mask is None else lq_all.gather(1, d[:, None])[:, 0])
+                masks.append(mask)
                 dead = dead_rows(mask)
                 if dead is not None:
                     dead_at = torch.where(dead & (dead_at == never), i, dead_at)
@@ -120,7 +149,7 @@ def smc_sd(
                 drafted_log_q.append(lq_d)
                 states = constraints.advanced(d, states)
                 over |= d == eos if dead is None else (d == eos) | dead
-                if bool(over.all()) and i < k - 1:
+                if bool(over.all()) and i < k - 1 and not probe:
                     # NOTE: every particle ends this round: its remaining drafts (a huge block_size
                     # can ask for millions) and the bonus would be discarded, so they are not drawn
                     k, bonus = i + 1, False
@@ -131,15 +160,20 @@ def smc_sd(
                         logits = logits[:, -1].cpu()
                     else:
                         logits = d_runner.extend(d[:, None])[:, -1].cpu()
-            out.draft_tokens += int(active.sum()) * k
+            out.draft_tokens += int(active.sum()) * n_draw
         drafts = torch.stack(drafted, 1) if drafted else torch.empty(B, 0, dtype=torch.long)
         log_q = torch.stack(drafted_log_q, 1) if drafted else torch.zeros(B, 0, dtype=torch.float64)
+        if probe:  # nothing drafted counts: the round is the target's bonus alone
+            probed, probed_log_q, probed_log_q_all = drafts, log_q, torch.stack(drafted_log_q_all, 1)
+            drafts, log_q, masks, states = drafts[:, :0], log_q[:, :0], [], constraints.states
+            dead_at = torch.full((B,), never, dtype=torch.long)
 
         # 2. one target pass over [last, d_1..d_k]
         feed = torch.cat([last[:, None], drafts], dim=1)
         if feature:
             t_logits, t_hidden = t_runner.extend(feed, hidden=True)
-            d_runner.crop(committed)  # the drafted positions read draft features: fed again next round
+            if n_draw > 0:
+                d_runner.crop(committed)  # the drafted positions read draft features: fed again next round
         else:
             t_logits = t_runner.extend(feed)
         log_p = lm.log_probs(t_logits.cpu()).double()  # [B, k+1, V]
@@ -154,16 +188,44 @@ def smc_sd(
                 dead_at = torch.where(dead & (dead_at == never), k, dead_at)
             block = torch.cat([drafts, b[:, None]], dim=1)
             states = constraints.advanced(b, states)
-            if feature:  # the round's tokens again, each with the target's feature of the position before
+            if feature and n_draw > 0:  # the round's tokens again, each with the target's feature of the position before
                 pending, pending_features = block, t_hidden.to(pending_features.dtype)
+            elif feature:  # the draft sat this round out: it still has to see what it has not seen
+                pending = torch.cat([pending, block], dim=1)
+                pending_features = torch.cat([pending_features, t_hidden.to(pending_features.dtype)], dim=1)
+            elif k > 0:
+                pending = torch.stack([drafts[:, -1], b], dim=1)
+            elif probe:  # the draft has seen everything up to ``last``
+                pending = b[:, None]
             else:
-                pending = torch.stack([drafts[:, -1], b], dim=1) if k > 0 else b[:, None]
+                pending = torch.cat([pending, b[:, None]], dim=1) if d_runner is not None else b[:, None]
             last = b
         constraints.states = states
 
         # 4. incremental weights of the drafted tokens, up to and including the first EOS (+ the bonus's)
         log_p_drafts = log_p[:, :k].gather(2, drafts[:, :, None])[:, :, 0]
         incr, n_new, any_eos, _ = steps.weigh(log_p_drafts, log_q, drafts, alpha, k, eos, log_norm, bonus)
+        is_eos = drafts == eos
+        keep = (torch.cumsum(is_eos.long(), 1) - is_eos.long()) == 0  # drafted positions up to the first EOS
+        if plan is not None and probe:
+            lp_d = log_p[:, :1].gather(2, probed[:, :, None])[:, :, 0]
+            plan.observe(group_statistics(*row_statistics(lp_d, probed_log_q_all, alpha * lp_d - probed_log_q,
+                                                          active[:, None]), active, G))
+        elif plan is not None and k > 0:
+            term = torch.where(torch.isneginf(log_q), steps.NEG_INF, alpha * log_p_drafts - log_q)
+            plan.observe(group_statistics(*row_statistics(log_p_drafts, torch.stack(drafted_log_q_all, 1), term,
+                                                          keep & active[:, None]), active, G))
+        elif plan is not None:
+            plan.observe(group_statistics(*(torch.zeros(B, dtype=torch.float64),) * 3, active, G))
+        # the paths' log-weights with the target as proposal: the local normalisers log Σ_v p^α·1[valid]
+        # at the round's drafted positions and the bonus's
+        tp_incr = torch.zeros(B, dtype=torch.float64)
+        for i, m in enumerate(masks):
+            la = alpha * log_p[:, i]
+            la = la if m is None else la.masked_fill(~m, steps.NEG_INF)
+            tp_incr += torch.where(keep[:, i], torch.logsumexp(la, -1), 0.0)
+        if log_norm is not None:
+            tp_incr = tp_incr + torch.where(any_eos, 0.0, log_norm)
 
         width = block.shape[1]
         # NOTE: a particle stops before its first position with no allowed token (weight 0 there)
@@ -178,10 +240,15 @@ def smc_sd(
         hit_eos = any_eos | (block[:, -1] == eos) if bonus else any_eos
         ended = active & (hit_eos | (lengths >= max_new_tokens))
         if constraints:
-            incr = steps.reject_cut(incr, ended, hit_eos, constraints.accepting(B))
+            accepting = constraints.accepting(B)
+            incr = steps.reject_cut(incr, ended, hit_eos, accepting)
+            tp_incr = steps.reject_cut(tp_incr, ended, hit_eos, accepting)
         if rewards:  # particles whose weight is already 0 are not scored
-            incr = incr + rewards.increment(tokens, lengths, active & ~torch.isneginf(incr), ended)
+            r_incr = rewards.increment(tokens, lengths, active & ~torch.isneginf(incr), ended)
+            incr = incr + r_incr
+            tp_incr = tp_incr + r_incr
         log_w = torch.where(active, log_w + incr, log_w)
+        tp_lw = torch.where(active, tp_lw + tp_incr, tp_lw)
         if not bool((torch.isfinite(log_w) | torch.isneginf(log_w)).all()):
             raise _non_finite(log_w, log_p, log_q, model, draft, out.rounds)
         finished |= ended | torch.isneginf(log_w)
@@ -195,12 +262,15 @@ def smc_sd(
         out.ess.append(rs.ess)
         out.resampled.append(rs.resampled)
         out.weights.append(rs.W)
+        out.block_sizes.append(torch.full((G,), k, dtype=torch.long))
         out.rounds += 1
+        kept = torch.full((G,), N, dtype=torch.long)
         if bool(rs.resampled.any()):  # the one host sync of the round
+            kept = (rs.ancestors.sort(1).values.diff(dim=1) != 0).sum(1) + 1
             index = (rs.ancestors + (torch.arange(G) * N)[:, None]).flatten()
             log_Z += rs.log_Z_incr
             log_w = rs.log_w.flatten()
-            tokens, lengths, finished = tokens[index], lengths[index], finished[index]
+            tokens, lengths, finished, tp_lw = tokens[index], lengths[index], finished[index], tp_lw[index]
             pending, last = pending[index], last[index]
             if feature:
                 pending_features = pending_features[index.to(pending_features.device)]
@@ -209,6 +279,7 @@ def smc_sd(
             t_runner.reorder(index)
             if d_runner is not None:
                 d_runner.reorder(index)
+        out.survivors.append(kept)
 
     lw = log_w.view(G, N)
     log_Z += steps.log_mean_weight(lw, N)
@@ -217,7 +288,35 @@ def smc_sd(
     out.finished = finished.view(G, N)
     out.log_weights = lw
     out.log_evidence = log_Z
+    out.target_log_weights = tp_lw.view(G, N)
     return out
+
+
+def _stack(runs: list[SMCOutput], eos: int) -> SMCOutput:
+    """Runs of one group each as one G-group output (tokens EOS-padded to the longest); per-round
+    lists are padded where a run had fewer rounds (ESS and weights nan, not resampled, K 0, N survivors)."""
+    T = max(r.tokens.shape[2] for r in runs)
+    tokens = torch.cat([torch.nn.functional.pad(r.tokens, (0, T - r.tokens.shape[2]), value=eos) for r in runs])
+    out = SMCOutput(tokens, torch.cat([r.lengths for r in runs]), torch.cat([r.finished for r in runs]),
+                    torch.cat([r.log_weights for r in runs]), torch.cat([r.log_evidence for r in runs]))
+    R = max(r.rounds for r in runs)
+    N = runs[0].tokens.shape[1]
+
+    def column(values: list, t: int, fill):
+        return torch.cat([v[t] if t < len(v) else fill for v in values])
+
+    nan1, nanN = torch.full((1,), math.nan, dtype=torch.float64), torch.full((1, N), math.nan, dtype=torch.float64)
+    for t in range(R):
+        out.ess.append(column([r.ess for r in runs], t, nan1))
+        out.resampled.append(column([r.resampled for r in runs], t, torch.zeros(1, dtype=torch.bool)))
+        out.weights.append(column([r.weights for r in runs], t, nanN))
+        out.block_sizes.append(column([r.block_sizes for r in runs], t, torch.zeros(1, dtype=torch.long)))
+        out.survivors.append(column([r.survivors for r in runs], t, torch.full((1,), N, dtype=torch.long)))
+    out.rounds = R
+    out.draft_tokens = sum(r.draft_tokens for r in runs)
+    out.target_log_weights = torch.cat([r.target_log_weights for r in runs])
+    return out
+
 
 
 def _grow(tokens: Tensor, width: int, eos: int) -> Tensor:

@@ -109,14 +109,14 @@ def run_smc(strategy, ids: list[int], groups: int, max_new_tokens: int, generato
     if len(ids) < 2:
         raise SMCDecodeError("the engine needs a prompt of at least 2 tokens: add a token (e.g. BOS) in front")
     model = strategy.model
-    K, N = strategy.block_size, strategy.particles
+    K, N = max(1, strategy.block_size), strategy.particles
     engine = engine_for(model, strategy.proposal.model, groups * N, len(ids) + max_new_tokens + K + 2, options)
     out = engine.smc_sd(
         [ids] * groups, particles=N, block_size=K, max_new_tokens=max_new_tokens,
         draft_temperature=strategy.proposal.temperature, target_temperature=strategy.target.lm.temperature,
         eos_token_id=model.eos_token_id, resampler=strategy.resampler, ess_threshold=strategy.ess_threshold,
         use_graphs=options.get("use_graphs"), seed=_seed(generator),
-        target=EngineTarget.of(strategy.target), record_weights=True)
+        target=EngineTarget.of(strategy.target), record_weights=True, schedule=getattr(strategy, "schedule", None))
     result = SMCOutput(out.tokens.cpu(), out.lengths.cpu(), out.finished.cpu(), out.log_weights.cpu(),
                        out.log_evidence.cpu())
     result.ess = [torch.as_tensor(e) for e in out.ess]
@@ -124,6 +124,12 @@ def run_smc(strategy, ids: list[int], groups: int, max_new_tokens: int, generato
     result.weights = [w.cpu() for w in out.weights]
     result.rounds = out.rounds
     result.draft_tokens = int(out.drafted.sum())
+    result.block_sizes = [torch.as_tensor(k) for k in out.block_sizes]
+    result.survivors = [torch.as_tensor(s) for s in out.survivors]
+    target = strategy.target
+    if target.lm.alpha == 1 and not target.constraints and not target.rewards:
+        # with the target as proposal every weight would be 1: the path log-weights are 0
+        result.target_log_weights = torch.zeros_like(result.log_weights)
     return result
 
 

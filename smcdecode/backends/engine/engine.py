@@ -144,7 +144,7 @@ class Engine:
                draft_temperature=1.0, target_temperature=1.0, eos_token_id: int | None = None,
                resampler: str = "systematic", ess_threshold: float = 0.5, use_graphs: bool | None = None,
                seed: int = 0, target: EngineTarget | list | None = None, record_weights: bool = False,
-               pipeline: bool = True) -> EngineOutput:
+               pipeline: bool = True, schedule=None) -> EngineOutput:
         """SMC-SD for G = len(prompts) requests × N particles, K = block_size drafted tokens a round.
 
         ``particles``, ``block_size``, ``max_new_tokens`` and the temperatures are one value or one
@@ -152,8 +152,9 @@ class Engine:
         ``EngineTarget.of(LM(model) ** 2 * Regex(...) * Reward(...))``, or one per prompt) adds a
         power α, constraints and rewards. The plain uniform case runs the fused round
         (``fused_smc.run``); anything else runs the request loop (``scheduler.run_batch``: per-row
-        settings, masks, rewards).
-        eos_token_id None ignores EOS (fixed-length outputs, as in the benchmark).
+        settings, masks, rewards). eos_token_id None ignores EOS (fixed-length outputs, as in the
+        benchmark). ``schedule`` (a ``samplers.adaptive`` FixedBlocks / AdaptiveBlocks) sets each
+        request's K between rounds, up to its ``block_size``: it runs the request loop.
 
         Page bookkeeping of the fused round: the host sets pages aside before each launch, so the
         round's graph forks the page table, copies the shared partial pages and adds fresh ones
@@ -171,13 +172,13 @@ class Engine:
         use_graphs = self.config.use_graphs if use_graphs is None else use_graphs
         programs = target if isinstance(target, (list, tuple)) else [target]
         plain = all(t is None or (t.alpha == 1.0 and not t.constraints and not t.rewards) for t in programs)
-        if not (plain and settings.uniform):
+        if not (plain and settings.uniform) or schedule is not None:
             if target is None or (isinstance(target, (list, tuple)) and any(t is None for t in target)):
                 target = [t or EngineTarget() for t in programs] if isinstance(target, (list, tuple)) \
                     else EngineTarget()
             return scheduler.run_batch(self, prompts, settings, target, eos_token_id=eos_token_id,
                                        resampler=resampler, ess_threshold=ess_threshold, use_graphs=use_graphs,
-                                       seed=seed, record_weights=record_weights)
+                                       seed=seed, record_weights=record_weights, schedule=schedule)
         return fused_smc.run(self, prompts, settings, eos_token_id=eos_token_id, resampler=resampler,
                              ess_threshold=ess_threshold, use_graphs=use_graphs, seed=seed,
                              record_weights=record_weights, pipeline=pipeline)

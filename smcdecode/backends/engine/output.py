@@ -23,3 +23,5 @@ class EngineOutput:
     finished: Tensor | None = None  # [G, N] bool: ended by EOS, budget, or weight 0 (SMC-SD)
     weights: list = field(default_factory=list)  # per round, normalised [G, N] (record_weights=True)
     particles: list | None = None  # N_g per request (rows j >= N_g of request g are padding)
+    block_sizes: list = field(default_factory=list)  # per round, [G] K_row of each request (SMC-SD, general round)
+    survivors: list = field(default_factory=list)  # per round, [G] distinct ancestors kept (general round)

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from ...errors import SMCDecodeError
+from ...samplers.adaptive import group_statistics
 from ...samplers.common import RewardTracker
 from ...samplers.resampling import RESAMPLERS
 from .host_masks import HostMasks, RequestMasks
@@ -74,6 +75,8 @@ class Finished:
     joined_round: int = 0
     drafted: Tensor | None = None  # [N] tokens drafted in each row slot while unfinished
     weights: list = field(default_factory=list)  # per round, normalised [N_max] (record_weights)
+    block_sizes: list = field(default_factory=list)  # per round, the K it ran with
+    survivors: list = field(default_factory=list)  # per round, distinct ancestors kept (N: not resampled)
 
 
 def _idle(b: dict, rows: slice) -> None:
@@ -102,7 +105,10 @@ class Scheduler:
     def __init__(self, engine, *, slots: int, max_particles: int, max_block_size: int,
                  target: EngineTarget | list | None = None, eos_token_id: int | None = None,
                  resampler: str = "systematic", ess_threshold: float = 0.5, use_graphs: bool | None = None,
-                 seed: int = 0, max_context: int | None = None, record_weights: bool = False):
+                 seed: int = 0, max_context: int | None = None, record_weights: bool = False, schedule=None):
+        """``schedule`` (``samplers.adaptive``: FixedBlocks / AdaptiveBlocks) sets each request's K
+        between rounds from its own past rounds, up to its ``block_size`` (slot g is the schedule's
+        group g)."""
         if engine.draft is None:
             raise SMCDecodeError("SMC-SD needs a draft model: Engine(target, draft, ...)")
         max_context = max_context or engine.max_context
@@ -146,6 +152,7 @@ class Scheduler:
         self.host = HostMasks(max_particles, V, dev) if eager else None
         self.resampler, self.tau = resampler, ess_threshold
         self.record_weights = record_weights
+        self.plan = schedule.start(slots) if schedule is not None else None
         B = slots * max_particles
         PS = engine.page_size
         engine.ensure_rope(max_context + PS)
@@ -274,7 +281,8 @@ class Scheduler:
                 for i, v in fresh.prev.items():
                     tracker.prev[i][torch.from_numpy(rows)] = v
         self.requests[g] = req
-        self.history[g] = {"ess": [], "resampled": [], "weights": [], "joined": self.round}
+        self.history[g] = {"ess": [], "resampled": [], "weights": [], "block_sizes": [], "survivors": [],
+                           "joined": self.round}
 
     def _release(self, g: int) -> Finished:
         b, N = self.full.buffers, self.Nmax
@@ -286,7 +294,8 @@ class Scheduler:
         out = Finished(req, b["tokens"][r, : req.max_new_tokens].cpu().clone(), b["n_gen"][r].cpu().clone(), lw,
                        float(b["log_Z"][g].cpu() + torch.logsumexp(lw, 0) - math.log(n)),
                        h["ess"], h["resampled"], self.round - h["joined"], h["joined"],
-                       drafted=b["drafted"][r].cpu().clone(), weights=h["weights"])
+                       drafted=b["drafted"][r].cpu().clone(), weights=h["weights"], block_sizes=h["block_sizes"],
+                       survivors=h["survivors"])
         rows = np.arange(g * N, (g + 1) * N)
         self.table.free_rows(rows)
         self.lens[rows] = 1
@@ -340,7 +349,7 @@ class Scheduler:
                 view[name] = v
             elif name == "packed":
                 view[name] = v[: 3 * R + 2 * bucket + 1]
-            elif name in ("drafts", "log_q"):
+            elif name in ("drafts", "log_q", "log_q_all"):
                 view[name] = v[:R, :k]
             else:
                 view[name] = v[:R]
@@ -382,11 +391,21 @@ class Scheduler:
         if not occupied:
             return []
         bucket = _bucket(max(occupied) + 1, self.slots)
+        b = self.full.buffers
         # NOTE: the round's shape follows the largest block size present, so requests with a
         # small K stop paying for a large one once the requests that asked for it have left
-        k = max(self.requests[g].block_size for g in occupied)
+        K_now = {g: self.requests[g].block_size for g in occupied}
+        k = max(K_now.values())
+        if self.plan is not None:  # this round's K of each request, from its past rounds
+            chosen = self.plan.next()
+            K_now = {g: min(int(chosen[g]), self.requests[g].block_size) for g in occupied}
+            # (the round drafts for the statistics even when every K is 0: a probe costs the draft)
+            k = max(max(K_now.values()), int(bool(self.plan.probing[occupied].any())))
+            for g, kg in K_now.items():
+                b["K_row"][g * self.Nmax : (g + 1) * self.Nmax] = kg
+                if self.host is not None and g in self.host.requests:
+                    self.host.requests[g].K = kg
         R = bucket * self.Nmax
-        b = self.full.buffers
         rows = np.arange(R)
         # pages for the rows of occupied slots (the rows of free slots write into the null page)
         held = np.concatenate([np.arange(g * self.Nmax, (g + 1) * self.Nmax) for g in occupied])
@@ -405,6 +424,9 @@ class Scheduler:
             self.host_s += time.perf_counter() - t1
         rnd.finish()
         weights = b["W"][:bucket].clone() if self.record_weights else None
+        if self.plan is not None:
+            stats = torch.stack([b["accept"], b["accept_n"], b["draft_lw"]]).cpu()
+            self.plan.observe(group_statistics(stats[0], stats[1], stats[2], b["active"].cpu(), self.slots))
         n_packed = 3 * R + 2 * bucket + 1
         host = self._packed[:n_packed]
         host.copy_(b["packed"][:n_packed], non_blocking=True)
@@ -427,9 +449,13 @@ class Scheduler:
             if self.host is not None:
                 self.host.fork(idx_t)
         done = []
+        parents = index[:R].reshape(bucket, self.Nmax)
         for g in occupied:
             self.history[g]["ess"].append(float(ess[g]))
             self.history[g]["resampled"].append(bool(do[g]))
+            self.history[g]["block_sizes"].append(K_now[g])
+            n = self.requests[g].particles
+            self.history[g]["survivors"].append(len(np.unique(parents[g, :n])))
             if weights is not None:
                 self.history[g]["weights"].append(weights[g])
             if finished[g].all():
@@ -451,7 +477,7 @@ class Scheduler:
 
 def run_batch(engine, prompts: list[list[int]], settings: Settings, target, *, eos_token_id: int | None,
               resampler: str, ess_threshold: float, use_graphs: bool, seed: int,
-              record_weights: bool = False) -> EngineOutput:
+              record_weights: bool = False, schedule=None) -> EngineOutput:
     """SMC-SD of ``prompts`` (each its own request, all submitted at once) with per-request
     ``settings`` and ``target`` (one EngineTarget or one per prompt). Returns an
     :class:`~smcdecode.backends.engine.output.EngineOutput` whose tensors are [G, N_max, ...] (rows
@@ -471,7 +497,8 @@ def run_batch(engine, prompts: list[list[int]], settings: Settings, target, *, e
     context = engine.max_context or max(len(p) for p in prompts) + longest_new + Kmax + 2
     sched = Scheduler(engine, slots=G, max_particles=Nmax, max_block_size=Kmax, target=programs,
                       eos_token_id=eos_token_id, resampler=resampler, ess_threshold=ess_threshold,
-                      use_graphs=use_graphs, seed=seed, max_context=context, record_weights=record_weights)
+                      use_graphs=use_graphs, seed=seed, max_context=context, record_weights=record_weights,
+                      schedule=schedule)
     for g, p in enumerate(prompts):
         sched.submit(Request(list(p), settings.particles[g], settings.block_size[g], settings.max_new_tokens[g],
                              settings.draft_temperature[g], settings.target_temperature[g], id=g,
@@ -495,6 +522,9 @@ def run_batch(engine, prompts: list[list[int]], settings: Settings, target, *, e
     for t in range(rounds):
         out.ess.append(np.array([f.ess[t] if t < len(f.ess) else math.nan for f in done]))
         out.resampled.append(np.array([f.resampled[t] if t < len(f.resampled) else False for f in done]))
+        out.block_sizes.append(np.array([f.block_sizes[t] if t < len(f.block_sizes) else 0 for f in done]))
+        out.survivors.append(np.array([f.survivors[t] if t < len(f.survivors) else f.log_weights.shape[0]
+                                       for f in done]))
         if record_weights:
             out.weights.append(torch.stack([f.weights[t] if t < len(f.weights) else torch.zeros_like(f.weights[0])
                                             for f in done]))

@@ -17,6 +17,13 @@ One round, per row with history h (DESIGN.md §2):
   6. per request: ESS, resample when ESS < τ·N_g (systematic, stratified, multinomial or residual
      over N_g rows), log Ẑ += logsumexp(log w) − log N_g, gather of every row field.
 
+Each row's K_row ∈ {0..k} is a buffer, so a schedule (``samplers/adaptive.py``) can change it between
+rounds without a new capture: the round drafts k tokens for every row anyway, so the draft
+statistics a schedule reads (min(1, p/q) and the draft terms' spread, over every drafted position
+within the budget and before an EOS) are fresh each round. K_row = 0 takes only the bonus from
+p_T(· | h) (the target as proposal); the draft's cache stays consistent because its next round
+re-feeds [last, bonus] at positions T−1, T.
+
 Steps 1–4 and 6 are device tensor code. Without rewards or host-mask constraints they are captured
 as one CUDA graph; with rewards as two (1–4, and 6), the host scores texts in between. Constraints
 whose masks come from the host (host_masks.py) run the round eagerly: one host mask per draft step
@@ -31,6 +38,7 @@ import torch
 from torch import Tensor
 
 from ...samplers import steps
+from ...samplers.adaptive import row_statistics
 from .attention import PagedBatch
 from .sampling import sample_and_score
 
@@ -82,6 +90,8 @@ def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resamp
         alpha=z(B, dtype=torch.float32), n=z(G), valid=z(B, dtype=torch.bool),
         finished=z(B, dtype=torch.bool), log_w=z(B, dtype=torch.float64), log_Z=z(G, dtype=torch.float64),
         drafts=z(B, Kmax), log_q=z(B, Kmax, dtype=torch.float32), bonus=z(B), drafted=z(B),
+        log_q_all=z(B, Kmax, dtype=torch.float32),  # log q(d_i) of the unmasked draft (a schedule's statistic)
+        accept=z(B, dtype=torch.float64), accept_n=z(B, dtype=torch.float64), draft_lw=z(B, dtype=torch.float64),
         states=[z(B) for _ in automata], index=torch.arange(B, device=dev), do=z(G, dtype=torch.bool),
         ess=z(G, dtype=torch.float64), W=z(G, Nmax, dtype=torch.float64), done=z(1, dtype=torch.bool),
         ar=torch.arange(Kmax + 1, device=dev), group_base=(torch.arange(G, device=dev) * Nmax)[:, None],
@@ -104,6 +114,7 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
     ar, PS = b["ar"], engine.page_size
     draft, fused = engine.draft, engine.config.triton
     rows = torch.arange(B, device=b["ar"].device)
+    pair = torch.arange(2, device=b["ar"].device)  # (the draft's first forward: positions T−1, T, whatever K_max)
     tokens, n_gen, finished, log_w = b["tokens"], b["n_gen"], b["finished"], b["log_w"]
     drafts, log_q, K_row, alpha, T = b["drafts"], b["log_q"], b["K_row"], b["alpha"], b["seq"]
 
@@ -125,11 +136,17 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         states = list(b["states"])
         kept = list(b["states"])  # states after the row's first min(i, k_eff) drafts
         # 1. K_max draft tokens from q' (the first forward covers the two tokens the draft has not seen)
-        batch = PagedBatch.build((T - 1)[:, None] + ar[:2], b["pt"], PS)
+        batch = PagedBatch.build((T - 1)[:, None] + pair, b["pt"], PS)
         logits = draft(b["pending"], engine.kv_d, batch, last_only=True)[:, 0]  # [B, V]
         for i in range(Kmax):
-            d, log_q[:, i], _, _ = sample_and_score(logits, b["T_draft"], seeds[i], mask=masks(states, i), triton=fused)
+            m = masks(states, i)
+            d, log_q[:, i], _, _ = sample_and_score(logits, b["T_draft"], seeds[i], mask=m, triton=fused)
             drafts[:, i] = d
+            if m is None:
+                b["log_q_all"][:, i] = log_q[:, i]
+            else:  # (a constrained round: one more pass over the draft's logits, for the statistics)
+                x = logits.float() / b["T_draft"][:, None]
+                b["log_q_all"][:, i] = x.gather(1, d[:, None])[:, 0] - torch.logsumexp(x, -1)
             states = [a.advance(s, d) for a, s in zip(automata, states)]
             kept = [torch.where(i < k_eff, s, k) for s, k in zip(states, kept)]
             if i < Kmax - 1:
@@ -140,9 +157,12 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         batch = PagedBatch.build(T[:, None] + ar, b["pt"], PS)
         logits_t = engine.target(feed, engine.kv_t, batch)  # [B, Kmax+1, V]
         V = logits_t.shape[-1]
-        gather = torch.cat([drafts, drafts[:, :1]], dim=1).reshape(-1)
-        log_p = sample_and_score(logits_t.view(B * (Kmax + 1), V), b["T_target"][:, None].expand(B, Kmax + 1).reshape(-1),
-                                 seeds[Kmax], gather, draw=False, triton=fused).gathered.view(B, Kmax + 1)[:, :Kmax]
+        if Kmax == 0:  # (a round of bonus tokens only: nothing drafted to score)
+            log_p = logits_t.new_zeros(B, 0)
+        else:
+            gather = torch.cat([drafts, drafts[:, :1]], dim=1).reshape(-1)
+            log_p = sample_and_score(logits_t.view(B * (Kmax + 1), V), b["T_target"][:, None].expand(B, Kmax + 1).reshape(-1),
+                                     seeds[Kmax], gather, draw=False, triton=fused).gathered.view(B, Kmax + 1)[:, :Kmax]
         # 3. the bonus after the row's K drafts, from π_loc ∝ p^α·1[valid], and its normaliser
         bonus, _, log_norm, _ = sample_and_score(logits_t[rows, K_row], b["T_target"], seeds[Kmax + 1], alpha=alpha,
                                                  mask=masks(kept, Kmax), triton=fused)
@@ -150,6 +170,13 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         # 4. incremental weights up to the first EOS and the budget (a dead end: -inf)
         incr, n_new, any_eos, has_bonus = steps.weigh(log_p, log_q, drafts, alpha, k_eff, eos, log_norm,
                                                       remaining > K_row)
+        # a schedule's statistics over every drafted position within the budget, up to the first EOS
+        drawn = ar[None, :Kmax] < remaining[:, None]
+        eos_all = (drafts == eos) & drawn
+        counted = ((torch.cumsum(eos_all.long(), 1) - eos_all.long()) == 0) & drawn & ~finished[:, None]
+        for name, value in zip(("accept", "accept_n", "draft_lw"),
+                               row_statistics(log_p, b["log_q_all"], alpha[:, None] * log_p - log_q, counted)):
+            b[name].copy_(value)
         active = ~finished
         b["drafted"].add_(torch.where(active, k_eff, 0))
         block = torch.cat([drafts, torch.full_like(bonus, pad)[:, None]], dim=1)
@@ -169,7 +196,9 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         finished.copy_(finished | ended | torch.isneginf(lw))
         for s, f in zip(b["states"], final):
             s.copy_(torch.where(active, f, s))
-        d_last = drafts.gather(1, (K_row - 1)[:, None])[:, 0]
+        # the draft's next feed [token at T'−1, bonus]: the row's last draft, or (K_row = 0) the last token
+        d_last = (b["last"] if Kmax == 0 else
+                  torch.where(K_row > 0, drafts.gather(1, (K_row - 1).clamp(min=0)[:, None])[:, 0], b["last"]))
         b["pending"].copy_(torch.where(active[:, None], torch.stack([d_last, bonus], 1), b["pending"]))
         b["last"].copy_(torch.where(active, bonus, b["last"]))
         T.add_(torch.where(active, K_row + 1, 0))

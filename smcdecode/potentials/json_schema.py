@@ -25,10 +25,15 @@ import json
 import re
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from ..errors import SMCDecodeError
+from .constraint import TokenConstraint
 from .grammar import LLGuidanceConstraint, _llguidance, lark_header
 
 WHITESPACE = ("compact", "flexible")
+PATHS = ("auto", "automaton", "llguidance")
 
 
 def schema_dict(schema) -> tuple[dict, Any]:
@@ -207,6 +212,13 @@ class JSONSchema(LLGuidanceConstraint):
     exclude it; with ``unique_keys`` the mask also forbids every token that would close a key its
     object already has (``json_keys.py``), and :meth:`parse` rejects such documents.
     ``force_canonical``: see :class:`~smcdecode.potentials.grammar.Grammar`.
+    ``path``: how masks are computed. "automaton": the schema is translated to a regular expression
+    (``schema_regex.py``) and compiled to a token automaton with token classes (``automaton.py``),
+    which the engine steps on the device inside its captured round; a schema the translation cannot
+    honour raises :class:`~smcdecode.potentials.schema_regex.UnsupportedSchema` naming the keyword.
+    "llguidance": llguidance's parser masks (any schema it supports, recursive ones too).
+    "auto" (default): the automaton where the schema compiles to one, llguidance otherwise.
+    ``self.path`` says which was chosen and ``self.path_reason`` why.
     """
 
     def __init__(
@@ -218,9 +230,12 @@ class JSONSchema(LLGuidanceConstraint):
         extra_properties: bool = True,
         unique_keys: bool = True,
         force_canonical: bool = False,
+        path: str = "auto",
         model=None,
         threads: int | None = None,
     ):
+        if path not in PATHS:
+            raise SMCDecodeError(f"path must be one of {PATHS}, got {path!r}")
         if whitespace not in WHITESPACE:
             raise SMCDecodeError(f"whitespace must be one of {WHITESPACE}, got {whitespace!r}")
         self.schema, self.pydantic_model = schema_dict(schema)
@@ -237,6 +252,13 @@ class JSONSchema(LLGuidanceConstraint):
         else:
             options.update(whitespace_flexible=True)
         self.force_canonical = bool(force_canonical)
+        self.automaton = None
+        self.path, self.path_reason = self._choose_path(path)
+        if self.path == "automaton":
+            self.threads, self.model = threads, None
+            if model is not None:
+                self._compile(model)
+            return
         llg = _llguidance()
         # x-guidance carries the JSON options (ours override any in the schema); the Lark wrapper
         # carries the tokenisation option
@@ -245,6 +267,96 @@ class JSONSchema(LLGuidanceConstraint):
         self._grammar = lark_header(self.force_canonical) + "start: %json " + json.dumps(compiled)
         self._what = f"JSON Schema not supported by the grammar engine (llguidance {llg.__version__})"
         self._setup(model, threads)
+
+    def _choose_path(self, path: str) -> tuple[str, str]:
+        """("automaton" or "llguidance", why); builds the character automaton on the way."""
+        from .regex import char_fsm
+        from .schema_regex import UnsupportedSchema, schema_regex
+
+        if path == "llguidance":
+            return "llguidance", "asked for (path='llguidance')"
+        try:
+            if self.force_canonical:
+                raise UnsupportedSchema("(force_canonical)", "", "canonical tokenisation is llguidance's rule")
+            self.regex = schema_regex(self.compiled_schema, self.whitespace, self.coerce_one_of)
+            self._fsm = char_fsm(self.regex)
+        except UnsupportedSchema as e:
+            if path == "automaton":
+                raise
+            return "llguidance", str(e)
+        return "automaton", "the schema's documents form a regular language"
+
+    def _compile(self, model) -> None:
+        if self.path != "automaton":
+            super()._compile(model)
+            return
+        from .automaton import TooLarge
+        from .regex import compile_fsm
+
+        try:
+            self.automaton = compile_fsm(self._fsm, model)
+        except TooLarge as e:
+            raise SMCDecodeError(f"{e}: use path='llguidance' for this schema") from None
+        self.model = model
+
+    @property
+    def token_automaton(self):
+        """The compiled token automaton on the automaton path (None on the llguidance path)."""
+        self._require_model()
+        return self.automaton
+
+    # -- the tensor path: integer automaton states, or llguidance matchers ----------------------
+    def start(self, batch: int):
+        if self.path == "automaton":
+            self._require_model()
+            return torch.full((batch,), self.automaton.initial, dtype=torch.long)
+        return super().start(batch)
+
+    def allowed(self, state) -> Tensor:
+        if self.path == "automaton":
+            return self.automaton.allowed(state.cpu()).to(state.device)
+        return super().allowed(state)
+
+    def advance(self, state, tokens: Tensor):
+        if self.path == "automaton":
+            return self.automaton.advance(state.cpu(), tokens.cpu()).to(state.device)
+        return super().advance(state, tokens)
+
+    def accepting(self, state) -> Tensor:
+        if self.path == "automaton":
+            return self.automaton.accepting[state.cpu()].to(state.device)
+        return super().accepting(state)
+
+    def fork(self, state, index: Tensor):
+        if self.path == "automaton":
+            return TokenConstraint.fork(self, state, index)
+        return super().fork(state, index)
+
+    def prefix(self, tokens, prompt=()):
+        if self.path == "automaton":
+            return TokenConstraint.prefix(self, tokens, prompt)
+        return super().prefix(tokens, prompt)
+
+    def complete(self, tokens, prompt=()):
+        if self.path == "automaton":
+            return TokenConstraint.complete(self, tokens, prompt)
+        return super().complete(tokens, prompt)
+
+    def logw_next(self, tokens, prompt=()):
+        if self.path == "automaton":
+            return TokenConstraint.logw_next(self, tokens, prompt)
+        return super().logw_next(tokens, prompt)
+
+    def batch_logw_next(self, seqs, prompt=()):
+        if self.path == "automaton":
+            return torch.stack([self.logw_next(s, prompt) for s in seqs]) if len(seqs) else torch.empty(
+                0, self._require_model().vocab_size, dtype=torch.float64)
+        return super().batch_logw_next(seqs, prompt)
+
+    def satisfiable(self) -> bool:
+        if self.path == "automaton":
+            return self.token_automaton.satisfiable()
+        return super().satisfiable()
 
     def __repr__(self) -> str:
         text = json.dumps(self.schema, separators=(",", ":"))

@@ -1,9 +1,10 @@
-"""Regular-expression constraint compiled to a token-level DFA.
+"""Regular-expression constraint compiled to a token automaton with token classes.
 
-The character automaton comes from ``interegular``; walking every token's text through it from
-every state gives a transition table ``[S+1, V]`` of integers (row S is the dead state). A
+The character automaton comes from ``interegular``; ``automaton.py`` turns it into a byte automaton
+and walks every token's bytes through it (``token_bytes.py`` gives the exact bytes of each token),
+giving ``table [S+1, C]`` over token classes and ``classes [V]`` (row S is the dead state). A
 particle's constraint state is one integer, so forking is a gather and the masks for all particles
-are one row lookup: ``table[state] != DEAD``.
+are two gathers: ``(table[state] != DEAD)[:, classes]``.
 """
 
 from __future__ import annotations
@@ -12,32 +13,25 @@ import torch
 from torch import Tensor
 
 from ..errors import SMCDecodeError
+from .automaton import TokenAutomaton, byte_dfa, token_automaton
 from .constraint import TokenConstraint
 
 
 class Regex(TokenConstraint):
     """Ψ(x) = 1[text(x) fully matches ``pattern``] (Python ``re`` syntax, no look-arounds or
-    back-references). The generated text, not the prompt, must match."""
+    back-references). The generated text, not the prompt, must match; every tokenisation of a
+    matching text is allowed (tokens are compared as bytes, so a character may be split over
+    several byte tokens)."""
+
+    path = "automaton"
 
     def __init__(self, pattern: str, model=None):
         if not isinstance(pattern, str):
             raise SMCDecodeError(f"regex pattern must be a string, got {type(pattern).__name__}")
-        import re
-
-        import interegular
-
-        try:
-            re.compile(pattern)
-            _reject_unsupported(pattern)
-            self._fsm = interegular.parse_pattern(pattern).to_fsm()
-        except Exception as e:  # interegular raises several types for unsupported syntax
-            raise SMCDecodeError(
-                f"invalid or unsupported regex {pattern!r}: {type(e).__name__}: {e}. Use Python regex "
-                "syntax without look-arounds or back-references"
-            ) from None
+        self._fsm = char_fsm(pattern)
         self.pattern = pattern
         self.model = None
-        self._table: Tensor | None = None
+        self.automaton: TokenAutomaton | None = None
         if model is not None:
             self._compile(model)
 
@@ -52,101 +46,84 @@ class Regex(TokenConstraint):
         bound._compile(model)
         return bound
 
-    # -- compilation -----------------------------------------------------------------------
     def _compile(self, model) -> None:
-        fsm = self._fsm
-        states = sorted(fsm.states)
-        # live states: a final state is reachable
-        live = set(fsm.finals)
-        changed = True
-        while changed:
-            changed = False
-            for s in states:
-                if s not in live and any(t in live for t in fsm.map.get(s, {}).values()):
-                    live.add(s)
-                    changed = True
-        index = {s: i for i, s in enumerate(sorted(live))}
-        S = len(index)
-        dead = S
-        from interegular.fsm import anything_else
-
-        alphabet = fsm.alphabet
-        other = alphabet[anything_else] if anything_else in alphabet else None
-
-        def step(s, ch):
-            sym = alphabet[ch] if ch in alphabet else other
-            nxt = fsm.map.get(s, {}).get(sym)
-            return nxt if nxt in live else None
-
-        strings = model.token_strings
-        V = model.vocab_size
-        table = torch.full((S + 1, V), dead, dtype=torch.long)
-        for s, i in index.items():
-            row = table[i]
-            for v, text in enumerate(strings):
-                if not text:
-                    continue
-                cur = s
-                for ch in text:
-                    cur = step(cur, ch)
-                    if cur is None:
-                        break
-                if cur is not None:
-                    row[v] = index[cur]
-            if s in fsm.finals:
-                row[model.eos_token_id] = i  # EOS allowed exactly in accepting states
-        self._accepting = torch.zeros(S + 1, dtype=torch.bool)
-        for s, i in index.items():
-            self._accepting[i] = s in fsm.finals
-        self._initial = index.get(fsm.initial, dead)
-        self._dead = dead
-        self._table = table
+        self.automaton = compile_fsm(self._fsm, model)
         self.model = model
 
     @property
-    def num_states(self) -> int:
+    def token_automaton(self) -> TokenAutomaton:
+        """The compiled automaton (what the engine puts on the device)."""
         self._require_model()
-        return self._table.shape[0]
+        return self.automaton
+
+    @property
+    def num_states(self) -> int:
+        """States of the token automaton, the dead state included."""
+        self._require_model()
+        return self.automaton.table.shape[0]
 
     @property
     def table(self) -> Tensor:
-        """[S+1, V] next state for each (state, token); row and value S is the dead state."""
+        """[S+1, V] next state for each (state, token); row and value S is the dead state (dense:
+        ``token_automaton`` holds the compact form)."""
         self._require_model()
-        return self._table
+        return self.automaton.dense()
 
     def satisfiable(self) -> bool:
         """Can any token sequence over the bound vocabulary match?"""
         self._require_model()
-        seen = {self._initial}
-        frontier = [self._initial]
-        while frontier:
-            s = frontier.pop()
-            if s == self._dead:
-                continue
-            if self._accepting[s]:
-                return True
-            for t in self._table[s].unique().tolist():
-                if t not in seen:
-                    seen.add(t)
-                    frontier.append(t)
-        return False
+        return self.automaton.satisfiable()
 
     # -- tensor path -----------------------------------------------------------------------
     def start(self, batch: int) -> Tensor:
         self._require_model()
-        return torch.full((batch,), self._initial, dtype=torch.long)
+        return torch.full((batch,), self.automaton.initial, dtype=torch.long)
 
     def allowed(self, state: Tensor) -> Tensor:
-        table = self._table.to(state.device)
-        return table[state] != self._dead
+        return self.automaton.allowed(state.cpu()).to(state.device)
 
     def advance(self, state: Tensor, tokens: Tensor) -> Tensor:
-        table = self._table.to(state.device)
-        return table[state, tokens.to(state.device)]
+        return self.automaton.advance(state.cpu(), tokens.cpu()).to(state.device)
 
     def accepting(self, state: Tensor) -> Tensor:
-        return self._accepting.to(state.device)[state]
+        return self.automaton.accepting[state.cpu()].to(state.device)
 
+
+def char_fsm(pattern: str):
+    """The ``interegular`` character automaton of ``pattern`` (Python ``re`` syntax); unsupported
+    syntax raises SMCDecodeError."""
+    import re
+
+    import interegular
+
+    try:
+        re.compile(pattern)
+        _reject_unsupported(pattern)
+        return interegular.parse_pattern(pattern).to_fsm()
+    except Exception as e:  # interegular raises several types for unsupported syntax
+        raise SMCDecodeError(
+            f"invalid or unsupported regex {pattern!r}: {type(e).__name__}: {e}. Use Python regex "
+            "syntax without look-arounds or back-references"
+        ) from None
+
+
+def compile_fsm(fsm, model) -> TokenAutomaton:
+    """The token automaton of a character FSM over ``model``'s vocabulary."""
+    table, accepting, initial = byte_dfa(fsm)
+    return token_automaton(table, accepting, initial, vocabulary_bytes(model), model.eos_token_id)
+
+
+def vocabulary_bytes(model) -> list[bytes | None]:
+    """Each token's bytes (None: special): ``token_bytes.token_texts`` (checked against the model's
+    decoding); without llguidance installed, the model's whole-text token strings (tokens that are
+    part of a character are then never allowed)."""
+    from .token_bytes import token_texts
+
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        return [None if s is None else s.encode("utf-8") for s in model.token_strings]
+    return token_texts(model)
 
 
 def _reject_unsupported(pattern: str) -> None:

@@ -101,7 +101,7 @@ def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resamp
         # what the host reads after the round's sync, packed in the round's graph: index, seq, finished, do, ess, done
         packed=z(3 * B + 2 * G + 1, dtype=torch.float64),
     )
-    rnd = Round(b, None, None, keep=[a.table for a in automata] + [a.accepting for a in automata])
+    rnd = Round(b, None, None, keep=[t for a in automata for t in (a.table, a.classes, a.accepting)])
     rnd.propose_code, rnd.finish_code = round_code(engine, b, automata, eos, pad, resampler, tau, host_mask)
     return rnd
 

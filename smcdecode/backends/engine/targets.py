@@ -14,46 +14,55 @@ from torch import Tensor
 
 from ...errors import SMCDecodeError
 
-_AUTOMATA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Regex -> {device: DeviceAutomaton}
+_AUTOMATA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # constraint -> {device: DeviceAutomaton}
 
 
 @dataclass
 class DeviceAutomaton:
-    """A token automaton on the device: ``table [S+1, V]`` int32 next state (row and value S = dead),
-    ``accepting [S+1]`` bool, the initial state. Masks and advances are gathers (graph-capturable)."""
+    """A token automaton on the device, over token classes: ``table [S+1, C]`` int32 next state
+    (row and value S = dead), ``classes [V]`` int64 token -> class, ``accepting [S+1]`` bool, the
+    initial state. Masks and advances are gathers (graph-capturable)."""
 
     table: Tensor
+    classes: Tensor
     accepting: Tensor
     initial: int
     dead: int
 
     @classmethod
     def of(cls, constraint, device) -> DeviceAutomaton | None:
-        """The automaton of a :class:`~smcdecode.potentials.regex.Regex` (None for other constraints),
-        cached per constraint and device (captured graphs are keyed by the table they read)."""
-        from ...potentials.regex import Regex
-
-        if not isinstance(constraint, Regex):
+        """The automaton of a constraint on the automaton path (a ``Regex``, or a ``JSONSchema`` whose
+        ``path`` is "automaton"); None for constraints whose masks come from llguidance. Cached per
+        constraint and device (captured graphs are keyed by the table they read)."""
+        if getattr(constraint, "path", None) != "automaton":
             return None
         cache = _AUTOMATA.setdefault(constraint, {})
         key = str(torch.device(device))
         if key not in cache:
-            cache[key] = cls(constraint.table.to(device=device, dtype=torch.int32).contiguous(),
-                             constraint._accepting.to(device), int(constraint._initial), int(constraint._dead))
+            a = constraint.token_automaton
+            cache[key] = cls(a.table.to(device=device, dtype=torch.int32).contiguous(),
+                             a.classes.to(device=device, dtype=torch.long).contiguous(), a.accepting.to(device),
+                             int(a.initial), int(a.dead))
         return cache[key]
 
+    @property
+    def nbytes(self) -> int:
+        """Device memory of the table, class map and accepting flags."""
+        return sum(t.numel() * t.element_size() for t in (self.table, self.classes, self.accepting))
+
     def allowed(self, state: Tensor) -> Tensor:
-        return self.table[state] != self.dead  # [B, V]
+        return (self.table[state] != self.dead)[:, self.classes]  # [B, C] -> [B, V]
 
     def advance(self, state: Tensor, tokens: Tensor) -> Tensor:
-        return self.table[state, tokens].long()
+        return self.table[state, self.classes[tokens]].long()
 
 
 class CombinedAutomaton(DeviceAutomaton):
     """Several requests' automata in one device table, so one captured round serves per-request
     constraints: state 0 is the free automaton (every token, always accepting: a request with fewer
     constraints than the others), then each automaton's live states at an offset; every dead state
-    is the one shared dead state (the last row)."""
+    is the one shared dead state (the last row). A combined class is a tuple of the parts' classes
+    (the distinct columns of their stacked class maps)."""
 
     offsets: dict
 
@@ -64,21 +73,22 @@ class CombinedAutomaton(DeviceAutomaton):
         hit = _COMBINED.get(key)
         if hit is not None:
             return hit
-        V = distinct[0].table.shape[1]
+        parts, classes = torch.unique(torch.stack([a.classes.to(device) for a in distinct]), dim=1,
+                                      return_inverse=True)  # parts [n, C]: each automaton's class of class c
         total = 1 + sum(a.dead for a in distinct)  # live states (each automaton's dead state is its last row)
-        table = torch.zeros(total + 1, V, dtype=torch.int32, device=device)
+        table = torch.zeros(total + 1, parts.shape[1], dtype=torch.int32, device=device)
         accepting = torch.zeros(total + 1, dtype=torch.bool, device=device)
         accepting[0] = True
         table[total] = total
         offsets, at = {}, 1
-        for a in distinct:
+        for i, a in enumerate(distinct):
             S = a.dead
-            live = a.table[:S].long()
+            live = a.table[:S].long()[:, parts[i]]
             table[at : at + S] = torch.where(live == a.dead, total, live + at).to(torch.int32)
             accepting[at : at + S] = a.accepting[:S]
             offsets[id(a)] = at
             at += S
-        out = cls(table, accepting, 0, total)
+        out = cls(table, classes.long().contiguous(), accepting, 0, total)
         out.offsets = offsets
         out.parts = distinct  # (keeps the ids in `key` alive)
         if len(_COMBINED) >= 16:

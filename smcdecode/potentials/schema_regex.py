@@ -1,0 +1,481 @@
+"""JSON Schema -> regular expression, for schemas whose documents form a regular language.
+
+The regex describes exactly the documents the device path generates, a subset of the schema's
+documents (every one validates), in the llguidance path's layout: properties in the order the schema
+declares them, optional ones may be left out; objects *closed* (only declared properties, so no key
+can repeat); ``whitespace="compact"`` separators ``", "`` and ``": "`` and no other whitespace
+(``"flexible"``: any JSON whitespace around structural characters, none around the document);
+strings with other characters raw except U+0000–U+001F and U+007F–U+009F, which do not occur, and
+the escapes ``\\" \\\\ \\b \\f \\n \\r \\t`` and ``\\u0000``–``\\u001F``, ``\\u007F``.
+
+Where a schema is regular but the regex is a strict subset of its documents, the subset is stated:
+numbers with bounds take no exponent and bounds must be integers; ``date`` excludes 29 February and
+the year 0000; ``email`` is ``local@domain.tld`` in ASCII. A keyword the translation cannot honour
+raises :class:`UnsupportedSchema` naming it (the constraint then runs on llguidance, or the error
+reaches the user when the device path was asked for); keywords that are not JSON Schema's are
+ignored, as validators ignore them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+from ..errors import SMCDecodeError
+
+ANNOTATIONS = {
+    "title", "description", "default", "examples", "$comment", "$schema", "$id", "id", "deprecated",
+    "readOnly", "writeOnly", "contentEncoding", "contentMediaType", "contentSchema", "$anchor", "definitions",
+    "$defs", "$vocabulary",
+}
+KEYWORDS = ANNOTATIONS | {
+    "type", "enum", "const", "properties", "required", "additionalProperties", "patternProperties", "items",
+    "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems", "contains", "minContains",
+    "maxContains", "minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
+    "exclusiveMaximum", "multipleOf", "anyOf", "allOf", "oneOf", "not", "if", "then", "else", "$ref",
+    "$dynamicRef", "$recursiveRef", "dependencies", "dependentRequired", "dependentSchemas", "propertyNames",
+    "minProperties", "maxProperties", "unevaluatedProperties", "unevaluatedItems",
+}
+MAX_COUNT = 256  # counted repetitions (string lengths, array lengths) the automaton spells out
+MAX_REGEX = 200_000  # characters of regex: past this the automaton is not worth building
+
+CHAR = r'(?:[^"\\\x00-\x1f\x7f-\x9f]|\\["\\bfnrt]|\\u00[01][0-9a-fA-F]|\\u007[fF])'
+RAW = r'[^"\\\x00-\x1f\x7f-\x9f]'
+_BAD_IN_PATTERN = r'[\s\S]*["\\\x00-\x1f\x7f-\x9f][\s\S]*'
+INTEGER = r"-?(?:0|[1-9][0-9]*)"
+NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+_FRAC_ANY, _FRAC_ZERO, _FRAC_NONZERO = r"(?:\.[0-9]+)?", r"(?:\.0+)?", r"\.[0-9]*[1-9][0-9]*"
+_D = "[0-9]"
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_DATE = (r"(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|(?:0[13-9]|1[0-2])-(?:29|30)"
+         r"|(?:0[13578]|1[02])-31)")
+_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+FORMATS = {
+    "date": _DATE,
+    "time": _TIME,
+    "date-time": _DATE + "T" + _TIME,
+    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+    "ipv4": _OCTET + r"(?:\." + _OCTET + "){3}",
+    "email": r"[a-zA-Z0-9._%+-]+@[a-zA-Z0-9-]+(?:\.[a-zA-Z0-9-]+)*\.[a-zA-Z]{2,}",
+}
+
+
+class UnsupportedSchema(SMCDecodeError):
+    """A schema keyword the regular translation cannot honour; ``keyword`` and ``where`` (a JSON
+    pointer) say which."""
+
+    def __init__(self, keyword: str, where: str, why: str):
+        self.keyword, self.where, self.why = keyword, where, why
+        super().__init__(f"JSON Schema keyword {keyword!r} at {where or '/'} has no token automaton: {why}")
+
+
+def literal(text: str) -> str:
+    """``text`` as a regex that matches it literally (Python syntax, readable by interegular)."""
+    return re.sub(r"([\\.^$*+?{}\[\]|()\-/])", r"\\\1", text)
+
+
+def schema_regex(schema: dict, whitespace: str = "compact", coerce_one_of: bool = False) -> str:
+    """The regex of the documents the device path generates for ``schema`` (see the module
+    docstring); raises :class:`UnsupportedSchema`."""
+    out = _Translator(schema, whitespace, coerce_one_of).value(schema, "", ())
+    if len(out) > MAX_REGEX:
+        raise UnsupportedSchema("(size)", "", f"the regex has {len(out)} characters, more than {MAX_REGEX}")
+    return out
+
+
+class _Translator:
+    def __init__(self, root: dict, whitespace: str, coerce_one_of: bool):
+        self.root = root
+        self.coerce_one_of = coerce_one_of
+        if whitespace == "compact":
+            self.ws, self.item_sep, self.key_sep = "", ", ", ": "
+        else:
+            w = r"[ \t\n\r]*"
+            self.ws, self.item_sep, self.key_sep = w, w + "," + w, w + ":" + w
+        self.flexible = whitespace != "compact"
+
+    def sep(self, text: str) -> str:
+        return text if self.flexible else literal(text)
+
+    # -- dispatch ------------------------------------------------------------------------------
+    def value(self, s, where: str, refs: tuple) -> str:
+        if s is True or s == {}:
+            raise UnsupportedSchema("(any)", where, "any JSON value, whose objects may hold any keys")
+        if s is False:
+            raise UnsupportedSchema("false", where, "the schema `false` accepts nothing")
+        if not isinstance(s, dict):
+            raise UnsupportedSchema("(schema)", where, f"a subschema must be an object, got {s!r}")
+        for k in s:
+            if k in KEYWORDS and k not in _HANDLED:
+                raise UnsupportedSchema(k, where, "not expressible as a regular language here")
+        if "$ref" in s:
+            return self.ref(s, where, refs)
+        if "allOf" in s:
+            return self.value(self.merge_all_of(s, where), where, refs)
+        for key in ("anyOf", "oneOf"):
+            if key in s:
+                if key == "oneOf" and not self.coerce_one_of:
+                    raise UnsupportedSchema("oneOf", where, "exactly one branch must match (coerce_one_of=True "
+                                            "enforces it as anyOf)")
+                others = [k for k in s if k in KEYWORDS and k not in ANNOTATIONS and k != key]
+                if others:
+                    raise UnsupportedSchema(key, where, f"{key} beside {others[0]!r} (their conjunction)")
+                if not isinstance(s[key], list) or not s[key]:
+                    raise UnsupportedSchema(key, where, "must be a non-empty list")
+                return _alt([self.value(b, f"{where}/{key}/{i}", refs) for i, b in enumerate(s[key])])
+        if "enum" in s or "const" in s:
+            return self.literals(s, where)
+        types = s.get("type", _inferred_type(s))
+        if types is None:
+            raise UnsupportedSchema("(any)", where, "no type: any JSON value, whose objects may hold any keys")
+        types = types if isinstance(types, list) else [types]
+        return _alt([self.typed(t, s, where, refs) for t in types])
+
+    def typed(self, t: str, s: dict, where: str, refs: tuple) -> str:
+        if t == "null":
+            return "null"
+        if t == "boolean":
+            return "(?:true|false)"
+        if t == "integer":
+            return self.integer(s, where)
+        if t == "number":
+            return self.number(s, where)
+        if t == "string":
+            return '"' + self.string(s, where) + '"'
+        if t == "array":
+            return self.array(s, where, refs)
+        if t == "object":
+            return self.object(s, where, refs)
+        raise UnsupportedSchema("type", where, f"unknown type {t!r}")
+
+    def ref(self, s: dict, where: str, refs: tuple) -> str:
+        ref = s["$ref"]
+        others = [k for k in s if k in KEYWORDS and k not in ANNOTATIONS and k != "$ref"]
+        if others:
+            raise UnsupportedSchema("$ref", where, f"$ref beside {others[0]!r}")
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise UnsupportedSchema("$ref", where, f"only local references (#...) are resolved, got {ref!r}")
+        if ref in refs:
+            raise UnsupportedSchema("$ref", where, f"{ref} is recursive: the documents are not a regular language")
+        target = self.root
+        for part in ref[1:].lstrip("/").split("/") if ref not in ("#", "#/") else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            try:
+                target = target[int(part)] if isinstance(target, list) else target[part]
+            except (KeyError, IndexError, ValueError, TypeError):
+                raise UnsupportedSchema("$ref", where, f"{ref} does not resolve") from None
+        return self.value(target, ref, (*refs, ref))
+
+    def merge_all_of(self, s: dict, where: str) -> dict:
+        merged = {k: v for k, v in s.items() if k != "allOf"}
+        for i, member in enumerate(s["allOf"] if isinstance(s["allOf"], list) else []):
+            if not isinstance(member, dict) or "$ref" in member:
+                raise UnsupportedSchema("allOf", f"{where}/allOf/{i}", "members must be inline schemas")
+            for k, v in member.items():
+                if k in ANNOTATIONS:
+                    continue
+                if k in merged and merged[k] != v:
+                    raise UnsupportedSchema("allOf", f"{where}/allOf/{i}", f"two members constrain {k!r}")
+                merged[k] = v
+        return merged
+
+    # -- scalars -------------------------------------------------------------------------------
+    def literals(self, s: dict, where: str) -> str:
+        import jsonschema
+
+        values = [s["const"]] if "const" in s else s["enum"]
+        if not isinstance(values, list):
+            raise UnsupportedSchema("enum", where, "must be a list")
+        rest = {k: v for k, v in s.items() if k not in ("enum", "const")}
+        if "$ref" in rest or any(k in rest for k in ("anyOf", "oneOf", "allOf")):
+            raise UnsupportedSchema("enum", where, "enum beside $ref/anyOf/oneOf/allOf")
+        check = jsonschema.validators.validator_for(self.root, default=jsonschema.Draft202012Validator)(rest)
+        texts = [self.dump(v) for v in values if check.is_valid(v)]
+        if not texts:
+            raise UnsupportedSchema("enum", where, "no value of the enum satisfies the other keywords")
+        return _alt([literal(t) for t in dict.fromkeys(texts)])
+
+    def dump(self, v) -> str:
+        return json.dumps(v, ensure_ascii=False, separators=(",", ":") if self.flexible else (", ", ": "))
+
+    def bounds(self, s: dict, where: str, integral: bool):
+        """(lo, lo_open, hi, hi_open): integer bounds (closed for integers), None where unbounded."""
+        lows, highs = [], []
+        for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+            v = s.get(key)
+            if v is None or isinstance(v, bool):  # draft-04's exclusive flags are read below
+                continue
+            if not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise UnsupportedSchema(key, where, f"a bound must be a finite number, got {v!r}")
+            if not integral and v != int(v):
+                raise UnsupportedSchema(key, where, f"bounds of a number must be integers here, got {v!r}")
+            opened = key.startswith("exclusive") or s.get("exclusive" + key[0].upper() + key[1:]) is True
+            (lows if key.endswith("inimum") else highs).append((v, opened))
+        if integral:
+            lo = max((math.floor(v) + 1 if o else math.ceil(v)) for v, o in lows) if lows else None
+            hi = min((math.ceil(v) - 1 if o else math.floor(v)) for v, o in highs) if highs else None
+            lo_open = hi_open = False
+        else:
+            lo, lo_open = max(((int(v), o) for v, o in lows), key=lambda t: (t[0], t[1])) if lows else (None, False)
+            hi, hi_open = min(((int(v), o) for v, o in highs), key=lambda t: (t[0], -t[1])) if highs else (None, False)
+        if lo is not None and hi is not None and (lo > hi or (lo == hi and (lo_open or hi_open))):
+            raise UnsupportedSchema("minimum", where, "the bounds leave no value")
+        return lo, lo_open, hi, hi_open
+
+    def integer(self, s: dict, where: str) -> str:
+        lo, _, hi, _ = self.bounds(s, where, integral=True)
+        if lo is None and hi is None:
+            return INTEGER
+        parts = []
+        if hi is None or hi >= 0:
+            parts.append(_naturals(max(lo or 0, 0), hi))
+        if lo is None or lo < 0:
+            neg = _naturals(1 if hi is None or hi >= 0 else -hi, None if lo is None else -lo)
+            if neg:
+                parts.append("-(?:" + neg + ")")
+        if (lo is None or lo < 0) and (hi is None or hi >= 0):
+            parts.append("-0")  # llguidance's layout: "-0" where negative values are allowed
+        return _alt([p for p in parts if p])
+
+    def number(self, s: dict, where: str) -> str:
+        lo, lo_open, hi, hi_open = self.bounds(s, where, integral=False)
+        if lo is None and hi is None:
+            return NUMBER
+        parts = []
+        if hi is None or hi > 0 or (hi == 0 and not hi_open):  # v >= 0
+            nonneg_lo, nonneg_open = (lo, lo_open) if lo is not None and lo >= 0 else (0, False)
+            parts.append(_magnitude(nonneg_lo, nonneg_open, hi, hi_open))
+        if lo is None or lo < 0:  # v = -M with M > 0
+            m_lo, m_open = (-hi, hi_open) if hi is not None and hi < 0 else (0, True)
+            m = _magnitude(m_lo, m_open, None if lo is None else -lo, lo_open)
+            if m:
+                parts.append("-(?:" + m + ")")
+        return _alt([p for p in parts if p])
+
+    def string(self, s: dict, where: str) -> str:
+        fmt, pattern = s.get("format"), s.get("pattern")
+        counted = "minLength" in s or "maxLength" in s
+        if fmt is not None:
+            if fmt not in FORMATS:
+                raise UnsupportedSchema("format", where, f"format {fmt!r} (regular formats: {sorted(FORMATS)})")
+            if pattern is not None or counted:
+                raise UnsupportedSchema("format", where, "format beside pattern/minLength/maxLength")
+            return FORMATS[fmt]
+        if pattern is not None:
+            if counted:
+                raise UnsupportedSchema("pattern", where, "pattern beside minLength/maxLength")
+            return self.pattern(pattern, where)
+        lo, hi = s.get("minLength", 0), s.get("maxLength")
+        for key, v in (("minLength", lo), ("maxLength", hi)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v > MAX_COUNT):
+                raise UnsupportedSchema(key, where, f"{v!r}: counts above {MAX_COUNT} are not spelled out")
+        if hi is not None and lo > hi:
+            raise UnsupportedSchema("minLength", where, "minLength above maxLength leaves no string")
+        return CHAR + _count(lo, hi)
+
+    def pattern(self, pattern: str, where: str) -> str:
+        """The string body for a JSON Schema ``pattern`` (a search, anchored only by ^ and $), when
+        the pattern cannot match a character that JSON would escape."""
+        import interegular
+
+        from .regex import _reject_unsupported
+
+        try:
+            from re import _parser as sre_parse
+        except ImportError:  # pragma: no cover
+            import sre_parse  # type: ignore[no-redef]
+        if not isinstance(pattern, str):
+            raise UnsupportedSchema("pattern", where, f"must be a string, got {pattern!r}")
+        start = pattern.startswith("^")
+        end = pattern.endswith("$") and not pattern.endswith("\\$")
+        body = pattern[1 if start else 0 : len(pattern) - (1 if end else 0)]
+        try:
+            tree = sre_parse.parse(body)
+            if "AT" in _ops(tree):
+                raise ValueError("anchors inside the pattern")
+            _reject_unsupported(body)
+            fsm = interegular.parse_pattern(body).to_fsm()
+            clash = not (fsm & interegular.parse_pattern(_BAD_IN_PATTERN).to_fsm()).empty()
+        except Exception as e:  # noqa: BLE001 - re and interegular raise several types
+            raise UnsupportedSchema("pattern", where, f"{pattern!r}: {type(e).__name__}: {e}") from None
+        if clash:
+            raise UnsupportedSchema("pattern", where, f"{pattern!r} can match a quote, backslash or control character")
+        return ("" if start else CHAR + "*") + "(?:" + body + ")" + ("" if end else CHAR + "*")
+
+    # -- containers ----------------------------------------------------------------------------
+    def array(self, s: dict, where: str, refs: tuple) -> str:
+        if s.get("uniqueItems") is True and not (isinstance(s.get("maxItems"), int) and s["maxItems"] <= 1):
+            raise UnsupportedSchema("uniqueItems", where, "distinct items are not a regular language")
+        listed = isinstance(s.get("items"), list)
+        if "prefixItems" in s and listed:
+            raise UnsupportedSchema("items", where, "items as a list beside prefixItems")
+        prefix = s.get("prefixItems", s["items"] if listed else [])
+        rest = s.get("additionalItems", True) if listed else s.get("items", True)
+        lo, hi = s.get("minItems", 0), s.get("maxItems")
+        for key, v in (("minItems", lo), ("maxItems", hi)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v > MAX_COUNT):
+                raise UnsupportedSchema(key, where, f"{v!r}: counts above {MAX_COUNT} are not spelled out")
+        heads = [self.value(p, f"{where}/prefixItems/{i}", refs) for i, p in enumerate(prefix)]
+        k = len(heads)
+        tail = None
+        if rest is False or (hi is not None and hi <= k):
+            hi = k if hi is None else min(hi, k)
+        else:
+            tail = self.value(rest, f"{where}/items", refs)
+        if hi is not None and lo > hi:
+            raise UnsupportedSchema("minItems", where, "no array length is allowed")
+        sep = self.sep(self.item_sep)
+
+        def after(i: int) -> str:  # the elements from i on, i elements already written
+            if hi is not None and i >= hi:
+                return ""
+            if i >= k:
+                need, room = max(lo - i, 0), None if hi is None else hi - i
+                if i == 0:
+                    more = _count(max(need - 1, 0), None if room is None else room - 1)
+                    body = tail + ("(?:" + sep + tail + ")" + more if more != "{0}" else "")
+                    return body if need else "(?:" + body + ")?"
+                return "(?:" + sep + tail + ")" + _count(need, room)
+            item = (sep if i else "") + heads[i] + after(i + 1)
+            return item if i < lo else "(?:" + item + ")?"
+
+        return r"\[" + self.ws + after(0) + self.ws + r"\]"
+
+    def object(self, s: dict, where: str, refs: tuple) -> str:
+        props = s.get("properties", {})
+        if not isinstance(props, dict):
+            raise UnsupportedSchema("properties", where, "must be an object")
+        if s.get("additionalProperties", True) is not False:
+            raise UnsupportedSchema("additionalProperties", where, "an object open to other keys: which keys it "
+                                    "already holds (no key twice) is not a regular property")
+        for pat, sub in (s.get("patternProperties") or {}).items():
+            if sub is not False:
+                raise UnsupportedSchema("patternProperties", where, "pattern properties with a schema")
+            props = {k: v for k, v in props.items() if not re.search(pat, k)}
+        required = s.get("required", [])
+        missing = [r for r in required if r not in props]
+        if missing:
+            raise UnsupportedSchema("required", where, f"{missing[0]!r} is required but not an allowed property")
+        names = list(props)
+        key_sep, sep = self.sep(self.key_sep), self.sep(self.item_sep)
+        items = [literal(json.dumps(n, ensure_ascii=False)) + key_sep + self.value(props[n], f"{where}/properties/{n}",
+                                                                                 refs) for n in names]
+        req = [n in required for n in names]
+        tails: dict[int, str] = {}
+
+        def tail(i: int) -> str:  # properties i.. after at least one written
+            if i not in tails:
+                if i == len(names):
+                    tails[i] = ""
+                else:
+                    item = sep + items[i]
+                    tails[i] = (item if req[i] else "(?:" + item + ")?") + tail(i + 1)
+            return tails[i]
+
+        # the first property written is some i with no required property before it
+        firsts = []
+        for i in range(len(names)):
+            firsts.append(items[i] + tail(i + 1))
+            if req[i]:
+                break
+        body = _alt(firsts) if firsts else ""
+        if not any(req):
+            body = "(?:" + body + ")?" if body else ""
+        return r"\{" + self.ws + body + self.ws + r"\}"
+
+
+_HANDLED = ANNOTATIONS | {
+    "type", "enum", "const", "properties", "required", "additionalProperties", "patternProperties", "items",
+    "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems", "minLength", "maxLength", "pattern",
+    "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "anyOf", "allOf", "oneOf", "$ref",
+}
+_TYPE_KEYWORDS = (
+    ("object", ("properties", "required", "additionalProperties", "patternProperties")),
+    ("array", ("items", "prefixItems", "minItems", "maxItems", "additionalItems")),
+    ("string", ("minLength", "maxLength", "pattern", "format")),
+    ("number", ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")),
+)
+
+
+def _inferred_type(s: dict):
+    kinds = [t for t, keys in _TYPE_KEYWORDS if any(k in s for k in keys)]
+    return kinds[0] if len(kinds) == 1 else None
+
+
+def _ops(tree) -> set:
+    """Every opcode name in a parsed ``re`` pattern."""
+    out = set()
+    for op, arg in tree:
+        out.add(str(op))
+        for a in arg if isinstance(arg, (list, tuple)) else [arg]:
+            if hasattr(a, "data"):
+                out |= _ops(a)
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if hasattr(b, "data"):
+                        out |= _ops(b)
+    return out
+
+
+def _alt(options: list[str]) -> str:
+    options = list(dict.fromkeys(options))
+    if len(options) == 1:
+        return options[0]
+    return "(?:" + "|".join(options) + ")"
+
+
+def _count(lo: int, hi: int | None) -> str:
+    if hi is None:
+        return "*" if lo == 0 else ("+" if lo == 1 else f"{{{lo},}}")
+    return "" if lo == hi == 1 else f"{{{lo}}}" if lo == hi else f"{{{lo},{hi}}}"
+
+
+def _same_length(x: str, y: str) -> str:
+    """Digit strings of len(x) from x to y (equal lengths, x <= y, leading zeros allowed)."""
+    if x == y:
+        return x
+    if len(x) == 1:
+        return f"[{x}-{y}]"
+    if x[0] == y[0]:
+        return x[0] + _same_length(x[1:], y[1:])
+    n = len(x) - 1
+    parts = [x[0] + _same_length(x[1:], "9" * n)]
+    if int(x[0]) + 1 <= int(y[0]) - 1:
+        parts.append(f"[{int(x[0]) + 1}-{int(y[0]) - 1}]" + _D + f"{{{n}}}")
+    parts.append(y[0] + _same_length("0" * n, y[1:]))
+    return _alt(parts)
+
+
+def _naturals(lo: int, hi: int | None) -> str:
+    """Decimal integers from lo to hi (None: unbounded), 0 <= lo, without leading zeros; "" if none."""
+    if hi is not None and lo > hi:
+        return ""
+    parts = []
+    if lo == 0:
+        parts.append("0")
+        if hi == 0:
+            return "0"
+        lo = 1
+    top = len(str(hi)) if hi is not None else len(str(lo))
+    for d in range(len(str(lo)), top + 1):
+        a = max(lo, 10 ** (d - 1))
+        b = 10**d - 1 if hi is None or d < top else hi
+        if a <= b:
+            parts.append(_same_length(str(a), str(b)))
+    if hi is None:
+        parts.append("[1-9]" + _D + f"{{{len(str(lo))},}}")
+    return _alt(parts)
+
+
+def _magnitude(lo: int, lo_open: bool, hi: int | None, hi_open: bool) -> str:
+    """Decimals M = I(.F)? (no exponent) with lo <(=) M <(=) hi, 0 <= lo, lo and hi integers; "" if none."""
+    if hi is not None and hi <= lo:
+        return str(lo) + _FRAC_ZERO if hi == lo and not (lo_open or hi_open) else ""
+    parts = [str(lo) + (_FRAC_NONZERO if lo_open else _FRAC_ANY)]
+    inner = _naturals(lo + 1, None if hi is None else hi - 1)
+    if inner:
+        parts.append("(?:" + inner + ")" + _FRAC_ANY)
+    if hi is not None and not hi_open:
+        parts.append(str(hi) + _FRAC_ZERO)
+    return _alt(parts)

@@ -1,0 +1,244 @@
+"""JSON Schema on the device automaton and on llguidance: the translation to a regex, the token
+automaton with token classes, the choice of path, and the same distribution on every path (exact
+enumeration: the engine's automaton round, the engine's host-mask round (llguidance) and the
+reference backend against the exact target), and mask agreement on the real default model."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import re
+
+import pytest
+import torch
+
+import smcdecode as sd
+from smcdecode.backends.engine.targets import CombinedAutomaton, DeviceAutomaton, EngineTarget
+from smcdecode.potentials.json_schema import JSONSchema
+from smcdecode.potentials.schema_regex import UnsupportedSchema, schema_regex
+from smcdecode.testing import check_distribution, check_evidence_unbiased, exact_target, sequences
+
+VOCAB = ["<bos>", "[", "]", "[1", "1", "2", ", ", "true", "<eos>"]
+EOS = len(VOCAB) - 1
+SCHEMA = {"type": "array", "items": {"enum": [1, 2, True]}, "minItems": 1, "maxItems": 2}
+PROMPT = [0, 1, 2]
+
+
+def _toy(seed: int = 0) -> sd.FunctionModel:
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randn(251, len(VOCAB), generator=g, dtype=torch.float64)
+    return sd.FunctionModel(lambda ctx: table[(ctx.sum(-1) * 7 + ctx.shape[-1]) % 251], vocab=VOCAB, eos="<eos>")
+
+
+# -- the translation ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lo, hi", [(0, 130), (-5, 120), (7, None), (None, -3), (-300, -7), (99, 101)])
+def test_integer_ranges_are_exact(lo, hi):
+    schema = {"type": "integer", **({"minimum": lo} if lo is not None else {}), **({"maximum": hi} if hi is not None else {})}
+    rx = re.compile(schema_regex(schema))
+    for v in range(-1000, 1000):
+        assert bool(rx.fullmatch(str(v))) == ((lo is None or v >= lo) and (hi is None or v <= hi)), v
+    assert not rx.fullmatch("007") and not rx.fullmatch("1.0")
+
+
+def test_bounded_numbers_validate():
+    import jsonschema
+
+    schema = {"type": "number", "exclusiveMinimum": -2, "maximum": 3}
+    rx, check = re.compile(schema_regex(schema)), jsonschema.Draft202012Validator(schema)
+    for text in ["-2", "-1.99", "-2.0", "-2.5", "0", "-0.5", "3", "3.0", "3.01", "2.999", "-0.0"]:
+        if rx.fullmatch(text):
+            assert check.is_valid(json.loads(text)), text
+    for text in ["-1.99", "0", "3", "3.0", "2.999"]:
+        assert rx.fullmatch(text), text
+
+
+@pytest.mark.parametrize("schema, keyword", [
+    ({"type": "object", "properties": {"a": {"$ref": "#"}}, "additionalProperties": False}, "$ref"),
+    ({"type": "object"}, "additionalProperties"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ({"type": "integer", "multipleOf": 3}, "multipleOf"),
+    ({"type": "string", "format": "uri"}, "format"),
+    ({"not": {"type": "string"}}, "not"),
+    ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, "oneOf"),
+    ({"type": "string", "pattern": "a\"b"}, "pattern"),
+])
+def test_unsupported_keywords_are_named(schema, keyword):
+    with pytest.raises(UnsupportedSchema) as e:
+        schema_regex(schema)
+    assert e.value.keyword == keyword and repr(keyword) in str(e.value)
+    # the automaton path asked for raises it; "auto" falls back to llguidance and says why
+    with pytest.raises(sd.SMCDecodeError, match=re.escape(repr(keyword))):
+        JSONSchema(schema, path="automaton")
+    try:
+        auto = JSONSchema(schema)
+    except sd.SMCDecodeError:  # llguidance refuses some of them too (not, oneOf): never unconstrained
+        return
+    assert auto.path == "llguidance" and repr(keyword) in auto.path_reason
+
+
+def test_pattern_is_a_search_unless_anchored():
+    loose = re.compile(schema_regex({"type": "string", "pattern": "[0-9]+"}))
+    anchored = re.compile(schema_regex({"type": "string", "pattern": "^[0-9]+$"}))
+    assert loose.fullmatch('"ab12c"') and not loose.fullmatch('"abc"')
+    assert anchored.fullmatch('"12"') and not anchored.fullmatch('"a12"')
+
+
+def test_path_choice_and_errors():
+    assert JSONSchema(SCHEMA).path == "automaton"
+    assert JSONSchema(SCHEMA, path="llguidance").path == "llguidance"
+    assert JSONSchema(SCHEMA, force_canonical=True).path == "llguidance"
+    with pytest.raises(sd.SMCDecodeError, match="path must be one of"):
+        JSONSchema(SCHEMA, path="gpu")
+
+
+# -- the token automaton -----------------------------------------------------------------------------
+
+
+def test_masks_equal_llguidance_on_every_short_sequence():
+    model = _toy()
+    auto, llg = JSONSchema(SCHEMA).bind(model), JSONSchema(SCHEMA, path="llguidance").bind(model)
+    assert auto.path == "automaton"
+    text = [t for t in range(len(VOCAB)) if t not in (0, EOS)]
+    checked = 0
+    for n in range(4):
+        for seq in itertools.product(text, repeat=n):
+            a = auto.logw_next(list(seq))
+            if torch.isinf(a).all():
+                assert torch.isinf(llg.logw_next(list(seq))).all()
+                continue
+            assert torch.equal(a, llg.logw_next(list(seq))), [VOCAB[t] for t in seq]
+            assert auto.complete(list(seq)) == llg.complete(list(seq))
+            checked += 1
+    assert checked > 10
+
+
+def test_token_classes_and_combined_automaton():
+    model = _toy()
+    a = JSONSchema(SCHEMA).bind(model).token_automaton
+    b = sd.Regex(r"\[(1|2)*\]").bind(model).token_automaton
+    assert a.num_classes < len(VOCAB) + 1
+    dense = a.dense()  # [S+1, V]: tokens of one class have one column, different classes different ones
+    cols = {c: tuple(dense[:, v].tolist()) for v, c in enumerate(a.classes.tolist())}
+    assert all(tuple(dense[:, v].tolist()) == cols[c] for v, c in enumerate(a.classes.tolist()))
+    assert len(set(cols.values())) == len(cols) == a.num_classes
+    da, db = (DeviceAutomaton(x.table, x.classes.long(), x.accepting, x.initial, x.dead) for x in (a, b))
+    both = CombinedAutomaton.of([da, db], "cpu")
+    g = torch.Generator().manual_seed(0)
+    for part, x in ((da, a), (db, b)):
+        s, t = torch.tensor([both.initial_of(part)]), torch.tensor([x.initial])
+        for _ in range(6):
+            m = both.allowed(s)[0]
+            assert torch.equal(m, x.allowed(t)[0])
+            assert bool(both.accepting[s]) == bool(x.accepting[t])
+            if not m.any():
+                break
+            v = torch.multinomial(m.double(), 1, generator=g)
+            s, t = both.advance(s, v), x.advance(t, v)
+
+
+# -- the same distribution on every path -------------------------------------------------------------
+
+
+def test_reference_backend_automaton_and_llguidance_paths_are_exact():
+    model = _toy(1)
+    for path in ("automaton", "llguidance"):
+        target = sd.LM(model) * JSONSchema(SCHEMA, path=path)
+        exact = exact_target(target, PROMPT, 4)
+        out = sd.SMC(target, particles=4).run_groups(PROMPT, groups=800, max_new_tokens=4, seed=3)
+        check_distribution(out, exact, z_max=5.0)
+
+
+def _tiny_engine():
+    transformers = pytest.importorskip("transformers")
+    from smcdecode.backends.engine import Engine, Llama
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    target_hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        target_hf.lm_head.weight.normal_(0.0, 0.15)
+    draft_hf = copy.deepcopy(target_hf)
+    with torch.no_grad():
+        draft_hf.lm_head.weight.add_(torch.randn(draft_hf.lm_head.weight.shape) * 0.03)
+    exact_hf = copy.deepcopy(target_hf).double()
+
+    def fn(ctx):
+        with torch.no_grad():
+            return exact_hf(ctx).logits[:, -1]
+
+    model = sd.FunctionModel(fn, vocab=VOCAB, eos="<eos>", name="tiny-llama")
+    engine = Engine(Llama.from_hf(target_hf, dtype=torch.float32, device="cpu"),
+                    Llama.from_hf(draft_hf, dtype=torch.float32, device="cpu"), num_pages=30000, page_size=4,
+                    max_context=32)
+    return engine, model
+
+
+def test_engine_device_automaton_and_host_llguidance_rounds_are_exact():
+    engine, model = _tiny_engine()
+    for path in ("automaton", "llguidance"):
+        constraint = JSONSchema(SCHEMA, path=path).bind(model)
+        target = sd.LM(model) * constraint
+        prog = EngineTarget.of(target)
+        assert (DeviceAutomaton.of(constraint, "cpu") is None) == (path == "llguidance")
+        exact = exact_target(target, PROMPT, 4)
+        out = engine.smc_sd([PROMPT] * 1200, particles=4, block_size=2, max_new_tokens=4, draft_temperature=1.2,
+                            target_temperature=1.0, eos_token_id=EOS, ess_threshold=0.5, resampler="systematic",
+                            target=prog, seed=11)
+        out = type("Out", (), dict(tokens=out.tokens.cpu(), lengths=out.lengths.cpu(),
+                                   log_weights=out.log_weights.cpu(), log_evidence=out.log_evidence.cpu()))
+        for g in range(0, 1200, 50):
+            for x, w in zip(sequences(out, g), out.log_weights[g].tolist()):
+                if w > float("-inf"):
+                    assert constraint.is_valid(model.decode([t for t in x if t != EOS])), x
+        check_distribution(out, exact, z_max=5.0)
+        check_evidence_unbiased(out, exact.log_Z, z_max=5.0)
+
+
+# -- the real default model --------------------------------------------------------------------------
+
+REAL_SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 130},
+                                      "ok": {"type": "boolean"}}, "required": ["name"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 3},
+                                      "x": {"type": "number"}, "y": {"anyOf": [{"type": "null"}, {"type": "string"}]}},
+     "required": ["x", "y"]},
+]
+REAL_DOCUMENTS = [
+    ['{"name": "Ann", "age": 31, "ok": true}', '{"name": "\\"q\\" é", "ok": false}', '{"name": ""}'],
+    ['{"tags": ["red", "green"], "x": -1.5e3, "y": null}', '{"x": 0, "y": "Paris, France"}'],
+]
+
+
+@pytest.mark.slow
+def test_automaton_masks_agree_with_llguidance_on_the_default_model():
+    model = sd.load_model()
+    for schema, docs in zip(REAL_SCHEMAS, REAL_DOCUMENTS):
+        auto = JSONSchema(schema, extra_properties=False).bind(model)
+        llg = JSONSchema(schema, extra_properties=False, path="llguidance").bind(model)
+        assert auto.path == "automaton"
+        assert auto.token_automaton.nbytes < 16 * 2**20
+        for doc in docs:
+            ids = model.encode(doc)
+            sa, sl = auto.start(1), llg.start(1)
+            for i, t in enumerate(ids):
+                ma, ml = auto.allowed(sa)[0], llg.allowed(sl)[0]
+                diff = (ma != ml).nonzero().flatten().tolist()
+                assert not diff, (doc, model.decode(ids[:i]), [model.token_strings[d] for d in diff[:5]])
+                assert ma[t], (doc, i)
+                sa, sl = auto.advance(sa, torch.tensor([t])), llg.advance(sl, torch.tensor([t]))
+            assert bool(auto.accepting(sa)[0]) and bool(llg.accepting(sl)[0])
+            assert bool(auto.allowed(sa)[0, model.eos_token_id])
+
+
+def test_regex_masks_allow_exactly_the_tokens_that_keep_a_match_reachable():
+    model = _toy()
+    c = sd.Regex(r"1|\[x").bind(model)  # "[" starts "[x" in characters, but no token spells "x"
+    allowed = c.allowed(c.start(1))[0]
+    assert [VOCAB[t] for t in allowed.nonzero().flatten().tolist()] == ["1"]
+    assert c.token_automaton.num_states == 2  # start and after "1"

@@ -282,18 +282,19 @@ class SchedulerExecutor(Executor):
         if not slots:
             return
         b, N = self.sched.full.buffers, self.Nmax
-        shared, firsts = [], []
+        top = max(g for g, _ in slots) + 1
+        T = max(r.max_new_tokens for _, r in slots)
+        toks = b["tokens"][: top * N, :T].view(top, N, T)
+        valid = b["valid"][: top * N].view(top, N)
+        # a column is shared when every particle of the request holds the first one's token there
+        same = ((toks == toks[:, :1]) | ~valid[:, :, None]).all(1)  # [top, T]
+        shared = same.long().cumprod(1).sum(1)
+        n_gen = torch.where(valid, b["n_gen"][: top * N].view(top, N), T).min(1).values
+        packed = torch.cat([torch.minimum(shared, n_gen)[:, None], toks[:, 0]], 1).cpu()  # the one read
         for g, r in slots:
-            toks = b["tokens"][g * N: g * N + r.particles, : r.max_new_tokens]  # [n, T]
-            same = (toks == toks[:1]).all(0)
-            shared.append(same.long().cumprod(0).sum())
-            firsts.append(toks[0])
-        shared = torch.stack(shared).cpu().tolist()
-        n_gen = [int(x) for x in torch.stack([b["n_gen"][g * N: g * N + r.particles].min() for g, r in slots]).cpu()]
-        for (_, r), n, done, row in zip(slots, shared, n_gen, firsts):
             job, i = r.id
-            n = min(n, done)  # (past a row's generated tokens lies padding)
-            ids = row[:n].cpu().tolist()
+            n = min(int(packed[g, 0]), r.max_new_tokens)  # (past a row's generated tokens lies padding)
+            ids = packed[g, 1 : 1 + n].tolist()
             if self.eos is not None and self.eos in ids:
                 ids = ids[: ids.index(self.eos)]
             stream = self.live[job]["streams"][i]

@@ -361,7 +361,10 @@ class Scheduler:
             # NOTE: capturing runs the round once (warm-up); save and restore every buffer around it
             saved = {name: (v.clone() if isinstance(v, Tensor) else [s.clone() for s in v])
                      for name, v in full.items()}
+            # (and the random stream: a run draws the same whether its rounds were captured now or before)
+            rng = torch.cuda.get_rng_state(self.engine.device)
             capture_round(self.engine, rnd, True, split=bool(self.rewards))
+            torch.cuda.set_rng_state(rng, self.engine.device)
             for name, v in full.items():
                 if isinstance(v, Tensor):
                     v.copy_(saved[name])

@@ -87,9 +87,8 @@ class _Strategy:
         self.model = self.target.lm.model
 
     def _set_backend(self, backend: str, engine_options: dict | None) -> None:
-        """``"reference"`` (eager, any model), ``"engine"`` (the GPU engine's own rounds; Llama-family
-        HF models) or ``"engine-runner"`` (the generic loops below on the engine's models and paged
-        KV cache: every program and proposal the reference backend runs)."""
+        """``"reference"`` (eager, any model) or ``"engine"`` (the GPU engine: its request loop and
+        rounds; Llama-family HF models)."""
         from .backends import BACKENDS
 
         if not isinstance(backend, str) or backend not in BACKENDS:
@@ -103,23 +102,8 @@ class _Strategy:
             from .backends.engine.bridge import check_options
 
             self.engine_options = _check_engine_options(check_options(engine_options))
-        elif backend == "engine-runner":
-            from .backends.engine.runner import check_options
-
-            self.engine_options = _check_engine_options(check_options(engine_options))
         elif engine_options:
-            raise SMCDecodeError(
-                "engine_options apply to backend='engine' or 'engine-runner' only: drop them or pass one of those")
-
-    def _programs(self):
-        """(target, proposal) for the generic loops of ``samplers/``: on the engine's models (their
-        runners over its paged KV cache) for ``backend="engine-runner"``."""
-        proposal = getattr(self, "proposal", None)
-        if self.backend != "engine-runner":
-            return self.target, proposal
-        from .backends.engine.runner import on_engine, on_engine_proposal
-
-        return on_engine(self.target, self.engine_options), on_engine_proposal(proposal, self.engine_options)
+            raise SMCDecodeError("engine_options apply to backend='engine' only: drop them or pass backend='engine'")
 
     def _prepare(self, prompt, max_new_tokens: int) -> list[int]:
         check_positive_int("max_new_tokens", max_new_tokens)
@@ -230,8 +214,7 @@ class SMC(_Strategy):
     ``ess_threshold`` τ: resample when ESS < τ·N; 0 never (sequential importance sampling), 1 every round.
     ``backend="engine"`` runs the same program on the GPU engine (paged KV cache, CUDA graphs, Triton;
     its torch reference path on the CPU); ``engine_options``: dtype, device, page_size, num_pages,
-    use_graphs. ``backend="engine-runner"`` runs this same loop on the engine's models through its
-    runner (paged KV cache, eager; any proposal, incl. "target"); options dtype, device, page_size.
+    use_graphs; every proposal but a feature draft (``"target"``: rounds of one bonus token).
     """
 
     name = "smc"
@@ -277,9 +260,8 @@ class SMC(_Strategy):
             from .backends.engine.bridge import run_smc
 
             return run_smc(self, ids, groups, max_new_tokens, g, self.engine_options)
-        target, proposal = self._programs()
         return smc_sd(
-            target, proposal, ids, groups=groups, particles=self.particles,
+            self.target, self.proposal, ids, groups=groups, particles=self.particles,
             block_size=self.block_size, max_new_tokens=max_new_tokens, resampler=self.resampler,
             ess_threshold=self.ess_threshold, generator=g, progress=bar, schedule=self.schedule,
         )
@@ -319,9 +301,8 @@ class SpeculativeDecoding(_Strategy):
             from .backends.engine.bridge import run_speculative
 
             return run_speculative(self, ids, groups, max_new_tokens, g, self.engine_options)
-        target, proposal = self._programs()
         out = speculative(
-            target, proposal, ids, batch=groups * self.samples, block_size=self.block_size,
+            self.target, self.proposal, ids, batch=groups * self.samples, block_size=self.block_size,
             max_new_tokens=max_new_tokens, generator=g, progress=bar,
         )
         return _regroup(out, groups)
@@ -330,8 +311,8 @@ class SpeculativeDecoding(_Strategy):
 class Autoregressive(_Strategy):
     """Plain autoregressive sampling of ``samples`` sequences from the locally normalised target
     p_T^α·1[valid] (exactly p_T when α = 1 and there is no constraint; rewards are not allowed).
-    ``backend="engine"``: the engine's AR step (p_T^α = p at temperature T/α; no constraints);
-    ``"engine-runner"``: this loop on the engine's models (constraints too)."""
+    ``backend="engine"``: the engine's AR step (p_T^α = p at temperature T/α); with constraints, the
+    engine's request loop with the target as proposal and no resampling (each row independent)."""
 
     name = "autoregressive"
 
@@ -340,11 +321,6 @@ class Autoregressive(_Strategy):
         self._set_backend(backend, engine_options)
         if self.target.rewards:
             raise SMCDecodeError("autoregressive sampling cannot apply a reward tilt: use SMC for it")
-        if backend == "engine" and self.target.constraints:
-            raise SMCDecodeError(
-                f"the engine's autoregressive decoding applies no constraint masks, and {self.target!r} has "
-                f"{len(self.target.constraints)}: use backend='engine-runner' (the generic masked loop on the "
-                "engine's models) or backend='reference'")
         self.samples = check_positive_int("samples", samples, maximum=MAX_PARTICLES)
         self.block_size = 0
 
@@ -353,9 +329,8 @@ class Autoregressive(_Strategy):
             from .backends.engine.bridge import run_autoregressive
 
             return run_autoregressive(self, ids, groups, max_new_tokens, g, self.engine_options)
-        target, _ = self._programs()
         out = autoregressive(
-            target, ids, batch=groups * self.samples, max_new_tokens=max_new_tokens, generator=g, progress=bar
+            self.target, ids, batch=groups * self.samples, max_new_tokens=max_new_tokens, generator=g, progress=bar
         )
         return _regroup(out, groups)
 

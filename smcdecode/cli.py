@@ -78,10 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: OMP_NUM_THREADS if set, else half the usable CPUs, at least 1: "
                    "measured fastest on 2 cores, see docs/cli.md)")
-    g.add_argument("--backend", default="reference", choices=["reference", "engine", "engine-runner"],
-                   help="what runs the models: the reference backend (any model, eager), smcdecode's engine "
-                   "(Llama-family models; paged KV cache, CUDA graphs on a GPU, its torch path on a CPU), or "
-                   "the generic loops on the engine's models (engine-runner)")
+    g.add_argument("--backend", default="reference", choices=["reference", "engine"],
+                   help="what runs the models: the reference backend (any model, eager) or smcdecode's engine "
+                   "(Llama-family models; paged KV cache, CUDA graphs on a GPU, its torch path on a CPU)")
     g.add_argument("--plot", metavar="PNG", help="save a plot of ESS and weights over rounds to this file")
     g.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")

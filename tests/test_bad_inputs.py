@@ -194,9 +194,8 @@ def test_cuda_without_a_gpu(capsys, tmp_path):
     code, err = _cli(["generate", "--device", "cuda", "--no-progress"], capsys)
     assert code == 2 and len(err) == 1 and "--device 'cuda' is not available" in err[0]
     model, draft = tiny_llama_pair("cpu", head_std=1.0)
-    for backend in ("engine", "engine-runner"):
-        with pytest.raises(sd.SMCDecodeError, match=r"engine_options\['device'\] 'cuda' is not available"):
-            sd.SMC(sd.LM(model), sd.Draft(draft), backend=backend, engine_options={"device": "cuda"})
+    with pytest.raises(sd.SMCDecodeError, match=r"engine_options\['device'\] 'cuda' is not available"):
+        sd.SMC(sd.LM(model), sd.Draft(draft), backend="engine", engine_options={"device": "cuda"})
 
 
 @pytest.mark.parametrize(

@@ -88,13 +88,11 @@ def test_what_the_engine_cannot_run_is_refused():
     toy = sd.FunctionModel(lambda ctx: torch.zeros(ctx.shape[0], V), vocab=VOCAB, eos="<eos>")
     with pytest.raises(sd.SMCDecodeError, match="FunctionModel: use backend='reference'"):
         sd.SMC(sd.LM(toy), sd.Draft(toy), backend="engine").run([0, 1], 2, progress=False)
-    with pytest.raises(sd.SMCDecodeError, match="needs a draft"):
-        sd.SMC(sd.LM(target_model), "target", backend="engine").run(PROMPT, 2, progress=False)
     with pytest.raises(sd.SMCDecodeError, match="unknown backend 'gpu'"):
         sd.SMC(sd.LM(target_model), sd.Draft(draft_model), backend="gpu")
     with pytest.raises(sd.SMCDecodeError, match=r"unknown engine option\(s\) \['pages'\]"):
         sd.SMC(sd.LM(target_model), sd.Draft(draft_model), backend="engine", engine_options={"pages": 3})
-    with pytest.raises(sd.SMCDecodeError, match="engine_options apply to backend='engine' or 'engine-runner' only"):
+    with pytest.raises(sd.SMCDecodeError, match="engine_options apply to backend='engine' only"):
         sd.SMC(sd.LM(target_model), sd.Draft(draft_model), engine_options={"page_size": 8})
     with pytest.raises(sd.SMCDecodeError, match="at least 2 tokens"):
         sd.SMC(sd.LM(target_model), sd.Draft(draft_model), backend="engine").run([1], 2, progress=False)

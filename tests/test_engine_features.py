@@ -233,8 +233,8 @@ def test_engine_refuses_what_it_cannot_run():
             sd.LM(model) * sd.Regex("a+")))
     with pytest.raises(sd.SMCDecodeError, match="particles lists 3 values for 2 prompts"):
         engine.smc_sd([PROMPT] * 2, particles=[1, 2, 3], block_size=1, max_new_tokens=3)
-    with pytest.raises(sd.SMCDecodeError, match="block_size must be an integer >= 1"):
-        engine.smc_sd([PROMPT], particles=2, block_size=0, max_new_tokens=3)
+    with pytest.raises(sd.SMCDecodeError, match="block_size must be an integer >= 0"):
+        engine.smc_sd([PROMPT], particles=2, block_size=-1, max_new_tokens=3)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -112,10 +112,10 @@ def test_readme_default_job_runs(capsys):
     assert "=== smc ===" in out and "log evidence log Z" in out and "weight" in out
 
 
-@pytest.mark.parametrize("backend", ["engine", "engine-runner"])
+@pytest.mark.parametrize("backend", ["engine"])
 def test_cli_runs_the_default_job_on_the_engine(backend, capsys):
-    """`--backend engine` (the engine's own rounds; here its torch path on the CPU) and
-    `--backend engine-runner` run the README's job with the shipped draft, all three strategies."""
+    """`--backend engine` (the engine's own rounds; here its torch path on the CPU) runs the README's
+    job with the shipped draft, all three strategies."""
     argv = ["generate", "--max-new-tokens", "6", "--particles", "2", "--block-size", "2", "--strategy", "all",
             "--backend", backend, "--no-progress"]
     assert main(argv) == 0, capsys.readouterr().err

@@ -2,9 +2,7 @@
 
 ``reference`` runs any Hugging Face causal LM eagerly (CPU or GPU), batched over particles.
 ``engine`` is the GPU engine (native Llama, paged KV cache, CUDA graphs, Triton); it is imported
-lazily so that the core imports without a GPU or Triton. ``engine-runner`` runs the generic loops
-of ``samplers/`` on the engine's models through its runner (the reference runner contract over the
-paged KV cache).
+lazily so that the core imports without a GPU or Triton.
 """
 
 import importlib
@@ -12,7 +10,6 @@ import importlib
 BACKENDS = {
     "reference": "smcdecode.backends.reference",
     "engine": "smcdecode.backends.engine",
-    "engine-runner": "smcdecode.backends.engine.runner",
 }
 
 

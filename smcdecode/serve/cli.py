@@ -27,11 +27,10 @@ def parser() -> argparse.ArgumentParser:
                    help="draft for smc and sd: 'default' (the built-in draft of the default model), 'truncated:L' "
                    "(the target's first L layers), 'target' (no draft: smc proposes from the target, sd is refused), "
                    "a distilled draft directory, or a model directory/.gguf sharing the target's tokenizer")
-    p.add_argument("--backend", default="auto", choices=["auto", "reference", "engine", "engine-runner"],
-                   help="what runs the models: 'reference' (eager, any model, one request at a time), 'engine' "
+    p.add_argument("--backend", default="auto", choices=["auto", "reference", "engine"],
+                   help="what runs the models: 'reference' (eager, any model, one request at a time) or 'engine' "
                    "(the GPU engine; plain SMC requests are batched by its scheduler, the others run one at a "
-                   "time), 'engine-runner'; 'auto' is 'engine' on a CUDA device with a Llama-family model, "
-                   "else 'reference'")
+                   "time); 'auto' is 'engine' on a CUDA device with a Llama-family model, else 'reference'")
     p.add_argument("--device", default="auto", help="torch device: cpu, cuda, cuda:N; 'auto' is cuda when a "
                    "GPU is visible, else cpu")
     p.add_argument("--dtype", default=None, help="model dtype (default: float32 on cpu, bfloat16 on cuda)")

@@ -102,21 +102,20 @@ def run_smc(strategy, ids: list[int], groups: int, max_new_tokens: int, generato
     """``SMC.run`` / ``run_groups`` on the engine: ``groups`` requests of one prompt × N particles."""
     from .targets import EngineTarget
 
-    if strategy.proposal is None:
-        raise SMCDecodeError(
-            "the engine's SMC-SD needs a draft: pass proposal=Draft(draft_model, temperature), or use "
-            "backend='reference' for proposal='target'")
     if len(ids) < 2:
         raise SMCDecodeError("the engine needs a prompt of at least 2 tokens: add a token (e.g. BOS) in front")
-    model = strategy.model
-    K, N = max(1, strategy.block_size), strategy.particles
-    engine = engine_for(model, strategy.proposal.model, groups * N, len(ids) + max_new_tokens + K + 2, options)
+    model, draft = strategy.model, strategy.proposal
+    # proposal "target": no draft model, K = 0 (one token a round, from π_loc ∝ p^α·1[valid])
+    K, N = (strategy.block_size, strategy.particles) if draft is not None else (0, strategy.particles)
+    engine = engine_for(model, draft.model if draft is not None else None, groups * N,
+                        len(ids) + max_new_tokens + K + 2, options)
     out = engine.smc_sd(
         [ids] * groups, particles=N, block_size=K, max_new_tokens=max_new_tokens,
-        draft_temperature=strategy.proposal.temperature, target_temperature=strategy.target.lm.temperature,
-        eos_token_id=model.eos_token_id, resampler=strategy.resampler, ess_threshold=strategy.ess_threshold,
-        use_graphs=options.get("use_graphs"), seed=_seed(generator),
-        target=EngineTarget.of(strategy.target), record_weights=True, schedule=getattr(strategy, "schedule", None))
+        draft_temperature=draft.temperature if draft is not None else 1.0,
+        target_temperature=strategy.target.lm.temperature, eos_token_id=model.eos_token_id,
+        resampler=strategy.resampler, ess_threshold=strategy.ess_threshold, use_graphs=options.get("use_graphs"),
+        seed=_seed(generator), target=EngineTarget.of(strategy.target), record_weights=True,
+        schedule=getattr(strategy, "schedule", None) if draft is not None else None)
     result = SMCOutput(out.tokens.cpu(), out.lengths.cpu(), out.finished.cpu(), out.log_weights.cpu(),
                        out.log_evidence.cpu())
     result.ess = [torch.as_tensor(e) for e in out.ess]
@@ -166,6 +165,8 @@ def run_autoregressive(strategy, ids: list[int], groups: int, max_new_tokens: in
     engine stops decoding soon after every row has sampled EOS."""
     model, lm = strategy.model, strategy.target.lm
     S, eos = strategy.samples, strategy.model.eos_token_id
+    if strategy.target.constraints:
+        return _masked_autoregressive(strategy, ids, groups, max_new_tokens, generator, options)
     engine = engine_for(model, None, groups * S, len(ids) + max_new_tokens + 2, options)
     # one prompt, its pages shared by all groups × samples rows (copy-on-write of the last one)
     tokens, _ = engine.autoregressive([ids], samples=groups * S, max_new_tokens=max_new_tokens,
@@ -177,3 +178,23 @@ def run_autoregressive(strategy, ids: list[int], groups: int, max_new_tokens: in
     tokens = torch.where(torch.arange(max_new_tokens)[None] < lengths[:, None], tokens, eos)
     return SMCOutput(tokens.view(groups, S, -1), lengths.view(groups, S), torch.ones(groups, S, dtype=torch.bool),
                      torch.zeros(groups, S, dtype=torch.float64), torch.full((groups,), math.nan, dtype=torch.float64))
+
+
+def _masked_autoregressive(strategy, ids: list[int], groups: int, max_new_tokens: int, generator,
+                           options: dict) -> SMCOutput:
+    """Locally masked sampling (v ∝ p^α·1[valid] a token) on the engine: the request loop with the
+    target as proposal (K = 0) and no resampling (τ = 0), so every row is an independent sequence;
+    a row that reaches a dead end, or is cut where the constraints do not accept, gets weight 0."""
+    from .targets import EngineTarget
+
+    if len(ids) < 2:
+        raise SMCDecodeError("the engine needs a prompt of at least 2 tokens: add a token (e.g. BOS) in front")
+    model, S = strategy.model, strategy.samples
+    engine = engine_for(model, None, groups * S, len(ids) + max_new_tokens + 2, options)
+    out = engine.smc_sd([ids] * groups, particles=S, block_size=0, max_new_tokens=max_new_tokens,
+                        target_temperature=strategy.target.lm.temperature, eos_token_id=model.eos_token_id,
+                        ess_threshold=0.0, use_graphs=options.get("use_graphs"), seed=_seed(generator),
+                        target=EngineTarget.of(strategy.target))
+    log_w = torch.where(torch.isneginf(out.log_weights.cpu()), float("-inf"), 0.0).double()
+    return SMCOutput(out.tokens.cpu(), out.lengths.cpu(), torch.ones(groups, S, dtype=torch.bool), log_w,
+                     torch.full((groups,), math.nan, dtype=torch.float64))

@@ -163,16 +163,17 @@ class Engine:
         is read before the next launch and its pages booked in between; ``pipeline=False`` does that
         for every round (the reference the pipelined rounds are tested against: the same outputs for
         the same seed, with and without CUDA graphs)."""
-        if self.draft is None:
-            raise SMCDecodeError("SMC-SD needs a draft model: Engine(target, draft, ...)")
         if not prompts or any(len(p) < 2 for p in prompts):
             raise SMCDecodeError("prompts must be a non-empty list of prompts of at least 2 tokens each")
         settings = Settings.of(len(prompts), particles, block_size, max_new_tokens, draft_temperature,
                                target_temperature)
+        if self.draft is None and max(settings.block_size) > 0:
+            raise SMCDecodeError("SMC-SD with drafted tokens needs a draft model: Engine(target, draft, ...), or "
+                                 "block_size=0 (the target as proposal: one token a round)")
         use_graphs = self.config.use_graphs if use_graphs is None else use_graphs
         programs = target if isinstance(target, (list, tuple)) else [target]
         plain = all(t is None or (t.alpha == 1.0 and not t.constraints and not t.rewards) for t in programs)
-        if not (plain and settings.uniform) or schedule is not None:
+        if not (plain and settings.uniform) or schedule is not None or min(settings.block_size) == 0:
             if target is None or (isinstance(target, (list, tuple)) and any(t is None for t in target)):
                 target = [t or EngineTarget() for t in programs] if isinstance(target, (list, tuple)) \
                     else EngineTarget()

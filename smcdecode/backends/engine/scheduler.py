@@ -109,14 +109,16 @@ class Scheduler:
         """``schedule`` (``samplers.adaptive``: FixedBlocks / AdaptiveBlocks) sets each request's K
         between rounds from its own past rounds, up to its ``block_size`` (slot g is the schedule's
         group g)."""
-        if engine.draft is None:
-            raise SMCDecodeError("SMC-SD needs a draft model: Engine(target, draft, ...)")
+        if engine.draft is None and max_block_size != 0:
+            raise SMCDecodeError("SMC-SD with drafted tokens needs a draft model: Engine(target, draft, ...), or "
+                                 "max_block_size=0 (the target as proposal: one token a round)")
         max_context = max_context or engine.max_context
         if max_context is None:
             raise SMCDecodeError("a Scheduler needs max_context (or an engine with a fixed max_context)")
-        for name, v in (("slots", slots), ("max_particles", max_particles), ("max_block_size", max_block_size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise SMCDecodeError(f"{name} must be an integer >= 1, got {v!r}")
+        for name, v, least in (("slots", slots, 1), ("max_particles", max_particles, 1),
+                               ("max_block_size", max_block_size, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise SMCDecodeError(f"{name} must be an integer >= {least}, got {v!r}")
         if resampler not in RESAMPLERS:
             raise SMCDecodeError(f"unknown resampler {resampler!r}: choose one of {sorted(RESAMPLERS)}")
         self.engine, self.slots, self.Nmax, self.Kmax = engine, slots, max_particles, max_block_size
@@ -238,7 +240,8 @@ class Scheduler:
             heads.append(g * N)
         b["pt"].copy_(torch.from_numpy(self.table.table))
         e.prefill_rows(e.target, e.kv_t, b["pt"], heads, [list(req.prompt[:-1]) for _, req in joining])
-        e.prefill_rows(e.draft, e.kv_d, b["pt"], heads, [list(req.prompt[:-2]) for _, req in joining])
+        if e.draft is not None:
+            e.prefill_rows(e.draft, e.kv_d, b["pt"], heads, [list(req.prompt[:-2]) for _, req in joining])
         for g, req in joining:
             self._settings(g, req)
 

@@ -135,9 +135,11 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         k_eff = torch.minimum(K_row, remaining)
         states = list(b["states"])
         kept = list(b["states"])  # states after the row's first min(i, k_eff) drafts
-        # 1. K_max draft tokens from q' (the first forward covers the two tokens the draft has not seen)
-        batch = PagedBatch.build((T - 1)[:, None] + pair, b["pt"], PS)
-        logits = draft(b["pending"], engine.kv_d, batch, last_only=True)[:, 0]  # [B, V]
+        # 1. K_max draft tokens from q' (the first forward covers the two tokens the draft has not seen;
+        # no draft model: K_max = 0, the target as proposal)
+        if draft is not None:
+            batch = PagedBatch.build((T - 1)[:, None] + pair, b["pt"], PS)
+            logits = draft(b["pending"], engine.kv_d, batch, last_only=True)[:, 0]  # [B, V]
         for i in range(Kmax):
             m = masks(states, i)
             d, log_q[:, i], _, _ = sample_and_score(logits, b["T_draft"], seeds[i], mask=m, triton=fused)

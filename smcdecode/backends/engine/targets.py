@@ -134,15 +134,15 @@ class EngineTarget:
             raise SMCDecodeError("rewards score texts: pass EngineTarget(decoder=model) (a smcdecode Model)")
 
 
-def _per_request(name: str, value, G: int, kind: type) -> list:
+def _per_request(name: str, value, G: int, kind: type, minimum: int = 1) -> list:
     values = list(value) if isinstance(value, (list, tuple, np.ndarray)) else [value] * G
     if len(values) != G:
         raise SMCDecodeError(f"{name} lists {len(values)} values for {G} prompts: give one value or one per prompt")
     out = []
     for v in values:
         if kind is int:
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise SMCDecodeError(f"{name} must be an integer >= 1 (or one per prompt), got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
+                raise SMCDecodeError(f"{name} must be an integer >= {minimum} (or one per prompt), got {v!r}")
             out.append(int(v))
         else:
             try:
@@ -167,7 +167,7 @@ class Settings:
 
     @classmethod
     def of(cls, G: int, particles, block_size, max_new_tokens, draft_temperature, target_temperature) -> Settings:
-        return cls(_per_request("particles", particles, G, int), _per_request("block_size", block_size, G, int),
+        return cls(_per_request("particles", particles, G, int), _per_request("block_size", block_size, G, int, minimum=0),
                    _per_request("max_new_tokens", max_new_tokens, G, int),
                    _per_request("draft_temperature", draft_temperature, G, float),
                    _per_request("target_temperature", target_temperature, G, float))

@@ -242,3 +242,17 @@ def test_regex_masks_allow_exactly_the_tokens_that_keep_a_match_reachable():
     allowed = c.allowed(c.start(1))[0]
     assert [VOCAB[t] for t in allowed.nonzero().flatten().tolist()] == ["1"]
     assert c.token_automaton.num_states == 2  # start and after "1"
+
+
+@pytest.mark.parametrize("text, ok", [('["\x80"]', True), ('["\x9f"]', True), ('["\xa0"]', True),
+                                      ('["\x7f"]', False), ('["\\u007f"]', True), ('["\\u0080"]', False),
+                                      ('["\x1f"]', False), ('["\\u001f"]', True)])
+def test_both_paths_take_the_same_string_characters(text, ok):
+    """Raw U+0080–U+009F are JSON string characters on both paths; DEL and C0 controls only escaped."""
+    pytest.importorskip("llguidance")
+    from test_json_schema import char_model
+
+    schema = {"type": "array", "items": {"type": "string"}}
+    model = char_model(text)
+    for path in ("automaton", "llguidance"):
+        assert JSONSchema(schema, path=path).bind(model).matches(text) is ok, path

@@ -5,7 +5,7 @@ documents (every one validates), in the llguidance path's layout: properties in 
 declares them, optional ones may be left out; objects *closed* (only declared properties, so no key
 can repeat); ``whitespace="compact"`` separators ``", "`` and ``": "`` and no other whitespace
 (``"flexible"``: any JSON whitespace around structural characters, none around the document);
-strings with other characters raw except U+0000–U+001F and U+007F–U+009F, which do not occur, and
+strings with other characters raw except U+0000–U+001F and U+007F, which do not occur, and
 the escapes ``\\" \\\\ \\b \\f \\n \\r \\t`` and ``\\u0000``–``\\u001F``, ``\\u007F``.
 
 Where a schema is regular but the regex is a strict subset of its documents, the subset is stated:
@@ -40,9 +40,9 @@ KEYWORDS = ANNOTATIONS | {
 MAX_COUNT = 256  # counted repetitions (string lengths, array lengths) the automaton spells out
 MAX_REGEX = 200_000  # characters of regex: past this the automaton is not worth building
 
-CHAR = r'(?:[^"\\\x00-\x1f\x7f-\x9f]|\\["\\bfnrt]|\\u00[01][0-9a-fA-F]|\\u007[fF])'
-RAW = r'[^"\\\x00-\x1f\x7f-\x9f]'
-_BAD_IN_PATTERN = r'[\s\S]*["\\\x00-\x1f\x7f-\x9f][\s\S]*'
+CHAR = r'(?:[^"\\\x00-\x1f\x7f]|\\["\\bfnrt]|\\u00[01][0-9a-fA-F]|\\u007[fF])'
+RAW = r'[^"\\\x00-\x1f\x7f]'
+_BAD_IN_PATTERN = r'[\s\S]*["\\\x00-\x1f\x7f][\s\S]*'
 INTEGER = r"-?(?:0|[1-9][0-9]*)"
 NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 _FRAC_ANY, _FRAC_ZERO, _FRAC_NONZERO = r"(?:\.[0-9]+)?", r"(?:\.0+)?", r"\.[0-9]*[1-9][0-9]*"

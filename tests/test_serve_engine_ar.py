@@ -84,7 +84,7 @@ def test_ar_streams_token_by_token_and_later_requests_join_mid_run(served):
     deltas[index] = deltas.get(index, 0) + 1
     for i, c in choices.items():
         assert text[i] == c.text  # the streamed pieces concatenate to the final text
-        assert c.run["rounds"] == len(c.tokens) + (c.finish_reason == "stop")  # one token a round
+        assert c.run["rounds"] == c.run["particle_tokens"] >= len(c.tokens)  # one token a round
     assert s_text[0] == s_choices[0].text
     # the short request joined the AR scheduler while the long one ran
     joined, left = s_choices[0].run["scheduler_rounds"]

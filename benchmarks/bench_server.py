@@ -13,7 +13,10 @@ another through HTTP (the ``openai`` client), it measures
 - p50 / p99 time to the first streamed token, and p50 / p99 per-request tokens per second.
 
 Every response is checked as it comes: status 200, exactly ``--max-tokens`` completion tokens,
-finish_reason "length", streamed pieces that concatenate to a text of that many tokens.
+finish_reason "length", streamed pieces that concatenate to a text of that many tokens. Before each
+timed pass an untimed warm-up meets the round shapes it will meet (``warm_up``); the JSON records the
+round shapes first met inside each timed pass (``new_round_shapes_in_timed_pass``: 0 when no CUDA
+graph was captured inside the measurement) and a warning is printed otherwise.
 
     python benchmarks/bench_server.py          # one NVIDIA GPU, no network; writes benchmarks/results/server.json
     python benchmarks/bench_server.py --tiny --out /tmp/server.json   # a 2-layer toy on the CPU (a smoke test)
@@ -148,6 +151,35 @@ def offline(executor: SchedulerExecutor, strategy: str, prompts: list[list[int]]
     return {"wall_s": wall, "tok_s": total * T / wall}
 
 
+def round_shapes(executor: SchedulerExecutor) -> int:
+    """Round shapes the executor's engines hold (fused rounds, and each scheduler's rounds by bucket
+    and block size): a new one is a capture (with CUDA graphs) or a new round's code (without)."""
+    n = 0
+    for engine in (executor.engine, executor.batch_engine, executor.ar_engine):
+        for key in list(engine.graphs.keys()):
+            n += len(getattr(engine.graphs[key], "by_bucket", {None: None}))
+    return n
+
+
+def warm_up(executor: SchedulerExecutor, base: str, prompts: list[list[int]], strategy: str, clients: int,
+            body: dict, args) -> None:
+    """Meet every round shape of the timed passes untimed: the offline calls as timed (their shapes
+    follow the output length); through HTTP the timed pattern (same clients, same requests per client).
+    The schedulers' shapes (SMC-SD, AR) follow the occupied slots, not the output length: short outputs,
+    after one request from each power-of-two number of clients (every bucket). Exact SD batches the
+    waiting requests in one call whose shape follows the output length: full-length outputs."""
+    offline(executor, strategy, prompts, clients, 1, args)
+    short = 16 if strategy in ("smc", "ar") else args.max_tokens
+    if strategy in ("smc", "ar"):
+        c = 1
+        while c < clients:
+            errors = asyncio.run(http_round(base, "random-llama", prompts, c, 1, body, short))["errors"]
+            assert not errors, f"warm-up: {errors[:3]}"
+            c *= 2
+    errors = asyncio.run(http_round(base, "random-llama", prompts, clients, args.rounds, body, short))["errors"]
+    assert not errors, f"warm-up: {errors[:3]}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="llama-3.1-8b", choices=sorted(PRESETS))
@@ -205,14 +237,18 @@ def main() -> None:
               "sd": {"strategy": "sd", "block_size": args.sd_block_size}, "ar": {"strategy": "ar"}}
     for strategy in args.strategies.split(","):
         for C in clients:
-            # warm-up: capture the graphs of every batch shape both paths meet
-            asyncio.run(http_round(base, "random-llama", prompts, C, 1, bodies[strategy], 8))
-            offline(executor, strategy, prompts, C, 1, argparse.Namespace(**{**vars(args), "max_tokens": 8}))
+            warm_up(executor, base, prompts, strategy, C, bodies[strategy], args)
+            before = round_shapes(executor)
             off = offline(executor, strategy, prompts, C, args.rounds, args)
+            mid = round_shapes(executor)
             http = asyncio.run(http_round(base, "random-llama", prompts, C, args.rounds, bodies[strategy],
                                           args.max_tokens))
+            # rounds of a shape first met in a timed pass (a CUDA graph captured inside the measurement)
+            new = {"offline": mid - before, "http": round_shapes(executor) - mid}
             run = {"strategy": strategy, "clients": C, "offline": off, "http": http,
-                   "ratio": http["tok_s"] / off["tok_s"]}
+                   "ratio": http["tok_s"] / off["tok_s"], "new_round_shapes_in_timed_pass": new}
+            if any(new.values()):
+                print(f"    warning: round shapes first met in the timed pass (captured inside it): {new}", flush=True)
             res["runs"].append(run)
             print(f"{strategy:4s} {C:3d} clients: HTTP {http['tok_s']:8.1f} tok/s, offline {off['tok_s']:8.1f} "
                   f"({run['ratio']:.1%}); TTFT p50 {http['ttft_p50_s']:.3f} s p99 {http['ttft_p99_s']:.3f} s; "

@@ -352,3 +352,27 @@ def test_round_shape_follows_the_largest_block_size_present(device):
     assert len(done) == 3 and all(int(f.lengths.max()) == 12 for f in done)
     assert sched.round == 2 + (12 - 2 * 2) // 2  # the K = 1 requests: 2 tokens a round
     assert set(sched._rounds.by_bucket) == {(4, 3), (4, 1)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_k0_rounds_with_a_free_slot_in_the_bucket(device, with_draft):
+    """Rounds of bonus tokens only (every request K = 0: the target as proposal, as the server's AR
+    scheduler runs them) over a bucket with a free slot: the free slot's rows must index the target's
+    logits at K = 0 too. A late request joins mid-run; each request gets one token a round."""
+    from smcdecode.backends.engine.scheduler import Request, Scheduler
+
+    engine, _ = _setup(device)
+    if not with_draft:
+        engine = Engine(engine.target, None, num_pages=400, page_size=4, max_context=32)
+    sched = Scheduler(engine, slots=4, max_particles=2, max_block_size=2 if with_draft else 0, eos_token_id=None,
+                      ess_threshold=0.0, seed=0)
+    for particles in (2, 1):
+        sched.submit(Request(PROMPT, particles=particles, block_size=0, max_new_tokens=12))
+    assert [sched.step() for _ in range(2)] == [[], []]
+    sched.submit(Request(PROMPT, particles=1, block_size=0, max_new_tokens=4, id="late"))  # slot 2: bucket 4
+    done = {f.request.id: f for f in sched.run()}
+    late = done.pop("late")
+    assert (late.joined_round, late.rounds, int(late.lengths[0])) == (2, 4, 4)
+    assert all(f.rounds == 12 and bool((f.lengths == 12).all()) for f in done.values())
+    assert not any(any(f.resampled) for f in done.values())  # τ = 0: never resampled

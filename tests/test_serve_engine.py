@@ -51,10 +51,11 @@ def test_batched_requests_stream_exactly_and_mix_strategies(engine_server):
     assert m["smcdecode_kv_pages_in_use"] == 0 and m["smcdecode_rounds_total"] > 0  # every page is free again
 
 
-def test_a_disconnect_frees_the_scheduler_slot(engine_server):
+@pytest.mark.parametrize("strategy", ["smc", "ar"])
+def test_a_disconnect_frees_the_scheduler_slot(engine_server, strategy):
     s = engine_server
     before = s.wait_idle()
-    stream = _chat(s, max_tokens=200, stream=True)
+    stream = _chat(s, max_tokens=200, stream=True, extra_body={"strategy": strategy})
     next(iter(stream))
     deadline = time.time() + 60
     while s.metrics()["smcdecode_kv_pages_in_use"] == 0:

@@ -56,7 +56,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="max_tokens of chat requests that give none (completions: 16, as the OpenAI API)")
     p.add_argument("--slots", type=int, default=8,
-                   help="engine: requests whose rounds the scheduler runs together")
+                   help="engine: requests whose rounds the SMC-SD scheduler runs together, and AR choices "
+                        "the AR scheduler runs together")
     p.add_argument("--engine-particles", type=int, default=8,
                    help="engine: most particles of a request the scheduler batches (more run on their own); "
                    "its KV pool holds slots x engine-particles sequences of --engine-context tokens")

@@ -1,13 +1,25 @@
-"""The GPU engine behind the server: continuous batching of SMC-SD requests.
+"""The GPU engine behind the server: continuous batching of SMC-SD and autoregressive requests.
 
-One device thread owns the engine. Plain SMC requests (no constraint, no seed, the server's
+One device thread owns the engines. Plain SMC requests (no constraint, no seed, the server's
 resampler and ESS threshold, N and K within the scheduler's bounds) go to the engine's
 :class:`~smcdecode.backends.engine.scheduler.Scheduler`: each choice is one scheduler request with
 its own N, K and temperatures, joining between rounds when a slot is free and leaving when its
 particles have finished; streamed requests get the prefix every particle shares after each round.
-Everything else (exact speculative decoding, autoregressive sampling, constraints, seeded requests)
-runs whole through the public API on the engine (``backend="engine"``, its own KV pools), one at a
-time between scheduler rounds, and streams its text when it ends.
+
+Plain autoregressive requests (no constraint, seed or logprobs) go to a second Scheduler: the target
+as proposal (K = 0: one token a round from p_T), one particle per choice, no resampling (τ = 0), so
+each choice is an independent sequence sampled token by token (locally normalised sampling, as
+``Autoregressive(..., backend="engine")`` with constraints runs). It runs on its own Engine over the
+same target Llama without a draft model: with a draft present, a K = 0 round would still run the
+draft's first forward and the admission would prefill the draft. AR choices join and leave between
+rounds like SMC requests, and stream token by token (the prefix shared by one particle is its text).
+The device thread steps the two schedulers in turn.
+
+Everything else (exact speculative decoding, constraints, seeded requests) runs whole between
+rounds: plain SD batched with the waiting SD requests of the same settings in one engine call (its
+own KV pool), the rest through the public API on the engine; their text is sent when they end.
+Seeded requests stay there because the schedulers draw from one random stream shared by every
+request in a round, so a seed could not reproduce a request's sample.
 """
 
 from __future__ import annotations
@@ -29,14 +41,15 @@ from .watch import Cancelled, WatchedModel
 
 
 class SchedulerExecutor(Executor):
-    """See the module docstring. ``ignore_eos``: generate exactly ``max_tokens`` tokens (benchmarks)."""
+    """See the module docstring. ``ignore_eos``: generate exactly ``max_tokens`` tokens (benchmarks).
+    ``ar_slots``: autoregressive choices in flight at once (default ``slots``)."""
 
     min_prompt_tokens = 2  # the engine feeds the last two prompt tokens to the draft in the first round
 
     def __init__(self, model, model_name: str, draft, *, limits: Limits, defaults: Defaults,
                  max_queue: int = 64, slots: int = 8, max_particles: int = 8, max_block_size: int = 8,
                  context: int = 2048, page_size: int = 16, use_graphs: bool | None = None, ignore_eos: bool = False,
-                 stats: Stats | None = None, seed: int = 0, llamas: tuple | None = None):
+                 stats: Stats | None = None, seed: int = 0, llamas: tuple | None = None, ar_slots: int | None = None):
         super().__init__(model, model_name, limits=limits, defaults=defaults, max_queue=max_queue, stats=stats,
                          has_draft=True)
         from ..backends.engine import Engine, EngineConfig, EngineTarget, Scheduler
@@ -47,7 +60,7 @@ class SchedulerExecutor(Executor):
         config = EngineConfig(num_pages=rows * (-(-context // page_size) + 2) + 16, page_size=page_size,
                               max_context=context, use_graphs=use_graphs)
         self.engine = Engine(target_llama, draft_llama, config)
-        # exact speculative decoding and autoregressive sampling: batched calls on their own KV pools
+        # exact speculative decoding: batched calls on their own KV pools
         self.batch_engine = Engine(target_llama, draft_llama, EngineConfig(
             num_pages=slots * (-(-context // page_size) + 2) + 16, page_size=page_size, max_context=context,
             use_graphs=use_graphs))
@@ -57,6 +70,14 @@ class SchedulerExecutor(Executor):
                                target=EngineTarget(), eos_token_id=self.eos, resampler=defaults.resampler,
                                ess_threshold=defaults.ess_threshold, use_graphs=use_graphs, seed=seed)
         self.Nmax, self.Kmax, self.context = max_particles, max_block_size, self.engine.max_context
+        # autoregressive sampling: the target alone (no draft: a K = 0 round then runs the target only)
+        ar_slots = slots if ar_slots is None else ar_slots
+        self.ar_engine = Engine(target_llama, None, EngineConfig(
+            num_pages=ar_slots * (-(-context // page_size) + 2) + 16, page_size=page_size, max_context=context,
+            use_graphs=use_graphs))
+        self.ar = Scheduler(self.ar_engine, slots=ar_slots, max_particles=1, max_block_size=0, target=EngineTarget(),
+                            eos_token_id=self.eos, resampler=defaults.resampler, ess_threshold=0.0,
+                            use_graphs=use_graphs, seed=seed + 1)
         # the rest runs through the public API on the engine (it needs the Hugging Face models)
         self.side = (LibraryRunner(model, draft, self.stats, "engine", {"device": str(self.engine.device)})
                      if isinstance(model, WatchedModel) else None)
@@ -76,14 +97,17 @@ class SchedulerExecutor(Executor):
     # -- the interface -------------------------------------------------------------------------
 
     def lane(self, job: Job) -> str:
-        """"scheduler", "batch" (plain sd / ar, batched with others of the same settings) or "api"."""
+        """"scheduler" (plain smc), "ar" (plain ar), "batch" (plain sd, batched with others of the same
+        settings) or "api"."""
         s = job.spec
         plain = job.constraint is None and s.seed is None and s.logprobs is None
         if (plain and s.strategy == "smc" and s.particles <= self.Nmax and s.block_size <= self.Kmax
                 and s.resampler == self.defaults.resampler and s.ess_threshold == self.defaults.ess_threshold
                 and len(job.prompt_ids) + s.max_tokens + self.Kmax + 2 <= self.context):
             return "scheduler"
-        if plain and s.strategy in ("sd", "ar") and len(job.prompt_ids) + 2 * s.max_tokens + s.block_size + 2 \
+        if plain and s.strategy == "ar" and len(job.prompt_ids) + s.max_tokens + 2 <= self.context:
+            return "ar"
+        if plain and s.strategy == "sd" and len(job.prompt_ids) + 2 * s.max_tokens + s.block_size + 2 \
                 <= self.context:
             return "batch"
         return "api"
@@ -104,7 +128,7 @@ class SchedulerExecutor(Executor):
 
     def gauges(self) -> dict:
         with self.cond:
-            running = len(self.live) + int(self.running_side is not None)
+            running = len(self.live) + int(self.running_side is not None)  # (live: both schedulers)
             return {"smcdecode_queue_length": len(self.waiting), "smcdecode_running": running,
                     "smcdecode_kv_pages_in_use": self.pages_in_use}
 
@@ -122,7 +146,8 @@ class SchedulerExecutor(Executor):
         side_turn = False
         while True:
             with self.cond:
-                while not (self.incoming or self.cancels or self.side_queue or self.sched.busy or self.closed):
+                while not (self.incoming or self.cancels or self.side_queue or self.sched.busy or self.ar.busy
+                           or self.closed):
                     self.cond.wait()
                 if self.closed:
                     return
@@ -134,39 +159,45 @@ class SchedulerExecutor(Executor):
                         self.waiting.discard(job)
                     self.stats.add(cancelled=1)
                     continue
-                if self.lane(job) == "scheduler":
-                    self._enqueue(job)
+                lane = self.lane(job)
+                if lane == "scheduler":
+                    self._enqueue(job, self.sched)
+                elif lane == "ar":
+                    self._enqueue(job, self.ar)
                 else:
                     self.side_queue.append(job)
             try:
                 for job in cancels:
                     self._cancel(job)
-                if self.side_queue and (side_turn or not self.sched.busy):
+                busy = self.sched.busy or self.ar.busy
+                if self.side_queue and (side_turn or not busy):
                     self._run_side()
-                elif self.sched.busy:
-                    self._step()
+                else:  # one round of each busy scheduler, in turn
+                    for sched in (self.sched, self.ar):
+                        if sched.busy:
+                            self._step(sched)
             except Exception as e:  # noqa: BLE001 - a bug: the requests in flight get it, the thread goes on
                 for job in list(self.live):
                     job.post("error", e)
                 self.live.clear()
-                for r in [r for r in self.sched.requests if r is not None] + list(self.sched.queue):
-                    self.sched.cancel(r.id)
+                for sched in (self.sched, self.ar):
+                    for r in [r for r in sched.requests if r is not None] + list(sched.queue):
+                        sched.cancel(r.id)
             side_turn = not side_turn
 
-    def _enqueue(self, job: Job) -> None:
+    def _enqueue(self, job: Job, sched) -> None:
+        """Each choice of ``job`` as one request of ``sched`` (AR: one particle, no draft)."""
         from ..backends.engine import Request
 
         s = job.spec
         self.live[job] = {"choices": {}, "streams": [TextStream(self.model.decode, s.stop) for _ in range(s.n)],
                           "started": time.perf_counter()}
-        dt = _draft_temperature(s, self.draft)
+        ar = sched is self.ar
+        dt = 1.0 if ar else _draft_temperature(s, self.draft)
         for i in range(s.n):
-            self.sched.submit(Request(list(job.prompt_ids), particles=s.particles, block_size=s.block_size,
-                                      max_new_tokens=s.max_tokens, draft_temperature=dt,
-                                      target_temperature=s.temperature, id=(job, i)))
-
-    def _slots(self, job: Job) -> list[int]:
-        return [g for g, r in enumerate(self.sched.requests) if r is not None and r.id[0] is job]
+            sched.submit(Request(list(job.prompt_ids), particles=1 if ar else s.particles,
+                                 block_size=0 if ar else s.block_size, max_new_tokens=s.max_tokens,
+                                 draft_temperature=dt, target_temperature=s.temperature, id=(job, i)))
 
     def _cancel(self, job: Job) -> None:
         with self.cond:
@@ -177,16 +208,17 @@ class SchedulerExecutor(Executor):
             return
         if job not in self.live:  # finished, or running in the side lane (it stops at its next step)
             return
-        for r in [r for r in [*self.sched.queue, *self.sched.requests] if r is not None and r.id[0] is job]:
-            self.sched.cancel(r.id)  # queued or running: its rows and pages are freed
-        self.pages_in_use = int(self.sched.table.used)
+        for sched in (self.sched, self.ar):
+            for r in [r for r in [*sched.queue, *sched.requests] if r is not None and r.id[0] is job]:
+                sched.cancel(r.id)  # queued or running: its rows and pages are freed
+        self._count_pages()
         del self.live[job]
         self.stats.add(cancelled=1)
         job.post("error", Cancelled())
 
     def _run_side(self) -> None:
         """The first waiting side job: with every waiting job of the same settings in one engine call
-        (plain sd / ar), or alone through the public API."""
+        (plain sd), or alone through the public API."""
         job = self.side_queue.popleft()
         jobs = [job]
         if self.lane(job) == "batch":
@@ -213,7 +245,7 @@ class SchedulerExecutor(Executor):
                 self.running_side = None
 
     def _run_batch(self, jobs: list[Job]) -> None:
-        """Plain sd or ar of several jobs (their choices as rows) in one engine call."""
+        """Plain sd of several jobs (their choices as rows) in one engine call."""
         spec = jobs[0].spec
         rows = [(job, i) for job in jobs for i in range(job.spec.n) if not job.cancelled.is_set()]
         if not rows:
@@ -223,18 +255,12 @@ class SchedulerExecutor(Executor):
         start = time.perf_counter()
         seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
         try:
-            if spec.strategy == "sd":
-                out = self.batch_engine.speculative(
-                    prompts, block_size=spec.block_size, max_new_tokens=T, samples=1,
-                    draft_temperature=_draft_temperature(spec, self.draft), target_temperature=spec.temperature,
-                    eos_token_id=self.eos, use_graphs=self.use_graphs, seed=seed)
-                tokens, rounds = out.tokens[:, 0].cpu(), out.rounds
-                accepted, drafted = out.accepted[:, 0].cpu().tolist(), out.drafted[:, 0].cpu().tolist()
-            else:
-                tokens, _ = self.batch_engine.autoregressive(prompts, max_new_tokens=T, temperature=spec.temperature,
-                                                            use_graphs=self.use_graphs, seed=seed,
-                                                            eos_token_id=self.eos)
-                tokens, rounds, accepted, drafted = tokens.cpu(), 0, None, None
+            out = self.batch_engine.speculative(
+                prompts, block_size=spec.block_size, max_new_tokens=T, samples=1,
+                draft_temperature=_draft_temperature(spec, self.draft), target_temperature=spec.temperature,
+                eos_token_id=self.eos, use_graphs=self.use_graphs, seed=seed)
+            tokens, rounds = out.tokens[:, 0].cpu(), out.rounds
+            accepted, drafted = out.accepted[:, 0].cpu().tolist(), out.drafted[:, 0].cpu().tolist()
         except Exception as e:  # noqa: BLE001 - every job of the batch gets the error
             for job in jobs:
                 job.post("error", e)
@@ -246,13 +272,11 @@ class SchedulerExecutor(Executor):
             if self.eos is not None and self.eos in row:
                 row = row[: row.index(self.eos) + 1]
             result = Result(
-                strategy="speculative" if spec.strategy == "sd" else "autoregressive",
-                texts=[self.model.decode([t for t in row if t != self.eos])], tokens=[row],
+                strategy="speculative", texts=[self.model.decode([t for t in row if t != self.eos])], tokens=[row],
                 log_weights=torch.zeros(1, dtype=torch.float64), weights=torch.ones(1, dtype=torch.float64),
                 finished=torch.ones(1, dtype=torch.bool), log_evidence=math.nan, ess=[], resampled=[],
                 weight_history=[], sample_index=0, seconds=seconds, prompt_tokens=len(job.prompt_ids), particles=1,
-                block_size=spec.block_size if spec.strategy == "sd" else 0,
-                draft_tokens=int(drafted[r]) if drafted else 0, accepted_tokens=int(accepted[r]) if accepted else None,
+                block_size=spec.block_size, draft_tokens=int(drafted[r]), accepted_tokens=int(accepted[r]),
                 n_rounds=rounds, eos_token_id=self.eos, max_new_tokens=job.spec.max_tokens)
             choice = finish_choice(self.model, job, i, result, TextStream(self.model.decode, job.spec.stop))
             count(self.stats, result)
@@ -260,28 +284,32 @@ class SchedulerExecutor(Executor):
         for job, choices in done.items():
             job.post("done", outcome(self.stats, job, choices, True))
 
-    def _step(self) -> None:
-        finished = self.sched.step()
+    def _count_pages(self) -> None:
+        self.pages_in_use = int(self.sched.table.used) + int(self.ar.table.used)
+
+    def _step(self, sched) -> None:
+        """One round of ``sched``: stream what became final, report the choices that finished."""
+        finished = sched.step()
         with self.cond:
-            for r in self.sched.requests:
+            for r in sched.requests:
                 if r is not None:
                     self.waiting.discard(r.id[0])
             for f in finished:
                 self.waiting.discard(f.request.id[0])
-        self.pages_in_use = int(self.sched.table.used)
-        self._stream()
+        self._count_pages()
+        self._stream(sched)
         for f in finished:
             job, i = f.request.id
             if job in self.live:
-                self._finish(job, i, f)
+                self._finish(job, i, f, "autoregressive" if sched is self.ar else "smc")
 
-    def _stream(self) -> None:
+    def _stream(self, sched) -> None:
         """Send each streamed choice the prefix all its particles share (one read for all of them)."""
-        slots = [(g, r) for g, r in enumerate(self.sched.requests)
+        slots = [(g, r) for g, r in enumerate(sched.requests)
                  if r is not None and r.id[0].spec.stream and r.id[0] in self.live]
         if not slots:
             return
-        b, N = self.sched.full.buffers, self.Nmax
+        b, N = sched.full.buffers, sched.Nmax
         top = max(g for g, _ in slots) + 1
         T = max(r.max_new_tokens for _, r in slots)
         toks = b["tokens"][: top * N, :T].view(top, N, T)
@@ -302,7 +330,9 @@ class SchedulerExecutor(Executor):
             if delta:
                 job.post("delta", i, delta)
 
-    def _finish(self, job: Job, i: int, f) -> None:
+    def _finish(self, job: Job, i: int, f, strategy: str) -> None:
+        """Choice ``i`` of ``job`` from its finished scheduler request (``strategy``: "smc" or
+        "autoregressive", one particle and no weights)."""
         state = self.live[job]
         n = f.request.particles
         lw = f.log_weights.double()
@@ -310,14 +340,17 @@ class SchedulerExecutor(Executor):
         sample = int(torch.multinomial(W, 1, generator=self.generator)) if float(W.sum()) > 0 else None
         tokens = [f.tokens[k, : int(f.lengths[k])].tolist() for k in range(n)]
         texts = [self.model.decode([t for t in row if t != self.eos]) for row in tokens]
+        smc = strategy == "smc"
         result = Result(
-            strategy="smc", texts=texts, tokens=tokens, log_weights=lw, weights=W,
-            finished=torch.ones(n, dtype=torch.bool), log_evidence=f.log_evidence, ess=list(f.ess),
-            resampled=list(f.resampled), weight_history=[], sample_index=sample,
-            seconds=time.perf_counter() - state["started"], prompt_tokens=len(job.prompt_ids), particles=n,
-            block_size=f.request.block_size, eos_token_id=self.eos, max_new_tokens=f.request.max_new_tokens,
+            strategy=strategy, texts=texts, tokens=tokens, log_weights=lw, weights=W,
+            finished=torch.ones(n, dtype=torch.bool), log_evidence=f.log_evidence if smc else math.nan,
+            ess=list(f.ess) if smc else [], resampled=list(f.resampled) if smc else [], weight_history=[],
+            sample_index=sample, seconds=time.perf_counter() - state["started"], prompt_tokens=len(job.prompt_ids),
+            particles=n, block_size=f.request.block_size, eos_token_id=self.eos,
+            max_new_tokens=f.request.max_new_tokens, n_rounds=f.rounds,
             message="" if sample is not None else "every particle has weight 0")
         choice = finish_choice(self.model, job, i, result, state["streams"][i])
+        choice.run["scheduler_rounds"] = [f.joined_round, f.joined_round + f.rounds]  # [joined, left)
         count(self.stats, result)
         state["choices"][i] = choice
         if len(state["choices"]) == job.spec.n:

@@ -81,9 +81,11 @@ class Finished:
 
 def _idle(b: dict, rows: slice) -> None:
     """Settings of rows no request holds: the round still runs over them (dead, never chosen), so
-    they get a block size that fits every round shape and finite temperatures, power and budget."""
-    for name in ("K_row", "T_draft", "T_target", "alpha", "budget"):
+    they get a block size that fits every round shape (0: also the K = 0 rounds of a scheduler
+    without drafts) and finite temperatures, power and budget."""
+    for name in ("T_draft", "T_target", "alpha", "budget"):
         b[name][rows] = 1
+    b["K_row"][rows] = 0
 
 
 def _bucket(n: int, slots: int) -> int:

@@ -20,7 +20,6 @@ import json
 from collections import OrderedDict
 
 import numpy as np
-
 import torch
 from torch import Tensor
 

@@ -114,16 +114,19 @@ def test_repeated_keys_are_cleared_on_bits(model):
 
 @pytest.mark.slow
 def test_host_masks_pack_every_request_into_one_bitmask(model):
-    """Two requests (N = 3 and N = 2 of N_max = 4, different schemas, K = 2): HostMasks' mask of each
-    step equals each request's own boolean masks on its rows and every token elsewhere; the round's
-    drafted columns reach the constraints through ``drafted``."""
+    """Two requests (N = 3 and N = 2 of N_max = 4, different schemas, K = 2; the second also under a
+    regex, whose token automaton ANDs its packed mask in): HostMasks' mask of each step (llguidance's
+    rows of both requests filled in one call) equals each request's own boolean masks on its rows and
+    every token elsewhere; the round's drafted columns reach the constraints through ``drafted``."""
     V = model.vocab_size
     schemas = _schemas("jsonschemabench_Glaiveai2K.jsonl", 2)
     cs = [JSONSchema(s, path="llguidance").bind(model) for s in schemas]
+    regex = sd.Regex(r'[{}\[\]":, a-z0-9_.-]*').bind(model)
     refs = [c.start(n) for c, n in zip(cs, (3, 2))]
+    ref_regex = regex.start(2)
     host = HostMasks(4, V, "cpu")
-    for slot, (c, n) in enumerate(zip(cs, (3, 2))):
-        host.add(slot, RequestMasks([c], n, block_size=2, budget=100))
+    host.add(0, RequestMasks([cs[0]], 3, block_size=2, budget=100))
+    host.add(1, RequestMasks([cs[1], regex], 2, block_size=2, budget=100))
     g = torch.Generator().manual_seed(2)
     rows = 8
     for _round in range(3):
@@ -134,11 +137,13 @@ def test_host_masks_pack_every_request_into_one_bitmask(model):
             expect = torch.ones(rows, V, dtype=torch.bool)
             for slot, (c, s) in enumerate(zip(cs, refs)):
                 expect[slot * 4: slot * 4 + len(s)] = c.allowed(s)
+            expect[4:6] &= regex.allowed(ref_regex)
             assert torch.equal(m, expect), (_round, i)
             choice = expect.clone()
             choice[:, model.eos_token_id] = False
             d = torch.multinomial(choice.double() + 1e-30 * (~choice.any(1, keepdim=True)), 1, generator=g)[:, 0]
             refs = [c.advance(s, d[slot * 4: slot * 4 + len(s)]) for slot, (c, s) in enumerate(zip(cs, refs))]
+            ref_regex = regex.advance(ref_regex, d[4:6])
             if i < 2:
                 drafts[:, i] = d
                 host.drafted(i, d)

@@ -141,28 +141,12 @@ class LLGuidanceConstraint(TokenConstraint):
             state.bits = bits
         return state.bits
 
+    shares_fill = True  # fill_bits_together can fill this constraint's rows with other constraints' rows
+
     def fill_bits(self, state: MatcherBatch, out: Tensor) -> None:
         """Write ``allowed_bits(state)`` into ``out`` (int32 [B, ⌈V/32⌉], contiguous rows on the CPU,
         e.g. a view of a pinned upload buffer): one call into llguidance's thread pool for all B."""
-        B = len(state)
-        if out.shape != (B, self._words) or out.dtype != torch.int32 or out.device.type != "cpu" \
-                or out.stride() != (self._words, 1):
-            raise SMCDecodeError(f"fill_bits needs a contiguous int32 CPU tensor of shape {(B, self._words)}, "
-                                 f"got {out.dtype} {tuple(out.shape)} on {out.device}")
-        state.check()
-        if state.bits is not None:
-            out.copy_(state.bits)
-            return
-        # NOTE: what llguidance.torch.fill_next_token_bitmask_par does, without importing that
-        # module (it applies torch.compile at import, which costs seconds)
-        self._executor.unsafe_compute_mask_ptr(
-            [(m, i) for i, m in enumerate(state.matchers)], out.data_ptr(), self._words * 4, B
-        )
-        for i, m in enumerate(state.matchers):
-            if m.is_error():  # a dead particle: llguidance would still allow EOS
-                out[i] = 0
-        if state.keys is not None:
-            self._keys.restrict_bits(out, state.keys)
+        fill_bits_together([(self, state, 0)], out, len(state))
 
     def allowed(self, state: MatcherBatch) -> Tensor:
         state.check()
@@ -253,6 +237,43 @@ class LLGuidanceConstraint(TokenConstraint):
                 return False
             state = self.advance(state, torch.tensor([t]))
         return bool(self.accepting(state)[0])
+
+
+def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
+    """``parts``: (llguidance constraint, its MatcherBatch, first row) — write every part's
+    ``allowed_bits`` into rows first_row … first_row + B − 1 of ``out`` (int32 [≥ rows, ⌈V/32⌉],
+    contiguous, on the CPU) in one call into llguidance's thread pool (the engine's host masks: the
+    particles of every request of a step at once). Rows of no part are left as they are."""
+    W = parts[0][0]._words
+    if out.dim() != 2 or out.shape[0] < rows or out.shape[1] != W or out.dtype != torch.int32 \
+            or out.device.type != "cpu" or out.stride() != (W, 1):
+        raise SMCDecodeError(f"the bitmask must be a contiguous int32 CPU tensor of shape ({rows}, {W}), "
+                             f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    pairs, cached = [], []
+    for c, state, r0 in parts:
+        state.check()
+        if c._words != W or r0 < 0 or r0 + len(state) > rows:
+            raise SMCDecodeError(f"a part of {len(state)} rows at row {r0} does not fit a bitmask of {rows} rows "
+                                 f"of {W} words (its constraint has {c._words})")
+        if state.bits is not None:
+            cached.append((state, r0))
+        else:
+            pairs += [(m, r0 + i) for i, m in enumerate(state.matchers)]
+    if pairs:
+        # NOTE: what llguidance.torch.fill_next_token_bitmask_par does, without importing that
+        # module (it applies torch.compile at import, which costs seconds)
+        parts[0][0]._executor.unsafe_compute_mask_ptr(pairs, out.data_ptr(), W * 4, rows)
+    for state, r0 in cached:
+        out[r0: r0 + len(state)] = state.bits
+    for c, state, r0 in parts:
+        if state.bits is not None:
+            continue
+        mine = out[r0: r0 + len(state)]
+        for i, m in enumerate(state.matchers):
+            if m.is_error():  # a dead particle: llguidance would still allow EOS
+                mine[i] = 0
+        if state.keys is not None:
+            c._keys.restrict_bits(mine, state.keys)
 
 
 class Grammar(LLGuidanceConstraint):

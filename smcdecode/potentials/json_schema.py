@@ -322,6 +322,10 @@ class JSONSchema(LLGuidanceConstraint):
             return TokenConstraint.allowed_bits(self, state)
         return super().allowed_bits(state)
 
+    @property
+    def shares_fill(self) -> bool:
+        return self.path != "automaton"
+
     def fill_bits(self, state, out: Tensor) -> None:
         if self.path == "automaton":
             out.copy_(TokenConstraint.allowed_bits(self, state))

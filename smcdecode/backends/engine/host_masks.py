@@ -8,8 +8,8 @@ comes after those k drafts when the budget allows one. The round asks for the ma
 (i = K_max: the bonus) and the host answers for every request at once; rows it does not constrain
 (other requests, padding, drafts past a request's k) get every token.
 
-A step's masks travel packed: each constraint writes its rows of one pinned int32 [rows, ⌈V/32⌉]
-bitmask (llguidance fills all of a request's particles in one parallel call), the bitmask is
+A step's masks travel packed: the constraints write their rows of one pinned int32 [rows, ⌈V/32⌉]
+bitmask (llguidance fills the particles of every request in one parallel call), the bitmask is
 uploaded without blocking and unpacked on the device (32× fewer bytes than a bool mask).
 Host and device overlap: the round hands each draft column over as soon as it is sampled
 (``drafted``: a non-blocking copy and an event), so the host waits for that sample only and
@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ...potentials.constraint import unpack_bits
+from ...potentials.grammar import fill_bits_together
 
 Column = Callable[[int], Tensor]  # draft step j -> the drafted tokens of a request's rows, on the CPU
 
@@ -57,17 +58,26 @@ class RequestMasks:
             return self.budget - self.position > self.K
         return i < self.k
 
-    def fill(self, i: int, out: Tensor, column: Column) -> None:
+    def fill(self, i: int, out: Tensor, column: Column, shared: list | None = None, row: int = 0) -> None:
         """Write the allowed tokens of draft step i (i ≥ K: the bonus) into ``out`` (int32 [n, ⌈V/32⌉]
-        on the CPU, packed as ``constraint.pack_bits``); the step must count."""
+        on the CPU, packed as ``constraint.pack_bits``); the step must count. With ``shared`` (a list
+        for ``fill_bits_together``), an llguidance first constraint is appended to it as
+        (constraint, state, ``row``) instead of filled here; the caller fills it, then ``restrict``."""
         self._catch_up(i, column)
-        for j, (c, s) in enumerate(zip(self.constraints, self.states)):
-            if j == 0 and hasattr(c, "fill_bits"):
-                c.fill_bits(s, out)  # straight into the upload buffer
-            elif j == 0:
-                out.copy_(c.allowed_bits(s))
-            else:
-                out &= c.allowed_bits(s).cpu()
+        c, s = self.constraints[0], self.states[0]
+        if shared is not None and getattr(c, "shares_fill", False):
+            shared.append((c, s, row))
+        elif hasattr(c, "fill_bits"):
+            c.fill_bits(s, out)  # straight into the upload buffer
+        else:
+            out.copy_(c.allowed_bits(s))
+        if shared is None:
+            self.restrict(out)
+
+    def restrict(self, out: Tensor) -> None:
+        """``out`` &= the allowed tokens of every constraint after the first."""
+        for c, s in zip(self.constraints[1:], self.states[1:]):
+            out &= c.allowed_bits(s).cpu()
 
     def end(self, column: Column, bonus: Tensor | None) -> None:
         self._catch_up(self.K, column)
@@ -140,7 +150,7 @@ class HostMasks:
 
     def mask(self, i: int) -> Tensor | None:
         """[rows, V] bool on the device for draft step i (i = K_max: the bonus), or None."""
-        bits = None
+        bits, shared, filled = None, [], []
         for slot, m in self.requests.items():
             if i >= m.K and i != self.k_max:  # past this request's block (its bonus comes at i = K_max)
                 continue
@@ -150,9 +160,14 @@ class HostMasks:
             if bits is None:  # every token allowed for the rows no request constrains
                 bits = torch.full((self.rows, self.W), -1, dtype=torch.int32, pin_memory=self.pinned)
             r = self._rows(slot, m.n)
-            m.fill(step, bits[r], lambda j, r=r: self._column(j)[r])
+            m.fill(step, bits[r], lambda j, r=r: self._column(j)[r], shared, r.start)
+            filled.append((m, r))
         if bits is None:
             return None
+        if shared:  # the llguidance rows of every request: one call into its thread pool
+            fill_bits_together(shared, bits, self.rows)
+        for m, r in filled:
+            m.restrict(bits[r])
         # bits: [rows, W] int32 -> the device (non-blocking from pinned memory) -> bool [rows, V]
         return unpack_bits(bits.to(self.device, non_blocking=True), self.V)
 

@@ -10,7 +10,7 @@ comes after those k drafts when the budget allows one. The round asks for the ma
 
 A step's masks travel packed: the constraints write their rows of one pinned int32 [rows, ⌈V/32⌉]
 bitmask (llguidance fills the particles of every request in one parallel call), the bitmask is
-uploaded without blocking and unpacked on the device (32× fewer bytes than a bool mask).
+uploaded without blocking and unpacked on the device (a bit a token instead of a byte: 8× fewer bytes).
 Host and device overlap: the round hands each draft column over as soon as it is sampled
 (``drafted``: a non-blocking copy and an event), so the host waits for that sample only and
 computes the next step's masks while the device runs the draft's next forward (or, for the bonus,

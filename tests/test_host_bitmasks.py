@@ -112,28 +112,37 @@ def test_repeated_keys_are_cleared_on_bits(model):
     assert torch.equal(unpack_bits(bits, model.vocab_size), c._keys.restrict(mask.clone(), keys))
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
 @pytest.mark.slow
-def test_host_masks_pack_every_request_into_one_bitmask(model):
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("handed", [True, False])
+def test_host_masks_pack_every_request_into_one_bitmask(model, device, handed):
     """Two requests (N = 3 and N = 2 of N_max = 4, different schemas, K = 2; the second also under a
     regex, whose token automaton ANDs its packed mask in): HostMasks' mask of each step (llguidance's
     rows of both requests filled in one call) equals each request's own boolean masks on its rows and
-    every token elsewhere; the round's drafted columns reach the constraints through ``drafted``."""
+    every token elsewhere. ``handed``: the round hands each drafted column over (``drafted``: on a GPU a
+pinned copy and an event); else the host reads it from the drafts buffer."""
     V = model.vocab_size
     schemas = _schemas("jsonschemabench_Glaiveai2K.jsonl", 2)
     cs = [JSONSchema(s, path="llguidance").bind(model) for s in schemas]
     regex = sd.Regex(r'[{}\[\]":, a-z0-9_.-]*').bind(model)
     refs = [c.start(n) for c, n in zip(cs, (3, 2))]
     ref_regex = regex.start(2)
-    host = HostMasks(4, V, "cpu")
+    host = HostMasks(4, V, device)
     host.add(0, RequestMasks([cs[0]], 3, block_size=2, budget=100))
     host.add(1, RequestMasks([cs[1], regex], 2, block_size=2, budget=100))
     g = torch.Generator().manual_seed(2)
     rows = 8
     for _round in range(3):
-        drafts = torch.zeros(rows, 2, dtype=torch.long)
+        drafts = torch.zeros(rows, 2, dtype=torch.long, device=device)
         host.begin(rows, 2, drafts)
         for i in range(3):  # draft steps 0, 1 and the bonus
             m = host.mask(i)
+            assert m.device.type == torch.device(device).type
+            m = m.cpu()
             expect = torch.ones(rows, V, dtype=torch.bool)
             for slot, (c, s) in enumerate(zip(cs, refs)):
                 expect[slot * 4: slot * 4 + len(s)] = c.allowed(s)
@@ -144,8 +153,10 @@ def test_host_masks_pack_every_request_into_one_bitmask(model):
             d = torch.multinomial(choice.double() + 1e-30 * (~choice.any(1, keepdim=True)), 1, generator=g)[:, 0]
             refs = [c.advance(s, d[slot * 4: slot * 4 + len(s)]) for slot, (c, s) in enumerate(zip(cs, refs))]
             ref_regex = regex.advance(ref_regex, d[4:6])
+            d_dev = d.to(device)
             if i < 2:
-                drafts[:, i] = d
-                host.drafted(i, d)
+                drafts[:, i] = d_dev
+                if handed:
+                    host.drafted(i, d_dev)
             else:
-                host.end(d)
+                host.end(d_dev)

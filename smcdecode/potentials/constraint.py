@@ -5,6 +5,8 @@ The tensor path used by the samplers, for a batch of B particles:
     start(B)              -> state        initial state (tensor with leading dim B, or any
                                           object ``fork`` can index)
     allowed(state)        -> bool [B, V]  tokens that keep the prefix viable; EOS iff x ∈ A
+    allowed_bits(state)   -> int32 [B, ⌈V/32⌉]  the same set packed: bit v % 32 of word v // 32
+                                          (what the engine uploads; ``unpack_bits`` inverts it)
     advance(state, v [B]) -> state        state after appending token v
     accepting(state)      -> bool [B]     is the prefix itself in A (for sequences cut at
                                           max_new_tokens)
@@ -33,6 +35,10 @@ class TokenConstraint(Potential):
 
     def allowed(self, state) -> Tensor:
         raise NotImplementedError  # abstract
+
+    def allowed_bits(self, state) -> Tensor:
+        """``allowed(state)`` packed 32 tokens to an int32 word (llguidance's bitmask layout)."""
+        return pack_bits(self.allowed(state))
 
     def advance(self, state, tokens: Tensor):
         raise NotImplementedError  # abstract
@@ -89,3 +95,23 @@ class TokenConstraint(Potential):
         if state is None:
             return torch.full((V,), float("-inf"), dtype=torch.float64)
         return torch.where(self.allowed(state)[0], 0.0, float("-inf")).double()
+
+
+# -- packed token sets: bit v % 32 of word v // 32 (little-endian within a word, as llguidance) --
+
+
+def pack_bits(mask: Tensor) -> Tensor:
+    """bool [B, V] -> int32 [B, ⌈V/32⌉] (bits past V are 0)."""
+    B, V = mask.shape
+    W = (V + 31) // 32
+    padded = torch.zeros(B, W * 32, dtype=torch.int64, device=mask.device)
+    padded[:, :V] = mask
+    words = (padded.view(B, W, 32) << torch.arange(32, device=mask.device)).sum(-1)  # [B, W] in [0, 2^32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack_bits(bits: Tensor, vocab_size: int) -> Tensor:
+    """int32 [B, W] -> bool [B, vocab_size] on the device of ``bits`` (a few element-wise ops)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    # [B, W, 32] -> [B, 32·W] -> [B, V]
+    return ((bits[:, :, None] >> shifts) & 1).view(bits.shape[0], -1)[:, :vocab_size].bool()

@@ -8,8 +8,9 @@ over xgrammar and outlines-core after measuring all three (docs/constraints.md).
 A particle's constraint state is an ``LLMatcher`` (a parser state held in Rust). A batch of particle
 states is a :class:`MatcherBatch`; the tensor path of :class:`TokenConstraint` maps onto it as
 
-    allowed(state)        one call into llguidance's thread pool fills a [B, ⌈V/32⌉] int32 bitmask
-                          for all B particles; it is unpacked to bool [B, V] on the CPU
+    allowed_bits(state)   one call into llguidance's thread pool fills a [B, ⌈V/32⌉] int32 bitmask
+                          for all B particles (what the engine uploads and unpacks on the device)
+    allowed(state)        that bitmask unpacked to bool [B, V] on the CPU
     advance(state, v [B]) each matcher consumes its token in place; the old batch is spent
     fork(state, A [B])    copy-on-write gather: the first child of an ancestor takes its matcher,
                           further children get ``deep_copy`` (a few µs: the compiled grammar and
@@ -28,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ..errors import SMCDecodeError
-from .constraint import TokenConstraint
+from .constraint import TokenConstraint, unpack_bits
 from .json_keys import DEAD, START, KeyTracker
 from .token_bytes import _llguidance, llguidance_tokenizer, token_texts
 
@@ -41,12 +42,13 @@ class MatcherBatch:
     """Constraint states of B particles: one llguidance matcher per particle, and for JSON with
     unique keys one key-scanner state per particle (``json_keys.py``)."""
 
-    __slots__ = ("matchers", "keys", "mask", "spent")
+    __slots__ = ("matchers", "keys", "mask", "bits", "spent")
 
     def __init__(self, matchers: list, keys: list | None = None):
         self.matchers = matchers
         self.keys = keys
         self.mask: Tensor | None = None  # cached allowed() of this batch, bool [B, V]
+        self.bits: Tensor | None = None  # cached allowed_bits() of this batch, int32 [B, ⌈V/32⌉]
         self.spent = False
 
     def __len__(self) -> int:
@@ -124,7 +126,6 @@ class LLGuidanceConstraint(TokenConstraint):
         self._keys = KeyTracker(token_texts(model, tok)) if self.unique_keys else None
         self.model = model
         self._words = (model.vocab_size + 31) // 32
-        self._bits = torch.arange(32, dtype=torch.int32)
 
     # -- tensor path -----------------------------------------------------------------------
     def start(self, batch: int) -> MatcherBatch:
@@ -132,30 +133,32 @@ class LLGuidanceConstraint(TokenConstraint):
         keys = [START] * batch if self._keys is not None else None
         return MatcherBatch([self._template.deep_copy() for _ in range(batch)], keys)
 
+    def allowed_bits(self, state: MatcherBatch) -> Tensor:
+        state.check()
+        if state.bits is None:
+            bits = torch.empty(len(state), self._words, dtype=torch.int32)
+            self.fill_bits(state, bits)
+            state.bits = bits
+        return state.bits
+
+    shares_fill = True  # fill_bits_together can fill this constraint's rows with other constraints' rows
+
+    def fill_bits(self, state: MatcherBatch, out: Tensor) -> None:
+        """Write ``allowed_bits(state)`` into ``out`` (int32 [B, ⌈V/32⌉], contiguous rows on the CPU,
+        e.g. a view of a pinned upload buffer): one call into llguidance's thread pool for all B."""
+        fill_bits_together([(self, state, 0)], out, len(state))
+
     def allowed(self, state: MatcherBatch) -> Tensor:
         state.check()
         if state.mask is None:
-            B = len(state)
-            bitmask = torch.zeros(B, self._words, dtype=torch.int32)
-            # NOTE: what llguidance.torch.fill_next_token_bitmask_par does, without importing that
-            # module (it applies torch.compile at import, which costs seconds)
-            self._executor.unsafe_compute_mask_ptr(
-                [(m, i) for i, m in enumerate(state.matchers)], bitmask.data_ptr(), self._words * 4, B
-            )
-            for i, m in enumerate(state.matchers):
-                if m.is_error():  # a dead particle: llguidance would still allow EOS
-                    bitmask[i] = 0
-            # bitmask: [B, W] int32 -> bits [B, W, 32] -> [B, V]
-            bits = (bitmask[:, :, None] >> self._bits) & 1
-            mask = bits.view(B, -1)[:, : self.model.vocab_size].bool()
-            if state.keys is not None:
-                mask = self._keys.restrict(mask, state.keys)
-            state.mask = mask
+            state.mask = unpack_bits(self.allowed_bits(state), self.model.vocab_size)
         return state.mask
 
     def advance(self, state: MatcherBatch, tokens: Tensor) -> MatcherBatch:
         matchers = state.take()
         tokens = tokens.tolist()
+        # NOTE: one by one: llguidance's consume_token_par measured 5x slower for 8 matchers (a token's
+        # consume takes microseconds; the thread pool's dispatch costs more)
         for m, t in zip(matchers, tokens):
             m.consume_token(t)  # a disallowed token puts the matcher in its (absorbing) error state
         keys = None
@@ -182,6 +185,8 @@ class LLGuidanceConstraint(TokenConstraint):
         forked = MatcherBatch(out, None if state.keys is None else [state.keys[a] for a in index.tolist()])
         if state.mask is not None:
             forked.mask = state.mask[index.to(state.mask.device)]
+        if state.bits is not None:
+            forked.bits = state.bits[index]
         return forked
 
     # -- the scalar path: replay with llguidance's own token check (independent of the masks) --
@@ -232,6 +237,43 @@ class LLGuidanceConstraint(TokenConstraint):
                 return False
             state = self.advance(state, torch.tensor([t]))
         return bool(self.accepting(state)[0])
+
+
+def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
+    """``parts``: (llguidance constraint, its MatcherBatch, first row) — write every part's
+    ``allowed_bits`` into rows first_row … first_row + B − 1 of ``out`` (int32 [≥ rows, ⌈V/32⌉],
+    contiguous, on the CPU) in one call into llguidance's thread pool (the engine's host masks: the
+    particles of every request of a step at once). Rows of no part are left as they are."""
+    W = parts[0][0]._words
+    if out.dim() != 2 or out.shape[0] < rows or out.shape[1] != W or out.dtype != torch.int32 \
+            or out.device.type != "cpu" or out.stride() != (W, 1):
+        raise SMCDecodeError(f"the bitmask must be a contiguous int32 CPU tensor of shape ({rows}, {W}), "
+                             f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    pairs, cached = [], []
+    for c, state, r0 in parts:
+        state.check()
+        if c._words != W or r0 < 0 or r0 + len(state) > rows:
+            raise SMCDecodeError(f"a part of {len(state)} rows at row {r0} does not fit a bitmask of {rows} rows "
+                                 f"of {W} words (its constraint has {c._words})")
+        if state.bits is not None:
+            cached.append((state, r0))
+        else:
+            pairs += [(m, r0 + i) for i, m in enumerate(state.matchers)]
+    if pairs:
+        # NOTE: what llguidance.torch.fill_next_token_bitmask_par does, without importing that
+        # module (it applies torch.compile at import, which costs seconds)
+        parts[0][0]._executor.unsafe_compute_mask_ptr(pairs, out.data_ptr(), W * 4, rows)
+    for state, r0 in cached:
+        out[r0: r0 + len(state)] = state.bits
+    for c, state, r0 in parts:
+        if state.bits is not None:
+            continue
+        mine = out[r0: r0 + len(state)]
+        for i, m in enumerate(state.matchers):
+            if m.is_error():  # a dead particle: llguidance would still allow EOS
+                mine[i] = 0
+        if state.keys is not None:
+            c._keys.restrict_bits(mine, state.keys)
 
 
 class Grammar(LLGuidanceConstraint):

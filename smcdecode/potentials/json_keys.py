@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -104,6 +105,21 @@ class KeyTracker:
         if len(self._blocked) > self._cache_size:
             self._blocked.popitem(last=False)
         return out
+
+    def restrict_bits(self, bits: Tensor, states: list) -> Tensor:
+        """``bits`` (int32 [B, ⌈V/32⌉] on the CPU, packed as ``constraint.pack_bits``) with the bits of
+        tokens that repeat a key cleared (rows of dead states zeroed); in place."""
+        words = bits.numpy()
+        for i, s in enumerate(states):
+            if s == DEAD:
+                words[i] = 0
+            else:
+                blocked = self.blocked(s)
+                if blocked:
+                    t = np.asarray(blocked, dtype=np.int64)
+                    np.bitwise_and.at(words[i], t >> 5, ~np.left_shift(np.int64(1), t & 31).astype(np.uint32)
+                                      .view(np.int32))
+        return bits
 
     def restrict(self, mask: Tensor, states: list) -> Tensor:
         """``mask`` [B, V] with the tokens that repeat a key removed (rows of dead states emptied); in

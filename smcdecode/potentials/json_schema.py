@@ -317,6 +317,21 @@ class JSONSchema(LLGuidanceConstraint):
             return self.automaton.allowed(state.cpu()).to(state.device)
         return super().allowed(state)
 
+    def allowed_bits(self, state) -> Tensor:
+        if self.path == "automaton":
+            return TokenConstraint.allowed_bits(self, state)
+        return super().allowed_bits(state)
+
+    @property
+    def shares_fill(self) -> bool:
+        return self.path != "automaton"
+
+    def fill_bits(self, state, out: Tensor) -> None:
+        if self.path == "automaton":
+            out.copy_(TokenConstraint.allowed_bits(self, state))
+            return
+        super().fill_bits(state, out)
+
     def advance(self, state, tokens: Tensor):
         if self.path == "automaton":
             return self.automaton.advance(state.cpu(), tokens.cpu()).to(state.device)

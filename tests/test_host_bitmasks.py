@@ -1,0 +1,162 @@
+"""Packed token masks (int32 bitmasks, llguidance's layout): packing, llguidance's parallel fill
+against its single-matcher mask, the unique-key rule on bits, and the engine's HostMasks (bitmask
+rows of several requests, uploaded and unpacked) against the boolean masks of each request."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import smcdecode as sd
+from smcdecode.backends.engine.host_masks import HostMasks, RequestMasks
+from smcdecode.potentials.constraint import pack_bits, unpack_bits
+from smcdecode.potentials.json_keys import DEAD
+from smcdecode.potentials.json_schema import JSONSchema
+
+EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
+if not EVAL.exists():
+    EVAL = Path("/work/shared/data/eval")
+
+
+def _schemas(name: str, count: int) -> list[dict]:
+    with open(EVAL / name) as f:
+        return [json.loads(line)["schema"] for line in f][:count]
+
+
+@pytest.mark.parametrize("V", [1, 31, 32, 33, 100, 49152])
+def test_pack_unpack_round_trip(V):
+    g = torch.Generator().manual_seed(V)
+    mask = torch.rand(5, V, generator=g) < 0.5
+    mask[0] = True
+    mask[1] = False
+    bits = pack_bits(mask)
+    assert bits.dtype == torch.int32 and bits.shape == (5, (V + 31) // 32)
+    assert torch.equal(unpack_bits(bits, V), mask)
+    # the layout llguidance writes: token v is bit v % 32 of word v // 32 (little-endian bytes)
+    flat = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")
+    assert np.array_equal(flat[:, :V], mask.numpy()) and not flat[:, V:].any()
+
+
+def _reference_mask(c, state) -> torch.Tensor:
+    """bool [B, V] from llguidance's single-matcher bitmask, dead rows emptied, repeated keys removed
+    by the boolean key rule (the path before packed masks)."""
+    V = c.model.vocab_size
+    rows = []
+    for m in state.matchers:
+        raw = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
+        rows.append(torch.from_numpy(np.unpackbits(raw, bitorder="little")[:V].astype(bool)))
+    mask = torch.stack(rows)
+    for i in range(len(state)):
+        if state.matchers[i].is_error():
+            mask[i] = False
+    if state.keys is not None:
+        mask = c._keys.restrict(mask, state.keys)
+    return mask
+
+
+@pytest.fixture(scope="module")
+def model():
+    return sd.load_model()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["jsonschemabench_Glaiveai2K.jsonl", "jsonschemabench_Github_easy.jsonl"])
+def test_bitmask_fill_equals_single_matcher_masks_on_real_schemas(model, source):
+    """N = 8 particles walk random valid token paths (uniform over the allowed tokens) through real
+    schemas on SmolLM2's vocabulary; at every step the packed parallel fill, unpacked, equals the
+    reference masks, and row 7 is a dead particle (an empty mask)."""
+    V, eos = model.vocab_size, model.eos_token_id
+    g = torch.Generator().manual_seed(0)
+    checked = 0
+    for schema in _schemas(source, 3):
+        c = JSONSchema(schema, path="llguidance").bind(model)
+        state = c.start(8)
+        for step in range(24):
+            ref = _reference_mask(c, state)
+            bits = c.allowed_bits(state)
+            assert torch.equal(unpack_bits(bits, V), ref), (schema, step)
+            assert torch.equal(c.allowed(state), ref)
+            out = torch.full_like(bits, 7)
+            c.fill_bits(state, out)
+            assert torch.equal(out, bits)
+            choice = ref.clone()
+            choice[:, eos] = False
+            alive = choice.any(1)
+            weights = torch.where(alive[:, None], choice.double(), 1.0)
+            tokens = torch.multinomial(weights, 1, generator=g)[:, 0]
+            if step == 0:  # a token the schema does not allow: row 7 dies
+                bad = (~ref[7]).nonzero()[0, 0]
+                tokens[7] = bad
+            state = c.advance(state, tokens)
+            checked += int(alive.sum())
+        assert state.matchers[7].is_error() and not c.allowed(state)[7].any()
+    assert checked > 3 * 24 * 2  # particles stay alive for much of the walk (a finished document allows EOS only)
+
+
+@pytest.mark.slow
+def test_repeated_keys_are_cleared_on_bits(model):
+    """The unique-key rule on packed masks equals the boolean rule, for an object that holds keys."""
+    c = JSONSchema({"type": "object", "additionalProperties": {"type": "integer"}}, path="llguidance").bind(model)
+    assert c._keys is not None
+    texts = ['{"a": 1, "a', '{"ab": 1, "a": 2, "ab', '{"x": {"y": 1, "y', "{"]  # inside a repeated key
+    keys = [c._keys.replay(model.encode(t)) for t in texts] + [DEAD]
+    g = torch.Generator().manual_seed(1)
+    mask = torch.rand(len(keys), model.vocab_size, generator=g) < 0.9
+    blocked = [len(c._keys.blocked(k)) for k in keys[:-1]]
+    assert blocked[0] > 0 and blocked[1] > 0 and blocked[2] > 0  # the test exercises the rule
+    bits = c._keys.restrict_bits(pack_bits(mask), keys)
+    assert torch.equal(unpack_bits(bits, model.vocab_size), c._keys.restrict(mask.clone(), keys))
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("handed", [True, False])
+def test_host_masks_pack_every_request_into_one_bitmask(model, device, handed):
+    """Two requests (N = 3 and N = 2 of N_max = 4, different schemas, K = 2; the second also under a
+    regex, whose token automaton ANDs its packed mask in): HostMasks' mask of each step (llguidance's
+    rows of both requests filled in one call) equals each request's own boolean masks on its rows and
+    every token elsewhere. ``handed``: the round hands each drafted column over (``drafted``: on a GPU a
+pinned copy and an event); else the host reads it from the drafts buffer."""
+    V = model.vocab_size
+    schemas = _schemas("jsonschemabench_Glaiveai2K.jsonl", 2)
+    cs = [JSONSchema(s, path="llguidance").bind(model) for s in schemas]
+    regex = sd.Regex(r'[{}\[\]":, a-z0-9_.-]*').bind(model)
+    refs = [c.start(n) for c, n in zip(cs, (3, 2))]
+    ref_regex = regex.start(2)
+    host = HostMasks(4, V, device)
+    host.add(0, RequestMasks([cs[0]], 3, block_size=2, budget=100))
+    host.add(1, RequestMasks([cs[1], regex], 2, block_size=2, budget=100))
+    g = torch.Generator().manual_seed(2)
+    rows = 8
+    for _round in range(3):
+        drafts = torch.zeros(rows, 2, dtype=torch.long, device=device)
+        host.begin(rows, 2, drafts)
+        for i in range(3):  # draft steps 0, 1 and the bonus
+            m = host.mask(i)
+            assert m.device.type == torch.device(device).type
+            m = m.cpu()
+            expect = torch.ones(rows, V, dtype=torch.bool)
+            for slot, (c, s) in enumerate(zip(cs, refs)):
+                expect[slot * 4: slot * 4 + len(s)] = c.allowed(s)
+            expect[4:6] &= regex.allowed(ref_regex)
+            assert torch.equal(m, expect), (_round, i)
+            choice = expect.clone()
+            choice[:, model.eos_token_id] = False
+            d = torch.multinomial(choice.double() + 1e-30 * (~choice.any(1, keepdim=True)), 1, generator=g)[:, 0]
+            refs = [c.advance(s, d[slot * 4: slot * 4 + len(s)]) for slot, (c, s) in enumerate(zip(cs, refs))]
+            ref_regex = regex.advance(ref_regex, d[4:6])
+            d_dev = d.to(device)
+            if i < 2:
+                drafts[:, i] = d_dev
+                if handed:
+                    host.drafted(i, d_dev)
+            else:
+                host.end(d_dev)

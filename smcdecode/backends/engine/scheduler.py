@@ -170,7 +170,7 @@ class Scheduler:
             pt = torch.from_numpy(self.table.table).to(dev)
             rounds = _Rounds(build_round(engine, slots, max_particles, max_block_size, self.cap, pt, self.automata,
                                          self.eos, self.pad, resampler, ess_threshold,
-                                         self.host.mask if eager else None))
+                                         self.host if eager else None))
             if not eager:
                 engine.graphs.put(key, rounds)
         self._rounds = rounds
@@ -361,7 +361,7 @@ class Scheduler:
         rnd = Round(view, None, None, keep=list(self.full.keep))
         rnd.propose_code, rnd.finish_code = round_code(self.engine, view, self.automata, self.eos, self.pad,
                                                          self.resampler, self.tau,
-                                                         self.host.mask if self.host is not None else None)
+                                                         self.host)
         if self.use_graphs:
             # NOTE: capturing runs the round once (warm-up); save and restore every buffer around it
             saved = {name: (v.clone() if isinstance(v, Tensor) else [s.clone() for s in v])

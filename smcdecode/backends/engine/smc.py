@@ -76,7 +76,7 @@ def host_terms(b: dict, rewards: list, hosted, longest_new: int) -> None:
     b["host_incr"].copy_(incr)
 
 
-def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resampler, tau, host_mask) -> Round:
+def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resampler, tau, host) -> Round:
     dev = engine.device
     B = G * Nmax
 
@@ -102,12 +102,12 @@ def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resamp
         packed=z(3 * B + 2 * G + 1, dtype=torch.float64),
     )
     rnd = Round(b, None, None, keep=[t for a in automata for t in (a.table, a.classes, a.accepting)])
-    rnd.propose_code, rnd.finish_code = round_code(engine, b, automata, eos, pad, resampler, tau, host_mask)
+    rnd.propose_code, rnd.finish_code = round_code(engine, b, automata, eos, pad, resampler, tau, host)
     return rnd
 
 
-def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, tau: float, host_mask=None):
-    """(propose, finish) over the static buffers ``b``; ``host_mask(i)`` gives the host masks of
+def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, tau: float, host=None):
+    """(propose, finish) over the static buffers ``b``; ``host`` (a ``host_masks.HostMasks``) gives the host masks of
     draft step i (i = K_max: the bonus) in the eager host-mask path."""
     G, Nmax = b["W"].shape
     B, Kmax = b["drafts"].shape
@@ -118,8 +118,10 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
     tokens, n_gen, finished, log_w = b["tokens"], b["n_gen"], b["finished"], b["log_w"]
     drafts, log_q, K_row, alpha, T = b["drafts"], b["log_q"], b["K_row"], b["alpha"], b["seq"]
 
-    # HostMasks.drafted: each draft column starts for the host as soon as it is sampled (host_masks.py)
-    drafted = getattr(getattr(host_mask, "__self__", None), "drafted", None)
+    # host: the host-mask constraints (host_masks.HostMasks): mask(i) for draft step i (i = K_max: the
+    # bonus), and drafted(i, d), which starts each draft column's copy to the host as soon as it is sampled
+    host_mask = host.mask if host is not None else None
+    drafted = host.drafted if host is not None else None
 
     def masks(states: list[Tensor], i: int) -> Tensor | None:
         m = None

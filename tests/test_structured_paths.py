@@ -256,3 +256,15 @@ def test_both_paths_take_the_same_string_characters(text, ok):
     model = char_model(text)
     for path in ("automaton", "llguidance"):
         assert JSONSchema(schema, path=path).bind(model).matches(text) is ok, path
+
+
+def test_auto_keeps_llguidance_where_the_device_path_would_take_a_subset():
+    """Formats and bounded numbers: the device regex is a strict subset of llguidance's documents, so
+    'auto' keeps llguidance (both paths must sample the same target) and says why; 'automaton' takes
+    the subset when asked."""
+    for schema, what in (({"type": "string", "format": "email"}, "format 'email'"),
+                         ({"type": "number", "minimum": 0, "maximum": 5}, "bounded number")):
+        auto = JSONSchema(schema)
+        assert auto.path == "llguidance" and what in auto.path_reason, auto.path_reason
+        assert JSONSchema(schema, path="automaton").path == "automaton"
+    assert JSONSchema({"type": "integer", "minimum": 0, "maximum": 5}).path == "automaton"  # (exact)

@@ -271,14 +271,19 @@ class JSONSchema(LLGuidanceConstraint):
     def _choose_path(self, path: str) -> tuple[str, str]:
         """("automaton" or "llguidance", why); builds the character automaton on the way."""
         from .regex import char_fsm
-        from .schema_regex import UnsupportedSchema, schema_regex
+        from .schema_regex import UnsupportedSchema, schema_regex_and_subsets
 
         if path == "llguidance":
             return "llguidance", "asked for (path='llguidance')"
         try:
             if self.force_canonical:
                 raise UnsupportedSchema("(force_canonical)", "", "canonical tokenisation is llguidance's rule")
-            self.regex = schema_regex(self.compiled_schema, self.whitespace, self.coerce_one_of)
+            self.regex, subsets = schema_regex_and_subsets(self.compiled_schema, self.whitespace, self.coerce_one_of)
+            if subsets and path != "automaton":
+                # NOTE: both paths must sample the same target: where the device path would take a strict
+                # subset of the documents (formats, bounded numbers), 'auto' keeps llguidance
+                return "llguidance", ("the device path takes a strict subset of the documents here ("
+                                      + "; ".join(subsets) + "): path='automaton' accepts that subset")
             self._fsm = char_fsm(self.regex)
         except UnsupportedSchema as e:
             if path == "automaton":

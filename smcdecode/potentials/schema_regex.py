@@ -78,10 +78,18 @@ def literal(text: str) -> str:
 def schema_regex(schema: dict, whitespace: str = "compact", coerce_one_of: bool = False) -> str:
     """The regex of the documents the device path generates for ``schema`` (see the module
     docstring); raises :class:`UnsupportedSchema`."""
-    out = _Translator(schema, whitespace, coerce_one_of).value(schema, "", ())
+    return schema_regex_and_subsets(schema, whitespace, coerce_one_of)[0]
+
+
+def schema_regex_and_subsets(schema: dict, whitespace: str = "compact", coerce_one_of: bool = False
+                             ) -> tuple[str, list[str]]:
+    """(the regex, where it is a strict subset of the llguidance path's documents: "keyword at
+    pointer" for each ``format`` and each bounded ``number``)."""
+    t = _Translator(schema, whitespace, coerce_one_of)
+    out = t.value(schema, "", ())
     if len(out) > MAX_REGEX:
         raise UnsupportedSchema("(size)", "", f"the regex has {len(out)} characters, more than {MAX_REGEX}")
-    return out
+    return out, t.subsets
 
 
 class _Translator:
@@ -94,6 +102,7 @@ class _Translator:
             w = r"[ \t\n\r]*"
             self.ws, self.item_sep, self.key_sep = w, w + "," + w, w + ":" + w
         self.flexible = whitespace != "compact"
+        self.subsets: list[str] = []  # where the regex takes a strict subset (see schema_regex_and_subsets)
 
     def sep(self, text: str) -> str:
         return text if self.flexible else literal(text)
@@ -242,6 +251,7 @@ class _Translator:
         lo, lo_open, hi, hi_open = self.bounds(s, where, integral=False)
         if lo is None and hi is None:
             return NUMBER
+        self.subsets.append(f"bounded number at {where or '/'} (no exponent)")
         parts = []
         if hi is None or hi > 0 or (hi == 0 and not hi_open):  # v >= 0
             nonneg_lo, nonneg_open = (lo, lo_open) if lo is not None and lo >= 0 else (0, False)
@@ -261,6 +271,7 @@ class _Translator:
                 raise UnsupportedSchema("format", where, f"format {fmt!r} (regular formats: {sorted(FORMATS)})")
             if pattern is not None or counted:
                 raise UnsupportedSchema("format", where, "format beside pattern/minLength/maxLength")
+            self.subsets.append(f"format {fmt!r} at {where or '/'}")
             return FORMATS[fmt]
         if pattern is not None:
             if counted:

@@ -138,6 +138,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=20)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0],
                     help="seeds of the sampler runs (the reference uses the first)")
+    ap.add_argument("--reference-seed", type=int, default=None, help="seed of the reference samples (default: the first seed)")
+    ap.add_argument("--methods", nargs="+", default=None, choices=["K=0", "K=2", "K=4", "K=8", "adaptive", "exact SD"],
+                    help="run only these settings (default: all)")
     ap.add_argument("--shard", default="0/1", help="I/S: run only the questions with index %% S == I")
     ap.add_argument("--merge", nargs="+", default=None,
                     help="combine these result files (shards) into --out, print the table, run nothing")
@@ -161,9 +164,12 @@ def main() -> None:
             "machine": platform.processor() or platform.machine(), "threads": 1, "model": model.name,
             "draft": draft_model.name, "target_temperature": 1.0, "draft_temperature": draft.temperature,
             "max_new_tokens": args.max_new_tokens, "reference_samples": args.reference_samples,
-            "seeds": args.seeds, "questions": len(questions), "every": args.every, "shard": args.shard}
+            "seeds": args.seeds, "reference_seed": args.reference_seed, "methods": args.methods,
+            "questions": len(questions), "every": args.every, "shard": args.shard}
     methods = [("K=0", "target", 1), ("K=2", draft, 2), ("K=4", draft, 4), ("K=8", draft, 8),
                ("adaptive", draft, "adaptive")]
+    if args.methods:
+        methods = [m for m in methods if m[0] in args.methods]
     rows, started = [], time.time()
     for done, (qi, q) in enumerate(questions):
         prompt = [{"role": "user", "content": q["question"]}]
@@ -171,7 +177,7 @@ def main() -> None:
         fmt = re.compile(q["regex"])
         target = sd.LM(model, temperature=1.0) * sd.Regex(q["regex"])
         ref = sd.Autoregressive(target, samples=args.reference_samples).run(
-            prompt, max_new_tokens=args.max_new_tokens, seed=args.seeds[0], progress=False)
+            prompt, max_new_tokens=args.max_new_tokens, seed=args.seeds[0] if args.reference_seed is None else args.reference_seed, progress=False)
         counts = collections.Counter(t.strip() for t in ref.texts if fmt.fullmatch(t.strip()))
         answer, hits = counts.most_common(1)[0] if counts else (None, 0)
         base = {"question": qi, "reference": answer, "reference_share": hits / args.reference_samples}
@@ -190,6 +196,8 @@ def main() -> None:
                                  "tokens_per_second": r.tokens_per_second, "log_evidence": r.log_evidence,
                                  "mean_ess": r.mean_ess, "block_sizes": r.block_sizes,
                                  "diagnosis": r.diagnosis})
+            if args.methods and "exact SD" not in args.methods:
+                continue
             spec = sd.SpeculativeDecoding(sd.LM(model, temperature=1.0), draft, block_size=4).run(
                 prompt, max_new_tokens=args.max_new_tokens, seed=seed, progress=False)
             m = fmt.search(spec.text)

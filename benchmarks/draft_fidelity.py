@@ -5,6 +5,7 @@ seed, same length filter), each method generates one answer of at most --max-new
 
     target          plain autoregressive samples from p_T (the reference)
     smc_k4, smc_k8  SMC-SD, N=8 particles, K=4 / 8 draft tokens per round, distilled draft
+    smc_adaptive    SMC-SD, N=8, block_size="adaptive" (K per round from the particles' past), distilled draft
     sd_k4           exact speculative decoding, K=4, distilled draft (exactly p_T)
     smc_trunc_k4    SMC-SD, N=8, K=4, truncated draft (the target's first --truncated layers)
 
@@ -38,7 +39,7 @@ from pathlib import Path
 
 from smcdecode.models import Model
 
-METHODS = ("target", "smc_k4", "smc_k8", "sd_k4", "smc_trunc_k4")
+METHODS = ("target", "smc_k4", "smc_k8", "smc_adaptive", "sd_k4", "smc_trunc_k4")
 
 
 def heldout_prompts(args, target) -> list[str]:
@@ -109,12 +110,13 @@ def _strategies(args, target):
     out = {}
     if "target" in args.methods:
         out["target"] = Autoregressive(lm, samples=1)
-    if {"smc_k4", "smc_k8", "sd_k4"} & set(args.methods):  # the distilled draft, loaded only when used
+    if {"smc_k4", "smc_k8", "smc_adaptive", "sd_k4"} & set(args.methods):  # the distilled draft, loaded only when used
         draft = load_default_draft(target) if args.draft == "default" else load_draft(target, args.draft)
         if args.toward_target is not None:
             draft = TowardTarget(draft, target, args.toward_target, T, Tq)
         made = {"smc_k4": lambda: SMC(lm, Draft(draft, Tq), particles=args.particles, block_size=4),
                 "smc_k8": lambda: SMC(lm, Draft(draft, Tq), particles=args.particles, block_size=8),
+                "smc_adaptive": lambda: SMC(lm, Draft(draft, Tq), particles=args.particles, block_size="adaptive"),
                 "sd_k4": lambda: SpeculativeDecoding(lm, Draft(draft, Tq), block_size=4)}
         out.update({name: make() for name, make in made.items() if name in args.methods})
     if "smc_trunc_k4" in args.methods:
@@ -172,7 +174,7 @@ def worker(rank: int, args, jobs: list[tuple[int, str]], deadline: float) -> Non
                     rec.update(model.take_stats())
                 if name.startswith("smc"):
                     rec.update(mean_ess=res.mean_ess, resample_rate=res.resample_rate, ess=res.ess,
-                               rounds_ess_ge_half=sum(e >= half for e in res.ess))
+                               rounds_ess_ge_half=sum(e >= half for e in res.ess), block_sizes=res.block_sizes)
                 if name.startswith("sd"):
                     rec.update(drafted=res.draft_tokens, accepted=res.accepted_tokens)
                 f.write(json.dumps(rec) + "\n")
@@ -248,6 +250,9 @@ def aggregate(results_dir: Path, particles: int) -> dict:
             entry["frac_rounds_ess_ge_half"] = sum(e >= particles / 2 for e in all_ess) / len(all_ess)
             entry["resample_rate"] = sum(r["resample_rate"] * r["rounds"] for r in rows) / sum(r["rounds"] for r in rows)
             entry["rounds"] = sum(r["rounds"] for r in rows)
+            ks = [k for r in rows for k in r.get("block_sizes") or []]
+            if ks:
+                entry["mean_K"] = sum(ks) / len(ks)
         if rows[0].get("own_positions"):
             n = sum(r["own_positions"] for r in rows)
             entry["own_acceptance"] = sum(r["own_acceptance_sum"] for r in rows) / n

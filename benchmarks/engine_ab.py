@@ -104,10 +104,12 @@ print("RESULT " + json.dumps({"smcdecode": smcdecode.__file__, "rows": rows}))
 """
 
 
-def run_tree(tree: Path, cfg: dict) -> dict:
+def run_tree(tree: Path, cfg: dict, worker: str = WORKER, **env_extra: str) -> dict:
+    """Run ``worker`` (Python source printing one ``RESULT {json}`` line) in a process that imports
+    smcdecode from ``tree``; ``env_extra``: more environment variables."""
     extra = os.environ.get("PYTHONPATH", "")  # (other paths after the tree: e.g. wheels installed elsewhere)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(tree.resolve()), extra) if p))
-    p = subprocess.run([sys.executable, "-c", WORKER, json.dumps(cfg)], env=env, capture_output=True, text=True,
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(tree.resolve()), extra) if p), **env_extra)
+    p = subprocess.run([sys.executable, "-c", worker, json.dumps(cfg)], env=env, capture_output=True, text=True,
                        cwd=tree)
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):

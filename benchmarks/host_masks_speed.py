@@ -21,8 +21,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 WORKER = r"""
@@ -86,13 +84,9 @@ print("RESULT " + json.dumps({"smcdecode": sd.__file__, "schemas": per_schema}))
 
 
 def run_tree(tree: Path, cfg: dict) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree.resolve()), OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-c", WORKER, json.dumps(cfg)], env=env, capture_output=True, text=True,
-                       cwd=tree)
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"worker for {tree} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+    from engine_ab import run_tree as run_in_tree  # (benchmarks/ is on sys.path when run as a script)
+
+    return run_in_tree(tree, cfg, WORKER, OMP_NUM_THREADS="1")
 
 
 def main() -> None:

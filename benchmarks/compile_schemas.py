@@ -46,7 +46,7 @@ def _init() -> None:
 
 
 class _Timeout(Exception):
-    pass
+    """A schema's compile ran past --timeout (it is counted as too slow, then the next one runs)."""
 
 
 def _alarm(signum, frame):

@@ -4,27 +4,28 @@ An :class:`Engine` holds a target (and optionally a draft) :class:`~.model.Llama
 model, its :class:`~.config.EngineConfig` and the cache of captured CUDA graphs. Its strategies
 live in their own modules and take the engine as their first argument:
 
-    smc_sd          fused_smc.py (plain, uniform calls: one fused round a graph) or the request
-                    loop of scheduler.py over the round of smc.py (any target program:
-                    constraints, powers, rewards, per-request settings)
+    smc_sd          batch.py: the request loop of scheduler.py over the round of smc.py with
+                    every request submitted at once (any target program: constraints,
+                    powers, rewards, per-request settings)
     speculative     speculative.py (exact speculative decoding)
     autoregressive  autoregressive.py
     serve           scheduler.py (continuous batching of SMC-SD requests)
 
-prefill.py writes the prompts into the pools; rounds.py holds what the fused SMC-SD and the
-speculative rounds share; graphs.py the graph cache.
+prefill.py writes the prompts into the pools; rounds.py holds the speculative round's draft and
+verify steps; graphs.py the graph cache.
 """
 
 from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ...errors import SMCDecodeError
 from . import autoregressive as _autoregressive
-from . import fused_smc, prefill, scheduler
+from . import batch, prefill
 from . import speculative as _speculative
 from .config import EngineConfig
 from .graphs import GraphCache
@@ -123,9 +124,11 @@ class Engine:
         """``prefill.start``: a page table for G·N rows with every prompt prefilled once."""
         return prefill.start(self, prompts, N, extra, batched_prefill)
 
-    def upload(self, table: PageTable, pt_dev: Tensor, copies: tuple[list[int], list[int]]) -> None:
+    def upload(self, table: PageTable, pt_dev: Tensor, copies: tuple[list[int], list[int]],
+               rows: np.ndarray | None = None) -> None:
         """The host's page bookkeeping to the device: the copy-on-write ``copies`` (src, dst) in both
-        pools, and the page table into ``pt_dev``."""
+        pools, and the page table into ``pt_dev`` (only ``rows`` of it, when given: the other rows'
+        device entries may be ahead of the host's, a round in flight forking them)."""
         src, dst = copies
         if src:  # one host-to-device copy for both index lists
             sd = torch.tensor(src + dst, dtype=torch.long).to(self.device, non_blocking=True)
@@ -135,7 +138,11 @@ class Engine:
                 self.kv_d.copy_pages(s, d)
         # NOTE: not waited for: from pageable memory the copy is staged before the call returns (the
         # host may change the table afterwards), and the work that reads pt_dev follows on this stream
-        pt_dev.copy_(torch.from_numpy(table.table), non_blocking=True)
+        if rows is None:
+            pt_dev.copy_(torch.from_numpy(table.table), non_blocking=True)
+        elif len(rows):
+            idx = torch.from_numpy(np.asarray(rows, dtype=np.int64))
+            pt_dev.index_copy_(0, idx.to(pt_dev.device), torch.from_numpy(table.table[idx.numpy()]).to(pt_dev.device))
 
     # -- strategies -----------------------------------------------------------------------------
 
@@ -150,13 +157,14 @@ class Engine:
         ``particles``, ``block_size``, ``max_new_tokens`` and the temperatures are one value or one
         per prompt. ``target`` (an :class:`~smcdecode.backends.engine.targets.EngineTarget`, e.g.
         ``EngineTarget.of(LM(model) ** 2 * Regex(...) * Reward(...))``, or one per prompt) adds a
-        power α, constraints and rewards. The plain uniform case runs the fused round
-        (``fused_smc.run``); anything else runs the request loop (``scheduler.run_batch``: per-row
-        settings, masks, rewards). eos_token_id None ignores EOS (fixed-length outputs, as in the
-        benchmark). ``schedule`` (a ``samplers.adaptive`` FixedBlocks / AdaptiveBlocks) sets each
-        request's K between rounds, up to its ``block_size``: it runs the request loop.
+        power α, constraints and rewards. Every call runs the request loop (``batch.run_batch``):
+        one round shape for every program, per-row settings, masks, rewards. eos_token_id None
+        ignores EOS (fixed-length outputs, as in the benchmark). ``schedule`` (a
+        ``samplers.adaptive`` FixedBlocks / AdaptiveBlocks) sets each request's K between rounds, up
+        to its ``block_size``.
 
-        Page bookkeeping of the fused round: the host sets pages aside before each launch, so the
+        Page bookkeeping: where a round allows (one K for every request, no host work inside the
+        round: ``Scheduler._pipelined``) the host sets pages aside before each launch, so the
         round's graph forks the page table, copies the shared partial pages and adds fresh ones
         itself and the next round is launched before the host has read this one (the host books the
         same pages one round late). A round whose pages could not be set aside (a nearly full pool)
@@ -172,22 +180,16 @@ class Engine:
                                  "block_size=0 (the target as proposal: one token a round)")
         use_graphs = self.config.use_graphs if use_graphs is None else use_graphs
         programs = target if isinstance(target, (list, tuple)) else [target]
-        plain = all(t is None or (t.alpha == 1.0 and not t.constraints and not t.rewards) for t in programs)
-        if not (plain and settings.uniform) or schedule is not None or min(settings.block_size) == 0:
-            if target is None or (isinstance(target, (list, tuple)) and any(t is None for t in target)):
-                target = [t or EngineTarget() for t in programs] if isinstance(target, (list, tuple)) \
-                    else EngineTarget()
-            return scheduler.run_batch(self, prompts, settings, target, eos_token_id=eos_token_id,
-                                       resampler=resampler, ess_threshold=ess_threshold, use_graphs=use_graphs,
-                                       seed=seed, record_weights=record_weights, schedule=schedule)
-        return fused_smc.run(self, prompts, settings, eos_token_id=eos_token_id, resampler=resampler,
-                             ess_threshold=ess_threshold, use_graphs=use_graphs, seed=seed,
-                             record_weights=record_weights, pipeline=pipeline)
+        targets = [t or EngineTarget() for t in programs]
+        return batch.run_batch(self, prompts, settings, targets if isinstance(target, (list, tuple)) else targets[0],
+                               eos_token_id=eos_token_id, resampler=resampler, ess_threshold=ess_threshold,
+                               use_graphs=use_graphs, seed=seed, record_weights=record_weights, schedule=schedule,
+                               pipeline=pipeline)
 
     def smc_page_bounds(self, prompts: list[list[int]], N: int, K: int, max_new_tokens: int) -> tuple[int, int]:
-        """(pages the first round of the fused SMC-SD needs, pages it needs at most over the whole
-        output), the null page included: ``fused_smc.page_bounds``."""
-        return fused_smc.page_bounds(prompts, N, K, max_new_tokens, self.page_size)
+        """(pages the first round of SMC-SD needs, pages it needs at most over the whole
+        output), the null page included: ``batch.page_bounds``."""
+        return batch.page_bounds(prompts, N, K, max_new_tokens, self.page_size)
 
     @torch.inference_mode()
     def serve(self, requests: list, *, slots: int | None = None, target: EngineTarget | None = None,

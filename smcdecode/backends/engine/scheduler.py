@@ -13,14 +13,21 @@ reused by later schedulers of the same shape.
     sched = Scheduler(engine, slots=8, max_particles=8, max_block_size=4, eos_token_id=eos)
     sched.submit(Request(prompt_ids, particles=8, block_size=4, max_new_tokens=64))
     while sched.busy:
-        for done in sched.step():   # one round; the requests that finished in it
+        for done in sched.step():   # one round; the requests that finished (in the round read)
             ...
+
+Pipelined rounds: where a round allows it (one K for every request, no host work inside the round)
+the host sets pages aside before the launch, the round's graph forks the page table and places them
+itself (``smc.pages_code``), and ``step`` launches round r + 1 before it reads round r, booking the
+same pages on the host while round r + 1 runs. A request's particles all finished in round r are
+read, and its slot freed, after round r + 1 was launched (for its rows a no-op); its outputs reach
+the host without waiting for that round (``_collect``).
 
 A scheduler runs a fixed set of target programs (``target=[...]``; a request names its own in
 ``Request.target``): their automata share one device table, α is per row, rewards are scored per
 program. Constraints whose masks come from the host (llguidance) run the round eagerly
 (host_masks.py). ``Engine.smc_sd`` is this loop with every request submitted at once
-(:func:`run_batch`).
+(``batch.run_batch``).
 """
 
 from __future__ import annotations
@@ -28,7 +35,6 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,64 +46,9 @@ from ...samplers.common import RewardTracker
 from ...samplers.resampling import RESAMPLERS
 from .host_masks import HostMasks, RequestMasks
 from .kv_cache import PageTable
-from .output import EngineOutput
+from .requests import Finished, Flight, Leaving, Request, Rounds, bucket_of, idle_settings
 from .smc import NEG_INF, Round, build_round, capture_round, host_terms, round_code
 from .targets import CombinedAutomaton, DeviceAutomaton, EngineTarget, Settings
-
-
-@dataclass
-class Request:
-    """One SMC-SD request: a prompt (token ids, at least 2) and its own settings."""
-
-    prompt: list[int]
-    particles: int
-    block_size: int
-    max_new_tokens: int
-    draft_temperature: float = 1.0
-    target_temperature: float = 1.0
-    id: object = None
-    target: EngineTarget | None = None  # one of the scheduler's programs (default: its first)
-
-
-@dataclass
-class Finished:
-    """A finished request: its particles ([N, max_new_tokens] EOS-padded tokens), weights, log Ẑ and
-    per-round ESS / resampling flags (of the rounds it was in)."""
-
-    request: Request
-    tokens: Tensor
-    lengths: Tensor
-    log_weights: Tensor
-    log_evidence: float
-    ess: list = field(default_factory=list)
-    resampled: list = field(default_factory=list)
-    rounds: int = 0
-    joined_round: int = 0
-    drafted: Tensor | None = None  # [N] tokens drafted in each row slot while unfinished
-    weights: list = field(default_factory=list)  # per round, normalised [N_max] (record_weights)
-    block_sizes: list = field(default_factory=list)  # per round, the K it ran with
-    survivors: list = field(default_factory=list)  # per round, distinct ancestors kept (N: not resampled)
-
-
-def _idle(b: dict, rows: slice) -> None:
-    """Settings of rows no request holds: the round still runs over them (dead, never chosen), so
-    they get a block size that fits every round shape (0: also the K = 0 rounds of a scheduler
-    without drafts) and finite temperatures, power and budget."""
-    for name in ("T_draft", "T_target", "alpha", "budget"):
-        b[name][rows] = 1
-    b["K_row"][rows] = 0
-
-
-def _bucket(n: int, slots: int) -> int:
-    return min(slots, 1 << max(0, (n - 1).bit_length()))
-
-
-@dataclass
-class _Rounds:
-    """The full buffers of one scheduler shape and its captured rounds, by bucket."""
-
-    full: Round
-    by_bucket: dict = field(default_factory=dict)
 
 
 class Scheduler:
@@ -107,10 +58,15 @@ class Scheduler:
     def __init__(self, engine, *, slots: int, max_particles: int, max_block_size: int,
                  target: EngineTarget | list | None = None, eos_token_id: int | None = None,
                  resampler: str = "systematic", ess_threshold: float = 0.5, use_graphs: bool | None = None,
-                 seed: int = 0, max_context: int | None = None, record_weights: bool = False, schedule=None):
+                 seed: int = 0, max_context: int | None = None, record_weights: bool = False, schedule=None,
+                 pipeline: bool | None = None, shrink: bool = True):
         """``schedule`` (``samplers.adaptive``: FixedBlocks / AdaptiveBlocks) sets each request's K
         between rounds from its own past rounds, up to its ``block_size`` (slot g is the schedule's
-        group g)."""
+        group g). ``pipeline`` (default: with CUDA graphs) launches a round before the host reads the
+        one before it, where the round allows (``_pipelined``): the same outputs, without the host's
+        bookkeeping between rounds on the device's time. ``shrink`` False runs every round over all
+        slots (one round shape for a batch submitted at once: no capture when its last slots leave,
+        and the same draws pipelined or not)."""
         if engine.draft is None and max_block_size != 0:
             raise SMCDecodeError("SMC-SD with drafted tokens needs a draft model: Engine(target, draft, ...), or "
                                  "max_block_size=0 (the target as proposal: one token a round)")
@@ -168,7 +124,7 @@ class Scheduler:
         rounds = None if eager else engine.graphs.get(key)
         if rounds is None:
             pt = torch.from_numpy(self.table.table).to(dev)
-            rounds = _Rounds(build_round(engine, slots, max_particles, max_block_size, self.cap, pt, self.automata,
+            rounds = Rounds(build_round(engine, slots, max_particles, max_block_size, self.cap, pt, self.automata,
                                          self.eos, self.pad, resampler, ess_threshold,
                                          self.host if eager else None))
             if not eager:
@@ -181,9 +137,10 @@ class Scheduler:
         b["log_w"].fill_(NEG_INF)
         b["n"].fill_(1)
         b["seq"].fill_(1)
-        _idle(b, slice(None))
+        idle_settings(b, slice(None))
         b["host_incr"].zero_()
         self.lens = np.ones(B, dtype=np.int64)  # target tokens cached per row (dead rows: 1)
+        self.t_end = np.zeros(slots, dtype=np.int64)
         self.queue: deque[Request] = deque()
         self.requests: list[Request | None] = [None] * slots
         self.history: list[dict] = [{} for _ in range(slots)]
@@ -192,8 +149,17 @@ class Scheduler:
                         for t in self.programs if t.rewards]
         self.round = 0
         self.host_s = 0.0
+        # rounds launched but not read yet (pipelined: one launched ahead) and finished requests whose
+        # outputs are on their way to the host
+        self.pipeline = self.use_graphs if pipeline is None else pipeline
+        self.shrink = shrink
+        self._flights: list[Flight] = []
+        self._leaving: list[Leaving] = []
+        self._steps = 0
         pinned = dev.type == "cuda"
-        self._packed = torch.empty(3 * B + 2 * slots + 1, dtype=torch.float64, pin_memory=pinned)
+        self._parity = 0
+        self._host_packed = torch.empty(2, 3 * B + 2 * slots + 1, dtype=torch.float64, pin_memory=pinned)
+        self._stage = torch.zeros(2, B, b["fresh"].shape[1], dtype=torch.long, pin_memory=pinned)
         torch.manual_seed(seed)
 
     # -- requests ------------------------------------------------------------------------------
@@ -228,7 +194,7 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.queue) or any(r is not None for r in self.requests)
+        return bool(self.queue or self._leaving or self._flights) or any(r is not None for r in self.requests)
 
     def _admit(self, joining: list[tuple[int, Request]]) -> None:
         """Requests into free slots: one batched prefill of all their prompts (target and draft)."""
@@ -240,7 +206,7 @@ class Scheduler:
             self.table.reserve(rows[:1], np.array([len(req.prompt) - 1]))
             self.table.advance(rows[:1], np.array([len(req.prompt) - 1]))
             heads.append(g * N)
-        b["pt"].copy_(torch.from_numpy(self.table.table))
+        e.upload(self.table, b["pt"], ([], []), rows=self._rows([g for g, _ in joining]))
         e.prefill_rows(e.target, e.kv_t, b["pt"], heads, [list(req.prompt[:-1]) for _, req in joining])
         if e.draft is not None:
             e.prefill_rows(e.draft, e.kv_d, b["pt"], heads, [list(req.prompt[:-2]) for _, req in joining])
@@ -255,6 +221,7 @@ class Scheduler:
         n = req.particles
         self.table.share_prefix(rows.tolist(), int(rows[0]))
         self.lens[rows] = len(ids) - 1
+        self.t_end[g] = len(ids) - 1 + req.max_new_tokens  # its position once its budget is spent
         r = slice(int(rows[0]), int(rows[-1]) + 1)
         valid = torch.arange(N, device=dev) < n
         b["seq"][r] = len(ids) - 1
@@ -289,33 +256,60 @@ class Scheduler:
         self.history[g] = {"ess": [], "resampled": [], "weights": [], "block_sizes": [], "survivors": [],
                            "joined": self.round}
 
-    def _release(self, g: int) -> Finished:
+    def _release(self, g: int, keep: bool = True) -> None:
+        """Free slot g: its pages, its rows' settings; with ``keep`` its outputs start their way to
+        the host (``_collect`` hands them out once there, without waiting for a round in flight)."""
         b, N = self.full.buffers, self.Nmax
         req = self.requests[g]
-        n = req.particles
+        n, T = req.particles, req.max_new_tokens
         r = slice(g * N, g * N + n)
-        lw = b["log_w"][r].cpu().clone()  # (copies: the rows are reused)
-        h = self.history[g]
-        out = Finished(req, b["tokens"][r, : req.max_new_tokens].cpu().clone(), b["n_gen"][r].cpu().clone(), lw,
-                       float(b["log_Z"][g].cpu() + torch.logsumexp(lw, 0) - math.log(n)),
-                       h["ess"], h["resampled"], self.round - h["joined"], h["joined"],
-                       drafted=b["drafted"][r].cpu().clone(), weights=h["weights"], block_sizes=h["block_sizes"],
-                       survivors=h["survivors"])
+        if keep:  # one copy: tokens, lengths, drafted, log w, log Z
+            pack = torch.cat([b["tokens"][r, :T].reshape(-1).double(), b["n_gen"][r].double(),
+                              b["drafted"][r].double(), b["log_w"][r], b["log_Z"][g : g + 1]])
+            host = torch.empty(pack.shape, dtype=torch.float64, pin_memory=self._host_packed.is_pinned())
+            host.copy_(pack, non_blocking=True)
+            event = None
+            if host.is_pinned():
+                event = torch.cuda.Event()
+                event.record()
+            self._leaving.append(Leaving(req, self.history[g], host, event, self._steps))
         rows = np.arange(g * N, (g + 1) * N)
         self.table.free_rows(rows)
+        self.engine.upload(self.table, b["pt"], ([], []), rows=rows)  # (idle rows write to the null page)
         self.lens[rows] = 1
         full = slice(g * N, (g + 1) * N)
         b["valid"][full] = False
         b["finished"][full] = True
         b["log_w"][full] = NEG_INF
         b["seq"][full] = 1
-        _idle(b, full)
+        idle_settings(b, full)
         b["n"][g] = 1
         for _, _, mine in self.rewards:
             mine[full] = False
         if self.host is not None:
             self.host.remove(g)
         self.requests[g] = None
+
+    def _collect(self, wait_all: bool) -> list[Finished]:
+        """The released requests whose outputs have reached the host: those released in an earlier
+        step (their copies ran right after the round then in flight), or every one."""
+        out, left = [], []
+        for lv in self._leaving:
+            if not (wait_all or lv.step < self._steps):
+                left.append(lv)
+                continue
+            if lv.event is not None:
+                lv.event.synchronize()
+            req, h = lv.request, lv.history
+            n, T = req.particles, req.max_new_tokens
+            x = lv.host
+            lw = x[n * T + 2 * n : n * T + 3 * n].clone()
+            out.append(Finished(req, x[: n * T].view(n, T).long(), x[n * T : n * T + n].long(), lw,
+                                float(x[-1] + torch.logsumexp(lw, 0) - math.log(n)),
+                                h["ess"], h["resampled"], len(h["ess"]), h["joined"],
+                                drafted=x[n * T + n : n * T + 2 * n].long(), weights=h["weights"],
+                                block_sizes=h["block_sizes"], survivors=h["survivors"]))
+        self._leaving = left
         return out
 
     @torch.inference_mode()
@@ -328,7 +322,7 @@ class Scheduler:
                 return True
         for g, r in enumerate(self.requests):
             if r is not None and r.id == request_id:
-                self._release(g)
+                self._release(g, keep=False)
                 return True
         return False
 
@@ -367,9 +361,10 @@ class Scheduler:
             saved = {name: (v.clone() if isinstance(v, Tensor) else [s.clone() for s in v])
                      for name, v in full.items()}
             # (and the random stream: a run draws the same whether its rounds were captured now or before)
-            rng = torch.cuda.get_rng_state(self.engine.device)
+            cuda = self.engine.device.type == "cuda"
+            rng = torch.cuda.get_rng_state(self.engine.device) if cuda else torch.get_rng_state()
             capture_round(self.engine, rnd, True, split=bool(self.rewards))
-            torch.cuda.set_rng_state(rng, self.engine.device)
+            torch.cuda.set_rng_state(rng, self.engine.device) if cuda else torch.set_rng_state(rng)
             for name, v in full.items():
                 if isinstance(v, Tensor):
                     v.copy_(saved[name])
@@ -382,23 +377,9 @@ class Scheduler:
             self._rounds.by_bucket[(bucket, k)] = rnd
         return rnd
 
-    @torch.inference_mode()
-    def step(self) -> list[Finished]:
-        """Admit queued requests into free slots, run one round over the occupied bucket, release
-        the requests that finished. Returns those requests."""
-        t0 = time.perf_counter()
-        joining = []
-        for g in range(self.slots):
-            if not self.queue:
-                break
-            if self.requests[g] is None:
-                joining.append((g, self.queue.popleft()))
-        if joining:
-            self._admit(joining)
-        occupied = [g for g, r in enumerate(self.requests) if r is not None]
-        if not occupied:
-            return []
-        bucket = _bucket(max(occupied) + 1, self.slots)
+    def _shape(self, occupied: list[int]) -> tuple[int, int, dict]:
+        """(bucket, k, K of each occupied slot) of the next round."""
+        bucket = bucket_of(max(occupied) + 1, self.slots) if self.shrink else self.slots
         b = self.full.buffers
         # NOTE: the round's shape follows the largest block size present, so requests with a
         # small K stop paying for a large one once the requests that asked for it have left
@@ -413,14 +394,96 @@ class Scheduler:
                 b["K_row"][g * self.Nmax : (g + 1) * self.Nmax] = kg
                 if self.host is not None and g in self.host.requests:
                     self.host.requests[g].K = kg
+        return bucket, k, K_now
+
+    def _rows(self, groups) -> np.ndarray:
+        N = self.Nmax
+        return (np.concatenate([np.arange(g * N, (g + 1) * N) for g in groups]) if len(groups)
+                else np.zeros(0, dtype=np.int64))
+
+    def _pipelined(self, bucket: int, k: int, K_now: dict) -> bool:
+        """Whether this round can be launched before the one in flight is read: its graph exists,
+        the host has nothing to do inside the round, and every request drafts k tokens (so every
+        row's pages for the next round are known before this one ends)."""
+        return (self.pipeline and self.host is None and not self.rewards and self.plan is None
+                and (bucket, k) in self._rounds.by_bucket and all(v == k for v in K_now.values()))
+
+    @torch.inference_mode()
+    def step(self) -> list[Finished]:
+        """Admit queued requests into free slots, launch one round over the occupied bucket, read
+        the round before it (pipelined) or this one, release the requests that finished in the
+        round read. Returns those requests."""
+        t0 = time.perf_counter()
+        self._steps += 1
+        joining = []
+        for g in range(self.slots):
+            if not self.queue:
+                break
+            if self.requests[g] is None:
+                joining.append((g, self.queue.popleft()))
+        if joining:
+            self._admit(joining)
+        occupied = [g for g, r in enumerate(self.requests) if r is not None]
+        if not occupied:
+            self._drain()
+            return self._collect(wait_all=True)
+        bucket, k, K_now = self._shape(occupied)
+        pipelined = self._pipelined(bucket, k, K_now)
+        if self._flights and not (pipelined and self._flights[-1].held is not None):
+            self._drain()  # (requests may have left)
+            occupied = [g for g, r in enumerate(self.requests) if r is not None]
+            if not occupied:
+                return self._collect(wait_all=True)
+            bucket, k, K_now = self._shape(occupied)
+            pipelined = self._pipelined(bucket, k, K_now)
+        b = self.full.buffers
         R = bucket * self.Nmax
-        rows = np.arange(R)
-        # pages for the rows of occupied slots (the rows of free slots write into the null page)
-        held = np.concatenate([np.arange(g * self.Nmax, (g + 1) * self.Nmax) for g in occupied])
-        copies = self.table.reserve(held, self.lens[held] + k + 1, write_from=self.lens[held] - 1)
-        self.engine.upload(self.table, b["pt"], copies)
+        # pages for this round's writes: every occupied row's, or (a round in flight placed the
+        # pages of its rows) the rows of requests that joined since
+        ahead = set(self._flights[-1].groups) if self._flights else set()
+        if ahead and all(g in ahead and self.lens[g * self.Nmax] + k + 1 >= self.t_end[g] for g in occupied):
+            self._drain()  # every request spends its budget in the round in flight
+            return self._collect(wait_all=True)
+        book = self._rows([g for g in occupied if g not in ahead])
+        copies = self.table.reserve(book, self.lens[book] + k + 1, write_from=self.lens[book] - 1)
+        self.engine.upload(self.table, b["pt"], copies, rows=self._rows(sorted(set(occupied) - ahead))
+                           if ahead else None)
         rnd = self._round(bucket, k)
+        held = self._give(occupied, ahead, k, R) if pipelined else None
         self.host_s += time.perf_counter() - t0
+        self._launch(rnd, bucket, k, occupied, K_now, held)
+        if held is None or len(self._flights) > 1:
+            t1 = time.perf_counter()
+            self._read() if held is not None else self._drain()
+            self.host_s += time.perf_counter() - t1
+        return self._collect(wait_all=not self._flights)
+
+    def _give(self, occupied: list[int], ahead: set, k: int, R: int) -> np.ndarray | None:
+        """Set pages aside for the end of the round about to launch (the pages of the round after
+        it) and upload them to ``fresh``; None (zeros uploaded) when too few pages are free."""
+        b, PS = self.full.buffers, self.engine.page_size
+        F = b["fresh"].shape[1]
+        rows = self._rows(occupied)
+        T = self.lens[rows] + np.where(np.isin(rows // self.Nmax, list(ahead)), k + 1, 0) + k + 1  # after it
+        demand = 1 + (-(-(T + k + 1) // PS)) + (T // -PS)  # a copy + the columns it opens
+        demand[T >= self.t_end[rows // self.Nmax]] = 0  # (its budget spent: no round after it)
+        fresh = np.zeros((self.slots * self.Nmax, F), dtype=np.int64)
+        try:
+            pages = self.table.hold(int(demand.sum())) if demand.any() else np.zeros(0, dtype=np.int64)
+        except MemoryError:
+            held = None
+        else:
+            part = np.zeros((len(rows), F), dtype=np.int64)
+            part[np.arange(F)[None] < demand[:, None]] = pages
+            fresh[rows] = part
+            held = fresh
+        stage = self._stage[self._parity]
+        stage.numpy()[:R] = fresh[:R]
+        b["fresh"][:R].copy_(stage[:R], non_blocking=True)
+        return held
+
+    def _launch(self, rnd, bucket: int, k: int, occupied: list[int], K_now: dict, held) -> None:
+        b, R = self.full.buffers, bucket * self.Nmax
         if self.host is not None:
             self.host.begin(R, k, rnd.buffers["drafts"])
         rnd.propose()
@@ -431,45 +494,77 @@ class Scheduler:
             host_terms(rnd.buffers, [(tracker, mine[:R]) for _, tracker, mine in self.rewards], self.host, self.cap)
             self.host_s += time.perf_counter() - t1
         rnd.finish()
-        weights = b["W"][:bucket].clone() if self.record_weights else None
+        stats = None
         if self.plan is not None:
             stats = torch.stack([b["accept"], b["accept_n"], b["draft_lw"]]).cpu()
             self.plan.observe(group_statistics(stats[0], stats[1], stats[2], b["active"].cpu(), self.slots))
         n_packed = 3 * R + 2 * bucket + 1
-        host = self._packed[:n_packed]
-        host.copy_(b["packed"][:n_packed], non_blocking=True)
-        if self._packed.is_pinned():
-            torch.cuda.current_stream().synchronize()  # the round's one host sync
-        t1 = time.perf_counter()
-        h = host.numpy()
+        p = self._parity
+        self._host_packed[p, :n_packed].copy_(b["packed"][:n_packed], non_blocking=True)
+        event = None
+        if self._host_packed.is_pinned():
+            event = torch.cuda.Event()
+            event.record()
+        self._flights.append(Flight(p, bucket, k, list(occupied), {g: self.requests[g] for g in occupied},
+                                     dict(K_now), held, event,
+                                     b["W"][:bucket].clone() if self.record_weights else None))
+        self._parity ^= 1
+
+    def _drain(self) -> None:
+        while self._flights:
+            self._read()
+
+    def _read(self) -> None:
+        """Read the oldest round in flight: book its forks and pages on the host, record the
+        requests' statistics, release the requests whose particles have all finished."""
+        f = self._flights.pop(0)
+        if f.event is not None:
+            f.event.synchronize()
+        R, bucket, N = f.bucket * self.Nmax, f.bucket, self.Nmax
+        h = self._host_packed[f.parity, : 3 * R + 2 * bucket + 1].numpy()
         self.round += 1
-        index = np.arange(self.slots * self.Nmax)
+        index = np.arange(self.slots * N)
         index[:R] = h[:R].astype(np.int64)
-        self.lens[:R] = h[R : 2 * R].astype(np.int64)
-        finished = h[2 * R : 3 * R].reshape(bucket, self.Nmax) > 0
+        T = h[R : 2 * R].astype(np.int64)
+        finished = h[2 * R : 3 * R].reshape(bucket, N) > 0
         do, ess = h[3 * R : 3 * R + bucket] > 0, h[3 * R + bucket : 3 * R + 2 * bucket]
+        # a request cancelled since the launch: its rows were freed (another may hold them now)
+        stale = [g for g in f.groups if self.requests[g] is not f.requests[g]]
+        for g in stale:
+            index[g * N : (g + 1) * N] = np.arange(g * N, (g + 1) * N)
+        groups = [g for g in f.groups if g not in stale]
         self.table.fork(index)
-        self.table.advance(rows, self.lens[:R])
-        if not np.array_equal(index[:R], rows):
+        gone = [g for g in groups if finished[g].all()]
+        live = self._rows([g for g in groups if not finished[g].all()])
+        self.lens[live] = T[live]
+        self.table.advance(live, T[live])
+        if f.held is not None:  # mirror the pages the round's graph placed; return the unused ones
+            k = f.k
+            if len(live):
+                self.table.reserve(live, T[live] + k + 1, write_from=T[live] - 1, held=f.held[live])
+            out = self._rows(gone)
+            self.table.unhold(f.held[self._rows(gone + stale)].reshape(-1))
+            nxt = self._flights[0].held if self._flights else None
+            if nxt is not None:  # (the round launched after it left these requests' rows alone)
+                self.table.unhold(nxt[out].reshape(-1))
+                nxt[out] = 0
+        if not np.array_equal(index[:R], np.arange(R)):
             idx_t = torch.from_numpy(index)
             for _, tracker, _ in self.rewards:
                 tracker.fork(idx_t)
             if self.host is not None:
                 self.host.fork(idx_t)
-        done = []
-        parents = index[:R].reshape(bucket, self.Nmax)
-        for g in occupied:
-            self.history[g]["ess"].append(float(ess[g]))
-            self.history[g]["resampled"].append(bool(do[g]))
-            self.history[g]["block_sizes"].append(K_now[g])
-            n = self.requests[g].particles
-            self.history[g]["survivors"].append(len(np.unique(parents[g, :n])))
-            if weights is not None:
-                self.history[g]["weights"].append(weights[g])
-            if finished[g].all():
-                done.append(self._release(g))
-        self.host_s += time.perf_counter() - t1
-        return done
+        parents = index[:R].reshape(bucket, N)
+        for g in groups:
+            hist = self.history[g]
+            hist["ess"].append(float(ess[g]))
+            hist["resampled"].append(bool(do[g]))
+            hist["block_sizes"].append(f.K[g])
+            hist["survivors"].append(len(np.unique(parents[g, : f.requests[g].particles])))
+            if f.weights is not None:
+                hist["weights"].append(f.weights[g])
+            if g in gone:
+                self._release(g)
 
     def run(self) -> list[Finished]:
         """Step until every submitted request has finished; results in completion order."""
@@ -481,64 +576,3 @@ class Scheduler:
     @property
     def peak_pages(self) -> int:
         return self.table.peak_used
-
-
-def run_batch(engine, prompts: list[list[int]], settings: Settings, target, *, eos_token_id: int | None,
-              resampler: str, ess_threshold: float, use_graphs: bool, seed: int,
-              record_weights: bool = False, schedule=None) -> EngineOutput:
-    """SMC-SD of ``prompts`` (each its own request, all submitted at once) with per-request
-    ``settings`` and ``target`` (one EngineTarget or one per prompt). Returns an
-    :class:`~smcdecode.backends.engine.output.EngineOutput` whose tensors are [G, N_max, ...] (rows
-    j >= N_g of request g are padding: log w = -inf, length 0); its per-round lists hold one entry
-    per request (NaN / False once a request has left)."""
-    G = len(prompts)
-    targets = list(target) if isinstance(target, (list, tuple)) else [target] * G
-    if len(targets) != G:
-        raise SMCDecodeError(f"target lists {len(targets)} programs for {G} prompts: give one or one per prompt")
-    for t in targets:
-        if not isinstance(t, EngineTarget):
-            raise SMCDecodeError(f"target must be an EngineTarget (EngineTarget.of(LM(model) * ...)), got "
-                                 f"{type(t).__name__}")
-    programs = list({id(t): t for t in targets}.values())
-    Nmax, Kmax = max(settings.particles), max(settings.block_size)
-    longest_new = max(settings.max_new_tokens)
-    context = engine.max_context or max(len(p) for p in prompts) + longest_new + Kmax + 2
-    sched = Scheduler(engine, slots=G, max_particles=Nmax, max_block_size=Kmax, target=programs,
-                      eos_token_id=eos_token_id, resampler=resampler, ess_threshold=ess_threshold,
-                      use_graphs=use_graphs, seed=seed, max_context=context, record_weights=record_weights,
-                      schedule=schedule)
-    for g, p in enumerate(prompts):
-        sched.submit(Request(list(p), settings.particles[g], settings.block_size[g], settings.max_new_tokens[g],
-                             settings.draft_temperature[g], settings.target_temperature[g], id=g,
-                             target=targets[g]))
-    by_id = {f.request.id: f for f in sched.run()}
-    done = [by_id[g] for g in range(G)]
-    pad = sched.pad
-    tokens = torch.full((G, Nmax, longest_new), pad, dtype=torch.long)
-    lengths = torch.zeros(G, Nmax, dtype=torch.long)
-    log_w = torch.full((G, Nmax), NEG_INF, dtype=torch.float64)
-    drafted = torch.zeros(G, Nmax, dtype=torch.long)
-    for g, f in enumerate(done):
-        n, T = f.tokens.shape
-        tokens[g, :n, :T] = f.tokens
-        lengths[g, :n] = f.lengths
-        log_w[g, :n] = f.log_weights
-        drafted[g, :n] = f.drafted
-    out = EngineOutput(tokens, lengths, log_w, torch.tensor([f.log_evidence for f in done], dtype=torch.float64))
-    rounds = max(f.rounds for f in done)
-    out.rounds = rounds
-    for t in range(rounds):
-        out.ess.append(np.array([f.ess[t] if t < len(f.ess) else math.nan for f in done]))
-        out.resampled.append(np.array([f.resampled[t] if t < len(f.resampled) else False for f in done]))
-        out.block_sizes.append(np.array([f.block_sizes[t] if t < len(f.block_sizes) else 0 for f in done]))
-        out.survivors.append(np.array([f.survivors[t] if t < len(f.survivors) else f.log_weights.shape[0]
-                                       for f in done]))
-        if record_weights:
-            out.weights.append(torch.stack([f.weights[t] if t < len(f.weights) else torch.zeros_like(f.weights[0])
-                                            for f in done]))
-    out.finished = torch.ones(G, Nmax, dtype=torch.bool)
-    out.drafted = drafted
-    out.peak_pages = sched.peak_pages
-    out.host_s = sched.host_s
-    out.particles = list(settings.particles)
-    return out

@@ -100,6 +100,8 @@ def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resamp
         host_incr=z(B, dtype=torch.float64),
         # what the host reads after the round's sync, packed in the round's graph: index, seq, finished, do, ess, done
         packed=z(3 * B + 2 * G + 1, dtype=torch.float64),
+        # pages the host set aside for the round's end (pages_code): a copy-on-write page, then new ones
+        fresh=z(B, 2 + (Kmax + 1) // engine.page_size),
     )
     rnd = Round(b, None, None, keep=[t for a in automata for t in (a.table, a.classes, a.accepting)])
     rnd.propose_code, rnd.finish_code = round_code(engine, b, automata, eos, pad, resampler, tau, host)
@@ -210,7 +212,6 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
                   torch.where(K_row > 0, drafts.gather(1, (K_row - 1).clamp(min=0)[:, None])[:, 0], b["last"]))
         b["pending"].copy_(torch.where(active[:, None], torch.stack([d_last, bonus], 1), b["pending"]))
         b["last"].copy_(torch.where(active, bonus, b["last"]))
-        T.add_(torch.where(active, K_row + 1, 0))
         b["active"].copy_(active)
         b["ended"].copy_(ended)
         b["hit_eos"].copy_(hit_eos)
@@ -225,16 +226,68 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         b["log_Z"].add_(log_Z_incr)
         log_w.copy_(lw.flatten())
         b["W"].copy_(W)
-        for t in (b["pending"], b["last"], tokens, n_gen, finished, log_w, T, *b["states"]):
+        for t in (b["pending"], b["last"], tokens, n_gen, finished, log_w, *b["states"]):
             t.copy_(t[idx])
+        # every row of a request with a live particle moves on by its K + 1 positions (finished rows
+        # too, so a request's rows share one position and the pages a round needs are known before it)
+        go = (~finished).view(G, Nmax).any(1)[:, None].expand(G, Nmax).reshape(B)
+        T.add_(torch.where(go, K_row + 1, 0))
         b["index"].copy_(idx)
         b["do"].copy_(do)
         b["ess"].copy_(ess)
         b["done"].copy_(finished.all()[None])
         b["packed"].copy_(torch.cat([idx.double(), T.double(), finished.double(), do.double(), ess,
                                      b["done"].double()]))
+        pages(go)
 
+    pools = [kv for kv in (engine.kv_t, engine.kv_d) if kv is not None]
+    pages = pages_code(b, pools, PS)
     return propose, finish
+
+
+def pages_code(b: dict, pools: list, page_size: int):
+    """The page bookkeeping of ``PageTable`` (``fork`` then ``reserve``) at the end of a round, as
+    device code over the buffers ``b`` (static shapes, no host sync), with the pages the host set
+    aside in ``fresh`` [B, F] (row i: its copy-on-write page, then its new columns' pages; 0 = none).
+    ``pages(go)`` runs it for the rows ``go`` (the requests still live).
+
+    A round writes positions [T−1, T+K] of every row (T = ``seq`` before it, K = ``K_row``, the same
+    for every row of a round the host sets pages aside for), so after it (T' = T + K + 1):
+      * fork: pt = pt[ancestors] (a pointer exchange: every page stays where it is);
+      * copy-on-write: the one page a row writes next that may be shared is the page of position
+        T'−1 (the partially filled last page: fully written pages are never written again).
+        A row copies it to fresh[i, 0] when a later row of its request holds it too, so the last
+        holder keeps it (as ``PageTable.reserve``, which visits rows in order);
+      * fresh pages fresh[i, 1:] for the columns [ceil(T'/PS), ceil((T'+K+1)/PS)) of every row.
+    With ``fresh`` all zeros it only forks (the host then books and uploads the rest).
+    ``PageTable.reserve(held=fresh)`` repeats this on the host with the same page ids."""
+    PS = page_size
+    pt, seq, fresh, K = b["pt"], b["seq"], b["fresh"], b["K_row"]
+    B, P = pt.shape
+    G, N = b["W"].shape
+    F = fresh.shape[1]
+    cols = torch.arange(P, device=pt.device)[None]  # [1, P]
+    later = torch.ones(N, N, dtype=torch.bool, device=pt.device).triu(1)  # [i, j]: row j comes after row i
+
+    def pages(go: Tensor) -> None:
+        table = pt[b["index"]]  # [B, P] the fork
+        last_col = (seq - 1) // PS  # [B] the page of position T'−1
+        n_old = last_col + 1  # pages a row holds
+        n_new = (seq + K + PS) // PS  # pages it needs for positions < T' + K + 1
+        last_page = table.gather(1, last_col[:, None])[:, 0]  # [B]
+        same = last_page.view(G, N)[:, :, None] == last_page.view(G, N)[:, None, :]  # [G, N, N]
+        cow = (same & later).any(2).view(B) & go & (fresh[:, 0] > 0)  # a later row holds the page too
+        new_page = fresh.gather(1, (cols - n_old[:, None] + 1).clamp(1, F - 1))  # [B, P]
+        grows = (cols >= n_old[:, None]) & (cols < n_new[:, None]) & go[:, None] & (new_page > 0)
+        new_table = torch.where(grows, new_page.to(pt.dtype), table)
+        new_table = torch.where((cols == last_col[:, None]) & cow[:, None], fresh[:, :1].to(pt.dtype), new_table)
+        src = torch.where(cow, last_page.long(), 0)  # rows without a copy: (0, 0), skipped
+        dst = torch.where(cow, fresh[:, 0], 0)
+        for pool in pools:  # one launch over all layers, keys and values
+            pool.copy_pages(src, dst)
+        pt.copy_(new_table)
+
+    return pages
 
 
 def capture_round(engine, rnd: Round, graphs: bool, split: bool) -> None:

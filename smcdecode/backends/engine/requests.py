@@ -1,0 +1,95 @@
+"""What the request loop (scheduler.py) keeps per request and per round: a :class:`Request`, a
+:class:`Finished` request, a launched round not read yet, a released request whose outputs are on
+their way to the host, and the settings of rows no request holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from torch import Tensor
+
+from .smc import Round
+from .targets import EngineTarget
+
+
+@dataclass
+class Request:
+    """One SMC-SD request: a prompt (token ids, at least 2) and its own settings."""
+
+    prompt: list[int]
+    particles: int
+    block_size: int
+    max_new_tokens: int
+    draft_temperature: float = 1.0
+    target_temperature: float = 1.0
+    id: object = None
+    target: EngineTarget | None = None  # one of the scheduler's programs (default: its first)
+
+
+@dataclass
+class Finished:
+    """A finished request: its particles ([N, max_new_tokens] EOS-padded tokens), weights, log Ẑ and
+    per-round ESS / resampling flags (of the rounds it was in)."""
+
+    request: Request
+    tokens: Tensor
+    lengths: Tensor
+    log_weights: Tensor
+    log_evidence: float
+    ess: list = field(default_factory=list)
+    resampled: list = field(default_factory=list)
+    rounds: int = 0
+    joined_round: int = 0
+    drafted: Tensor | None = None  # [N] tokens drafted in each row slot while unfinished
+    weights: list = field(default_factory=list)  # per round, normalised [N_max] (record_weights)
+    block_sizes: list = field(default_factory=list)  # per round, the K it ran with
+    survivors: list = field(default_factory=list)  # per round, distinct ancestors kept (N: not resampled)
+
+
+@dataclass
+class Flight:
+    """A launched round: where its packed flags land on the host, its shape, the requests in it (by
+    slot), their K, the pages set aside for its end (None: none) and its recorded weights."""
+
+    parity: int
+    bucket: int
+    k: int
+    groups: list
+    requests: dict
+    K: dict
+    held: np.ndarray | None
+    event: object
+    weights: Tensor | None
+
+
+@dataclass
+class Leaving:
+    """A released request whose outputs are being copied to ``host`` (done when ``event`` is)."""
+
+    request: Request
+    history: dict
+    host: Tensor
+    event: object
+    step: int
+
+
+def idle_settings(b: dict, rows: slice) -> None:
+    """Settings of rows no request holds: the round still runs over them (dead, never chosen), so
+    they get a block size that fits every round shape (0: also the K = 0 rounds of a scheduler
+    without drafts) and finite temperatures, power and budget."""
+    for name in ("T_draft", "T_target", "alpha", "budget"):
+        b[name][rows] = 1
+    b["K_row"][rows] = 0
+
+
+def bucket_of(n: int, slots: int) -> int:
+    return min(slots, 1 << max(0, (n - 1).bit_length()))
+
+
+@dataclass
+class Rounds:
+    """The full buffers of one scheduler shape and its captured rounds, by bucket."""
+
+    full: Round
+    by_bucket: dict = field(default_factory=dict)

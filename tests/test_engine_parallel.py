@@ -394,17 +394,52 @@ def test_bench_tp_smoke_run_on_two_cpu_ranks(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           os.path.join(root, "benchmarks", "bench_tp.py"), "--tiny", "--out-dir", str(tmp_path)],
+                           os.path.join(root, "benchmarks", "bench_tp.py"), "--tiny", "--out", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "tp_tiny_tp2.json").read_text())
-    assert not res["errors"] and res["gpus"] == 2
-    assert res["forward_check"]["max_abs_err_over_max_logit"] < 1e-5
+    assert not res["errors"] and res["gpus"] == 2 and res["repeats"] == 2
+    (check,) = res["forward_check"]
+    assert check["max_abs_err_over_max_logit"] < 1e-5 and check["argmax_agreement"] == 1.0
     systems = [r["system"] for r in res["runs"]]
     assert systems == ["engine TP=2 AR"] * 2 + ["engine TP=2 SMC-SD N=8 K=8"] * 2 + ["engine TP=2 exact SD K=4"] * 2
+    assert all(len(r["seconds"]) == 2 and r["first_call_s"] > 0 for r in res["runs"])
     smc = [r for r in res["runs"] if r.get("N")]
     assert all(r["speedup_over_tp_ar"] > 0 and r["rounds"] == 2 for r in smc)
     assert "engine TP=2 SMC-SD N=8 K=8 | 1 |" in proc.stdout
+
+
+def _bench_errors_rank(tp):
+    import bench_tp
+
+    def fails_on_rank_1():
+        if tp.rank == 1:
+            raise RuntimeError("rank 1 broke")
+        return "fine"
+
+    return bench_tp.on_every_rank(tp, "a stage", fails_on_rank_1, timeout=60)
+
+
+def test_bench_tp_reports_an_error_of_any_rank_on_every_rank(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                             "benchmarks"))
+    (v0, e0), (v1, e1) = run_ranks(2, _bench_errors_rank)
+    assert v0 == "fine" and v1 is None
+    assert e0 == e1 and len(e0) == 1 and e0[0].startswith("rank 1: a stage:") and "rank 1 broke" in e0[0]
+
+
+def test_bench_tp_deadline_ends_a_stuck_rank_with_a_message():
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import time, bench_tp\nwith bench_tp.deadline(1.0, 'waiting for rank 1', 0):\n    time.sleep(30)\n"
+            "print('not reached')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.path.join(root, 'benchmarks')}"})
+    assert proc.returncode == 1 and "not reached" not in proc.stdout
+    assert "'waiting for rank 1' still running after 1 s" in proc.stderr
+    assert 'File "<string>", line 3' in proc.stderr  # the stuck thread's stack
 
 
 # ------------------------------------------------------------------------------------------------

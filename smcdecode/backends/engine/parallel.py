@@ -44,6 +44,7 @@ rank 0's ``Lockstep``; ``smcdecode serve --tensor-parallel N`` is this call).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import hashlib
 import os
@@ -92,13 +93,18 @@ class TensorParallel:
 
 
 def init(backend: str | None = None, *, rank: int | None = None, world: int | None = None,
-         init_method: str | None = None) -> TensorParallel:
+         init_method: str | None = None, timeout: float | None = None) -> TensorParallel:
     """This process's ``TensorParallel``, starting the default process group if none is.
 
     Under torchrun every argument comes from its environment (RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR, MASTER_PORT); ``launch`` passes them. ``backend``: "nccl" (one GPU a rank,
-    cuda:LOCAL_RANK) where CUDA is available, else "gloo" (CPU). The communicators are created
-    here, outside any CUDA-graph capture."""
+    cuda:LOCAL_RANK) where CUDA is available, else "gloo" (CPU). ``timeout``: seconds a collective
+    may wait for the other ranks before it fails (torch's default: 10 minutes for NCCL, 30 for
+    gloo); it applies to the control group too. The communicators are created here, outside any
+    CUDA-graph capture."""
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise SMCDecodeError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    limit = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend not in ("nccl", "gloo"):
@@ -112,10 +118,10 @@ def init(backend: str | None = None, *, rank: int | None = None, world: int | No
             torch.cuda.set_device(local)
             kw["device_id"] = torch.device("cuda", local)  # eager communicator (capturable collectives)
         dist.init_process_group(backend, init_method=init_method, rank=-1 if rank is None else rank,
-                                world_size=-1 if world is None else world, **kw)
+                                world_size=-1 if world is None else world, **kw, **limit)
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    control = dist.new_group(backend="gloo") if backend == "nccl" else None
+    control = dist.new_group(backend="gloo", **limit) if backend == "nccl" else None
     tp = TensorParallel(dist.get_rank(), dist.get_world_size(), device, None, control)
     warm = torch.ones(1, device=device)
     dist.all_reduce(warm)

@@ -211,7 +211,7 @@ def model_files(tmp_path_factory):
 
 
 # 4 ranks: the GQA case only (4 processes on CI's 2 cores are slow); its Q8_0 column slices (16 of
-# o_proj's 64, 24 of down_proj's 96) are not 32-aligned, so they take the row-chunk path
+# o_proj's 64, 24 of down_proj's 96) are not 32-aligned, so they take the blocks at both ends whole
 @pytest.mark.parametrize("world, cases", [(2, ("gqa", "tied_bias")), (4, ("gqa",))])
 def test_sharded_forward_equals_unsharded(world, cases, model_files):
     reports = run_ranks(world, _forward_rank, model_files, cases)
@@ -225,6 +225,73 @@ def test_sharded_forward_equals_unsharded(world, cases, model_files):
         assert r0[f"{case}/kv_heads"] == 4 // world  # the KV pool holds this rank's heads
         assert r0[f"{case}/gguf_q8"] < 1e-5
         assert 1e-5 < r0[f"{case}/gguf_q8_vs_f32"] < 0.05  # quantised: near the model, not equal to it
+
+
+class _Counting:
+    """A shards reader that counts the elements each read returns, by weight."""
+
+    def __init__(self, reader):
+        self.reader, self.config, self.read_elements = reader, reader.config, {}
+
+    def has(self, name):
+        return self.reader.has(name)
+
+    def read(self, name, *slices):
+        w = self.reader.read(name, *slices)
+        self.read_elements[name] = self.read_elements.get(name, 0) + w.numel()
+        return w
+
+
+@torch.no_grad()
+def _reads_rank(tp, files: dict):
+    """Elements each loader read for this rank's shard (by weight), and elements the GGUF reader
+    dequantised (every call of gguf's dequantize counted)."""
+    import gguf
+
+    from smcdecode.backends.engine.shards import GGUFReader, SafetensorsReader
+
+    out = {}
+    for name, reader in (("safetensors", SafetensorsReader(files["gqa/st"])), ("gguf_q8", GGUFReader(files["gqa/q8"]))):
+        counting = _Counting(reader)
+        dequantised = [0]
+        deq = gguf.quants.dequantize
+
+        def counted(data, qtype, deq=deq, dequantised=dequantised):
+            w = deq(data, qtype)
+            dequantised[0] += w.size
+            return w
+
+        gguf.quants.dequantize = counted
+        try:
+            parallel.build(counting, tp, torch.float32)
+        finally:
+            gguf.quants.dequantize = deq
+        out[name] = (counting.read_elements, dequantised[0])
+    return out
+
+
+def test_each_rank_reads_only_its_slices(model_files):
+    """Safetensors and GGUF: a rank reads the replicated weights (embedding, norms) whole and exactly
+    1/world of every other weight; GGUF dequantises exactly that plus the rest of the quantisation
+    blocks at the ends of its column slices."""
+    from safetensors.torch import load_file
+
+    whole = {k: v.numel() for k, v in load_file(os.path.join(model_files["gqa/st"], "model.safetensors")).items()}
+    replicated = {k for k in whole if k == "model.embed_tokens.weight" or k.endswith("norm.weight")}
+    for world in (2, 4):
+        for rank, report in enumerate(run_ranks(world, _reads_rank, model_files)):
+            for loader, (read, dequantised) in report.items():
+                assert set(read) == set(whole), (loader, set(whole) ^ set(read))
+                for k, n in read.items():
+                    assert n == (whole[k] if k in replicated else whole[k] // world), (loader, rank, k, n, whole[k])
+                if loader == "gguf_q8":  # Q8_0 blocks of 32 columns; o_proj and down_proj are sliced by column
+                    extra = 0
+                    for k, n in whole.items():
+                        if k.endswith(("o_proj.weight", "down_proj.weight")):
+                            cols = n // 64  # 64 rows (the model width)
+                            c0, c1 = rank * cols // world, (rank + 1) * cols // world
+                            extra += 64 * ((-(-c1 // 32) - c0 // 32) * 32 - (c1 - c0))
+                    assert dequantised == sum(read.values()) + extra, (rank, dequantised, extra)
 
 
 @torch.no_grad()

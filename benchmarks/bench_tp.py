@@ -183,7 +183,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", default="llama-3.1-8b", choices=sorted(TARGETS))
     ap.add_argument("--draft", default="llama-3.2-1b", choices=sorted(DRAFTS))
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
+    ap.add_argument("--out", "--out-dir", dest="out", default=str(Path(__file__).resolve().parent / "results"),
                     help="directory of the JSON result (rank 0 writes it)")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--out-len", type=int, default=1024, help="output tokens of AR and SMC-SD (EOS ignored)")

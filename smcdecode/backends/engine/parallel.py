@@ -408,6 +408,8 @@ class Replica:
         self._lock, self._key, self._calls = lock, key, frozenset(calls)
 
     def __getattr__(self, name: str):
+        if name.startswith("_"):  # (not set yet, e.g. during copying: no lookup through the state)
+            raise AttributeError(name)
         if name in self._calls:
             return functools.partial(self._lock.run, _on_held, self._key, name)
         return getattr(self._lock.state[self._key], name)

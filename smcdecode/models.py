@@ -369,12 +369,17 @@ def _load_gguf(
             else:
                 _announce_cache(path, converted)
     hf = hf.to(dtype)
+    return HFModel(hf.to(device), chatml_eos(tok), name=name or path.stem)
+
+
+def chatml_eos(tok):
+    """The GGUF tokenizer ``tok`` with <|im_end|> as its EOS where its chat template is ChatML."""
     im_end = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else None
     if im_end is not None and tok.eos_token_id != im_end and "<|im_end|>" in str(tok.chat_template or ""):
         # NOTE: some transformers versions read a chat GGUF's EOS as <|im_start|>; a ChatML model's
         # turns end with <|im_end|>, which is the EOS generation must stop at.
         tok.eos_token = "<|im_end|>"
-    return HFModel(hf.to(device), tok, name=name or path.stem)
+    return tok
 
 
 def _local_path(name: str) -> Path:

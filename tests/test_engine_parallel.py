@@ -211,7 +211,7 @@ def model_files(tmp_path_factory):
 
 
 # 4 ranks: the GQA case only (4 processes on CI's 2 cores are slow); its Q8_0 column slices (16 of
-# o_proj's 64, 24 of down_proj's 96) are not 32-aligned, so they take the row-chunk path
+# o_proj's 64, 24 of down_proj's 96) are not 32-aligned, so they take the blocks at both ends whole
 @pytest.mark.parametrize("world, cases", [(2, ("gqa", "tied_bias")), (4, ("gqa",))])
 def test_sharded_forward_equals_unsharded(world, cases, model_files):
     reports = run_ranks(world, _forward_rank, model_files, cases)
@@ -225,6 +225,73 @@ def test_sharded_forward_equals_unsharded(world, cases, model_files):
         assert r0[f"{case}/kv_heads"] == 4 // world  # the KV pool holds this rank's heads
         assert r0[f"{case}/gguf_q8"] < 1e-5
         assert 1e-5 < r0[f"{case}/gguf_q8_vs_f32"] < 0.05  # quantised: near the model, not equal to it
+
+
+class _Counting:
+    """A shards reader that counts the elements each read returns, by weight."""
+
+    def __init__(self, reader):
+        self.reader, self.config, self.read_elements = reader, reader.config, {}
+
+    def has(self, name):
+        return self.reader.has(name)
+
+    def read(self, name, *slices):
+        w = self.reader.read(name, *slices)
+        self.read_elements[name] = self.read_elements.get(name, 0) + w.numel()
+        return w
+
+
+@torch.no_grad()
+def _reads_rank(tp, files: dict):
+    """Elements each loader read for this rank's shard (by weight), and elements the GGUF reader
+    dequantised (every call of gguf's dequantize counted)."""
+    import gguf
+
+    from smcdecode.backends.engine.shards import GGUFReader, SafetensorsReader
+
+    out = {}
+    for name, reader in (("safetensors", SafetensorsReader(files["gqa/st"])), ("gguf_q8", GGUFReader(files["gqa/q8"]))):
+        counting = _Counting(reader)
+        dequantised = [0]
+        deq = gguf.quants.dequantize
+
+        def counted(data, qtype, deq=deq, dequantised=dequantised):
+            w = deq(data, qtype)
+            dequantised[0] += w.size
+            return w
+
+        gguf.quants.dequantize = counted
+        try:
+            parallel.build(counting, tp, torch.float32)
+        finally:
+            gguf.quants.dequantize = deq
+        out[name] = (counting.read_elements, dequantised[0])
+    return out
+
+
+def test_each_rank_reads_only_its_slices(model_files):
+    """Safetensors and GGUF: a rank reads the replicated weights (embedding, norms) whole and exactly
+    1/world of every other weight; GGUF dequantises exactly that plus the rest of the quantisation
+    blocks at the ends of its column slices."""
+    from safetensors.torch import load_file
+
+    whole = {k: v.numel() for k, v in load_file(os.path.join(model_files["gqa/st"], "model.safetensors")).items()}
+    replicated = {k for k in whole if k == "model.embed_tokens.weight" or k.endswith("norm.weight")}
+    for world in (2, 4):
+        for rank, report in enumerate(run_ranks(world, _reads_rank, model_files)):
+            for loader, (read, dequantised) in report.items():
+                assert set(read) == set(whole), (loader, set(whole) ^ set(read))
+                for k, n in read.items():
+                    assert n == (whole[k] if k in replicated else whole[k] // world), (loader, rank, k, n, whole[k])
+                if loader == "gguf_q8":  # Q8_0 blocks of 32 columns; o_proj and down_proj are sliced by column
+                    extra = 0
+                    for k, n in whole.items():
+                        if k.endswith(("o_proj.weight", "down_proj.weight")):
+                            cols = n // 64  # 64 rows (the model width)
+                            c0, c1 = rank * cols // world, (rank + 1) * cols // world
+                            extra += 64 * ((-(-c1 // 32) - c0 // 32) * 32 - (c1 - c0))
+                    assert dequantised == sum(read.values()) + extra, (rank, dequantised, extra)
 
 
 @torch.no_grad()
@@ -394,17 +461,52 @@ def test_bench_tp_smoke_run_on_two_cpu_ranks(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           os.path.join(root, "benchmarks", "bench_tp.py"), "--tiny", "--out-dir", str(tmp_path)],
+                           os.path.join(root, "benchmarks", "bench_tp.py"), "--tiny", "--out", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "tp_tiny_tp2.json").read_text())
-    assert not res["errors"] and res["gpus"] == 2
-    assert res["forward_check"]["max_abs_err_over_max_logit"] < 1e-5
+    assert not res["errors"] and res["gpus"] == 2 and res["repeats"] == 2
+    (check,) = res["forward_check"]
+    assert check["max_abs_err_over_max_logit"] < 1e-5 and check["argmax_agreement"] == 1.0
     systems = [r["system"] for r in res["runs"]]
     assert systems == ["engine TP=2 AR"] * 2 + ["engine TP=2 SMC-SD N=8 K=8"] * 2 + ["engine TP=2 exact SD K=4"] * 2
+    assert all(len(r["seconds"]) == 2 and r["first_call_s"] > 0 for r in res["runs"])
     smc = [r for r in res["runs"] if r.get("N")]
     assert all(r["speedup_over_tp_ar"] > 0 and r["rounds"] == 2 for r in smc)
     assert "engine TP=2 SMC-SD N=8 K=8 | 1 |" in proc.stdout
+
+
+def _bench_errors_rank(tp):
+    import bench_tp
+
+    def fails_on_rank_1():
+        if tp.rank == 1:
+            raise RuntimeError("rank 1 broke")
+        return "fine"
+
+    return bench_tp.on_every_rank(tp, "a stage", fails_on_rank_1, timeout=60)
+
+
+def test_bench_tp_reports_an_error_of_any_rank_on_every_rank(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                             "benchmarks"))
+    (v0, e0), (v1, e1) = run_ranks(2, _bench_errors_rank)
+    assert v0 == "fine" and v1 is None
+    assert e0 == e1 and len(e0) == 1 and e0[0].startswith("rank 1: a stage:") and "rank 1 broke" in e0[0]
+
+
+def test_bench_tp_deadline_ends_a_stuck_rank_with_a_message():
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import time, bench_tp\nwith bench_tp.deadline(1.0, 'waiting for rank 1', 0):\n    time.sleep(30)\n"
+            "print('not reached')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.path.join(root, 'benchmarks')}"})
+    assert proc.returncode == 1 and "not reached" not in proc.stdout
+    assert "'waiting for rank 1' still running after 1 s" in proc.stderr
+    assert 'File "<string>", line 3' in proc.stderr  # the stuck thread's stack
 
 
 # ------------------------------------------------------------------------------------------------

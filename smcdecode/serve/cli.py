@@ -63,6 +63,12 @@ def parser() -> argparse.ArgumentParser:
                    "its KV pool holds slots x engine-particles sequences of --engine-context tokens")
     p.add_argument("--engine-context", type=int, default=2048,
                    help="engine: most tokens (prompt + output + a block) of a request the scheduler batches")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="shard the target over N ranks of this host (one GPU each, cuda:0..N-1 over NCCL; CPU "
+                   "processes over gloo with --device cpu): attention heads, KV cache and MLP split by rank, the "
+                   "draft whole on every rank. N must divide the target's attention heads, key/value heads and "
+                   "MLP width. The draft must then be a model directory, a .gguf file or truncated:L, and the "
+                   "server answers plain requests (no constraint, seed or logprobs). See docs/engine.md")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: as smcdecode generate)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
@@ -71,7 +77,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _check(args) -> None:
     for flag in ("particles", "block_size", "max_queue", "max_particles", "max_block_size", "max_n", "max_tokens",
-                 "default_max_tokens", "slots", "engine_particles", "engine_context"):
+                 "default_max_tokens", "slots", "engine_particles", "engine_context", "tensor_parallel"):
         if getattr(args, flag) < 1:
             raise SMCDecodeError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if not 0 <= args.port < 65536:
@@ -117,6 +123,15 @@ def build(args):
     from .watch import WatchedModel
 
     _check(args)
+    limits = Limits(max_particles=args.max_particles, max_block_size=args.max_block_size, max_n=args.max_n,
+                    max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens)
+    defaults = Defaults(strategy=args.strategy, particles=args.particles, block_size=args.block_size,
+                        resampler=args.resampler, ess_threshold=args.ess_threshold)
+    if args.tensor_parallel > 1:
+        from .tensor_parallel import build_executor
+
+        executor = build_executor(args, limits, defaults)
+        return create_app(executor, limits=limits, defaults=defaults), executor
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -127,10 +142,6 @@ def build(args):
     if backend == "auto":
         kind = getattr(getattr(model.hf, "config", None), "model_type", None)
         backend = "engine" if str(device).startswith("cuda") and kind == "llama" else "reference"
-    limits = Limits(max_particles=args.max_particles, max_block_size=args.max_block_size, max_n=args.max_n,
-                    max_tokens=args.max_tokens, default_max_tokens=args.default_max_tokens)
-    defaults = Defaults(strategy=args.strategy, particles=args.particles, block_size=args.block_size,
-                        resampler=args.resampler, ess_threshold=args.ess_threshold)
     watched = WatchedModel(model)
     name = args.served_model_name or model.name
     common = {"limits": limits, "defaults": defaults, "max_queue": args.max_queue}

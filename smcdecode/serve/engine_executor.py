@@ -49,35 +49,32 @@ class SchedulerExecutor(Executor):
     def __init__(self, model, model_name: str, draft, *, limits: Limits, defaults: Defaults,
                  max_queue: int = 64, slots: int = 8, max_particles: int = 8, max_block_size: int = 8,
                  context: int = 2048, page_size: int = 16, use_graphs: bool | None = None, ignore_eos: bool = False,
-                 stats: Stats | None = None, seed: int = 0, llamas: tuple | None = None, ar_slots: int | None = None):
+                 stats: Stats | None = None, seed: int = 0, llamas: tuple | None = None, ar_slots: int | None = None,
+                 lockstep=None):
         super().__init__(model, model_name, limits=limits, defaults=defaults, max_queue=max_queue, stats=stats,
                          has_draft=True)
-        from ..backends.engine import Engine, EngineConfig, EngineTarget, Scheduler
-
-        target_llama, draft_llama = llamas if llamas is not None else _llamas(model, draft)
-        context = min(context, model.max_context or context)
-        rows = slots * max_particles
-        config = EngineConfig(num_pages=rows * (-(-context // page_size) + 2) + 16, page_size=page_size,
-                              max_context=context, use_graphs=use_graphs)
-        self.engine = Engine(target_llama, draft_llama, config)
-        # exact speculative decoding: batched calls on their own KV pools
-        self.batch_engine = Engine(target_llama, draft_llama, EngineConfig(
-            num_pages=slots * (-(-context // page_size) + 2) + 16, page_size=page_size, max_context=context,
-            use_graphs=use_graphs))
-        self.slots, self.use_graphs = slots, use_graphs
         self.eos = None if ignore_eos else model.eos_token_id
-        self.sched = Scheduler(self.engine, slots=slots, max_particles=max_particles, max_block_size=max_block_size,
-                               target=EngineTarget(), eos_token_id=self.eos, resampler=defaults.resampler,
-                               ess_threshold=defaults.ess_threshold, use_graphs=use_graphs, seed=seed)
+        context = min(context, model.max_context or context)
+        settings = dict(slots=slots, max_particles=max_particles, max_block_size=max_block_size, context=context,
+                        page_size=page_size, use_graphs=use_graphs, eos=self.eos, resampler=defaults.resampler,
+                        ess_threshold=defaults.ess_threshold, seed=seed,
+                        ar_slots=slots if ar_slots is None else ar_slots)
+        self.lockstep = lockstep
+        if lockstep is None:
+            parts: dict = {}
+            build_device(llamas if llamas is not None else _llamas(model, draft), parts, settings)
+        else:  # a sharded target (``serve.tensor_parallel``): every rank builds and steps the same objects
+            from ..backends.engine import parallel
+
+            lockstep.run(build_device, settings)
+            parts = dict(lockstep.state)
+            parts["sched"] = parallel.SharedScheduler(lockstep, "sched")
+            parts["ar"] = parallel.SharedScheduler(lockstep, "ar")
+            parts["batch_engine"] = parallel.Replica(lockstep, "batch_engine", ("speculative",))
+        self.engine, self.batch_engine, self.ar_engine = parts["engine"], parts["batch_engine"], parts["ar_engine"]
+        self.sched, self.ar = parts["sched"], parts["ar"]
+        self.slots, self.use_graphs = slots, use_graphs
         self.Nmax, self.Kmax, self.context = max_particles, max_block_size, self.engine.max_context
-        # autoregressive sampling: the target alone (no draft: a K = 0 round then runs the target only)
-        ar_slots = slots if ar_slots is None else ar_slots
-        self.ar_engine = Engine(target_llama, None, EngineConfig(
-            num_pages=ar_slots * (-(-context // page_size) + 2) + 16, page_size=page_size, max_context=context,
-            use_graphs=use_graphs))
-        self.ar = Scheduler(self.ar_engine, slots=ar_slots, max_particles=1, max_block_size=0, target=EngineTarget(),
-                            eos_token_id=self.eos, resampler=defaults.resampler, ess_threshold=0.0,
-                            use_graphs=use_graphs, seed=seed + 1)
         # the rest runs through the public API on the engine (it needs the Hugging Face models)
         self.side = (LibraryRunner(model, draft, self.stats, "engine", {"device": str(self.engine.device)})
                      if isinstance(model, WatchedModel) else None)
@@ -139,6 +136,8 @@ class SchedulerExecutor(Executor):
             self.closed = True
             self.cond.notify_all()
         self.thread.join(timeout=60)
+        if self.lockstep is not None:
+            self.lockstep.close()
 
     # -- the device thread -------------------------------------------------------------------------
 
@@ -148,7 +147,8 @@ class SchedulerExecutor(Executor):
             with self.cond:
                 while not (self.incoming or self.cancels or self.side_queue or self.sched.busy or self.ar.busy
                            or self.closed):
-                    self.cond.wait()
+                    if not self.cond.wait(KEEPALIVE_S if self.lockstep else None):
+                        self.lockstep.run(_keepalive)  # the other ranks wait for a call under a timeout
                 if self.closed:
                     return
                 incoming, self.incoming = list(self.incoming), deque()
@@ -357,6 +357,39 @@ class SchedulerExecutor(Executor):
             del self.live[job]
             choices: list[Choice] = [state["choices"][k] for k in range(job.spec.n)]
             job.post("done", outcome(self.stats, job, choices, True))
+
+
+KEEPALIVE_S = 60.0  # an idle server's no-op call to the other ranks (their wait times out after 30 minutes)
+
+
+def build_device(llamas: tuple, state: dict, settings: dict) -> None:
+    """The engines and schedulers of one device (one rank of a sharded target) into ``state``:
+    ``engine`` and ``sched`` (SMC-SD), ``batch_engine`` (exact SD), ``ar_engine`` and ``ar`` (AR)."""
+    from ..backends.engine import Engine, EngineConfig, EngineTarget, Scheduler
+
+    target_llama, draft_llama = llamas
+    S = settings
+    context, page_size, use_graphs, slots = S["context"], S["page_size"], S["use_graphs"], S["slots"]
+
+    def config(rows: int) -> EngineConfig:
+        return EngineConfig(num_pages=rows * (-(-context // page_size) + 2) + 16, page_size=page_size,
+                            max_context=context, use_graphs=use_graphs)
+
+    state["engine"] = engine = Engine(target_llama, draft_llama, config(slots * S["max_particles"]))
+    state["batch_engine"] = Engine(target_llama, draft_llama, config(slots))  # its own KV pools
+    state["sched"] = Scheduler(engine, slots=slots, max_particles=S["max_particles"],
+                               max_block_size=S["max_block_size"], target=EngineTarget(), eos_token_id=S["eos"],
+                               resampler=S["resampler"], ess_threshold=S["ess_threshold"], use_graphs=use_graphs,
+                               seed=S["seed"])
+    # autoregressive sampling: the target alone (no draft: a K = 0 round then runs the target only)
+    state["ar_engine"] = ar_engine = Engine(target_llama, None, config(S["ar_slots"]))
+    state["ar"] = Scheduler(ar_engine, slots=S["ar_slots"], max_particles=1, max_block_size=0,
+                            target=EngineTarget(), eos_token_id=S["eos"], resampler=S["resampler"],
+                            ess_threshold=0.0, use_graphs=use_graphs, seed=S["seed"] + 1)
+
+
+def _keepalive(engine, state: dict) -> None:
+    return None
 
 
 def _batch_key(spec) -> tuple:

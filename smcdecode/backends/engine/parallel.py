@@ -44,10 +44,14 @@ rank 0's ``Lockstep``; ``smcdecode serve --tensor-parallel N`` is this call).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import hashlib
 import os
+import signal
 import socket
+import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,13 +96,18 @@ class TensorParallel:
 
 
 def init(backend: str | None = None, *, rank: int | None = None, world: int | None = None,
-         init_method: str | None = None) -> TensorParallel:
+         init_method: str | None = None, timeout: float | None = None) -> TensorParallel:
     """This process's ``TensorParallel``, starting the default process group if none is.
 
     Under torchrun every argument comes from its environment (RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR, MASTER_PORT); ``launch`` passes them. ``backend``: "nccl" (one GPU a rank,
-    cuda:LOCAL_RANK) where CUDA is available, else "gloo" (CPU). The communicators are created
-    here, outside any CUDA-graph capture."""
+    cuda:LOCAL_RANK) where CUDA is available, else "gloo" (CPU). ``timeout``: seconds a collective
+    may wait for the other ranks before it fails (torch's default: 10 minutes for NCCL, 30 for
+    gloo); it applies to the control group too. The communicators are created here, outside any
+    CUDA-graph capture."""
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise SMCDecodeError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    limit = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend not in ("nccl", "gloo"):
@@ -112,10 +121,10 @@ def init(backend: str | None = None, *, rank: int | None = None, world: int | No
             torch.cuda.set_device(local)
             kw["device_id"] = torch.device("cuda", local)  # eager communicator (capturable collectives)
         dist.init_process_group(backend, init_method=init_method, rank=-1 if rank is None else rank,
-                                world_size=-1 if world is None else world, **kw)
+                                world_size=-1 if world is None else world, **kw, **limit)
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    control = dist.new_group(backend="gloo") if backend == "nccl" else None
+    control = dist.new_group(backend="gloo", **limit) if backend == "nccl" else None
     tp = TensorParallel(dist.get_rank(), dist.get_world_size(), device, None, control)
     warm = torch.ones(1, device=device)
     dist.all_reduce(warm)
@@ -242,7 +251,9 @@ def digest(value) -> str:
     h = hashlib.sha256()
 
     def walk(v):
-        if isinstance(v, Tensor):
+        if isinstance(v, Local):  # rank 0's objects inside stay out: the key is what every rank has
+            h.update(f"Local{v.key}".encode())
+        elif isinstance(v, Tensor):
             h.update(f"{v.dtype}{tuple(v.shape)}".encode())
             h.update(v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         elif isinstance(v, np.ndarray):
@@ -271,6 +282,31 @@ def agree(tp: TensorParallel, value) -> None:
     if len(set(every)) > 1:
         raise SMCDecodeError(f"tensor-parallel ranks disagree on a result (digests by rank: "
                              f"{[d[:12] for d in every]}): the ranks' particles diverged")
+
+
+class Local(tuple):
+    """A tuple that stays on rank 0: sent to the other ranks (pickled) it arrives empty, with only its
+    integer ``key``; it compares and hashes by ``key``, and ``digest`` sees only the key. Request ids
+    that hold rank 0's objects (a server's job) travel with ``Lockstep`` calls this way."""
+
+    key: int
+
+    def __new__(cls, key: int, items=()):
+        self = super().__new__(cls, items)
+        self.key = key
+        return self
+
+    def __reduce__(self):
+        return (Local, (self.key,))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Local) and other.key == self.key
+
+    def __ne__(self, other) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash((Local, self.key))
 
 
 def _exchange(tp: TensorParallel, message=None):
@@ -341,9 +377,13 @@ class Lockstep:
     def close(self) -> None:
         if self._open:
             self._open = False
-            _exchange(self.tp, None)
+            try:
+                _exchange(self.tp, None)
+            except RuntimeError:  # a rank is gone already (killed): end the others
+                for p in self._processes:
+                    p.terminate()
             for p in self._processes:
-                p.join()
+                p.join(timeout=60)
             if self._processes:
                 dist.destroy_process_group()
 
@@ -352,6 +392,42 @@ class Lockstep:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _on_held(engine, state: dict, key: str, method: str, *args, **kwargs):
+    return getattr(state[key], method)(*args, **kwargs)
+
+
+class Replica:
+    """Rank 0's handle on an object that every rank keeps in its ``Lockstep`` state under ``key``
+    (made there by a ``Lockstep.run`` call): the methods named in ``calls`` run on every rank with the
+    same arguments (through ``Lockstep.run``, checked by ``agree``); every other attribute is read
+    from rank 0's own copy, which is the same as the others' (reads change nothing)."""
+
+    def __init__(self, lock: Lockstep, key: str, calls: tuple[str, ...]):
+        self._lock, self._key, self._calls = lock, key, frozenset(calls)
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):  # (not set yet, e.g. during copying: no lookup through the state)
+            raise AttributeError(name)
+        if name in self._calls:
+            return functools.partial(self._lock.run, _on_held, self._key, name)
+        return getattr(self._lock.state[self._key], name)
+
+
+class SharedScheduler(Replica):
+    """Rank 0's handle on the :class:`~.scheduler.Scheduler` every rank keeps under ``key``: submit,
+    step and cancel run on every rank; a request's ``id`` (a server's job, say) stays on rank 0 and
+    reaches the other ranks as a number (``Local``)."""
+
+    def __init__(self, lock: Lockstep, key: str):
+        super().__init__(lock, key, ("step", "cancel"))
+        self._ids = 0
+
+    def submit(self, request) -> None:
+        self._ids += 1
+        request = dataclasses.replace(request, id=Local(self._ids, request.id))
+        return self._lock.run(_on_held, self._key, "submit", request)
 
 
 def follow(engine, tp: TensorParallel, check: bool = True) -> None:
@@ -379,20 +455,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, address: str, backend: str | None, build_engine, args, check: bool) -> None:
-    tp = init(backend, rank=rank, world=world, init_method=address)
+def _exit_with(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)  # rank 0 is gone (killed): nothing will send this rank another call
+
+
+def _rank_main(rank: int, world: int, address: str, backend: str | None, build_engine, args, check: bool,
+               timeout: float | None) -> None:
+    # NOTE: Ctrl-C (or a signal to the process group) reaches every rank; only rank 0 shuts down,
+    # releasing this one (close), and this rank exits by itself should rank 0 die instead
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
+    tp = init(backend, rank=rank, world=world, init_method=address, timeout=timeout)
     try:
         follow(build_engine(tp, *args), tp, check)
     finally:
         dist.destroy_process_group()
 
 
-def launch(world: int, build_engine, *args, backend: str | None = None, check: bool = True) -> Lockstep:
+def launch(world: int, build_engine, *args, backend: str | None = None, check: bool = True,
+           timeout: float | None = None) -> Lockstep:
     """Start a tensor-parallel group of ``world`` ranks on this host from one process: this process
     is rank 0 and ``world - 1`` processes are spawned (one a GPU: cuda:0 .. cuda:world-1 under NCCL).
     Every rank builds its engine with ``build_engine(tp, *args)`` (a module-level function, so it
     pickles: e.g. ``parallel.load`` the target, load the draft, return ``Engine(...)``). Returns rank
-    0's ``Lockstep``; ``close()`` ends the other ranks and the process group."""
+    0's ``Lockstep``; ``close()`` ends the other ranks and the process group, and a spawned rank
+    exits by itself when this process dies. ``timeout``: as ``init``'s; the other ranks wait for
+    rank 0's next call under it, so an idle rank 0 sends one (``Lockstep.run`` of a no-op) more
+    often than that."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise SMCDecodeError(f"tensor_parallel must be a positive integer (GPUs of the target), got {world!r}")
     if backend == "nccl" or (backend is None and torch.cuda.is_available()):
@@ -403,9 +495,9 @@ def launch(world: int, build_engine, *args, backend: str | None = None, check: b
 
     address = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
-    processes = [ctx.Process(target=_rank_main, args=(r, world, address, backend, build_engine, args, check),
-                             daemon=True) for r in range(1, world)]
+    processes = [ctx.Process(target=_rank_main, args=(r, world, address, backend, build_engine, args, check,
+                                                      timeout), daemon=True) for r in range(1, world)]
     for p in processes:
         p.start()
-    tp = init(backend, rank=0, world=world, init_method=address)
+    tp = init(backend, rank=0, world=world, init_method=address, timeout=timeout)
     return Lockstep(build_engine(tp, *args), tp, check, processes)

@@ -101,7 +101,6 @@ _GGUF_LAYER = {"self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.wei
                "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight"}
 _GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight"}
-GGUF_ROW_CHUNK = 4096  # rows dequantised at a time where a column slice is not quantisation-block aligned
 
 
 def gguf_name(name: str) -> str:
@@ -177,8 +176,9 @@ class GGUFReader:
         return gguf_name(name) in self._tensors
 
     def read(self, name: str, rows: slice = _ALL, cols: slice = _ALL) -> Tensor:
-        """``weight[rows, cols]`` in float32: the quantised rows alone are dequantised; a column slice
-        takes whole quantisation blocks where it is block aligned, else chunks of rows at a time."""
+        """``weight[rows, cols]`` in float32: only the quantisation blocks of those rows that hold those
+        columns are read and dequantised (a slice that is not block aligned takes the blocks at its
+        two ends whole, then drops their extra columns)."""
         gname = gguf_name(name)
         if gname not in self._tensors:
             raise SMCDecodeError(f"tensor {gname!r} (weight {name!r}) is not in GGUF file {self.path!r}")
@@ -194,16 +194,15 @@ class GGUFReader:
         if len(t.data.shape) == 1:
             w = torch.from_numpy(np.array(deq(t.data[rows], qtype), dtype=np.float32))
             return w.reshape(-1, D // 2, 2).transpose(1, 2).reshape(w.shape) if rope else w
-        n_cols = int(t.shape[0])
         block, type_size = self._gguf.GGML_QUANT_SIZES[qtype]
-        c0, c1, _ = cols.indices(n_cols)
-        data = t.data[rows]
-        if block == 1 or (c0 % block == 0 and c1 % block == 0):  # whole blocks (or a plain float type)
-            b0, b1 = (c0, c1) if block == 1 else (c0 // block * type_size, c1 // block * type_size)
-            w = np.array(deq(np.ascontiguousarray(data[:, b0:b1]), qtype), dtype=np.float32)
-        else:
-            w = np.concatenate([deq(np.ascontiguousarray(data[i:i + GGUF_ROW_CHUNK]), qtype)[:, c0:c1]
-                                for i in range(0, data.shape[0], GGUF_ROW_CHUNK)]).astype(np.float32)
+        c0, c1, _ = cols.indices(int(t.shape[0]))
+        data = t.data[rows]  # [rows, bytes a row] of a quantised type, [rows, cols] of a float type
+        if block == 1:
+            w = np.array(deq(np.ascontiguousarray(data[:, c0:c1]), qtype), dtype=np.float32)
+        else:  # the quantisation blocks that cover the columns, dequantised, then trimmed to them
+            a, b = c0 // block, -(-c1 // block)
+            w = deq(np.ascontiguousarray(data[:, a * type_size:b * type_size]), qtype)
+            w = np.array(w[:, c0 - a * block:c1 - a * block], dtype=np.float32)
         w = torch.from_numpy(w)
         if rope:  # llama.cpp wrote each head's rows in (D/2, 2) order; Hugging Face's are (2, D/2)
             w = w.reshape(-1, D // 2, 2, w.shape[-1]).transpose(1, 2).reshape(w.shape)

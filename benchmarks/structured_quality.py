@@ -50,6 +50,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -447,7 +448,10 @@ def run_worker(args, todo: list[tuple[dict, str]], out_fd: int, deadline: float)
                 emit([_row_for(it, m, runner.constraint(it)[1], runner.device_name, "not compiled") for it in failed])
                 batch = [it for it in batch if runner.constraint(it)[0] is not None]
             if batch:
-                emit(runner.run_call(m, batch, seed=args.seed + 100_003 * METHODS.index(m) + batch[0]["k"]))
+                try:
+                    emit(runner.run_call(m, batch, seed=args.seed + 100_003 * METHODS.index(m) + batch[0]["k"]))
+                except Exception:  # noqa: BLE001 - no rows for this call (a later --resume retries it); go on
+                    print(f"{m} call {b_index + 1} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             last = time.time() - t0
     if bar is not None:
         bar.close()
@@ -516,7 +520,7 @@ def summarise(rows: list[dict]) -> dict:
             )
         out["subsets"][subset] = per
     reasons: dict = {}
-    for (s, i, m), r in last.items():
+    for (_, _, m), r in last.items():
         if m != "unconstrained" and r.get("compiled") is False:
             reason = (r.get("reason") or "")[:90]
             reasons[reason] = reasons.get(reason, 0) + 1
@@ -609,7 +613,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{args.out} exists: pass --resume {args.out} to continue it, or choose another --out")
     items = selected(load_items(args.data, args.limit), parse_fraction(args.shard, "--shard"), worker)
     todo = pending(items, methods, done_keys([f for f in args.resume if f.exists()]))
-    deadline = args.deadline or (time.time() + args.time_limit if args.time_limit else math.inf)
+    deadline = args.deadline if args.deadline is not None else (
+        time.time() + args.time_limit if args.time_limit is not None else math.inf)
     print(f"{len(todo)} (schema, method) rows to run of {len(items) * len(methods)}", file=sys.stderr, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.touch()

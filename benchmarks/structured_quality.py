@@ -462,6 +462,11 @@ def run_workers(args, argv: list[str], todo_n: int, out: Path, deadline: float) 
     """``args.workers`` copies of this script (``--worker j/W``), sharing ``out``; one progress bar."""
     from tqdm.auto import tqdm
 
+    import smcdecode as sd
+
+    # NOTE: the first load of a GGUF writes a converted copy that later loads read: written once here,
+    # before the workers load it at the same time
+    sd.load_model(args.smollm2_gguf or "smollm2", dtype="float32")
     procs, logs = [], []
     for j in range(args.workers):
         log = out.with_name(out.name + f".worker{j}.log")

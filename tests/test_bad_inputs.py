@@ -295,7 +295,8 @@ def test_a_user_constraint_is_bound_by_product_and_by_bind():
 
 # the token 'b' is a dead end: after it, no token (not even EOS) keeps the text viable. llguidance
 # allows it (the text "b" is a viable prefix of "bc", though no token spells "c"); a Regex's token
-# automaton would not (it drops states from which no token sequence reaches an accepting state)
+# automaton would not (it drops states from which no token sequence reaches an accepting state), so
+# the grammar runs on llguidance here (path="llguidance": "auto" would take the automaton)
 DEAD_END = 'start: "a" | "bc"'
 
 
@@ -304,7 +305,7 @@ def test_a_dead_particle_stops_and_is_never_fed_an_arbitrary_token(proposal):
     target_model = _recording(_toy(0, forbid=[0]))  # neither model ever proposes <bos> (id 0)
     draft_model = _recording(_toy(1, forbid=[0]))
     prop = sd.Draft(draft_model) if proposal == "draft" else "target"
-    smc = sd.SMC(sd.LM(target_model) * sd.Grammar(DEAD_END), prop, particles=16, block_size=3)
+    smc = sd.SMC(sd.LM(target_model) * sd.Grammar(DEAD_END, path="llguidance"), prop, particles=16, block_size=3)
     res = smc.run([0], max_new_tokens=6, seed=0, progress=False)
     dead = [i for i, t in enumerate(res.tokens) if t and t[0] == 2]
     assert dead, "the seed should send some particle into the dead end"
@@ -321,7 +322,7 @@ def test_a_dead_particle_stops_and_is_never_fed_an_arbitrary_token(proposal):
 
 def test_autoregressive_dead_end_stops():
     model = _recording(_toy(0, forbid=[0]))
-    res = sd.Autoregressive(sd.LM(model) * sd.Grammar(DEAD_END), samples=16).run([0], max_new_tokens=5, seed=0,
+    res = sd.Autoregressive(sd.LM(model) * sd.Grammar(DEAD_END, path="llguidance"), samples=16).run([0], max_new_tokens=5, seed=0,
                                                                                progress=False)
     assert {tuple(t) for t in res.tokens} == {(2,), (1, 3)}
     for t, lw in zip(res.tokens, res.log_weights):

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+import smcdecode as sd
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -98,3 +100,88 @@ def test_schemas_come_from_the_data_argument(ec, tmp_path):
     got = ec.sample_schemas(tmp_path, per_subset=2, max_chars=1500)
     assert [s for s, _, _ in got] == [s for s in ec.SUBSETS for _ in range(2)]
     assert all(sid.startswith(subset) for subset, sid, _ in got)
+
+
+# -- structured_quality.py -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sq():
+    return _script("structured_quality")
+
+
+def _items(sq, tmp_path, per_subset=5):
+    for subset in sq.SUBSETS:
+        rows = [{"id": f"{subset}-{j}", "schema": {"type": "integer", "minimum": j}} for j in range(per_subset)]
+        (tmp_path / f"jsonschemabench_{subset}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return sq.load_items(tmp_path, None)
+
+
+def test_shards_and_workers_split_the_schemas_exactly(sq, tmp_path):
+    items = _items(sq, tmp_path)
+    assert len(items) == 15 and len(sq.load_items(tmp_path, 2)) == 6
+    seen = []
+    for i in range(3):
+        for j in range(2):
+            seen += [it["k"] for it in sq.selected(items, (i, 3), (j, 2))]
+    assert sorted(seen) == list(range(15))
+
+
+def test_resume_skips_the_rows_already_written(sq, tmp_path):
+    items = _items(sq, tmp_path)
+    done = tmp_path / "done.jsonl"
+    done.write_text(json.dumps({"subset": items[0]["subset"], "id": items[0]["id"], "method": "smc"}) + "\n\n")
+    todo = sq.pending(items, ["smc", "masked"], sq.done_keys([done]))
+    assert len(todo) == 29 and (items[0], "smc") not in todo and (items[0], "masked") in todo
+
+
+def test_documents_are_checked_as_parse_checks_them(sq):
+    from smcdecode.potentials.json_schema import check_schema
+
+    v = check_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    assert sq.check_document(v, '{"a": 1}') == (True, True, "")
+    parses, valid, why = sq.check_document(v, '{"a": 1, "a": 2}')
+    assert parses and not valid and "repeats the key 'a'" in why
+    assert sq.check_document(v, '{"a": "x"}')[:2] == (True, False)
+    assert sq.check_document(v, '```json\n{"a": 1}```')[:2] == (False, False)
+    assert sq.check_document(v, None) == (False, False, "no output")
+    assert sq.check_document(None, "1")[:2] == (True, False)
+
+
+def test_calls_respect_the_request_and_prompt_budgets(sq):
+    work = [{"k": k, "ids": [0] * n} for k, n in enumerate([5, 50, 3, 40, 8, 200, 9])]
+    batches = sq.calls(work, per_call=3, prompt_budget=60)
+    assert sorted(it["k"] for b in batches for it in b) == list(range(7))
+    assert all(len(b) <= 3 and (len(b) == 1 or sum(len(it["ids"]) for it in b) <= 60) for b in batches)
+    assert [len(it["ids"]) for b in batches for it in b] == sorted(len(it["ids"]) for it in work)
+
+
+def test_a_schema_that_does_not_compile_is_a_row_not_a_crash(sq):
+    model = sd.FunctionModel(lambda ctx: None, vocab=["a", "1", "<eos>"], eos="<eos>")
+    c, info = sq.compile_constraint({"type": "integer", "minimum": 0, "maximum": 9}, model, 30.0, None)
+    assert info["compiled"] and info["path"] == "automaton" and c.token_automaton is not None
+    c, info = sq.compile_constraint({"not": {"type": "string"}}, model, 30.0, None)
+    assert c is None and not info["compiled"] and "not" in info["reason"]
+    c, info = sq.compile_constraint({"type": "integer"}, model, 1e-6, None)
+    assert c is None and info["reason"] == "compile over 1e-06 s"
+
+
+def test_quality_summary_counts_what_the_rows_say(sq, tmp_path):
+    def row(sid, method, valid, compiled=True, path="automaton", ll=-1.0, s=2.0):
+        return {"subset": "Glaiveai2K", "id": sid, "method": method, "compiled": compiled, "path": path,
+                "valid": valid, "parses": valid, "text": "{}" if ll is not None else None, "loglik_per_token": ll,
+                "seconds": s, "device": "test", "reason": "why" if not compiled else "regular"}
+    rows = [row("a", "smc", False), row("a", "smc", True, ll=-3.0),  # written again: the later row counts
+            row("b", "smc", False, compiled=False, path=None, ll=None, s=None),
+            row("a", "unconstrained", False, compiled=None, path=None, ll=-0.5, s=1.0)]
+    f = tmp_path / "rows.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "summary.json"
+    sq.main(["--summarise", str(f), "--summary-out", str(out)])
+    s = json.loads(out.read_text())
+    smc = s["subsets"]["Glaiveai2K"]["smc"]
+    assert (smc["schemas"], smc["compiled"], smc["automaton"], smc["valid"], smc["valid_of_compiled"]) == (2, 1, 1, 0.5, 1.0)
+    assert smc["loglik_per_token"] == -3.0 and smc["seconds_mean"] == 2.0 and smc["no_output"] == 1
+    assert s["subsets"]["all"]["unconstrained"]["compiled"] is None
+    assert s["not_compiled"] == {"why": 1} and "masked" not in s["subsets"]["all"]
+    assert "Github_easy" in s["subsets"] and s["subsets"]["Github_easy"] == {}

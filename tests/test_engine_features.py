@@ -18,7 +18,7 @@ import torch
 
 import smcdecode as sd
 from smcdecode.backends.engine import Engine, Llama
-from smcdecode.backends.engine.targets import EngineTarget
+from smcdecode.backends.engine.targets import DeviceAutomaton, EngineTarget
 from smcdecode.samplers.resampling import ancestors
 from smcdecode.testing import check_distribution, check_evidence_unbiased, exact_target, sequences
 
@@ -129,11 +129,15 @@ def test_host_masks_match_the_device_automaton_path(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_grammar_constraint_runs_with_host_masks(device):
-    """An llguidance grammar (masks computed on the host every draft step), exact target."""
+@pytest.mark.parametrize("path", ["llguidance", "automaton"])
+def test_grammar_constraint_on_host_masks_and_device_automaton(device, path):
+    """A grammar on llguidance (masks computed on the host every draft step) and, being regular, on
+    the device automaton (stepped inside the round): the same exact target."""
     pytest.importorskip("llguidance")
     engine, model = _setup(device)
-    target = sd.LM(model) * sd.Grammar('start: ("a" | "b")+ "a"')  # = (a|b)+a
+    grammar = sd.Grammar('start: ("a" | "b")+ "a"', path=path)  # = (a|b)+a
+    assert (DeviceAutomaton.of(grammar.bind(model), "cpu") is None) == (path == "llguidance")
+    target = sd.LM(model) * grammar
     exact = exact_target(target, PROMPT, 3)
     out = _output(_run(engine, target, G=1000, K=2, seed=5))
     _check_constraint(out, r"[ab]+a", model)

@@ -34,6 +34,7 @@ from .json_keys import DEAD, START, KeyTracker
 from .token_bytes import _llguidance, llguidance_tokenizer, token_texts
 
 SYNTAXES = ("lark", "gbnf")
+PATHS = ("auto", "automaton", "llguidance")  # how a constraint's masks are computed (Grammar, JSONSchema)
 
 # -- particle states ---------------------------------------------------------------------------
 
@@ -80,15 +81,22 @@ class LLGuidanceConstraint(TokenConstraint):
     _grammar: str
     _what: str
     unique_keys = False  # JSONSchema: forbid repeated object keys (json_keys.py)
+    # how masks are computed: "llguidance" (parser masks on the host) or "automaton" (a token automaton
+    # over token classes, stepped on the device by the engine: a regular language, see _use_automaton)
+    path = "llguidance"
+    path_reason = ""
+    automaton = None
 
-    def _setup(self, model, threads: int | None) -> None:
-        llg = _llguidance()
-        self.threads = threads
-        self._keys: KeyTracker | None = None
-        # grammar errors that do not depend on the vocabulary are reported at construction
-        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(self._grammar)
+    def _validate(self) -> None:
+        """Grammar errors that do not depend on the vocabulary, reported at construction (on either path)."""
+        is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(self._grammar)
         if is_error:
             raise self._error(messages[0] if messages else "llguidance rejected it")
+
+    def _setup(self, model, threads: int | None) -> None:
+        self.threads = threads
+        self._keys: KeyTracker | None = None
+        self._validate()
         self.model = None
         self._template = None
         self._executor = None
@@ -112,7 +120,25 @@ class LLGuidanceConstraint(TokenConstraint):
         bound._compile(model)
         return bound
 
+    def _use_automaton(self, regex: str, fsm, threads: int | None, model) -> None:
+        """Take the automaton path: ``regex`` is the language as a Python regex, ``fsm`` its character
+        automaton (``regex.char_fsm``); the token automaton is built when bound to a model."""
+        self.regex, self._fsm, self.path = regex, fsm, "automaton"
+        self.threads, self.model = threads, None
+        if model is not None:
+            self._compile(model)
+
     def _compile(self, model) -> None:
+        if self.path == "automaton":
+            from .automaton import TooLarge
+            from .regex import compile_fsm
+
+            try:
+                self.automaton = compile_fsm(self._fsm, model)
+            except TooLarge as e:
+                raise SMCDecodeError(f"{e}: use path='llguidance' here") from None
+            self.model = model
+            return
         llg = _llguidance()
         tok = llguidance_tokenizer(model)
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(self._grammar, tok)
@@ -128,12 +154,22 @@ class LLGuidanceConstraint(TokenConstraint):
         self._words = (model.vocab_size + 31) // 32
 
     # -- tensor path -----------------------------------------------------------------------
-    def start(self, batch: int) -> MatcherBatch:
+    @property
+    def token_automaton(self):
+        """The compiled token automaton on the automaton path (None on the llguidance path)."""
         self._require_model()
+        return self.automaton
+
+    def start(self, batch: int) -> MatcherBatch | Tensor:
+        self._require_model()
+        if self.path == "automaton":
+            return torch.full((batch,), self.automaton.initial, dtype=torch.long)
         keys = [START] * batch if self._keys is not None else None
         return MatcherBatch([self._template.deep_copy() for _ in range(batch)], keys)
 
     def allowed_bits(self, state: MatcherBatch) -> Tensor:
+        if self.path == "automaton":
+            return TokenConstraint.allowed_bits(self, state)
         state.check()
         if state.bits is None:
             bits = torch.empty(len(state), self._words, dtype=torch.int32)
@@ -141,20 +177,30 @@ class LLGuidanceConstraint(TokenConstraint):
             state.bits = bits
         return state.bits
 
-    shares_fill = True  # fill_bits_together can fill this constraint's rows with other constraints' rows
+    @property
+    def shares_fill(self) -> bool:
+        """Can fill_bits_together fill this constraint's rows with other constraints' rows?"""
+        return self.path != "automaton"
 
     def fill_bits(self, state: MatcherBatch, out: Tensor) -> None:
         """Write ``allowed_bits(state)`` into ``out`` (int32 [B, ⌈V/32⌉], contiguous rows on the CPU,
         e.g. a view of a pinned upload buffer): one call into llguidance's thread pool for all B."""
+        if self.path == "automaton":
+            out.copy_(TokenConstraint.allowed_bits(self, state))
+            return
         fill_bits_together([(self, state, 0)], out, len(state))
 
     def allowed(self, state: MatcherBatch) -> Tensor:
+        if self.path == "automaton":
+            return self.automaton.allowed(state.cpu()).to(state.device)
         state.check()
         if state.mask is None:
             state.mask = unpack_bits(self.allowed_bits(state), self.model.vocab_size)
         return state.mask
 
     def advance(self, state: MatcherBatch, tokens: Tensor) -> MatcherBatch:
+        if self.path == "automaton":
+            return self.automaton.advance(state.cpu(), tokens.cpu()).to(state.device)
         matchers = state.take()
         tokens = tokens.tolist()
         # NOTE: one by one: llguidance's consume_token_par measured 5x slower for 8 matchers (a token's
@@ -167,12 +213,16 @@ class LLGuidanceConstraint(TokenConstraint):
         return MatcherBatch(matchers, keys)
 
     def accepting(self, state: MatcherBatch) -> Tensor:
+        if self.path == "automaton":
+            return self.automaton.accepting[state.cpu()].to(state.device)
         state.check()
         return torch.tensor(
             [m.is_accepting() and not state.dead(i) for i, m in enumerate(state.matchers)], dtype=torch.bool
         )
 
     def fork(self, state: MatcherBatch, index: Tensor) -> MatcherBatch:
+        if self.path == "automaton":
+            return TokenConstraint.fork(self, state, index)
         matchers = state.take()
         taken = [False] * len(matchers)
         out = []
@@ -208,24 +258,35 @@ class LLGuidanceConstraint(TokenConstraint):
         return MatcherBatch(matchers, keys if self._keys is not None else None)
 
     def prefix(self, tokens, prompt=()):
+        if self.path == "automaton":
+            return TokenConstraint.prefix(self, tokens, prompt)
         return float("-inf") if self._replay([tokens]).dead(0) else 0.0
 
     def complete(self, tokens, prompt=()):
+        if self.path == "automaton":
+            return TokenConstraint.complete(self, tokens, prompt)
         state = self._replay([tokens])
         return 0.0 if state.matchers[0].is_accepting() and not state.dead(0) else float("-inf")
 
     def logw_next(self, tokens, prompt=()):
+        if self.path == "automaton":
+            return TokenConstraint.logw_next(self, tokens, prompt)
         return self.batch_logw_next([tokens], prompt)[0]
 
     def batch_logw_next(self, seqs, prompt=()):
         if not len(seqs):
             return torch.empty(0, self._require_model().vocab_size, dtype=torch.float64)
+        if self.path == "automaton":
+            return torch.stack([self.logw_next(s, prompt) for s in seqs])
         mask = self.allowed(self._replay(seqs))
         return torch.where(mask, 0.0, float("-inf")).double()
 
     def satisfiable(self) -> bool:
-        """A necessary condition: some first token is allowed (llguidance only allows tokens that
-        keep a viable prefix, so for grammars without resource limits this is also sufficient)."""
+        """Automaton path: exact. llguidance: a necessary condition, some first token is allowed
+        (llguidance only allows tokens that keep a viable prefix, so for grammars without resource
+        limits this is also sufficient)."""
+        if self.path == "automaton":
+            return self.token_automaton.satisfiable()
         return bool(self.allowed(self.start(1)).any())
 
     def matches(self, text: str) -> bool:
@@ -298,6 +359,15 @@ class Grammar(LLGuidanceConstraint):
     targets p(x | text(x) ∈ L). ``True`` turns on llguidance's fast-forward rule: text that the
     grammar forces (a fixed key, a closing quote) must be taken as the tokenizer's canonical
     tokens; the allowed set then also depends on the tokenisation.
+
+    ``path``: how masks are computed. "automaton": a grammar whose language is regular (no
+    recursion through a rule, other than the left- or right-end repetition lark makes of ``*`` and
+    ``+``; see ``grammar_regex.py`` for the conditions) becomes one regular expression and a token
+    automaton with token classes, which the engine steps on the device inside its captured round, as
+    a :class:`~smcdecode.potentials.regex.Regex`; a grammar it cannot take raises
+    :class:`~smcdecode.potentials.grammar_regex.NotRegular` saying why. "llguidance": llguidance's
+    parser masks (any grammar). "auto" (default): the automaton where the grammar has one,
+    llguidance otherwise. ``self.path`` says which was chosen and ``self.path_reason`` why.
     """
 
     def __init__(
@@ -306,9 +376,12 @@ class Grammar(LLGuidanceConstraint):
         syntax: str = "lark",
         *,
         force_canonical: bool = False,
+        path: str = "auto",
         model=None,
         threads: int | None = None,
     ):
+        if path not in PATHS:
+            raise SMCDecodeError(f"path must be one of {PATHS}, got {path!r}")
         if not isinstance(grammar, str) or not grammar.strip():
             raise SMCDecodeError(f"grammar must be a non-empty string in {syntax} syntax, got {grammar!r}")
         if syntax not in SYNTAXES:
@@ -327,7 +400,32 @@ class Grammar(LLGuidanceConstraint):
         self._what = f"invalid {syntax} grammar"
         self.force_canonical = bool(force_canonical)
         self._grammar = llg.LLMatcher.grammar_from_lark(lark_header(self.force_canonical) + lark)
+        self._validate()
+        regex, fsm, self.path_reason = self._choose_path(path, lark)
+        if regex is not None:
+            self._use_automaton(regex, fsm, threads, model)
+            return
         self._setup(model, threads)
+
+    def _choose_path(self, path: str, lark: str) -> tuple[str | None, object, str]:
+        """(the language as a regex and its character automaton for the automaton path, or None, None
+        for llguidance; why)."""
+        from .grammar_regex import NotRegular, grammar_regex
+        from .regex import char_fsm
+
+        if path == "llguidance":
+            return None, None, "asked for (path='llguidance')"
+        try:
+            if self.force_canonical:
+                raise NotRegular("canonical tokenisation (force_canonical) is llguidance's rule")
+            regex = grammar_regex(lark)
+            fsm = char_fsm(regex)
+        except SMCDecodeError as e:
+            if path == "automaton":
+                raise NotRegular(f"this grammar has no token automaton: {e}; use path='auto' or "
+                                 "path='llguidance'") from None
+            return None, None, str(e)
+        return regex, fsm, "the grammar's language is regular"
 
     def __repr__(self) -> str:
         first = self.source.strip().splitlines()[0]

@@ -25,15 +25,10 @@ import json
 import re
 from typing import Any
 
-import torch
-from torch import Tensor
-
 from ..errors import SMCDecodeError
-from .constraint import TokenConstraint
-from .grammar import LLGuidanceConstraint, _llguidance, lark_header
+from .grammar import PATHS, LLGuidanceConstraint, _llguidance, lark_header
 
 WHITESPACE = ("compact", "flexible")
-PATHS = ("auto", "automaton", "llguidance")
 
 
 def schema_dict(schema) -> tuple[dict, Any]:
@@ -252,12 +247,9 @@ class JSONSchema(LLGuidanceConstraint):
         else:
             options.update(whitespace_flexible=True)
         self.force_canonical = bool(force_canonical)
-        self.automaton = None
-        self.path, self.path_reason = self._choose_path(path)
-        if self.path == "automaton":
-            self.threads, self.model = threads, None
-            if model is not None:
-                self._compile(model)
+        regex, fsm, self.path_reason = self._choose_path(path)
+        if regex is not None:
+            self._use_automaton(regex, fsm, threads, model)
             return
         llg = _llguidance()
         # x-guidance carries the JSON options (ours override any in the schema); the Lark wrapper
@@ -268,115 +260,29 @@ class JSONSchema(LLGuidanceConstraint):
         self._what = f"JSON Schema not supported by the grammar engine (llguidance {llg.__version__})"
         self._setup(model, threads)
 
-    def _choose_path(self, path: str) -> tuple[str, str]:
-        """("automaton" or "llguidance", why); builds the character automaton on the way."""
+    def _choose_path(self, path: str) -> tuple[str | None, object, str]:
+        """(the documents as a regex and its character automaton for the automaton path, or None, None
+        for llguidance; why)."""
         from .regex import char_fsm
         from .schema_regex import UnsupportedSchema, schema_regex_and_subsets
 
         if path == "llguidance":
-            return "llguidance", "asked for (path='llguidance')"
+            return None, None, "asked for (path='llguidance')"
         try:
             if self.force_canonical:
                 raise UnsupportedSchema("(force_canonical)", "", "canonical tokenisation is llguidance's rule")
-            self.regex, subsets = schema_regex_and_subsets(self.compiled_schema, self.whitespace, self.coerce_one_of)
+            regex, subsets = schema_regex_and_subsets(self.compiled_schema, self.whitespace, self.coerce_one_of)
             if subsets and path != "automaton":
                 # NOTE: both paths must sample the same target: where the device path would take a strict
                 # subset of the documents (formats, bounded numbers), 'auto' keeps llguidance
-                return "llguidance", ("the device path takes a strict subset of the documents here ("
-                                      + "; ".join(subsets) + "): path='automaton' accepts that subset")
-            self._fsm = char_fsm(self.regex)
+                return None, None, ("the device path takes a strict subset of the documents here ("
+                              + "; ".join(subsets) + "): path='automaton' accepts that subset")
+            fsm = char_fsm(regex)
         except UnsupportedSchema as e:
             if path == "automaton":
                 raise
-            return "llguidance", str(e)
-        return "automaton", "the schema's documents form a regular language"
-
-    def _compile(self, model) -> None:
-        if self.path != "automaton":
-            super()._compile(model)
-            return
-        from .automaton import TooLarge
-        from .regex import compile_fsm
-
-        try:
-            self.automaton = compile_fsm(self._fsm, model)
-        except TooLarge as e:
-            raise SMCDecodeError(f"{e}: use path='llguidance' for this schema") from None
-        self.model = model
-
-    @property
-    def token_automaton(self):
-        """The compiled token automaton on the automaton path (None on the llguidance path)."""
-        self._require_model()
-        return self.automaton
-
-    # -- the tensor path: integer automaton states, or llguidance matchers ----------------------
-    def start(self, batch: int):
-        if self.path == "automaton":
-            self._require_model()
-            return torch.full((batch,), self.automaton.initial, dtype=torch.long)
-        return super().start(batch)
-
-    def allowed(self, state) -> Tensor:
-        if self.path == "automaton":
-            return self.automaton.allowed(state.cpu()).to(state.device)
-        return super().allowed(state)
-
-    def allowed_bits(self, state) -> Tensor:
-        if self.path == "automaton":
-            return TokenConstraint.allowed_bits(self, state)
-        return super().allowed_bits(state)
-
-    @property
-    def shares_fill(self) -> bool:
-        return self.path != "automaton"
-
-    def fill_bits(self, state, out: Tensor) -> None:
-        if self.path == "automaton":
-            out.copy_(TokenConstraint.allowed_bits(self, state))
-            return
-        super().fill_bits(state, out)
-
-    def advance(self, state, tokens: Tensor):
-        if self.path == "automaton":
-            return self.automaton.advance(state.cpu(), tokens.cpu()).to(state.device)
-        return super().advance(state, tokens)
-
-    def accepting(self, state) -> Tensor:
-        if self.path == "automaton":
-            return self.automaton.accepting[state.cpu()].to(state.device)
-        return super().accepting(state)
-
-    def fork(self, state, index: Tensor):
-        if self.path == "automaton":
-            return TokenConstraint.fork(self, state, index)
-        return super().fork(state, index)
-
-    def prefix(self, tokens, prompt=()):
-        if self.path == "automaton":
-            return TokenConstraint.prefix(self, tokens, prompt)
-        return super().prefix(tokens, prompt)
-
-    def complete(self, tokens, prompt=()):
-        if self.path == "automaton":
-            return TokenConstraint.complete(self, tokens, prompt)
-        return super().complete(tokens, prompt)
-
-    def logw_next(self, tokens, prompt=()):
-        if self.path == "automaton":
-            return TokenConstraint.logw_next(self, tokens, prompt)
-        return super().logw_next(tokens, prompt)
-
-    def batch_logw_next(self, seqs, prompt=()):
-        if self.path == "automaton":
-            return torch.stack([self.logw_next(s, prompt) for s in seqs]) if len(seqs) else torch.empty(
-                0, self._require_model().vocab_size, dtype=torch.float64)
-        return super().batch_logw_next(seqs, prompt)
-
-    def satisfiable(self) -> bool:
-        if self.path == "automaton":
-            return self.token_automaton.satisfiable()
-        return super().satisfiable()
+            return None, None, str(e)
+        return regex, fsm, "the schema's documents form a regular language"
 
     def __repr__(self) -> str:
         text = json.dumps(self.schema, separators=(",", ":"))

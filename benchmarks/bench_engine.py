@@ -74,19 +74,18 @@ def weight_bytes(model: Llama, with_embedding: bool = False) -> int:
 def gemm_graph_time(model: Llama, rows: list[int], repeats: int = 20) -> float:
     """Time of the weight matrix products of forward passes at M = rows[i] tokens, replayed in one
     CUDA graph (the GEMM floor; attention, norms, sampling excluded)."""
-    cfg = model.cfg
-    xs = {m: (torch.randn(m, cfg.dim, device="cuda", dtype=torch.bfloat16),
-              torch.randn(m, cfg.intermediate_size, device="cuda", dtype=torch.bfloat16)) for m in set(rows)}
+    # inputs as wide as each weight's input dimension (a tensor-parallel shard's wo / w2 take a slice)
+    blk0 = model.layers[0]
+    widths = {w.shape[1] for w in (blk0.wqkv.weight, blk0.wo.weight, blk0.w13.weight, blk0.w2.weight,
+                                   model.output.weight)}
+    xs = {(m, d): torch.randn(m, d, device="cuda", dtype=torch.bfloat16) for m in set(rows) for d in widths}
 
     def run():
         for m in rows:
-            x, xi = xs[m]
             for blk in model.layers:
-                F.linear(x, blk.wqkv.weight)
-                F.linear(x, blk.wo.weight)
-                F.linear(x, blk.w13.weight)
-                F.linear(xi, blk.w2.weight)
-            F.linear(x, model.output.weight)
+                for w in (blk.wqkv.weight, blk.wo.weight, blk.w13.weight, blk.w2.weight):
+                    F.linear(xs[m, w.shape[1]], w)
+            F.linear(xs[m, model.output.weight.shape[1]], model.output.weight)
 
     return graph_time(run, repeats)
 

@@ -86,6 +86,7 @@ class SchedulerExecutor(Executor):
         self.cancels: list[Job] = []
         self.waiting: set[Job] = set()  # submitted, not yet running
         self.live: dict[Job, dict] = {}  # job -> {"choices": {index: Choice}, "streams": [...]}
+        self._pending: dict = {}  # scheduler id -> (stream read in flight, its slots, its event)
         self.running_side: Job | None = None
         self.closed = False
         self.thread = threading.Thread(target=self._work, name="smcdecode-serve-engine", daemon=True)
@@ -304,7 +305,13 @@ class SchedulerExecutor(Executor):
                 self._finish(job, i, f, "autoregressive" if sched is self.ar else "smc")
 
     def _stream(self, sched) -> None:
-        """Send each streamed choice the prefix all its particles share (one read for all of them)."""
+        """Send each streamed choice the prefix all its particles share. One device read for all of
+        them, started after the round just launched and taken at the next step (on a GPU: so the
+        host does not wait for the round in flight; a prefix that every particle shares never
+        changes, so an earlier one is as final as the newest)."""
+        pending = self._pending.pop(id(sched), None)
+        if pending is not None:
+            self._send(*pending)
         slots = [(g, r) for g, r in enumerate(sched.requests)
                  if r is not None and r.id[0].spec.stream and r.id[0] in self.live]
         if not slots:
@@ -318,15 +325,29 @@ class SchedulerExecutor(Executor):
         same = ((toks == toks[:, :1]) | ~valid[:, :, None]).all(1)  # [top, T]
         shared = same.long().cumprod(1).sum(1)
         n_gen = torch.where(valid, b["n_gen"][: top * N].view(top, N), T).min(1).values
-        packed = torch.cat([torch.minimum(shared, n_gen)[:, None], toks[:, 0]], 1).cpu()  # the one read
+        packed = torch.cat([torch.minimum(shared, n_gen)[:, None], toks[:, 0]], 1)
+        if packed.is_cuda:
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending[id(sched)] = (host, slots, event)
+        else:
+            self._send(packed, slots, None)
+
+    def _send(self, packed, slots, event) -> None:
+        if event is not None:
+            event.synchronize()
         for g, r in slots:
             job, i = r.id
+            state = self.live.get(job)
+            if state is None or i in state["choices"]:  # (finished since: its text went with it)
+                continue
             n = min(int(packed[g, 0]), r.max_new_tokens)  # (past a row's generated tokens lies padding)
             ids = packed[g, 1 : 1 + n].tolist()
             if self.eos is not None and self.eos in ids:
                 ids = ids[: ids.index(self.eos)]
-            stream = self.live[job]["streams"][i]
-            delta = stream.update(ids)
+            delta = state["streams"][i].update(ids)
             if delta:
                 job.post("delta", i, delta)
 

@@ -147,7 +147,8 @@ class Scheduler:
         # one reward tracker per program with rewards, and the rows its requests hold
         self.rewards = [(t, RewardTracker(t.rewards, t.decoder, B), torch.zeros(B, dtype=torch.bool))
                         for t in self.programs if t.rewards]
-        self.round = 0
+        self.round = 0  # rounds read
+        self.launched = 0  # rounds launched (pipelined: one more than read while one is in flight)
         self.host_s = 0.0
         # rounds launched but not read yet (pipelined: one launched ahead) and finished requests whose
         # outputs are on their way to the host
@@ -254,7 +255,7 @@ class Scheduler:
                     tracker.prev[i][torch.from_numpy(rows)] = v
         self.requests[g] = req
         self.history[g] = {"ess": [], "resampled": [], "weights": [], "block_sizes": [], "survivors": [],
-                           "joined": self.round}
+                           "joined": self.launched}
 
     def _release(self, g: int, keep: bool = True) -> None:
         """Free slot g: its pages, its rows' settings; with ``keep`` its outputs start their way to
@@ -509,6 +510,7 @@ class Scheduler:
                                      dict(K_now), held, event,
                                      b["W"][:bucket].clone() if self.record_weights else None))
         self._parity ^= 1
+        self.launched += 1
 
     def _drain(self) -> None:
         while self._flights:

@@ -341,3 +341,30 @@ def test_pipeline_argument_and_pool_errors(monkeypatch):
                                                                             pipeline=pipeline, **kw)
     with pytest.raises(SMCDecodeError, match=rf"num_pages \({first - 1}\) is too small .* needs {first} pages"):
         Engine(target, draft, num_pages=first - 1, page_size=PS).smc_sd(prompts, **kw)
+
+
+def test_pipelined_request_loop_with_requests_joining_freed_slots():
+    """The request loop pipelined (a round launched before the one in flight is read) while
+    requests keep joining: a request takes the slot of one that finished in the round in flight, so
+    its rows must be booked by the host, not taken for rows the device set pages up for. Every request
+    gets its whole budget, no page is left in use, and no page set aside is lost."""
+    from smcdecode.backends.engine.scheduler import Request, Scheduler
+
+    target, draft = _models("cpu")
+    engine = Engine(target, draft, num_pages=400, page_size=4)
+    sched = Scheduler(engine, slots=2, max_particles=3, max_block_size=2, eos_token_id=None, ess_threshold=0.9,
+                      max_context=40, pipeline=True, seed=0)
+    budgets = [4, 9, 3, 7, 5, 6]
+    for i, n in enumerate(budgets):
+        sched.submit(Request([1 + i % 5, 2, 3, 4], particles=3, block_size=2, max_new_tokens=n, id=i))
+    done = {}
+    steps = 0
+    while sched.busy:
+        for f in sched.step():
+            done[f.request.id] = f
+        steps += 1
+        assert steps < 100
+    assert sorted(done) == list(range(len(budgets)))
+    for i, f in done.items():
+        assert bool((f.lengths == budgets[i]).all()) and torch.isfinite(f.log_weights).all()
+    assert sched.table.used == 0 and len(sched.table.free) == 400 - 1

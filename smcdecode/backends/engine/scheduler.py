@@ -441,7 +441,10 @@ class Scheduler:
         R = bucket * self.Nmax
         # pages for this round's writes: every occupied row's, or (a round in flight placed the
         # pages of its rows) the rows of requests that joined since
-        ahead = set(self._flights[-1].groups) if self._flights else set()
+        # (a slot whose request left after that round's launch and that another request took since
+        # is not among them)
+        last = self._flights[-1] if self._flights else None
+        ahead = {g for g in last.groups if self.requests[g] is last.requests[g]} if last else set()
         if ahead and all(g in ahead and self.lens[g * self.Nmax] + k + 1 >= self.t_end[g] for g in occupied):
             self._drain()  # every request spends its budget in the round in flight
             return self._collect(wait_all=True)

@@ -110,26 +110,15 @@ def pending(items: list[dict], methods: list[str], done: set) -> list[tuple[dict
 # -- validity and the constraint ---------------------------------------------------------------------
 
 
-class _RepeatedKey(Exception):
-    """An object names a key twice (invalid under JSONSchema.parse's rule)."""
-
-
-def _unique(pairs):
-    out = {}
-    for k, v in pairs:
-        if k in out:
-            raise _RepeatedKey(k)
-        out[k] = v
-    return out
-
-
 def check_document(validator, text: str | None) -> tuple[bool, bool, str]:
     """(parses, valid, why not): JSON without a repeated key that validates under the schema."""
+    from smcdecode.potentials.json_schema import RepeatedKey, unique_pairs
+
     if text is None:
         return False, False, "no output"
     try:
-        value = json.loads(text, object_pairs_hook=_unique)
-    except _RepeatedKey as e:
+        value = json.loads(text, object_pairs_hook=unique_pairs)
+    except RepeatedKey as e:
         return True, False, f"repeats the key {e.args[0]!r}"
     except (json.JSONDecodeError, RecursionError) as e:
         return False, False, f"not JSON: {e}"[:200]

@@ -178,15 +178,16 @@ def check_schema(schema: dict):
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
 
 
-class _RepeatedKey(Exception):
-    pass
+class RepeatedKey(Exception):
+    """A JSON object names a key twice (``unique_pairs``)."""
 
 
-def _unique_pairs(pairs: list) -> dict:
+def unique_pairs(pairs: list) -> dict:
+    """``json.loads``'s object_pairs_hook that refuses a repeated key (RepeatedKey)."""
     out = {}
     for k, v in pairs:
         if k in out:
-            raise _RepeatedKey(k)
+            raise RepeatedKey(k)
         out[k] = v
     return out
 
@@ -292,10 +293,10 @@ class JSONSchema(LLGuidanceConstraint):
         """The document ``text`` as a Python object (or a pydantic instance when the schema came from
         a pydantic model), validated; an invalid document raises SMCDecodeError."""
         try:
-            value = json.loads(text, object_pairs_hook=_unique_pairs if self.unique_keys else None)
+            value = json.loads(text, object_pairs_hook=unique_pairs if self.unique_keys else None)
         except json.JSONDecodeError as e:
             raise SMCDecodeError(f"output is not valid JSON ({e}): {text[:80]!r}") from None
-        except _RepeatedKey as e:
+        except RepeatedKey as e:
             raise SMCDecodeError(
                 f"output repeats the key {e.args[0]!r} in one object (unique_keys=True): {text[:80]!r}"
             ) from None

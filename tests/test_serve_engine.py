@@ -51,7 +51,17 @@ def test_batched_requests_stream_exactly_and_mix_strategies(engine_server):
     assert m["smcdecode_kv_pages_in_use"] == 0 and m["smcdecode_rounds_total"] > 0  # every page is free again
 
 
-@pytest.mark.parametrize("strategy", ["smc", "ar"])
+def test_speculative_decoding_streams_from_the_request_loop(engine_server):
+    """Plain sd runs as a program of the request loop (exact speculative decoding rows): its text
+    arrives round by round, not at the end, and its acceptance is reported."""
+    s = engine_server
+    text, pieces, reasons, extra = _stream_text(_chat(s, max_tokens=24, stream=True, extra_body={"strategy": "sd"}))
+    assert extra["smc"]["strategy"] == "sd" and text and reasons[0] in ("stop", "length")
+    assert len(pieces) >= 3  # (a batch run to its end arrives as one piece)
+    assert s.wait_idle()["smcdecode_kv_pages_in_use"] == 0
+
+
+@pytest.mark.parametrize("strategy", ["smc", "ar", "sd"])
 def test_a_disconnect_frees_the_scheduler_slot(engine_server, strategy):
     s = engine_server
     before = s.wait_idle()

@@ -190,6 +190,27 @@ def weigh(log_p: Tensor, log_q: Tensor, drafts: Tensor, alpha, k: Tensor | int, 
     return Weights(incr, n_new, any_eos, has_bonus)
 
 
+def accept_prefix(log_p: Tensor, log_q: Tensor, k: Tensor | int, u: Tensor) -> Tensor:
+    """Exact speculative decoding's acceptance: draft d_i (i < k) is accepted when u_i < min(1, p/q),
+    i.e. log u_i < log p(d_i) − log q(d_i); returns the number of leading accepted drafts [B]."""
+    B, K = log_p.shape
+    k = torch.as_tensor(k, device=log_p.device).expand(B)
+    ok = (torch.log(u) < log_p.double() - log_q.double()) & (torch.arange(K, device=log_p.device)[None] < k[:, None])
+    return torch.cumprod(ok.long(), 1).sum(1)
+
+
+def residual(target_logits: Tensor, draft_logits: Tensor, target_temperature, draft_temperature) -> Tensor:
+    """log (p − q)+ [R, V] (−inf where p ≤ q), p = softmax(target_logits / T_t), q = softmax(draft_logits / T_d)
+    (per-row temperatures as [R] tensors or numbers): the distribution of the token exact speculative
+    decoding draws at its first rejection. A row with no positive mass (p = q) gives log p instead."""
+    R = target_logits.shape[0]
+    p = torch.softmax(target_logits.double() / _per_row(target_temperature, R, target_logits).double(), -1)
+    q = torch.softmax(draft_logits.double() / _per_row(draft_temperature, R, draft_logits).double(), -1)
+    res = (p - q).clamp_min(0.0)
+    empty = (res.sum(-1, keepdim=True) <= 0)
+    return torch.log(torch.where(empty, p, res))
+
+
 def reject_cut(incr: Tensor, ended: Tensor, hit_eos: Tensor, accepting: Tensor) -> Tensor:
     """−inf where a sequence ended without EOS (cut at its budget) in a state no constraint accepts."""
     return torch.where(ended & ~hit_eos & ~accepting, NEG_INF, incr)

@@ -70,9 +70,11 @@ class SchedulerExecutor(Executor):
             parts = dict(lockstep.state)
             parts["sched"] = parallel.SharedScheduler(lockstep, "sched")
             parts["ar"] = parallel.SharedScheduler(lockstep, "ar")
+            parts["sd"] = parallel.SharedScheduler(lockstep, "sd")
             parts["batch_engine"] = parallel.Replica(lockstep, "batch_engine", ("speculative",))
         self.engine, self.batch_engine, self.ar_engine = parts["engine"], parts["batch_engine"], parts["ar_engine"]
-        self.sched, self.ar = parts["sched"], parts["ar"]
+        self.sched, self.ar, self.sd = parts["sched"], parts["ar"], parts["sd"]
+        self.schedulers = (self.sched, self.sd, self.ar)
         self.slots, self.use_graphs = slots, use_graphs
         self.Nmax, self.Kmax, self.context = max_particles, max_block_size, self.engine.max_context
         # the rest runs through the public API on the engine (it needs the Hugging Face models)
@@ -95,7 +97,8 @@ class SchedulerExecutor(Executor):
     # -- the interface -------------------------------------------------------------------------
 
     def lane(self, job: Job) -> str:
-        """"scheduler" (plain smc), "ar" (plain ar), "batch" (plain sd, batched with others of the same
+        """"scheduler" (plain smc), "ar" (plain ar), "sd" (plain sd with block_size <= the server's max),
+        "batch" (other plain sd, batched with others of the same
         settings) or "api"."""
         s = job.spec
         plain = job.constraint is None and s.seed is None and s.logprobs is None
@@ -105,6 +108,9 @@ class SchedulerExecutor(Executor):
             return "scheduler"
         if plain and s.strategy == "ar" and len(job.prompt_ids) + s.max_tokens + 2 <= self.context:
             return "ar"
+        if (plain and s.strategy == "sd" and 1 <= s.block_size <= self.Kmax
+                and len(job.prompt_ids) + s.max_tokens + self.Kmax + 2 <= self.context):
+            return "sd"
         if plain and s.strategy == "sd" and len(job.prompt_ids) + 2 * s.max_tokens + s.block_size + 2 \
                 <= self.context:
             return "batch"
@@ -146,7 +152,7 @@ class SchedulerExecutor(Executor):
         side_turn = False
         while True:
             with self.cond:
-                while not (self.incoming or self.cancels or self.side_queue or self.sched.busy or self.ar.busy
+                while not (self.incoming or self.cancels or self.side_queue or any(x.busy for x in self.schedulers)
                            or self.closed):
                     if not self.cond.wait(KEEPALIVE_S if self.lockstep else None):
                         self.lockstep.run(_keepalive)  # the other ranks wait for a call under a timeout
@@ -165,23 +171,28 @@ class SchedulerExecutor(Executor):
                     self._enqueue(job, self.sched)
                 elif lane == "ar":
                     self._enqueue(job, self.ar)
+                elif lane == "sd":
+                    self._enqueue(job, self.sd)
                 else:
                     self.side_queue.append(job)
             try:
                 for job in cancels:
                     self._cancel(job)
-                busy = self.sched.busy or self.ar.busy
-                if self.side_queue and (side_turn or not busy):
+                busy = any(x.busy for x in self.schedulers)
+                # (a batched sd call shares its engine's pages with the sd request loop: only when that is idle)
+                side = bool(self.side_queue) and (side_turn or not busy) and not (
+                    self.sd.busy and self.lane(self.side_queue[0]) == "batch")
+                if side:
                     self._run_side()
                 else:  # one round of each busy scheduler, in turn
-                    for sched in (self.sched, self.ar):
+                    for sched in self.schedulers:
                         if sched.busy:
                             self._step(sched)
             except Exception as e:  # noqa: BLE001 - a bug: the requests in flight get it, the thread goes on
                 for job in list(self.live):
                     job.post("error", e)
                 self.live.clear()
-                for sched in (self.sched, self.ar):
+                for sched in self.schedulers:
                     for r in [r for r in sched.requests if r is not None] + list(sched.queue):
                         sched.cancel(r.id)
             side_turn = not side_turn
@@ -193,12 +204,13 @@ class SchedulerExecutor(Executor):
         s = job.spec
         self.live[job] = {"choices": {}, "streams": [TextStream(self.model.decode, s.stop) for _ in range(s.n)],
                           "started": time.perf_counter()}
-        ar = sched is self.ar
+        ar, exact = sched is self.ar, sched is self.sd
         dt = 1.0 if ar else _draft_temperature(s, self.draft)
         for i in range(s.n):
-            sched.submit(Request(list(job.prompt_ids), particles=1 if ar else s.particles,
+            sched.submit(Request(list(job.prompt_ids), particles=1 if ar or exact else s.particles,
                                  block_size=0 if ar else s.block_size, max_new_tokens=s.max_tokens,
-                                 draft_temperature=dt, target_temperature=s.temperature, id=(job, i)))
+                                 draft_temperature=dt, target_temperature=s.temperature, id=(job, i),
+                                 exact=exact))
 
     def _cancel(self, job: Job) -> None:
         with self.cond:
@@ -209,7 +221,7 @@ class SchedulerExecutor(Executor):
             return
         if job not in self.live:  # finished, or running in the side lane (it stops at its next step)
             return
-        for sched in (self.sched, self.ar):
+        for sched in self.schedulers:
             for r in [r for r in [*sched.queue, *sched.requests] if r is not None and r.id[0] is job]:
                 sched.cancel(r.id)  # queued or running: its rows and pages are freed
         self._count_pages()
@@ -286,7 +298,7 @@ class SchedulerExecutor(Executor):
             job.post("done", outcome(self.stats, job, choices, True))
 
     def _count_pages(self) -> None:
-        self.pages_in_use = int(self.sched.table.used) + int(self.ar.table.used)
+        self.pages_in_use = sum(int(x.table.used) for x in self.schedulers)
 
     def _step(self, sched) -> None:
         """One round of ``sched``: stream what became final, report the choices that finished."""
@@ -302,7 +314,7 @@ class SchedulerExecutor(Executor):
         for f in finished:
             job, i = f.request.id
             if job in self.live:
-                self._finish(job, i, f, "autoregressive" if sched is self.ar else "smc")
+                self._finish(job, i, f, {id(self.ar): "autoregressive", id(self.sd): "speculative"}.get(id(sched), "smc"))
 
     def _stream(self, sched) -> None:
         """Send each streamed choice the prefix all its particles share. One device read for all of
@@ -352,8 +364,8 @@ class SchedulerExecutor(Executor):
                 job.post("delta", i, delta)
 
     def _finish(self, job: Job, i: int, f, strategy: str) -> None:
-        """Choice ``i`` of ``job`` from its finished scheduler request (``strategy``: "smc" or
-        "autoregressive", one particle and no weights)."""
+        """Choice ``i`` of ``job`` from its finished scheduler request (``strategy``: "smc", or
+        "autoregressive" / "speculative": one particle and no weights)."""
         state = self.live[job]
         n = f.request.particles
         lw = f.log_weights.double()
@@ -369,7 +381,9 @@ class SchedulerExecutor(Executor):
             sample_index=sample, seconds=time.perf_counter() - state["started"], prompt_tokens=len(job.prompt_ids),
             particles=n, block_size=f.request.block_size, eos_token_id=self.eos,
             max_new_tokens=f.request.max_new_tokens, n_rounds=f.rounds,
-            message="" if sample is not None else "every particle has weight 0")
+            message="" if sample is not None else "every particle has weight 0",
+            **({"draft_tokens": int(f.drafted[0]), "accepted_tokens": int(f.accepted[0])}
+               if strategy == "speculative" else {}))
         choice = finish_choice(self.model, job, i, result, state["streams"][i])
         choice.run["scheduler_rounds"] = [f.joined_round, f.joined_round + f.rounds]  # [joined, left)
         count(self.stats, result)
@@ -385,7 +399,8 @@ KEEPALIVE_S = 60.0  # an idle server's no-op call to the other ranks (their wait
 
 def build_device(llamas: tuple, state: dict, settings: dict) -> None:
     """The engines and schedulers of one device (one rank of a sharded target) into ``state``:
-    ``engine`` and ``sched`` (SMC-SD), ``batch_engine`` (exact SD), ``ar_engine`` and ``ar`` (AR)."""
+    ``engine`` and ``sched`` (SMC-SD), ``batch_engine`` and ``sd`` (exact SD: its request loop, and
+    batched calls for requests it cannot take), ``ar_engine`` and ``ar`` (AR)."""
     from ..backends.engine import Engine, EngineConfig, EngineTarget, Scheduler
 
     target_llama, draft_llama = llamas
@@ -402,6 +417,9 @@ def build_device(llamas: tuple, state: dict, settings: dict) -> None:
                                max_block_size=S["max_block_size"], target=EngineTarget(), eos_token_id=S["eos"],
                                resampler=S["resampler"], ess_threshold=S["ess_threshold"], use_graphs=use_graphs,
                                seed=S["seed"])
+    state["sd"] = Scheduler(state["batch_engine"], slots=slots, max_particles=1, max_block_size=S["max_block_size"],
+                            target=EngineTarget(), eos_token_id=S["eos"], resampler=S["resampler"], ess_threshold=0.0,
+                            use_graphs=use_graphs, seed=S["seed"] + 2, speculative=True)
     # autoregressive sampling: the target alone (no draft: a K = 0 round then runs the target only)
     state["ar_engine"] = ar_engine = Engine(target_llama, None, config(S["ar_slots"]))
     state["ar"] = Scheduler(ar_engine, slots=S["ar_slots"], max_particles=1, max_block_size=0,

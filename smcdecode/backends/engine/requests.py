@@ -25,6 +25,7 @@ class Request:
     target_temperature: float = 1.0
     id: object = None
     target: EngineTarget | None = None  # one of the scheduler's programs (default: its first)
+    exact: bool = False  # exact speculative decoding (one particle; a Scheduler(speculative=True))
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Finished:
     weights: list = field(default_factory=list)  # per round, normalised [N_max] (record_weights)
     block_sizes: list = field(default_factory=list)  # per round, the K it ran with
     survivors: list = field(default_factory=list)  # per round, distinct ancestors kept (N: not resampled)
+    accepted: Tensor | None = None  # [N] drafts accepted (exact speculative decoding)
 
 
 @dataclass
@@ -81,6 +83,7 @@ def idle_settings(b: dict, rows: slice) -> None:
     for name in ("T_draft", "T_target", "alpha", "budget"):
         b[name][rows] = 1
     b["K_row"][rows] = 0
+    b["exact"][rows] = False
 
 
 def bucket_of(n: int, slots: int) -> int:

@@ -59,14 +59,16 @@ class Scheduler:
                  target: EngineTarget | list | None = None, eos_token_id: int | None = None,
                  resampler: str = "systematic", ess_threshold: float = 0.5, use_graphs: bool | None = None,
                  seed: int = 0, max_context: int | None = None, record_weights: bool = False, schedule=None,
-                 pipeline: bool | None = None, shrink: bool = True):
+                 pipeline: bool | None = None, shrink: bool = True, speculative: bool = False):
         """``schedule`` (``samplers.adaptive``: FixedBlocks / AdaptiveBlocks) sets each request's K
         between rounds from its own past rounds, up to its ``block_size`` (slot g is the schedule's
         group g). ``pipeline`` (default: with CUDA graphs) launches a round before the host reads the
         one before it, where the round allows (``_pipelined``): the same outputs, without the host's
         bookkeeping between rounds on the device's time. ``shrink`` False runs every round over all
         slots (one round shape for a batch submitted at once: no capture when its last slots leave,
-        and the same draws pipelined or not)."""
+        and the same draws pipelined or not). ``speculative`` lets requests ask for exact speculative
+        decoding (``Request(exact=True)``: one particle, unconstrained, accepted drafts then a draw
+        from (p − q)+ at the first rejection), in the same rounds as the SMC-SD requests."""
         if engine.draft is None and max_block_size != 0:
             raise SMCDecodeError("SMC-SD with drafted tokens needs a draft model: Engine(target, draft, ...), or "
                                  "max_block_size=0 (the target as proposal: one token a round)")
@@ -80,6 +82,9 @@ class Scheduler:
         if resampler not in RESAMPLERS:
             raise SMCDecodeError(f"unknown resampler {resampler!r}: choose one of {sorted(RESAMPLERS)}")
         self.engine, self.slots, self.Nmax, self.Kmax = engine, slots, max_particles, max_block_size
+        if speculative and (engine.draft is None or max_block_size < 1):
+            raise SMCDecodeError("speculative=True needs a draft model and max_block_size >= 1")
+        self.speculative = speculative
         self.max_context = max_context
         self.programs = list(target) if isinstance(target, (list, tuple)) else [target or EngineTarget()]
         dev = engine.device
@@ -120,13 +125,13 @@ class Scheduler:
         self.cap = self.table.table.shape[1] * PS
         with_rewards = any(t.rewards for t in self.programs)
         key = ("smc", slots, max_particles, max_block_size, self.cap, self.eos, resampler, ess_threshold,
-               self.use_graphs, n_slots, id(self.combined.table) if self.combined else None, with_rewards)
+               self.use_graphs, n_slots, id(self.combined.table) if self.combined else None, with_rewards, speculative)
         rounds = None if eager else engine.graphs.get(key)
         if rounds is None:
             pt = torch.from_numpy(self.table.table).to(dev)
             rounds = Rounds(build_round(engine, slots, max_particles, max_block_size, self.cap, pt, self.automata,
                                          self.eos, self.pad, resampler, ess_threshold,
-                                         self.host if eager else None))
+                                         self.host if eager else None, speculative))
             if not eager:
                 engine.graphs.put(key, rounds)
         self._rounds = rounds
@@ -190,7 +195,16 @@ class Scheduler:
             raise SMCDecodeError(f"prompt ({len(request.prompt)} tokens) must have at least 2 tokens and, with "
                                  f"max_new_tokens and a block, fit the engine's max_context "
                                  f"({self.max_context}; needs {need})")
-        self._program(request)
+        prog = self._program(request)
+        if request.exact:
+            if not self.speculative:
+                raise SMCDecodeError("exact=True needs a Scheduler(speculative=True)")
+            if request.particles != 1 or request.block_size < 1:
+                raise SMCDecodeError(f"exact speculative decoding runs one particle with block_size >= 1, got "
+                                     f"particles={request.particles}, block_size={request.block_size}")
+            if prog.alpha != 1.0 or prog.constraints or prog.rewards:
+                raise SMCDecodeError("exact speculative decoding samples the target alone: give it a program "
+                                     "without power, constraints or rewards")
         self.queue.append(request)
 
     @property
@@ -233,6 +247,8 @@ class Scheduler:
         b["drafted"][r] = 0
         b["budget"][r] = req.max_new_tokens
         b["K_row"][r] = req.block_size
+        b["exact"][r] = req.exact
+        b["accepted"][r] = 0
         b["T_draft"][r] = float(req.draft_temperature)
         b["T_target"][r] = float(req.target_temperature)
         prog = self._program(req)
@@ -266,7 +282,8 @@ class Scheduler:
         r = slice(g * N, g * N + n)
         if keep:  # one copy: tokens, lengths, drafted, log w, log Z
             pack = torch.cat([b["tokens"][r, :T].reshape(-1).double(), b["n_gen"][r].double(),
-                              b["drafted"][r].double(), b["log_w"][r], b["log_Z"][g : g + 1]])
+                              b["drafted"][r].double(), b["log_w"][r], b["accepted"][r].double(),
+                              b["log_Z"][g : g + 1]])
             host = torch.empty(pack.shape, dtype=torch.float64, pin_memory=self._host_packed.is_pinned())
             host.copy_(pack, non_blocking=True)
             event = None
@@ -309,7 +326,8 @@ class Scheduler:
                                 float(x[-1] + torch.logsumexp(lw, 0) - math.log(n)),
                                 h["ess"], h["resampled"], len(h["ess"]), h["joined"],
                                 drafted=x[n * T + n : n * T + 2 * n].long(), weights=h["weights"],
-                                block_sizes=h["block_sizes"], survivors=h["survivors"]))
+                                block_sizes=h["block_sizes"], survivors=h["survivors"],
+                                accepted=x[n * T + 3 * n : n * T + 4 * n].long()))
         self._leaving = left
         return out
 
@@ -407,7 +425,8 @@ class Scheduler:
         the host has nothing to do inside the round, and every request drafts k tokens (so every
         row's pages for the next round are known before this one ends)."""
         return (self.pipeline and self.host is None and not self.rewards and self.plan is None
-                and (bucket, k) in self._rounds.by_bucket and all(v == k for v in K_now.values()))
+                and (bucket, k) in self._rounds.by_bucket and all(v == k for v in K_now.values())
+                and not any(self.requests[g].exact for g in K_now))
 
     @torch.inference_mode()
     def step(self) -> list[Finished]:

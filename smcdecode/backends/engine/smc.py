@@ -17,6 +17,11 @@ One round, per row with history h (DESIGN.md §2):
   6. per request: ESS, resample when ESS < τ·N_g (systematic, stratified, multinomial or residual
      over N_g rows), log Ẑ += logsumexp(log w) − log N_g, gather of every row field.
 
+Rows of exact speculative decoding (``exact``, a scheduler built with ``speculative=True``) share the
+round: their drafts and target pass are the same, then they keep the leading drafts accepted with
+probability min(1, p/q) and draw one token from (p − q)+ at the first rejection (or the bonus when
+every draft was accepted), with weight 0, and move on by what they kept + 1.
+
 Each row's K_row ∈ {0..k} is a buffer, so a schedule (``samplers/adaptive.py``) can change it between
 rounds without a new capture: the round drafts k tokens for every row anyway, so the draft
 statistics a schedule reads (min(1, p/q) and the draft terms' spread, over every drafted position
@@ -76,7 +81,8 @@ def host_terms(b: dict, rewards: list, hosted, longest_new: int) -> None:
     b["host_incr"].copy_(incr)
 
 
-def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resampler, tau, host) -> Round:
+def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resampler, tau, host,
+                speculative: bool = False) -> Round:
     dev = engine.device
     B = G * Nmax
 
@@ -102,7 +108,11 @@ def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resamp
         packed=z(3 * B + 2 * G + 1, dtype=torch.float64),
         # pages the host set aside for the round's end (pages_code): a copy-on-write page, then new ones
         fresh=z(B, 2 + (Kmax + 1) // engine.page_size),
+        # positions each row moves on (K_row + 1; exact speculative decoding: its accepted drafts + 1)
+        advance=z(B), exact=z(B, dtype=torch.bool), accepted=z(B),
     )
+    if speculative:  # rows of exact speculative decoding need the draft's logits at the first rejection
+        b["draft_logits"] = torch.zeros(B, Kmax, engine.draft.cfg.vocab_size, dtype=engine.dtype, device=dev)
     rnd = Round(b, None, None, keep=[t for a in automata for t in (a.table, a.classes, a.accepting)])
     rnd.propose_code, rnd.finish_code = round_code(engine, b, automata, eos, pad, resampler, tau, host)
     return rnd
@@ -119,6 +129,7 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
     pair = torch.arange(2, device=b["ar"].device)  # (the draft's first forward: positions T−1, T, whatever K_max)
     tokens, n_gen, finished, log_w = b["tokens"], b["n_gen"], b["finished"], b["log_w"]
     drafts, log_q, K_row, alpha, T = b["drafts"], b["log_q"], b["K_row"], b["alpha"], b["seq"]
+    exact = b["exact"] if "draft_logits" in b else None  # rows of exact speculative decoding
 
     # host: the host-mask constraints (host_masks.HostMasks): mask(i) for draft step i (i = K_max: the
     # bonus), and drafted(i, d), which starts each draft column's copy to the host as soon as it is sampled
@@ -151,6 +162,8 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
             m = masks(states, i)
             d, log_q[:, i], _, _ = sample_and_score(logits, b["T_draft"], seeds[i], mask=m, triton=fused)
             drafts[:, i] = d
+            if exact is not None:
+                b["draft_logits"][:, i] = logits
             if drafted is not None:
                 drafted(i, d)
             if m is None:
@@ -192,6 +205,26 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         b["drafted"].add_(torch.where(active, k_eff, 0))
         block = torch.cat([drafts, torch.full_like(bonus, pad)[:, None]], dim=1)
         block = block.scatter(1, K_row[:, None], bonus[:, None])
+        nxt, used, advance = bonus, K_row, K_row + 1  # the next `last`, the drafts kept, positions moved on
+        if exact is not None:  # exact speculative decoding's rows: accept a prefix, draw at the rejection
+            n_acc = steps.accept_prefix(log_p, log_q, K_row, torch.rand(B, Kmax, device=T.device, dtype=torch.float64))
+            j = n_acc.clamp(max=Kmax - 1)
+            res = steps.residual(logits_t[rows, j], b["draft_logits"][rows, j], b["T_target"], b["T_draft"])
+            c = torch.where(n_acc >= K_row, bonus, steps.race(res))
+            sd_block = torch.cat([drafts, c[:, None]], dim=1).scatter(1, n_acc[:, None], c[:, None])
+            sd_new = torch.minimum(n_acc + 1, remaining)
+            is_eos = (sd_block == eos) & (ar[None] < sd_new[:, None])
+            sd_eos = is_eos.any(1)
+            sd_new = torch.where(sd_eos, is_eos.long().argmax(1) + 1, sd_new)
+            block = torch.where(exact[:, None], sd_block, block)
+            n_new = torch.where(exact, sd_new, n_new)
+            incr = torch.where(exact, 0.0, incr)
+            any_eos = torch.where(exact, sd_eos, any_eos)
+            has_bonus = has_bonus & ~exact
+            nxt, used = torch.where(exact, c, bonus), torch.where(exact, n_acc, K_row)
+            advance = torch.where(exact, torch.where(b["valid"], n_acc + 1, 0), advance)
+            b["accepted"].add_(torch.where(active & exact, torch.minimum(n_acc, sd_new), 0))
+        b["advance"].copy_(advance)
         block = torch.where((ar[None] < n_new[:, None]) & active[:, None], block, pad)
         tokens.scatter_(1, n_gen[:, None] + ar, block)
         n_gen.add_(torch.where(active, n_new, 0))
@@ -207,11 +240,11 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         finished.copy_(finished | ended | torch.isneginf(lw))
         for s, f in zip(b["states"], final):
             s.copy_(torch.where(active, f, s))
-        # the draft's next feed [token at T'−1, bonus]: the row's last draft, or (K_row = 0) the last token
+        # the draft's next feed [token at T'−1, next]: the row's last kept draft, or (none) the last token
         d_last = (b["last"] if Kmax == 0 else
-                  torch.where(K_row > 0, drafts.gather(1, (K_row - 1).clamp(min=0)[:, None])[:, 0], b["last"]))
-        b["pending"].copy_(torch.where(active[:, None], torch.stack([d_last, bonus], 1), b["pending"]))
-        b["last"].copy_(torch.where(active, bonus, b["last"]))
+                  torch.where(used > 0, drafts.gather(1, (used - 1).clamp(min=0)[:, None])[:, 0], b["last"]))
+        b["pending"].copy_(torch.where(active[:, None], torch.stack([d_last, nxt], 1), b["pending"]))
+        b["last"].copy_(torch.where(active, nxt, b["last"]))
         b["active"].copy_(active)
         b["ended"].copy_(ended)
         b["hit_eos"].copy_(hit_eos)
@@ -231,7 +264,7 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         # every row of a request with a live particle moves on by its K + 1 positions (finished rows
         # too, so a request's rows share one position and the pages a round needs are known before it)
         go = (~finished).view(G, Nmax).any(1)[:, None].expand(G, Nmax).reshape(B)
-        T.add_(torch.where(go, K_row + 1, 0))
+        T.add_(torch.where(go, b["advance"], 0))
         b["index"].copy_(idx)
         b["do"].copy_(do)
         b["ess"].copy_(ess)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from torch import Tensor
 
+from ...errors import SMCDecodeError
 from .smc import Round
 from .targets import EngineTarget
 
@@ -96,3 +97,17 @@ class Rounds:
 
     full: Round
     by_bucket: dict = field(default_factory=dict)
+
+
+def check_exact(request: Request, program: EngineTarget, speculative: bool) -> None:
+    """Refuse an exact speculative decoding request its scheduler cannot run."""
+    if not request.exact:
+        return
+    if not speculative:
+        raise SMCDecodeError("exact=True needs a Scheduler(speculative=True)")
+    if request.particles != 1 or request.block_size < 1:
+        raise SMCDecodeError(f"exact speculative decoding runs one particle with block_size >= 1, got "
+                             f"particles={request.particles}, block_size={request.block_size}")
+    if program.alpha != 1.0 or program.constraints or program.rewards:
+        raise SMCDecodeError("exact speculative decoding samples the target alone: give it a program without "
+                             "power, constraints or rewards")

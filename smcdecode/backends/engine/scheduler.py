@@ -46,7 +46,7 @@ from ...samplers.common import RewardTracker
 from ...samplers.resampling import RESAMPLERS
 from .host_masks import HostMasks, RequestMasks
 from .kv_cache import PageTable
-from .requests import Finished, Flight, Leaving, Request, Rounds, bucket_of, idle_settings
+from .requests import Finished, Flight, Leaving, Request, Rounds, bucket_of, check_exact, idle_settings
 from .smc import NEG_INF, Round, build_round, capture_round, host_terms, round_code
 from .targets import CombinedAutomaton, DeviceAutomaton, EngineTarget, Settings
 
@@ -195,16 +195,7 @@ class Scheduler:
             raise SMCDecodeError(f"prompt ({len(request.prompt)} tokens) must have at least 2 tokens and, with "
                                  f"max_new_tokens and a block, fit the engine's max_context "
                                  f"({self.max_context}; needs {need})")
-        prog = self._program(request)
-        if request.exact:
-            if not self.speculative:
-                raise SMCDecodeError("exact=True needs a Scheduler(speculative=True)")
-            if request.particles != 1 or request.block_size < 1:
-                raise SMCDecodeError(f"exact speculative decoding runs one particle with block_size >= 1, got "
-                                     f"particles={request.particles}, block_size={request.block_size}")
-            if prog.alpha != 1.0 or prog.constraints or prog.rewards:
-                raise SMCDecodeError("exact speculative decoding samples the target alone: give it a program "
-                                     "without power, constraints or rewards")
+        check_exact(request, self._program(request), self.speculative)
         self.queue.append(request)
 
     @property

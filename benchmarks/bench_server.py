@@ -6,7 +6,8 @@ ignored). For SMC-SD, exact speculative decoding (SD) and autoregressive samplin
 32 concurrent clients (``--clients``), each sending ``--rounds`` streamed requests one after
 another through HTTP (the ``openai`` client), it measures
 
-- throughput through HTTP (tokens of all returned choices / wall time) and the engine's offline
+- throughput through HTTP (tokens of all returned choices / wall time; the clients run in a process
+  of their own, as an application's would) and the engine's offline
   figure for the same requests (``Engine.serve`` with as many slots as clients for SMC-SD; batched
   ``Engine.speculative`` / ``Engine.autoregressive`` calls of ``clients`` prompts for SD / AR),
   and their ratio;
@@ -30,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import datetime
 import json
+import multiprocessing
 import socket
 import sys
 import threading
@@ -124,6 +127,17 @@ async def http_round(base: str, model: str, prompts: list[list[int]], clients: i
             "errors": errors}
 
 
+def clients_run(pool, base: str, prompts: list[list[int]], clients: int, rounds: int, body: dict,
+                max_tokens: int) -> dict:
+    """``http_round`` in the clients' own process (``pool``: one spawned worker), as an application's
+    clients would run: they take no host time from the server's process."""
+    return pool.submit(_http_round_sync, base, "random-llama", prompts, clients, rounds, body, max_tokens).result()
+
+
+def _http_round_sync(*args) -> dict:
+    return asyncio.run(http_round(*args))
+
+
 def offline(executor: SchedulerExecutor, strategy: str, prompts: list[list[int]], clients: int, rounds: int,
             args) -> dict:
     """The engine's own figure for the same requests: SMC-SD through Engine.serve (slots = clients),
@@ -161,7 +175,7 @@ def round_shapes(executor: SchedulerExecutor) -> int:
     return n
 
 
-def warm_up(executor: SchedulerExecutor, base: str, prompts: list[list[int]], strategy: str, clients: int,
+def warm_up(executor: SchedulerExecutor, pool, base: str, prompts: list[list[int]], strategy: str, clients: int,
             body: dict, args) -> None:
     """Meet every round shape of the timed passes untimed: the offline calls as timed (their shapes
     follow the output length); through HTTP the timed pattern (same clients, same requests per client).
@@ -173,10 +187,10 @@ def warm_up(executor: SchedulerExecutor, base: str, prompts: list[list[int]], st
     if strategy in ("smc", "ar"):
         c = 1
         while c < clients:
-            errors = asyncio.run(http_round(base, "random-llama", prompts, c, 1, body, short))["errors"]
+            errors = clients_run(pool, base, prompts, c, 1, body, short)["errors"]
             assert not errors, f"warm-up: {errors[:3]}"
             c *= 2
-    errors = asyncio.run(http_round(base, "random-llama", prompts, clients, args.rounds, body, short))["errors"]
+    errors = clients_run(pool, base, prompts, clients, args.rounds, body, short)["errors"]
     assert not errors, f"warm-up: {errors[:3]}"
 
 
@@ -235,14 +249,14 @@ def main() -> None:
            "runs": []}
     bodies = {"smc": {"strategy": "smc", "particles": args.particles, "block_size": args.block_size},
               "sd": {"strategy": "sd", "block_size": args.sd_block_size}, "ar": {"strategy": "ar"}}
+    pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     for strategy in args.strategies.split(","):
         for C in clients:
-            warm_up(executor, base, prompts, strategy, C, bodies[strategy], args)
+            warm_up(executor, pool, base, prompts, strategy, C, bodies[strategy], args)
             before = round_shapes(executor)
             off = offline(executor, strategy, prompts, C, args.rounds, args)
             mid = round_shapes(executor)
-            http = asyncio.run(http_round(base, "random-llama", prompts, C, args.rounds, bodies[strategy],
-                                          args.max_tokens))
+            http = clients_run(pool, base, prompts, C, args.rounds, bodies[strategy], args.max_tokens)
             # rounds of a shape first met in a timed pass (a CUDA graph captured inside the measurement)
             new = {"offline": mid - before, "http": round_shapes(executor) - mid}
             run = {"strategy": strategy, "clients": C, "offline": off, "http": http,
@@ -256,6 +270,7 @@ def main() -> None:
                   f"{http['req_tok_s_p99']:.1f}; errors {len(http['errors'])}", flush=True)
             for e in http["errors"][:5]:
                 print("   ", e, flush=True)
+    pool.shutdown()
     server.should_exit = True
     thread.join(timeout=30)
     executor.close()

@@ -166,7 +166,7 @@ def offline(executor: SchedulerExecutor, strategy: str, prompts: list[list[int]]
 
 
 def round_shapes(executor: SchedulerExecutor) -> int:
-    """Round shapes the executor's engines hold (fused rounds, and each scheduler's rounds by bucket
+    """Round shapes the executor's engines hold (the speculative / autoregressive rounds, and each scheduler's rounds by bucket
     and block size): a new one is a capture (with CUDA graphs) or a new round's code (without)."""
     n = 0
     for engine in (executor.engine, executor.batch_engine, executor.ar_engine):

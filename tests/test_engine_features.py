@@ -243,7 +243,7 @@ def test_engine_refuses_what_it_cannot_run():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_plain_fused_round_with_eos(device):
-    """The plain uniform case (the fused round in engine.py) with EOS: a drafted or bonus EOS ends
+    """The plain uniform case with EOS: a drafted or bonus EOS ends
     the particle (absorbing), and the output follows p exactly (Z = 1)."""
     engine, model = _setup(device)
     target = sd.LM(model)

@@ -211,7 +211,7 @@ def _prefilled(B, N, K, P, num_pages, PS, lens, pools, g) -> PageTable:
     (2, 5, 6, 3, [6, 3], 5, 3),
 ])
 def test_device_bookkeeping_matches_page_table_under_random_forks(G, N, K, PS, prompt_lens, rounds, seed):
-    """Round by round, as the fused round drives them: every row writes positions [T−1, T+K] into
+    """Round by round, as the pipelined request loop drives them: every row writes positions [T−1, T+K] into
     both pools (a target pool and a draft pool of another layout), then random ancestors within
     each request (or none). The device bookkeeping (``smc_pages``, on pages set aside by
     ``PageTable.hold``) leaves exactly the page table that the host's ``reserve(held=...)`` books

@@ -21,7 +21,7 @@ class GraphCache:
     """The rounds an Engine captured, keyed by (round key, config): a round key names the round's
     shape (strategy, rows, K, temperatures, page-table width, ...), and the engine's
     ``EngineConfig`` is part of every key, so a graph never replays under other settings. An entry is
-    a ``Graph`` (the fused rounds) or an ``smc.Round`` (the general round)."""
+    a ``Graph`` (the speculative and autoregressive rounds) or the request loop's rounds."""
 
     def __init__(self, config):
         self.config = config

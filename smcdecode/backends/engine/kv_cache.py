@@ -8,8 +8,8 @@ each have their own pool (their own layer count and head shape); both use one pa
 id names a page in both pools.
 
 NOTE: the page table lives on the host (numpy). The generic paths upload it to a static device tensor
-before each CUDA-graph replay, after the round's one host sync. The fused SMC-SD round applies its
-own fork, copy-on-write and fresh pages on the device, at the end of its graph (``Engine._smc_pages``),
+before each CUDA-graph replay, after the round's one host sync. The pipelined SMC-SD rounds apply their
+own fork, copy-on-write and fresh pages on the device, at the end of their graph (``smc.pages_code``),
 from pages the host set aside for it in advance (``PageTable.hold``), and the host repeats the same
 bookkeeping here one round later (``reserve(..., held=...)``, the same page ids): rounds are launched
 back to back, without waiting for the host.
@@ -115,7 +115,7 @@ class PageTable:
 
     def hold(self, n: int) -> np.ndarray:
         """Take ``n`` free pages off the free list without referencing them: set aside for
-        bookkeeping that the device does first (the fused SMC-SD round) and ``reserve(held=...)``
+        bookkeeping that the device does first (a pipelined SMC-SD round) and ``reserve(held=...)``
         books later; ``unhold`` returns the ones that were not used. MemoryError if too few are free."""
         pages = self._alloc(n)
         self.ref[pages] = 0
@@ -164,8 +164,8 @@ class PageTable:
         count exceeds 1.
 
         ``held`` [len(rows), F] (pages of ``hold``, 0 = none): row i's copy goes to held[i, 0] and its
-        new columns take held[i, 1:] in order, as the fused round's device bookkeeping placed them
-        (``Engine._smc_pages``); the held pages not used go back to the free list. A row with more
+        new columns take held[i, 1:] in order, as a pipelined round's device bookkeeping placed them
+        (``smc.pages_code``); the held pages not used go back to the free list. A row with more
         than one page to copy, or with fewer held pages than it needs, is an error."""
         PS = self.page_size
         rows = np.asarray(rows, dtype=np.int64)

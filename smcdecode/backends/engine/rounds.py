@@ -1,4 +1,4 @@
-"""What the fused SMC-SD round and the speculative-decoding round share: their static buffers, the
+"""The speculative-decoding round's parts: its static buffers, the
 capture-or-replay of a round, the K draft steps and the target's verify pass."""
 
 from __future__ import annotations

@@ -150,6 +150,8 @@ def main() -> None:
     ap.add_argument("--merge", nargs="+", default=None, metavar="FILE[:METHOD,...]",
                     help="combine these result files (shards) into --out, print the table, run nothing; "
                          "FILE:K=0,adaptive keeps only those settings' rows of FILE")
+    ap.add_argument("--merge-seeds", type=int, nargs="+", default=None,
+                    help="with --merge: keep only the rows of these sampler seeds")
     ap.add_argument("--out", default=str(ROOT / "results" / "adaptive_quality.json"))
     args = ap.parse_args()
     if args.merge:
@@ -159,7 +161,8 @@ def main() -> None:
             part = json.loads(Path(path).read_text())
             keep = set(keep.split(",")) if keep else None
             parts.append(part)
-            rows += [r for r in part["rows"] if keep is None or r["method"] in keep]
+            rows += [r for r in part["rows"] if (keep is None or r["method"] in keep)
+                     and (args.merge_seeds is None or r["seed"] in args.merge_seeds)]
         write(args.out, {**parts[0], "questions": len({r["question"] for r in rows}),
                          "shard": None, "merged_from": args.merge}, rows)
         return

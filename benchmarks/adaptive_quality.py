@@ -141,14 +141,28 @@ def main() -> None:
     ap.add_argument("--reference-seed", type=int, default=None, help="seed of the reference samples (default: the first seed)")
     ap.add_argument("--methods", nargs="+", default=None, choices=["K=0", "K=2", "K=4", "K=8", "adaptive", "exact SD"],
                     help="run only these settings (default: all)")
+    ap.add_argument("--question-ids", type=int, nargs="+", default=None,
+                    help="run only these questions (0-based line numbers of factual.jsonl)")
     ap.add_argument("--shard", default="0/1", help="I/S: run only the questions with index %% S == I")
-    ap.add_argument("--merge", nargs="+", default=None,
-                    help="combine these result files (shards) into --out, print the table, run nothing")
+    ap.add_argument("--reference-from", default=None,
+                    help="take each question's reference answer from this result file instead of sampling it "
+                         "again (it must hold every question run)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="FILE[:METHOD,...]",
+                    help="combine these result files (shards) into --out, print the table, run nothing; "
+                         "FILE:K=0,adaptive keeps only those settings' rows of FILE")
+    ap.add_argument("--merge-seeds", type=int, nargs="+", default=None,
+                    help="with --merge: keep only the rows of these sampler seeds")
     ap.add_argument("--out", default=str(ROOT / "results" / "adaptive_quality.json"))
     args = ap.parse_args()
     if args.merge:
-        parts = [json.loads(Path(f).read_text()) for f in args.merge]
-        rows = [r for part in parts for r in part["rows"]]
+        parts, rows = [], []
+        for spec in args.merge:
+            path, _, keep = spec.partition(":")
+            part = json.loads(Path(path).read_text())
+            keep = set(keep.split(",")) if keep else None
+            parts.append(part)
+            rows += [r for r in part["rows"] if (keep is None or r["method"] in keep)
+                     and (args.merge_seeds is None or r["seed"] in args.merge_seeds)]
         write(args.out, {**parts[0], "questions": len({r["question"] for r in rows}),
                          "shard": None, "merged_from": args.merge}, rows)
         return
@@ -159,12 +173,27 @@ def main() -> None:
     draft = sd.Draft(draft_model, proposal_temperature(draft_model, 1.0))
     questions = [json.loads(line) for line in (ROOT / "data" / "factual.jsonl").read_text().splitlines()]
     questions = list(enumerate(questions))[:: args.every][: args.questions]
+    if args.question_ids is not None:
+        bad = sorted(set(args.question_ids) - {qi for qi, _ in questions})
+        if bad:
+            raise ValueError(f"--question-ids {bad} are not among the selected questions "
+                             f"(0..{len(questions) - 1} with --every {args.every}): give line numbers of factual.jsonl")
+        questions = [(qi, q) for qi, q in questions if qi in set(args.question_ids)]
+    references = None
+    if args.reference_from:
+        references = {r["question"]: (r["reference"], r["reference_share"])
+                      for r in json.loads(Path(args.reference_from).read_text())["rows"]}
+        missing = sorted({qi for qi, _ in questions} - set(references))
+        if missing:
+            raise ValueError(f"--reference-from {args.reference_from} has no reference for questions {missing}: "
+                             "give a result file that ran them, or leave --reference-from out")
     questions = [(qi, q) for i, (qi, q) in enumerate(questions) if i % shards == shard]
     meta = {"benchmark": "adaptive_quality", "date": time.strftime("%Y-%m-%d"), "device": "cpu",
             "machine": platform.processor() or platform.machine(), "threads": 1, "model": model.name,
             "draft": draft_model.name, "target_temperature": 1.0, "draft_temperature": draft.temperature,
             "max_new_tokens": args.max_new_tokens, "reference_samples": args.reference_samples,
-            "seeds": args.seeds, "reference_seed": args.reference_seed, "methods": args.methods,
+            "seeds": args.seeds, "reference_seed": args.reference_seed, "reference_from": args.reference_from,
+            "methods": args.methods,
             "questions": len(questions), "every": args.every, "shard": args.shard}
     methods = [("K=0", "target", 1), ("K=2", draft, 2), ("K=4", draft, 4), ("K=8", draft, 8),
                ("adaptive", draft, "adaptive")]
@@ -176,11 +205,16 @@ def main() -> None:
         ids = model.prompt_ids(prompt)
         fmt = re.compile(q["regex"])
         target = sd.LM(model, temperature=1.0) * sd.Regex(q["regex"])
-        ref = sd.Autoregressive(target, samples=args.reference_samples).run(
-            prompt, max_new_tokens=args.max_new_tokens, seed=args.seeds[0] if args.reference_seed is None else args.reference_seed, progress=False)
-        counts = collections.Counter(t.strip() for t in ref.texts if fmt.fullmatch(t.strip()))
-        answer, hits = counts.most_common(1)[0] if counts else (None, 0)
-        base = {"question": qi, "reference": answer, "reference_share": hits / args.reference_samples}
+        if references is not None:
+            answer, share = references[qi]
+        else:
+            ref = sd.Autoregressive(target, samples=args.reference_samples).run(
+                prompt, max_new_tokens=args.max_new_tokens,
+                seed=args.seeds[0] if args.reference_seed is None else args.reference_seed, progress=False)
+            counts = collections.Counter(t.strip() for t in ref.texts if fmt.fullmatch(t.strip()))
+            answer, hits = counts.most_common(1)[0] if counts else (None, 0)
+            share = hits / args.reference_samples
+        base = {"question": qi, "reference": answer, "reference_share": share}
         for seed in args.seeds:
             for N in args.particles:
                 for name, proposal, K in methods:
@@ -208,7 +242,7 @@ def main() -> None:
                          "tokens_per_second": spec.tokens_per_second, "acceptance": spec.acceptance_rate})
         write(args.out, meta, rows, table=False)  # after every question: a cut-short run keeps its rows
         print(f"[{done + 1}/{len(questions)}] question {qi} {time.time() - started:.0f} s  "
-              f"reference {answer!r} ({hits}/{args.reference_samples})", file=sys.stderr, flush=True)
+              f"reference {answer!r} (share {share:.2f})", file=sys.stderr, flush=True)
     write(args.out, meta, rows)
 
 

@@ -14,7 +14,15 @@ from hypothesis import strategies as st
 
 import smcdecode as sd
 from smcdecode.errors import SMCDecodeError
-from smcdecode.samplers.adaptive import AdaptiveBlocks, DraftStats, FixedBlocks, as_schedule
+from smcdecode.samplers.adaptive import (
+    EASY_TOKEN_WEIGHT,
+    AdaptiveBlocks,
+    DraftStats,
+    FixedBlocks,
+    as_schedule,
+    group_statistics,
+    row_statistics,
+)
 from smcdecode.testing import check_distribution, check_evidence_unbiased, exact_target
 
 GROUPS = 2000
@@ -69,7 +77,7 @@ def test_adaptive_rule_reads_the_draft():
     for _ in range(6):
         good.observe(DraftStats(torch.tensor([15.6]), torch.tensor([16.0]), torch.tensor([0.01]), torch.tensor([2.0])))
         ks.append(int(good.next()[0]))
-    assert ks[:4] == [1, 3, 7, 8] and ks[-1] == 8, ks
+    assert ks[:3] == [1, 3, 7] and ks[-1] == 8, ks
     bad = rule.start(1)
     bad.next()
     probes = []
@@ -81,6 +89,30 @@ def test_adaptive_rule_reads_the_draft():
         probes.append(bool(bad.probing[0]))
     gaps = np.diff(np.flatnonzero(probes))
     assert len(gaps) >= 2 and (np.diff(gaps) >= 0).all() and gaps[-1] > gaps[0], probes
+
+
+def test_tokens_the_target_is_sure_of_are_weak_evidence():
+    """A drafted token the target gives probability ~1 (a format's quote) counts as EASY_TOKEN_WEIGHT
+    of a token: agreeing on it cannot open a block; agreeing where the target hesitates can."""
+    log_p = torch.log(torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.4, 0.4, 0.4, 0.4]]))
+    log_q = torch.log(torch.tensor([[0.9, 0.9, 0.9, 0.9], [0.4, 0.4, 0.4, 0.4]]))
+    counted = torch.ones(2, 4, dtype=torch.bool)
+    counted[1, 3] = False  # past the row's first EOS: not counted
+    accept, count, lw = row_statistics(log_p, log_q, log_p - log_q, counted)
+    assert torch.allclose(count, torch.tensor([4 * EASY_TOKEN_WEIGHT, 3 * 0.6], dtype=torch.float64))
+    assert torch.allclose(accept, count)  # p >= q on every token: each accepted with probability 1
+    assert torch.allclose(lw, torch.tensor([4 * -np.log(0.9), 0.0], dtype=torch.float64))
+    rule = AdaptiveBlocks(max_block_size=8)
+    ks = []
+    for row in (0, 1):
+        plan = rule.start(1)
+        plan.next()
+        stats = group_statistics(accept[row:row + 1], count[row:row + 1], lw[row:row + 1],
+                                 torch.ones(1, dtype=torch.bool), 1)
+        for _ in range(3):
+            plan.observe(stats)
+            ks.append(int(plan.next()[0]))
+    assert ks[:3] == [0, 0, 0] and min(ks[3:]) >= 1, ks
 
 
 def test_block_size_spellings_and_errors():

@@ -10,13 +10,16 @@ end of round t, and from nothing else:
   - an acceptance-like rate â, the running mean over drafted tokens d (drawn from the masked
     draft q') of min(1, p_T(d)/q(d)) with p_T the target at its temperature and q the unmasked
     draft: for an unconstrained target that is E_q[min(1, p/q)] = Σ_v min(p_T(v), q(v)), exact
-    speculative decoding's acceptance rate;
+    speculative decoding's acceptance rate. Each drafted token counts as evidence
+    u = max(1 − p_T(d), 0.05) of a token: agreement on tokens the target is sure of (a format's
+    quotes and braces) says nothing about the tokens the answer hinges on, where a weak draft
+    fails, so â is in effect the acceptance on the tokens the target hesitates over;
   - the spread of the draft's incremental weights, as the loss of effective sample size per
     drafted token ℓ̂ = −log(ESS_d/N)/k, ESS_d the ESS of the round's draft terms
     exp(Σ_i α·log p_T(d_i) − log q'(d_i)) over the request's live particles.
 
-  Both are discounted means (factor ``memory`` a round) with a weak prior (â = ``prior_acceptance``
-  worth ``prior_tokens`` tokens). Then K = min(K_acc, K_ess, 2·K_prev + 1, K_max) (K at most
+  Both are discounted means (factor ``memory`` a round) with a prior (â = ``prior_acceptance``
+  worth ``prior_tokens`` tokens of evidence: one lucky token does not open a block). Then K = min(K_acc, K_ess, 2·K_prev + 1, K_max) (K at most
   doubles, plus one, from one round to the next: a few lucky drafts do not open a long block) with
   K_acc = ⌊log ρ / log â⌋ (the longest block the draft gets entirely right with probability
   ≥ ρ = ``block_acceptance``) and K_ess = ⌊``weight_loss`` / ℓ̂⌋ (the draft may cost at most
@@ -58,6 +61,7 @@ from ..errors import SMCDecodeError
 NEG_INF = float("-inf")
 DEFAULT_MAX_BLOCK = 8
 MAX_PROBE_WAIT = 32
+EASY_TOKEN_WEIGHT = 0.05  # evidence of a drafted token the target is sure of (see row_statistics)
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,7 @@ class AdaptiveBlocks:
     start_block: int = 0  # K of the first round
     memory: float = 0.7  # discount of older rounds' statistics, per round
     prior_acceptance: float = 0.3  # (K_acc = 0 until the draft has shown better)
-    prior_tokens: float = 2.0
+    prior_tokens: float = 4.0
     probe_after: int = 2  # K = 0 rounds without fresh statistics before a K = 1 probe
 
     adaptive = True
@@ -212,14 +216,19 @@ def as_schedule(block_size) -> FixedBlocks | AdaptiveBlocks | None:
 
 
 def row_statistics(log_p: Tensor, log_q: Tensor, term: Tensor, counted: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per particle [B] (float64): Σ_i min(1, p_T(d_i)/q(d_i)), the number of counted drafts, and
-    Σ_i term_i (the draft's log-weight). All inputs [B, k]: ``log_p`` = log p_T(d_i) (no power),
-    ``log_q`` = log q(d_i) of the unmasked draft, ``term`` = α·log p_T(d_i) − log q'(d_i),
-    ``counted`` = drafts that count (live particle, up to its first EOS and the budget)."""
-    ratio = torch.where(torch.isneginf(log_p), 0.0, (log_p.double() - log_q.double()).clamp(max=0.0).exp())
+    """Per particle [B] (float64): Σ_i u_i·min(1, p_T(d_i)/q(d_i)), Σ_i u_i, and Σ_i term_i (the
+    draft's log-weight), with u_i = max(1 − p_T(d_i), ``EASY_TOKEN_WEIGHT``) the weight of drafted
+    token i as evidence: a token the target was sure of (a format's quote, a forced digit) says
+    little about whether the draft finds the tokens the target hesitates over, so it counts as a
+    fraction of a token. All inputs [B, k]: ``log_p`` = log p_T(d_i) (no power), ``log_q`` =
+    log q(d_i) of the unmasked draft, ``term`` = α·log p_T(d_i) − log q'(d_i), ``counted`` =
+    drafts that count (live particle, up to its first EOS and the budget)."""
+    lp = log_p.double()
+    ratio = torch.where(torch.isneginf(lp), 0.0, (lp - log_q.double()).clamp(max=0.0).exp())
     ok = counted & torch.isfinite(log_q) & ~torch.isnan(ratio)
-    accept = torch.where(ok, ratio, 0.0).sum(1)
-    count = ok.double().sum(1)
+    evidence = (1.0 - lp.exp()).clamp(min=EASY_TOKEN_WEIGHT)  # [B, k]
+    accept = torch.where(ok, evidence * ratio, 0.0).sum(1)
+    count = torch.where(ok, evidence, 0.0).sum(1)
     lw = torch.where(ok, term.double(), 0.0).sum(1)
     lw = torch.where(ok.any(1), lw, NEG_INF)
     return accept, count, lw

@@ -48,9 +48,12 @@ class GraphCache:
 
     def capture(self, fn, use_graphs: bool):
         """``fn``'s CUDA graph replay (``use_graphs``), or ``fn`` itself. ``fn`` runs once first, on a
-        side stream (Triton compilation, cuBLAS handles): the caller undoes its effects."""
+        side stream (Triton compilation, cuBLAS handles): the caller undoes its effects on its buffers;
+        the random stream is left where it was (a seeded call draws the same whether its rounds were
+        captured in it or before, and its replays draw what the eager rounds would)."""
         if not use_graphs:
             return fn
+        rng = torch.cuda.get_rng_state()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -61,6 +64,7 @@ class GraphCache:
         # assertion in torch 2.11); the pool is freed with the graph (clear_graphs).
         with torch.cuda.graph(graph):
             fn()
+        torch.cuda.set_rng_state(rng)
         return graph.replay
 
 

@@ -205,7 +205,7 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         b["drafted"].add_(torch.where(active, k_eff, 0))
         block = torch.cat([drafts, torch.full_like(bonus, pad)[:, None]], dim=1)
         block = block.scatter(1, K_row[:, None], bonus[:, None])
-        nxt, used, advance = bonus, K_row, K_row + 1  # the next `last`, the drafts kept, positions moved on
+        nxt, used = bonus, K_row  # the next `last`, the drafts kept
         if exact is not None:  # exact speculative decoding's rows: accept a prefix, draw at the rejection
             n_acc = steps.accept_prefix(log_p, log_q, K_row, torch.rand(B, Kmax, device=T.device, dtype=torch.float64))
             j = n_acc.clamp(max=Kmax - 1)
@@ -222,9 +222,9 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
             any_eos = torch.where(exact, sd_eos, any_eos)
             has_bonus = has_bonus & ~exact
             nxt, used = torch.where(exact, c, bonus), torch.where(exact, n_acc, K_row)
-            advance = torch.where(exact, torch.where(b["valid"], n_acc + 1, 0), advance)
+            # (positions these rows move on: what they kept + 1; the others K_row + 1)
+            b["advance"].copy_(torch.where(exact, torch.where(b["valid"], n_acc + 1, 0), K_row + 1))
             b["accepted"].add_(torch.where(active & exact, torch.minimum(n_acc, sd_new), 0))
-        b["advance"].copy_(advance)
         block = torch.where((ar[None] < n_new[:, None]) & active[:, None], block, pad)
         tokens.scatter_(1, n_gen[:, None] + ar, block)
         n_gen.add_(torch.where(active, n_new, 0))
@@ -264,7 +264,7 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         # every row of a request with a live particle moves on by its K + 1 positions (finished rows
         # too, so a request's rows share one position and the pages a round needs are known before it)
         go = (~finished).view(G, Nmax).any(1)[:, None].expand(G, Nmax).reshape(B)
-        T.add_(torch.where(go, b["advance"], 0))
+        T.add_(torch.where(go, b["advance"] if exact is not None else K_row + 1, 0))
         b["index"].copy_(idx)
         b["do"].copy_(do)
         b["ess"].copy_(ess)

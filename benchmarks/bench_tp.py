@@ -254,8 +254,18 @@ def main(argv=None) -> int:
         save()
         if rank0:
             print(f"wrote {out_path}" + (f"; {len(res['errors'])} error(s)" if res["errors"] else ""), flush=True)
+        code = 1 if res["errors"] else 0
+        if cuda:
+            # NOTE: on 2 H200s both the 8B and the 70B run hung after this point until killed (the
+            # result already written): NCCL teardown with communicators still held by captured CUDA
+            # graphs. The ranks meet here, then leave without tearing NCCL down.
+            torch.cuda.synchronize()
+            dist.barrier()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
         dist.destroy_process_group()
-        return 1 if res["errors"] else 0
+        return code
 
     # --- 1. correctness first
     checks = [torch.float32] + ([dtype] if dtype != torch.float32 else [])

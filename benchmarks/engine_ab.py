@@ -25,6 +25,8 @@ from pathlib import Path
 WORKER = r"""
 import json, statistics, sys, time
 import torch
+sys.path.insert(0, json.loads(sys.argv[1])["bench_dir"])
+from engine_programs import program
 from smcdecode.backends.engine import PRESETS, Engine, Llama
 import smcdecode
 cfg = json.loads(sys.argv[1])
@@ -50,24 +52,6 @@ def timed(fn):
 def rate(G, s):  # tokens generated per second (all requests)
     n = generated[0] if generated and generated[0] is not None else G * L
     return n / statistics.median(s)
-
-def program(name):  # (keyword arguments of smc_sd, label) of a target program beyond the plain round
-    from smcdecode.backends.engine.targets import EngineTarget
-    if name == "alpha2":
-        return {"target": EngineTarget(alpha=2.0)}, "alpha=2"
-    if name == "regex":  # a synthetic 128,256-token vocabulary of letter strings; the regex allows ~7 % of it
-        def word(i):
-            w = ""
-            while True:
-                w, i = w + chr(97 + i % 26), i // 26
-                if i == 0:
-                    return w
-        vocab = [word(i) for i in range(128256)]
-        vocab[128001] = "<eos>"
-        model = smcdecode.FunctionModel(lambda ctx: None, vocab=vocab, eos="<eos>", name="synthetic")
-        prog = EngineTarget.of(smcdecode.LM(model) * smcdecode.Regex(r"[a-m]*"))
-        return {"target": prog, "eos_token_id": 128001}, "regex"
-    return {}, "plain"
 
 rows = []
 for G in cfg["requests"]:
@@ -138,7 +122,8 @@ def main() -> None:
 
     cfg = {"particles": args.particles, "block_size": args.block_size, "out_len": args.out_len,
            "prompt_len": args.prompt_len, "requests": [int(g) for g in args.requests.split(",")],
-           "repeats": args.repeats, "ar": not args.no_ar, "programs": args.programs.split(",")}
+           "repeats": args.repeats, "ar": not args.no_ar, "programs": args.programs.split(","),
+           "bench_dir": str(Path(__file__).resolve().parent)}  # (both trees run this tree's programs)
     trees = {"A": args.a, "B": args.b}
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

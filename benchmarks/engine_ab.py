@@ -5,7 +5,8 @@
 Each pass runs one process per tree, in alternating order (A B, then B A, …), each importing
 ``smcdecode`` from its own tree and timing, on random-weight Llama-3.1-8B / Llama-3.2-1B shapes in
 bf16: SMC-SD N×K for 1 and G requests (fixed-length outputs; ``--programs``: the plain round, α = 2, a
-regex over a synthetic vocabulary, mixed per-request K) and the engine's autoregressive decoding.
+regex over a synthetic vocabulary, mixed per-request K), the engine's autoregressive decoding and
+(``--sd``) exact speculative decoding.
 Only the public engine API (``Engine``, ``Llama.random``, ``PRESETS``) is used, so both trees run the
 same measurement. Raw results (every pass) go to --out as JSON; the table printed gives medians over
 passes of each process's median run.
@@ -84,6 +85,12 @@ for G in cfg["requests"]:
         s = timed(lambda: engine.autoregressive(P[:G], max_new_tokens=L))
         rows.append({"system": "AR", "requests": G, "seconds": s, "tok_s_total": G * L / statistics.median(s)})
         engine.clear_graphs()
+    if cfg["sd"]:  # exact speculative decoding, K = 4 (random weights accept almost nothing: ~1 token a round)
+        Lsd = cfg["sd_out_len"]
+        engine.speculative(P[:G], block_size=4, max_new_tokens=8)
+        s = timed(lambda: engine.speculative(P[:G], block_size=4, max_new_tokens=Lsd))
+        rows.append({"system": "exact SD K=4", "requests": G, "seconds": s, "tok_s_total": G * Lsd / statistics.median(s)})
+        engine.clear_graphs()
 print("RESULT " + json.dumps({"smcdecode": smcdecode.__file__, "rows": rows}))
 """
 
@@ -113,6 +120,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--requests", default="1,8")
     ap.add_argument("--no-ar", action="store_true", help="skip the autoregressive runs")
+    ap.add_argument("--sd", action="store_true", help="also time exact speculative decoding (K = 4)")
+    ap.add_argument("--sd-out-len", type=int, default=128)
     ap.add_argument("--programs", default="plain",
                     help="comma-separated SMC-SD programs: plain, alpha2, regex, mixed (K and K/2 per request, "
                          "and the two halves run apart)")
@@ -122,7 +131,8 @@ def main() -> None:
 
     cfg = {"particles": args.particles, "block_size": args.block_size, "out_len": args.out_len,
            "prompt_len": args.prompt_len, "requests": [int(g) for g in args.requests.split(",")],
-           "repeats": args.repeats, "ar": not args.no_ar, "programs": args.programs.split(","),
+           "repeats": args.repeats, "ar": not args.no_ar, "sd": args.sd, "sd_out_len": args.sd_out_len,
+           "programs": args.programs.split(","),
            "bench_dir": str(Path(__file__).resolve().parent)}  # (both trees run this tree's programs)
     trees = {"A": args.a, "B": args.b}
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,

@@ -102,3 +102,43 @@ def run_batch(engine, prompts: list[list[int]], settings: Settings, target, *, e
     out.host_s = sched.host_s
     out.particles = list(settings.particles)
     return out
+
+
+def run_speculative(engine, prompts: list[list[int]], *, block_size: int, max_new_tokens: int, samples: int = 1,
+                    draft_temperature: float = 1.0, target_temperature: float = 1.0,
+                    eos_token_id: int | None = None, use_graphs: bool | None = None, seed: int = 0) -> EngineOutput:
+    """Exact speculative decoding of ``prompts`` on the request loop (``Engine.speculative``): each
+    prompt one request of ``samples`` independent rows (``Request(exact=True)``), all submitted at
+    once. Returns an :class:`~smcdecode.backends.engine.output.EngineOutput` with tokens [G, S, T],
+    lengths, ``accepted`` and ``drafted`` [G, S] (weights and evidence zero)."""
+    if engine.draft is None:
+        raise SMCDecodeError("speculative decoding needs a draft model: Engine(target, draft, ...)")
+    for name, v, least in (("block_size", block_size, 1), ("samples", samples, 1), ("max_new_tokens", max_new_tokens, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            raise SMCDecodeError(f"{name} must be an integer >= {least}, got {v!r}")
+    if not prompts or any(len(p) < 2 for p in prompts):
+        raise SMCDecodeError("every prompt needs at least 2 tokens")
+    G, S, K, PS = len(prompts), samples, block_size, engine.page_size
+    context = engine.max_context or max(len(p) for p in prompts) + max_new_tokens + K + 2
+    # every row's pages for its whole output are reserved when it joins (prompt pages shared by its request)
+    need = 1 + sum(-(-(len(p) - 2) // PS) + S * (-(-(len(p) + max_new_tokens + K + 1) // PS) - (len(p) - 2) // PS)
+                   for p in prompts)
+    if engine.num_pages < need:
+        raise SMCDecodeError(f"num_pages ({engine.num_pages}) is too small for {G} prompt(s) × {S} samples of "
+                             f"{max_new_tokens} tokens: they need {need} pages of {PS} tokens; raise num_pages")
+    sched = Scheduler(engine, slots=G, max_particles=S, max_block_size=K, eos_token_id=eos_token_id,
+                      ess_threshold=0.0, use_graphs=use_graphs, seed=seed, max_context=context, shrink=False,
+                      speculative=True)
+    for g, p in enumerate(prompts):
+        sched.submit(Request(list(p), S, K, max_new_tokens, draft_temperature, target_temperature, id=g, exact=True))
+    by_id = {f.request.id: f for f in sched.run()}
+    done = [by_id[g] for g in range(G)]
+    out = EngineOutput(torch.stack([f.tokens for f in done]), torch.stack([f.lengths for f in done]),
+                       torch.zeros(G, S, dtype=torch.float64), torch.zeros(G, dtype=torch.float64))
+    out.accepted = torch.stack([f.accepted for f in done])
+    out.drafted = torch.stack([f.drafted for f in done])
+    out.rounds = max(f.rounds for f in done)
+    out.finished = torch.ones(G, S, dtype=torch.bool)
+    out.peak_pages = sched.peak_pages
+    out.host_s = sched.host_s
+    return out

@@ -7,12 +7,11 @@ live in their own modules and take the engine as their first argument:
     smc_sd          batch.py: the request loop of scheduler.py over the round of smc.py with
                     every request submitted at once (any target program: constraints,
                     powers, rewards, per-request settings)
-    speculative     speculative.py (exact speculative decoding)
+    speculative     batch.py: the same loop with exact speculative decoding's rows
     autoregressive  autoregressive.py
     serve           scheduler.py (continuous batching of SMC-SD requests)
 
-prefill.py writes the prompts into the pools; rounds.py holds the speculative round's draft and
-verify steps; graphs.py the graph cache.
+prefill.py writes the prompts into the pools; graphs.py the graph cache.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from torch import Tensor
 from ...errors import SMCDecodeError
 from . import autoregressive as _autoregressive
 from . import batch, prefill
-from . import speculative as _speculative
 from .config import EngineConfig
 from .graphs import GraphCache
 from .kv_cache import KVPool, PageTable
@@ -223,13 +221,13 @@ class Engine:
         the token is drawn from the residual (p − q)+ (normalised), after K acceptances a bonus
         from p. Outputs are exact samples of the target at ``target_temperature``.
 
-        No per-round host work: every row's pages for the whole output are reserved up front (rows
-        never fork), and the host reads the "all finished" flag of the previous round while the
-        next one runs."""
-        return _speculative.run(self, prompts, block_size=block_size, max_new_tokens=max_new_tokens,
-                                samples=samples, draft_temperature=draft_temperature,
-                                target_temperature=target_temperature, eos_token_id=eos_token_id,
-                                use_graphs=use_graphs, seed=seed)
+        A program of the request loop (``batch.run_speculative``): each prompt is one request whose
+        rows are reserved their pages for the whole output when it joins (they never fork), so the
+        rounds are pipelined like SMC-SD's."""
+        return batch.run_speculative(self, prompts, block_size=block_size, max_new_tokens=max_new_tokens,
+                                     samples=samples, draft_temperature=draft_temperature,
+                                     target_temperature=target_temperature, eos_token_id=eos_token_id,
+                                     use_graphs=use_graphs, seed=seed)
 
     @_without_pdl
     @torch.inference_mode()

@@ -26,7 +26,9 @@ class Request:
     target_temperature: float = 1.0
     id: object = None
     target: EngineTarget | None = None  # one of the scheduler's programs (default: its first)
-    exact: bool = False  # exact speculative decoding (one particle; a Scheduler(speculative=True))
+    # exact speculative decoding (a Scheduler(speculative=True)): its ``particles`` rows are
+    # independent samples of the target, never resampled
+    exact: bool = False
 
 
 @dataclass
@@ -105,9 +107,8 @@ def check_exact(request: Request, program: EngineTarget, speculative: bool) -> N
         return
     if not speculative:
         raise SMCDecodeError("exact=True needs a Scheduler(speculative=True)")
-    if request.particles != 1 or request.block_size < 1:
-        raise SMCDecodeError(f"exact speculative decoding runs one particle with block_size >= 1, got "
-                             f"particles={request.particles}, block_size={request.block_size}")
+    if request.block_size < 1:
+        raise SMCDecodeError(f"exact speculative decoding needs block_size >= 1, got block_size={request.block_size}")
     if program.alpha != 1.0 or program.constraints or program.rewards:
         raise SMCDecodeError("exact speculative decoding samples the target alone: give it a program without "
                              "power, constraints or rewards")

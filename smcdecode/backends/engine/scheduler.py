@@ -124,14 +124,18 @@ class Scheduler:
         self.table = PageTable(B, -(-max_context // PS) + 1, engine.num_pages, PS)
         self.cap = self.table.table.shape[1] * PS
         with_rewards = any(t.rewards for t in self.programs)
+        # NOTE: a scheduler that never drafts (K = 0 and no schedule: autoregressive sampling) leaves
+        # the draft out of its rounds; one that may draft later feeds it every round (smc.py)
+        self.drafts = engine.draft is not None and (max_block_size > 0 or schedule is not None)
         key = ("smc", slots, max_particles, max_block_size, self.cap, self.eos, resampler, ess_threshold,
-               self.use_graphs, n_slots, id(self.combined.table) if self.combined else None, with_rewards, speculative)
+               self.use_graphs, n_slots, id(self.combined.table) if self.combined else None, with_rewards, speculative,
+               self.drafts)
         rounds = None if eager else engine.graphs.get(key)
         if rounds is None:
             pt = torch.from_numpy(self.table.table).to(dev)
             rounds = Rounds(build_round(engine, slots, max_particles, max_block_size, self.cap, pt, self.automata,
                                          self.eos, self.pad, resampler, ess_threshold,
-                                         self.host if eager else None, speculative))
+                                         self.host if eager else None, speculative, self.drafts))
             if not eager:
                 engine.graphs.put(key, rounds)
         self._rounds = rounds
@@ -218,6 +222,15 @@ class Scheduler:
             e.prefill_rows(e.draft, e.kv_d, b["pt"], heads, [list(req.prompt[:-2]) for _, req in joining])
         for g, req in joining:
             self._settings(g, req)
+        # rows of exact speculative decoding move on by what they accept, which the host learns only
+        # after the round: their pages for the whole output are reserved now (they never fork), so
+        # the rounds need no pages of theirs booked ahead and stay pipelined
+        exact = [g for g, req in joining if req.exact]
+        if exact:
+            rows = self._rows(exact)
+            need = np.repeat([self.t_end[g] + self.Kmax + 2 for g in exact], N)
+            copies = self.table.reserve(rows, need, write_from=self.lens[rows] - 1)
+            e.upload(self.table, b["pt"], copies, rows=rows)
 
     def _settings(self, g: int, req: Request) -> None:
         """The request's rows: shared prompt pages and its settings in the round's buffers."""
@@ -364,8 +377,7 @@ class Scheduler:
                 view[name] = v[:R]
         rnd = Round(view, None, None, keep=list(self.full.keep))
         rnd.propose_code, rnd.finish_code = round_code(self.engine, view, self.automata, self.eos, self.pad,
-                                                         self.resampler, self.tau,
-                                                         self.host)
+                                                         self.resampler, self.tau, self.host, self.drafts)
         if self.use_graphs:
             # NOTE: capturing runs the round once (warm-up); save and restore every buffer around it
             saved = {name: (v.clone() if isinstance(v, Tensor) else [s.clone() for s in v])
@@ -416,8 +428,7 @@ class Scheduler:
         the host has nothing to do inside the round, and every request drafts k tokens (so every
         row's pages for the next round are known before this one ends)."""
         return (self.pipeline and self.host is None and not self.rewards and self.plan is None
-                and (bucket, k) in self._rounds.by_bucket and all(v == k for v in K_now.values())
-                and not any(self.requests[g].exact for g in K_now))
+                and (bucket, k) in self._rounds.by_bucket and all(v == k for v in K_now.values()))
 
     @torch.inference_mode()
     def step(self) -> list[Finished]:
@@ -455,10 +466,12 @@ class Scheduler:
         # is not among them)
         last = self._flights[-1] if self._flights else None
         ahead = {g for g in last.groups if self.requests[g] is last.requests[g]} if last else set()
-        if ahead and all(g in ahead and self.lens[g * self.Nmax] + k + 1 >= self.t_end[g] for g in occupied):
+        if ahead and all(g in ahead and not self.requests[g].exact and self.lens[g * self.Nmax] + k + 1 >= self.t_end[g]
+                         for g in occupied):
             self._drain()  # every request spends its budget in the round in flight
             return self._collect(wait_all=True)
-        book = self._rows([g for g in occupied if g not in ahead])
+        # (rows of exact speculative decoding hold their pages from admission on)
+        book = self._rows([g for g in occupied if g not in ahead and not self.requests[g].exact])
         copies = self.table.reserve(book, self.lens[book] + k + 1, write_from=self.lens[book] - 1)
         self.engine.upload(self.table, b["pt"], copies, rows=self._rows(sorted(set(occupied) - ahead))
                            if ahead else None)
@@ -481,6 +494,7 @@ class Scheduler:
         T = self.lens[rows] + np.where(np.isin(rows // self.Nmax, list(ahead)), k + 1, 0) + k + 1  # after it
         demand = 1 + (-(-(T + k + 1) // PS)) + (T // -PS)  # a copy + the columns it opens
         demand[T >= self.t_end[rows // self.Nmax]] = 0  # (its budget spent: no round after it)
+        demand[np.isin(rows // self.Nmax, [g for g in occupied if self.requests[g].exact])] = 0  # (reserved)
         fresh = np.zeros((self.slots * self.Nmax, F), dtype=np.int64)
         try:
             pages = self.table.hold(int(demand.sum())) if demand.any() else np.zeros(0, dtype=np.int64)
@@ -555,8 +569,9 @@ class Scheduler:
         self.table.advance(live, T[live])
         if f.held is not None:  # mirror the pages the round's graph placed; return the unused ones
             k = f.k
-            if len(live):
-                self.table.reserve(live, T[live] + k + 1, write_from=T[live] - 1, held=f.held[live])
+            booked = self._rows([g for g in groups if not finished[g].all() and not f.requests[g].exact])
+            if len(booked):
+                self.table.reserve(booked, T[booked] + k + 1, write_from=T[booked] - 1, held=f.held[booked])
             out = self._rows(gone)
             self.table.unhold(f.held[self._rows(gone + stale)].reshape(-1))
             nxt = self._flights[0].held if self._flights else None

@@ -20,7 +20,8 @@ One round, per row with history h (DESIGN.md §2):
 Rows of exact speculative decoding (``exact``, a scheduler built with ``speculative=True``) share the
 round: their drafts and target pass are the same, then they keep the leading drafts accepted with
 probability min(1, p/q) and draw one token from (p − q)+ at the first rejection (or the bonus when
-every draft was accepted), with weight 0, and move on by what they kept + 1.
+every draft was accepted), with weight 0, and move on by what they kept + 1 (until they finish).
+The rows of one such request are independent samples: never resampled.
 
 Each row's K_row ∈ {0..k} is a buffer, so a schedule (``samplers/adaptive.py``) can change it between
 rounds without a new capture: the round drafts k tokens for every row anyway, so the draft
@@ -82,7 +83,7 @@ def host_terms(b: dict, rewards: list, hosted, longest_new: int) -> None:
 
 
 def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resampler, tau, host,
-                speculative: bool = False) -> Round:
+                speculative: bool = False, drafts: bool = True) -> Round:
     dev = engine.device
     B = G * Nmax
 
@@ -114,17 +115,19 @@ def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resamp
     if speculative:  # rows of exact speculative decoding need the draft's logits at the first rejection
         b["draft_logits"] = torch.zeros(B, Kmax, engine.draft.cfg.vocab_size, dtype=engine.dtype, device=dev)
     rnd = Round(b, None, None, keep=[t for a in automata for t in (a.table, a.classes, a.accepting)])
-    rnd.propose_code, rnd.finish_code = round_code(engine, b, automata, eos, pad, resampler, tau, host)
+    rnd.propose_code, rnd.finish_code = round_code(engine, b, automata, eos, pad, resampler, tau, host, drafts)
     return rnd
 
 
-def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, tau: float, host=None):
+def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, tau: float, host=None,
+               drafts: bool = True):
     """(propose, finish) over the static buffers ``b``; ``host`` (a ``host_masks.HostMasks``) gives the host masks of
-    draft step i (i = K_max: the bonus) in the eager host-mask path."""
+    draft step i (i = K_max: the bonus) in the eager host-mask path; ``drafts`` False leaves the draft
+    model out (a loop that never drafts: autoregressive sampling)."""
     G, Nmax = b["W"].shape
     B, Kmax = b["drafts"].shape
     ar, PS = b["ar"], engine.page_size
-    draft, fused = engine.draft, engine.config.triton
+    draft, fused = (engine.draft if drafts else None), engine.config.triton
     rows = torch.arange(B, device=b["ar"].device)
     pair = torch.arange(2, device=b["ar"].device)  # (the draft's first forward: positions T−1, T, whatever K_max)
     tokens, n_gen, finished, log_w = b["tokens"], b["n_gen"], b["finished"], b["log_w"]
@@ -223,7 +226,8 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
             has_bonus = has_bonus & ~exact
             nxt, used = torch.where(exact, c, bonus), torch.where(exact, n_acc, K_row)
             # (positions these rows move on: what they kept + 1; the others K_row + 1)
-            b["advance"].copy_(torch.where(exact, torch.where(b["valid"], n_acc + 1, 0), K_row + 1))
+            # (an exact row stops where it finished: its pages were reserved for its own output only)
+            b["advance"].copy_(torch.where(exact, torch.where(b["valid"] & active, n_acc + 1, 0), K_row + 1))
             b["accepted"].add_(torch.where(active & exact, torch.minimum(n_acc, sd_new), 0))
         block = torch.where((ar[None] < n_new[:, None]) & active[:, None], block, pad)
         tokens.scatter_(1, n_gen[:, None] + ar, block)
@@ -254,7 +258,9 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         finished.copy_(finished | torch.isneginf(lw))
         b["host_incr"].zero_()
         live = (~finished).view(G, Nmax).any(1)
-        A, do, W, ess, log_Z_incr, lw = steps.resample(lw.view(G, Nmax), tau, resampler, n=b["n"], live=live)
+        # (rows of exact speculative decoding are independent samples: never resampled)
+        chains = live if exact is None else live & ~exact.view(G, Nmax)[:, 0]
+        A, do, W, ess, log_Z_incr, lw = steps.resample(lw.view(G, Nmax), tau, resampler, n=b["n"], live=chains)
         idx = (A + b["group_base"]).flatten()
         b["log_Z"].add_(log_Z_incr)
         log_w.copy_(lw.flatten())

@@ -29,6 +29,7 @@ import math
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -187,14 +188,20 @@ def main() -> None:
            "runs": [], "skipped": []}
 
     for pair in pairs:
-        if pair == "smollm2":
-            made, temps = smollm2_pair(args, device, dtype), {
-                "target_temperature": args.temperature, "draft_temperature": args.draft_temperature}
-        else:
-            made, temps = random_pair(args, device, dtype, self_draft=pair == "self"), {}
-        name, engine, prompts, out_len = made
-        pair_runs(name, engine, prompts, out_len, args, res, requests, temps, deadline)
-        del engine, made
+        made = None
+        try:  # a pair that fails is recorded and the next one still runs
+            if pair == "smollm2":
+                made, temps = smollm2_pair(args, device, dtype), {
+                    "target_temperature": args.temperature, "draft_temperature": args.draft_temperature}
+            else:
+                made, temps = random_pair(args, device, dtype, self_draft=pair == "self"), {}
+            name, engine, prompts, out_len = made
+            pair_runs(name, engine, prompts, out_len, args, res, requests, temps, deadline)
+        except Exception:  # noqa: BLE001 - any failure of one pair is reported in the JSON
+            res.setdefault("errors", []).append(f"{pair}: {traceback.format_exc()[-2000:]}")
+            write(res, args.out)
+            print(f"{pair} failed:\n{traceback.format_exc()}", flush=True)
+        engine = made = None
         if device == "cuda":
             torch.cuda.empty_cache()
 
@@ -207,6 +214,8 @@ def main() -> None:
               f"{r['vs_fixed']:12.2f} {r['mean_K']:6.2f}")
     for r in res["skipped"]:
         print(f"{r['pair']:30s} {r['system']:28s} {r['requests']:3d}  skipped ({r['why']})")
+    if res.get("errors"):
+        raise SystemExit(f"{len(res['errors'])} pair(s) failed: see 'errors' in {args.out}")
 
 
 if __name__ == "__main__":

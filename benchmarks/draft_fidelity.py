@@ -339,6 +339,12 @@ def main(argv=None) -> int:
         print(markdown(report))
         print(f"{report['prompts_complete']} prompts complete (every method); answers per method: {report['runs']}")
         return 0
+    device = args.device
+    if device.startswith("cuda") and torch.cuda.is_available():
+        device += f" ({torch.cuda.get_device_name()})"
+    header = dict(date=time.strftime("%Y-%m-%d"), device=device,
+                  settings={k: v for k, v in vars(args).items() if k not in ("results_dir", "out")})
+    Path(args.out).write_text(json.dumps(header, indent=2) + "\n")  # kept by --aggregate-only after a cut run
     target = load_model(args.target, device="cpu")  # tokenizer only, for the held-out split
     prompts = heldout_prompts(args, target)
     del target
@@ -358,11 +364,7 @@ def main(argv=None) -> int:
     else:
         worker(0, args, jobs, deadline)
     report = aggregate(results, args.particles)
-    device = args.device
-    if device.startswith("cuda") and torch.cuda.is_available():
-        device += f" ({torch.cuda.get_device_name()})"
-    report.update(date=time.strftime("%Y-%m-%d"), device=device, seconds=round(time.time() - start, 1),
-                  settings={k: v for k, v in vars(args).items() if k not in ("results_dir", "out")})
+    report.update(header, seconds=round(time.time() - start, 1))
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(markdown(report))
     print(f"{report['prompts_complete']} of {len(jobs)} prompts complete (every method) in {report['seconds']:.0f} s; "

@@ -108,7 +108,8 @@ def random_pair(args, device, dtype, self_draft: bool):
         big, small, vocab, prompt_len = PRESETS["llama-3.1-8b"], PRESETS["llama-3.2-1b"], 128000, 256
     size = "tiny" if args.tiny else ("1B" if self_draft else "8B/1B")
     if self_draft:
-        target = draft = Llama.random(small, dtype=dtype, device=device, seed=2)
+        target = Llama.random(small, dtype=dtype, device=device, seed=2)
+        draft = Llama.random(small, dtype=dtype, device=device, seed=2)  # the same weights, its own module
         name = f"random {size}, draft = itself"
     else:
         target = Llama.random(big, dtype=dtype, device=device, seed=1)

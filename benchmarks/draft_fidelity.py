@@ -267,8 +267,9 @@ def aggregate(results_dir: Path, particles: int) -> dict:
 def markdown(report: dict) -> str:
     lines = [
         "| method | prompts | mean log p (T=1) ± 95% CI | Δ vs target [95% CI] | rel. Δ | mean log p_T (T=0.7) | "
-        "Δ vs target [95% CI] | distinct-2 | mean ESS / round | rounds ESS ≥ N/2 | resample rate | SD acceptance |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "Δ vs target [95% CI] | distinct-2 | mean ESS / round | rounds ESS ≥ N/2 | resample rate | mean K | SD acceptance | "
+        "tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m, e in report["methods"].items():
         a, b = e["ll_t1"], e["ll_t"]
@@ -284,9 +285,10 @@ def markdown(report: dict) -> str:
         half = f"{100 * e['frac_rounds_ess_ge_half']:.0f}%" if "frac_rounds_ess_ge_half" in e else "—"
         rr = f"{e['resample_rate']:.2f}" if "resample_rate" in e else "—"
         acc = f"{e['acceptance_rate']:.3f}" if "acceptance_rate" in e else "—"
+        mean_k = f"{e['mean_K']:.2f}" if "mean_K" in e else "—"
         lines.append(f"| {m} | {e['prompts']} | {a['mean']:.3f} ± {a['ci95']:.3f} | {delta(a)} | {rel} | "
                      f"{b['mean']:.3f} ± {b['ci95']:.3f} | {delta(b)} | {e.get('distinct2', math.nan):.2f} | {ess} | "
-                     f"{half} | {rr} | {acc} |")
+                     f"{half} | {rr} | {mean_k} | {acc} | {e['tokens_per_second']:.1f} |")
     return "\n".join(lines)
 
 
@@ -294,7 +296,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2")
     p.add_argument("--draft", default="default", help="a draft directory, or 'default' (the shipped draft)")
-    p.add_argument("--prompts", nargs="+", required=True, help="the prompt files given to smcdecode.distill")
+    p.add_argument("--prompts", nargs="+", help="the prompt files given to smcdecode.distill (not needed with "
+                   "--aggregate-only)")
     p.add_argument("--holdout", type=int, default=200, help="as given to smcdecode.distill")
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="as given to smcdecode.distill")
     p.add_argument("--seed", type=int, default=0, help="as given to smcdecode.distill (also seeds the runs)")
@@ -317,6 +320,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="fidelity.json")
     p.add_argument("--aggregate-only", action="store_true", help="only pool the runs already in --results-dir")
     args = p.parse_args(argv)
+    if not args.prompts and not args.aggregate_only:
+        p.error("--prompts is required (the prompt files given to smcdecode.distill)")
 
     start = time.time()
     deadline = start + args.budget if args.budget else math.inf
@@ -332,7 +337,14 @@ def main(argv=None) -> int:
         report.update({k: old[k] for k in ("date", "device", "seconds", "settings") if k in old})
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         print(markdown(report))
+        print(f"{report['prompts_complete']} prompts complete (every method); answers per method: {report['runs']}")
         return 0
+    device = args.device
+    if device.startswith("cuda") and torch.cuda.is_available():
+        device += f" ({torch.cuda.get_device_name()})"
+    header = dict(date=time.strftime("%Y-%m-%d"), device=device,
+                  settings={k: v for k, v in vars(args).items() if k not in ("results_dir", "out")})
+    Path(args.out).write_text(json.dumps(header, indent=2) + "\n")  # kept by --aggregate-only after a cut run
     target = load_model(args.target, device="cpu")  # tokenizer only, for the held-out split
     prompts = heldout_prompts(args, target)
     del target
@@ -352,14 +364,11 @@ def main(argv=None) -> int:
     else:
         worker(0, args, jobs, deadline)
     report = aggregate(results, args.particles)
-    device = args.device
-    if device.startswith("cuda") and torch.cuda.is_available():
-        device += f" ({torch.cuda.get_device_name()})"
-    report.update(date=time.strftime("%Y-%m-%d"), device=device, seconds=round(time.time() - start, 1),
-                  settings={k: v for k, v in vars(args).items() if k not in ("results_dir", "out")})
+    report.update(header, seconds=round(time.time() - start, 1))
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(markdown(report))
-    print(f"{report['prompts_complete']} prompts complete in {report['seconds']:.0f} s", flush=True)
+    print(f"{report['prompts_complete']} of {len(jobs)} prompts complete (every method) in {report['seconds']:.0f} s; "
+          f"answers per method: {report['runs']}", flush=True)
     return 0
 
 

@@ -46,7 +46,7 @@ import datetime
 import json
 import math
 import os
-import signal
+import random
 import subprocess
 import sys
 import time
@@ -58,7 +58,7 @@ EVAL = ROOT.parent / "shared" / "data" / "eval"
 SUBSETS = ("Github_trivial", "Github_easy", "Glaiveai2K")
 METHODS = ("smc", "masked", "unconstrained")
 USER = "Generate one realistic example object for this schema."
-REQUESTS = {"smc": 32, "masked": 256, "unconstrained": 256}  # requests per engine call
+REQUESTS = {"smc": 64, "masked": 256, "unconstrained": 256}  # requests per engine call
 SUMMARY = ROOT / "benchmarks" / "results" / "structured_quality.json"
 
 
@@ -132,51 +132,6 @@ def check_document(validator, text: str | None) -> tuple[bool, bool, str]:
         where = "/".join(str(p) for p in errors[0].absolute_path) or "(root)"
         return True, False, f"at {where}: {errors[0].message}"[:200]
     return True, True, ""
-
-
-class _Timeout(Exception):
-    """A schema's compile ran past --compile-timeout."""
-
-
-def _alarm(signum, frame):
-    raise _Timeout
-
-
-def compile_constraint(schema, model, timeout: float, threads: int | None):
-    """(bound JSONSchema or None, info): path "auto" as generate_json compiles it; an automaton compile
-    past ``timeout`` seconds runs on llguidance instead; a schema neither path takes gives None and
-    the reason."""
-    from smcdecode.errors import SMCDecodeError
-    from smcdecode.potentials.json_schema import JSONSchema
-
-    t0 = time.perf_counter()
-    info = {"compiled": False, "path": None}
-    old = signal.signal(signal.SIGALRM, _alarm)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, timeout)
-        try:
-            c = JSONSchema(schema, extra_properties=False, threads=threads)
-            info["path"], info["reason"] = c.path, c.path_reason
-            c = c.bind(model)
-        except _Timeout:
-            if info["path"] != "automaton":
-                raise
-            signal.setitimer(signal.ITIMER_REAL, timeout)
-            info["reason"] = f"automaton compile over {timeout:g} s: llguidance"
-            c = JSONSchema(schema, extra_properties=False, threads=threads, path="llguidance").bind(model)
-            info["path"] = "llguidance"
-        info["compiled"] = True
-    except _Timeout:
-        c, info["path"], info["reason"] = None, None, f"compile over {timeout:g} s"
-    except SMCDecodeError as e:
-        c, info["path"], info["reason"] = None, None, str(e)[:400]
-    except Exception as e:  # noqa: BLE001 - every failure is a row, never a crash
-        c, info["path"], info["reason"] = None, None, f"{type(e).__name__}: {e}"[:400]
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-    info["compile_s"] = time.perf_counter() - t0
-    return c, info
 
 
 # -- models, prompts, scoring ------------------------------------------------------------------------
@@ -285,6 +240,7 @@ class Runner:
         self.engine = None
         self.scorer = None
         self.constraints: dict[int, tuple] = {}
+        self.pool = None
 
     def build_engine(self, plans: dict[str, list[list[dict]]]) -> None:
         from smcdecode.backends.engine import Engine
@@ -298,9 +254,10 @@ class Runner:
                              max_context=longest + a.max_new_tokens + a.block_size + 2 + PS)
 
     def constraint(self, it: dict):
+        """(bound constraint or None, info) of ``it``'s schema, from the compile pool."""
         if it["k"] not in self.constraints:
-            threads = max(1, (os.cpu_count() or 1) // self.args.workers)
-            self.constraints[it["k"]] = compile_constraint(it["schema"], self.model, self.args.compile_timeout, threads)
+            wait = 4 * self.args.compile_timeout + 120  # one compile is bounded by about 2 x the timeout
+            self.constraints[it["k"]] = self.pool.get(it["k"], self.model, wait)
         return self.constraints[it["k"]]
 
     def run_call(self, method: str, batch: list[dict], seed: int) -> list[dict]:
@@ -378,15 +335,52 @@ def _row_for(it: dict, method: str, info: dict, device: str, why: str) -> dict:
             "invalid_reason": why, "seconds": None, "loglik_per_token": None, "device": device}
 
 
-def run_worker(args, todo: list[tuple[dict, str]], out_fd: int, deadline: float) -> int:
-    """Run ``todo`` (item, method) in this process; rows appended to ``out_fd``. Returns rows written."""
-    import torch
+def plan(todo: list[tuple[dict, str]], methods: list[str], group: int, per_call: dict, prompt_budget: int,
+         order_seed: int) -> list[tuple[str, list[dict], int]]:
+    """(method, call, group index) in run order. The schemas go in one fixed shuffled order (every
+    subset spread over the run), cut into groups of ``group``; each group runs every method's calls
+    before the next group starts, so a run stopped by --time-limit leaves the methods on (nearly) the
+    same schemas, a uniform sample of the three subsets."""
+    ks = sorted({it["k"] for it, _ in todo})
+    random.Random(order_seed).shuffle(ks)
+    rank = {k: i for i, k in enumerate(ks)}
+    out = []
+    for m_index, m in enumerate(methods):
+        for it, mm in todo:
+            if mm == m:
+                out.append((rank[it["k"]] // group, m_index, it))
+    steps = []
+    for g in sorted({g for g, _, _ in out}):
+        for m_index, m in enumerate(methods):
+            mine = [it for gg, mi, it in out if gg == g and mi == m_index]
+            steps += [(m, b, g) for b in calls(mine, per_call[m], prompt_budget)]
+    return steps
 
-    from smcdecode.potentials.json_schema import check_schema, schema_dict
+
+def run_worker(args, todo: list[tuple[dict, str]], out_fd: int, deadline: float) -> int:
+    """Run ``todo`` (item, method) in this process, compiling in a pool ahead of the engine calls; rows
+    appended to ``out_fd``. Returns rows written."""
+    import torch
+    from quality_compile import CompilePool
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.workers))
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // args.workers))
     runner = Runner(args, device)
+    procs = args.compile_procs or max(1, (cores - args.workers) // args.workers)
+    if any(m != "unconstrained" for _, m in todo):
+        runner.pool = CompilePool(procs, args.smollm2_gguf or "smollm2", args.compile_timeout,
+                                  max(1, cores // args.workers))
+    try:
+        return _run(args, runner, todo, out_fd, deadline)
+    finally:
+        if runner.pool is not None:
+            runner.pool.close()
+
+
+def _run(args, runner, todo, out_fd: int, deadline: float) -> int:
+    from smcdecode.potentials.json_schema import check_schema, schema_dict
+
     written = 0
 
     def emit(rows):
@@ -411,37 +405,44 @@ def run_worker(args, todo: list[tuple[dict, str]], out_fd: int, deadline: float)
             except Exception:  # noqa: BLE001 - the schema does not validate: no output can
                 it["validator"] = None
             items[it["k"]] = it
-    plans, too_long = {}, []
-    for m in METHODS:
-        mine = [it for it, mm in todo if mm == m]
-        fits = [it for it in mine if len(it["ids"]) + args.max_new_tokens + args.block_size + 2 <= limit_ctx]
-        too_long += [(it, m) for it in mine if it not in fits]
-        if fits:
-            plans[m] = calls(fits, args.requests.get(m, REQUESTS[m]), args.prompt_budget)
-    for it, m in too_long:
-        emit([_row_for(it, m, {"compiled": None, "path": None}, runner.device_name,
-                       f"prompt ({len(it['ids'])} tokens) + output exceed the model's context ({limit_ctx})")])
-    if not plans:
+    fits = [(it, m) for it, m in todo if len(it["ids"]) + args.max_new_tokens + args.block_size + 2 <= limit_ctx]
+    for it, m in todo:
+        if len(it["ids"]) + args.max_new_tokens + args.block_size + 2 > limit_ctx:
+            emit([_row_for(it, m, {"compiled": None, "path": None}, runner.device_name,
+                           f"prompt ({len(it['ids'])} tokens) + output exceed the model's context ({limit_ctx})")])
+    per_call = {m: args.requests.get(m, REQUESTS[m]) for m in METHODS}
+    steps = plan(fits, args.methods, args.group, per_call, args.prompt_budget, args.order_seed)
+    if not steps:
         return written
+    for m, batch, _ in steps:  # compiled in the order the calls take them
+        if m != "unconstrained":
+            for it in batch:
+                runner.pool.submit(it["k"], it["schema"])
+    plans: dict = {}
+    for m, batch, _ in steps:
+        plans.setdefault(m, []).append(batch)
     runner.build_engine(plans)
-    runner.scorer = runner.model.hf.to(device)
-    last = 0.0
-    for m, batches in plans.items():
-        for b_index, batch in enumerate(batches):
-            if time.time() + last > deadline:
-                print(f"time limit: stopping before {m} call {b_index + 1}/{len(batches)}", file=sys.stderr, flush=True)
-                return written
-            t0 = time.time()
-            if m != "unconstrained":
-                failed = [it for it in batch if runner.constraint(it)[0] is None]
-                emit([_row_for(it, m, runner.constraint(it)[1], runner.device_name, "not compiled") for it in failed])
-                batch = [it for it in batch if runner.constraint(it)[0] is not None]
-            if batch:
-                try:
-                    emit(runner.run_call(m, batch, seed=args.seed + 100_003 * METHODS.index(m) + batch[0]["k"]))
-                except Exception:  # noqa: BLE001 - no rows for this call (a later --resume retries it); go on
-                    print(f"{m} call {b_index + 1} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-            last = time.time() - t0
+    runner.scorer = runner.model.hf.to(runner.device)
+    last, group = 0.0, None
+    for s_index, (m, batch, g) in enumerate(steps):
+        if time.time() + last > deadline:
+            print(f"time limit: stopping before call {s_index + 1}/{len(steps)} (group {g})", file=sys.stderr,
+                  flush=True)
+            break
+        if g != group:  # the constraints of the groups done are not needed again
+            runner.constraints = {k: v for k, v in runner.constraints.items() if k in {it["k"] for it in batch}}
+            group = g
+        t0 = time.time()
+        if m != "unconstrained":
+            failed = [it for it in batch if runner.constraint(it)[0] is None]
+            emit([_row_for(it, m, runner.constraint(it)[1], runner.device_name, "not compiled") for it in failed])
+            batch = [it for it in batch if runner.constraint(it)[0] is not None]
+        if batch:
+            try:
+                emit(runner.run_call(m, batch, seed=args.seed + 100_003 * METHODS.index(m) + batch[0]["k"]))
+            except Exception:  # noqa: BLE001 - no rows for this call (a later --resume retries it); go on
+                print(f"{m} call {s_index + 1} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        last = time.time() - t0
     if bar is not None:
         bar.close()
     return written
@@ -487,10 +488,28 @@ def _quantile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else math.nan
 
 
-def summarise(rows: list[dict]) -> dict:
-    """Per subset (and "all") and method: schemas, compiled, valid, log-likelihood, seconds."""
+def coverage(last: dict, totals: dict[str, int] | None) -> tuple[dict, set]:
+    """(schemas done per method and subset out of the subset's total, the (subset, id) every method
+    present has a row for)."""
+    methods = sorted({m for _, _, m in last}, key=METHODS.index)
+    done = {m: {(s, i) for s, i, mm in last if mm == m} for m in methods}
+    common = set.intersection(*done.values()) if done else set()
+    cov = {"methods": {m: {s: sum(ss == s for ss, _ in d) for s in SUBSETS} | {"all": len(d)}
+                       for m, d in done.items()},
+           "all_methods": {s: sum(ss == s for ss, _ in common) for s in SUBSETS} | {"all": len(common)}}
+    if totals is not None:
+        cov["of"] = {**totals, "all": sum(totals.values())}
+    return cov, common
+
+
+def summarise(rows: list[dict], totals: dict[str, int] | None = None) -> dict:
+    """Per subset (and "all") and method: schemas, compiled, valid, log-likelihood, seconds, over the
+    schemas every method has a row for (a partial run compares the methods on the same schemas), and
+    the coverage: schemas done per method out of ``totals`` (schemas per subset)."""
     last = {(r["subset"], r["id"], r["method"]): r for r in rows}  # a row written again replaces the old one
-    out: dict = {"subsets": {}, "not_compiled": {}}
+    cov, common = coverage(last, totals)
+    last = {key: r for key, r in last.items() if key[:2] in common}
+    out: dict = {"coverage": cov, "subsets": {}, "not_compiled": {}}
     for subset in (*SUBSETS, "all"):
         per = {}
         for m in METHODS:
@@ -541,9 +560,19 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def main_summarise(files: list[Path], summary_out: Path) -> None:
+def main_summarise(files: list[Path], summary_out: Path, data: Path) -> None:
     rows = [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
-    summary = summarise(rows)
+    totals = None
+    if all((data / f"jsonschemabench_{s}.jsonl").exists() for s in SUBSETS):
+        totals = {s: len((data / f"jsonschemabench_{s}.jsonl").read_text().splitlines()) for s in SUBSETS}
+    summary = summarise(rows, totals)
+    cov = summary["coverage"]
+    of = cov.get("of", {})
+    print("coverage (schemas with a row, of the subset's schemas):")
+    for m, per in cov["methods"].items():
+        print(f"  {m:14s} " + ", ".join(f"{s} {n}/{of.get(s, '?')}" for s, n in per.items()))
+    print(f"  {'every method':14s} " + ", ".join(f"{s} {n}/{of.get(s, '?')}" for s, n in cov["all_methods"].items()))
+    print("(the table below is over the schemas every method has a row for)\n")
     print(table(summary))
     print("\nnot compiled (SMC and masked rows), by reason:")
     for reason, n in list(summary["not_compiled"].items())[:25]:
@@ -577,12 +606,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--requests", default="", help="requests per engine call, e.g. smc=32,masked=256")
     ap.add_argument("--prompt-budget", type=int, default=65536, help="prompt tokens per engine call, at most")
+    ap.add_argument("--group", type=int, default=256, help="schemas a group: every method runs a group's schemas "
+                    "before the next group starts")
+    ap.add_argument("--order-seed", type=int, default=0, help="the shuffled order the schemas run in")
+    ap.add_argument("--compile-procs", type=int, default=None,
+                    help="compile processes per worker (default: (CPU cores - workers) / workers)")
     ap.add_argument("--compile-timeout", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", dest="progress", action="store_false")
     args = ap.parse_args(argv)
     if args.summarise:
-        main_summarise(args.summarise, args.summary_out)
+        main_summarise(args.summarise, args.summary_out, args.data)
         return
     if args.out is None:
         raise SystemExit("--out FILE.jsonl is required (or --summarise FILES)")
@@ -597,7 +631,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError:
         raise SystemExit(f"--requests must look like smc=32,masked=256, got {args.requests!r}") from None
     for name, v in (("--max-new-tokens", args.max_new_tokens), ("--particles", args.particles),
-                    ("--block-size", args.block_size), *((f"--requests {k}", v) for k, v in args.requests.items())):
+                    ("--block-size", args.block_size), ("--group", args.group), *((f"--requests {k}", v) for k, v in args.requests.items())):
         if v < 1:
             raise SystemExit(f"{name} must be >= 1, got {v}")
     args.methods = methods

@@ -58,7 +58,7 @@ EVAL = ROOT.parent / "shared" / "data" / "eval"
 SUBSETS = ("Github_trivial", "Github_easy", "Glaiveai2K")
 METHODS = ("smc", "masked", "unconstrained")
 USER = "Generate one realistic example object for this schema."
-REQUESTS = {"smc": 64, "masked": 256, "unconstrained": 256}  # requests per engine call
+REQUESTS = {"smc": 128, "masked": 256, "unconstrained": 256}  # requests per engine call
 SUMMARY = ROOT / "benchmarks" / "results" / "structured_quality.json"
 
 
@@ -78,13 +78,20 @@ def load_items(data: Path, limit: int | None) -> list[dict]:
 
 def done_keys(files: list[Path]) -> set:
     """(subset, id, method) of every row already written in ``files``."""
-    keys = set()
+    return {(r["subset"], r["id"], r["method"]) for r in read_rows(files)}
+
+
+def read_rows(files: list[Path]) -> list[dict]:
+    """The rows of JSONL ``files``; a line cut short (a run killed while writing it) is left out."""
+    rows = []
     for f in files:
         for line in f.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                keys.add((r["subset"], r["id"], r["method"]))
-    return keys
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                if line.strip():
+                    print(f"{f}: left out a line that is not JSON ({line[:60]!r}...)", file=sys.stderr)
+    return rows
 
 
 def parse_fraction(text: str, name: str) -> tuple[int, int]:
@@ -423,9 +430,9 @@ def _run(args, runner, todo, out_fd: int, deadline: float) -> int:
         plans.setdefault(m, []).append(batch)
     runner.build_engine(plans)
     runner.scorer = runner.model.hf.to(runner.device)
-    last, group = 0.0, None
+    last, group = dict.fromkeys(METHODS, 0.0), None  # the last call's seconds, per method
     for s_index, (m, batch, g) in enumerate(steps):
-        if time.time() + last > deadline:
+        if time.time() + last[m] > deadline:
             print(f"time limit: stopping before call {s_index + 1}/{len(steps)} (group {g})", file=sys.stderr,
                   flush=True)
             break
@@ -442,7 +449,7 @@ def _run(args, runner, todo, out_fd: int, deadline: float) -> int:
                 emit(runner.run_call(m, batch, seed=args.seed + 100_003 * METHODS.index(m) + batch[0]["k"]))
             except Exception:  # noqa: BLE001 - no rows for this call (a later --resume retries it); go on
                 print(f"{m} call {s_index + 1} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        last = time.time() - t0
+        last[m] = time.time() - t0
     if bar is not None:
         bar.close()
     return written
@@ -561,7 +568,7 @@ def table(summary: dict) -> str:
 
 
 def main_summarise(files: list[Path], summary_out: Path, data: Path) -> None:
-    rows = [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
+    rows = read_rows(files)
     totals = None
     if all((data / f"jsonschemabench_{s}.jsonl").exists() for s in SUBSETS):
         totals = {s: len((data / f"jsonschemabench_{s}.jsonl").read_text().splitlines()) for s in SUBSETS}

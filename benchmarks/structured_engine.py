@@ -230,6 +230,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny random models on the CPU (checks the script)")
     ap.add_argument("--smollm2-gguf", default=None, help="SmolLM2-135M-Instruct GGUF: also run the real pair")
+    ap.add_argument("--models", default="random,smollm2",
+                    help="which pairs: random (8B/1B shapes), smollm2 (needs --smollm2-gguf), comma-separated")
     ap.add_argument("--schema", type=Path, default=None, help="a JSON Schema file (default: a small object schema)")
     ap.add_argument("--particles", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=8)
@@ -240,6 +242,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/structured_engine.json"))
     args = ap.parse_args()
     args.requests = [int(g) for g in args.requests.split(",")]
+    args.models = [m for m in args.models.split(",") if m]
+    if not args.models or set(args.models) - {"random", "smollm2"}:
+        raise SystemExit(f"--models takes random and/or smollm2, got {','.join(args.models)!r}")
+    if args.models == ["smollm2"] and not args.smollm2_gguf:
+        raise SystemExit("--models smollm2 needs --smollm2-gguf PATH")
     if args.tiny:
         args.particles, args.block_size, args.max_new_tokens = min(args.particles, 2), min(args.block_size, 2), \
             min(args.max_new_tokens, 96)
@@ -253,7 +260,9 @@ def main() -> None:
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "schema": schema,
            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "rows": [],
            "errors": []}
-    loaders = [random_models] + ([smollm2_models] if args.smollm2_gguf else [])
+    loaders = ([random_models] if "random" in args.models else []) + \
+        ([smollm2_models] if args.smollm2_gguf and "smollm2" in args.models else [])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for load in loaders:
         try:
             name, target, draft, model, prompts, eos = load(args, device, dtype)
@@ -267,7 +276,7 @@ def main() -> None:
             print(res["errors"][-1], flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=1))  # after each model: a run cut later keeps these rows
     args.out.write_text(json.dumps(res, indent=1))
     print(f"\nwrote {args.out}\n")
     print("| model | requests | path | plain tok/s | constrained tok/s | % of plain | valid |")

@@ -19,22 +19,28 @@ seconds per output (the engine call's wall time over its requests: many requests
                     resampling (each token from p_T·1[valid], renormalised)
     unconstrained   the engine's autoregressive sampling from p_T, the same prompt, no constraint
 
-Work is split into engine calls of many requests (--requests, per method), each request its own schema
-(the request loop takes one constraint per request); schemas are compiled right before their call (a
-per-schema --compile-timeout: an automaton compile past it runs on llguidance; a schema nothing compiles
-gets a row saying why), and rows are appended to --out as calls finish, so a later run continues with
---resume. --workers W runs W processes, each with its own engine on the same GPU and 1/W of the schemas
-(compiling is CPU work: the processes compile in parallel). --time-limit stops starting calls in time.
+Order: the schemas run in one fixed shuffled order (--order-seed), cut into groups of --group; every
+method runs a group's schemas before the next group starts, so a run stopped by --time-limit leaves the
+methods on (nearly) the same schemas, a uniform sample of the three subsets. Within a group each method's
+schemas are cut into engine calls of many requests (--requests), each request its own schema (the
+request loop takes one constraint per request). Schemas are compiled in a pool of processes
+(``quality_compile.py``, --compile-procs) in the order the calls take them, ahead of the engine, with a
+per-schema --compile-timeout (an automaton compile past it runs on llguidance; a schema nothing compiles
+gets a row saying why). Rows are appended to --out as calls finish (one write a row), so a later run
+continues with --resume. --workers W runs W processes, each with its own engine on the same GPU, its own
+compile pool and 1/W of the schemas. --time-limit stops starting calls in time (counted from the start,
+model loading included).
 
-    # GPU box (16 CPU cores), one method a call, continued with --resume if the limit stopped it:
-    python benchmarks/structured_quality.py --smollm2-gguf ~/smollm2/model.gguf --methods smc \\
-        --workers 8 --time-limit 500 --out ~/sq/quality.jsonl [--resume ~/sq/quality.jsonl]
-    python benchmarks/structured_quality.py --summarise quality.jsonl     # the table, and the JSON
+    # GPU box (16 CPU cores): everything, stopped at the limit, continued with --resume
+    python benchmarks/structured_quality.py --smollm2-gguf ~/smollm2/model.gguf --data .carry/eval \\
+        --workers 2 --time-limit 300 --out $OUT/quality.jsonl [--resume $OUT/quality.jsonl]
+    python benchmarks/structured_quality.py --summarise quality.jsonl --summary-out $OUT/summary.json
     # CPU check: a few schemas, short outputs
     python benchmarks/structured_quality.py --device cpu --limit 3 --max-new-tokens 24 --particles 2 \\
         --block-size 2 --out /tmp/q.jsonl
 
---summarise FILES prints, per subset and method: schemas, compiled (automaton + llguidance), valid % (of
+--summarise FILES prints the coverage (schemas with a row per method, of each subset's schemas in --data)
+and, over the schemas every method has a row for, per subset and method: schemas, compiled (automaton + llguidance), valid % (of
 all schemas; of those compiled), parses %, mean log-likelihood per token, seconds per output (mean, p50,
 p99), and writes --summary-out (default benchmarks/results/structured_quality.json).
 """
@@ -42,23 +48,22 @@ p99), and writes --summary-out (default benchmarks/results/structured_quality.js
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import signal
+import random
 import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 
+from quality_summary import METHODS, SUBSETS, main_summarise, read_rows
+
 ROOT = Path(__file__).resolve().parents[1]
 EVAL = ROOT.parent / "shared" / "data" / "eval"
-SUBSETS = ("Github_trivial", "Github_easy", "Glaiveai2K")
-METHODS = ("smc", "masked", "unconstrained")
 USER = "Generate one realistic example object for this schema."
-REQUESTS = {"smc": 32, "masked": 256, "unconstrained": 256}  # requests per engine call
+REQUESTS = {"smc": 128, "masked": 256, "unconstrained": 256}  # requests per engine call
 SUMMARY = ROOT / "benchmarks" / "results" / "structured_quality.json"
 
 
@@ -78,13 +83,7 @@ def load_items(data: Path, limit: int | None) -> list[dict]:
 
 def done_keys(files: list[Path]) -> set:
     """(subset, id, method) of every row already written in ``files``."""
-    keys = set()
-    for f in files:
-        for line in f.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                keys.add((r["subset"], r["id"], r["method"]))
-    return keys
+    return {(r["subset"], r["id"], r["method"]) for r in read_rows(files)}
 
 
 def parse_fraction(text: str, name: str) -> tuple[int, int]:
@@ -132,51 +131,6 @@ def check_document(validator, text: str | None) -> tuple[bool, bool, str]:
         where = "/".join(str(p) for p in errors[0].absolute_path) or "(root)"
         return True, False, f"at {where}: {errors[0].message}"[:200]
     return True, True, ""
-
-
-class _Timeout(Exception):
-    """A schema's compile ran past --compile-timeout."""
-
-
-def _alarm(signum, frame):
-    raise _Timeout
-
-
-def compile_constraint(schema, model, timeout: float, threads: int | None):
-    """(bound JSONSchema or None, info): path "auto" as generate_json compiles it; an automaton compile
-    past ``timeout`` seconds runs on llguidance instead; a schema neither path takes gives None and
-    the reason."""
-    from smcdecode.errors import SMCDecodeError
-    from smcdecode.potentials.json_schema import JSONSchema
-
-    t0 = time.perf_counter()
-    info = {"compiled": False, "path": None}
-    old = signal.signal(signal.SIGALRM, _alarm)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, timeout)
-        try:
-            c = JSONSchema(schema, extra_properties=False, threads=threads)
-            info["path"], info["reason"] = c.path, c.path_reason
-            c = c.bind(model)
-        except _Timeout:
-            if info["path"] != "automaton":
-                raise
-            signal.setitimer(signal.ITIMER_REAL, timeout)
-            info["reason"] = f"automaton compile over {timeout:g} s: llguidance"
-            c = JSONSchema(schema, extra_properties=False, threads=threads, path="llguidance").bind(model)
-            info["path"] = "llguidance"
-        info["compiled"] = True
-    except _Timeout:
-        c, info["path"], info["reason"] = None, None, f"compile over {timeout:g} s"
-    except SMCDecodeError as e:
-        c, info["path"], info["reason"] = None, None, str(e)[:400]
-    except Exception as e:  # noqa: BLE001 - every failure is a row, never a crash
-        c, info["path"], info["reason"] = None, None, f"{type(e).__name__}: {e}"[:400]
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-    info["compile_s"] = time.perf_counter() - t0
-    return c, info
 
 
 # -- models, prompts, scoring ------------------------------------------------------------------------
@@ -285,6 +239,7 @@ class Runner:
         self.engine = None
         self.scorer = None
         self.constraints: dict[int, tuple] = {}
+        self.pool = None
 
     def build_engine(self, plans: dict[str, list[list[dict]]]) -> None:
         from smcdecode.backends.engine import Engine
@@ -298,9 +253,10 @@ class Runner:
                              max_context=longest + a.max_new_tokens + a.block_size + 2 + PS)
 
     def constraint(self, it: dict):
+        """(bound constraint or None, info) of ``it``'s schema, from the compile pool."""
         if it["k"] not in self.constraints:
-            threads = max(1, (os.cpu_count() or 1) // self.args.workers)
-            self.constraints[it["k"]] = compile_constraint(it["schema"], self.model, self.args.compile_timeout, threads)
+            wait = 4 * self.args.compile_timeout + 120  # one compile is bounded by about 2 x the timeout
+            self.constraints[it["k"]] = self.pool.get(it["k"], self.model, wait)
         return self.constraints[it["k"]]
 
     def run_call(self, method: str, batch: list[dict], seed: int) -> list[dict]:
@@ -378,15 +334,52 @@ def _row_for(it: dict, method: str, info: dict, device: str, why: str) -> dict:
             "invalid_reason": why, "seconds": None, "loglik_per_token": None, "device": device}
 
 
-def run_worker(args, todo: list[tuple[dict, str]], out_fd: int, deadline: float) -> int:
-    """Run ``todo`` (item, method) in this process; rows appended to ``out_fd``. Returns rows written."""
-    import torch
+def plan(todo: list[tuple[dict, str]], methods: list[str], group: int, per_call: dict, prompt_budget: int,
+         order_seed: int) -> list[tuple[str, list[dict], int]]:
+    """(method, call, group index) in run order. The schemas go in one fixed shuffled order (every
+    subset spread over the run), cut into groups of ``group``; each group runs every method's calls
+    before the next group starts, so a run stopped by --time-limit leaves the methods on (nearly) the
+    same schemas, a uniform sample of the three subsets."""
+    ks = sorted({it["k"] for it, _ in todo})
+    random.Random(order_seed).shuffle(ks)
+    rank = {k: i for i, k in enumerate(ks)}
+    out = []
+    for m_index, m in enumerate(methods):
+        for it, mm in todo:
+            if mm == m:
+                out.append((rank[it["k"]] // group, m_index, it))
+    steps = []
+    for g in sorted({g for g, _, _ in out}):
+        for m_index, m in enumerate(methods):
+            mine = [it for gg, mi, it in out if gg == g and mi == m_index]
+            steps += [(m, b, g) for b in calls(mine, per_call[m], prompt_budget)]
+    return steps
 
-    from smcdecode.potentials.json_schema import check_schema, schema_dict
+
+def run_worker(args, todo: list[tuple[dict, str]], out_fd: int, deadline: float) -> int:
+    """Run ``todo`` (item, method) in this process, compiling in a pool ahead of the engine calls; rows
+    appended to ``out_fd``. Returns rows written."""
+    import torch
+    from quality_compile import CompilePool
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.workers))
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // args.workers))
     runner = Runner(args, device)
+    procs = args.compile_procs or max(1, (cores - args.workers) // args.workers)
+    if any(m != "unconstrained" for _, m in todo):
+        runner.pool = CompilePool(procs, args.smollm2_gguf or "smollm2", args.compile_timeout,
+                                  max(1, cores // args.workers))
+    try:
+        return _run(args, runner, todo, out_fd, deadline)
+    finally:
+        if runner.pool is not None:
+            runner.pool.close()
+
+
+def _run(args, runner, todo, out_fd: int, deadline: float) -> int:
+    from smcdecode.potentials.json_schema import check_schema, schema_dict
+
     written = 0
 
     def emit(rows):
@@ -411,37 +404,44 @@ def run_worker(args, todo: list[tuple[dict, str]], out_fd: int, deadline: float)
             except Exception:  # noqa: BLE001 - the schema does not validate: no output can
                 it["validator"] = None
             items[it["k"]] = it
-    plans, too_long = {}, []
-    for m in METHODS:
-        mine = [it for it, mm in todo if mm == m]
-        fits = [it for it in mine if len(it["ids"]) + args.max_new_tokens + args.block_size + 2 <= limit_ctx]
-        too_long += [(it, m) for it in mine if it not in fits]
-        if fits:
-            plans[m] = calls(fits, args.requests.get(m, REQUESTS[m]), args.prompt_budget)
-    for it, m in too_long:
-        emit([_row_for(it, m, {"compiled": None, "path": None}, runner.device_name,
-                       f"prompt ({len(it['ids'])} tokens) + output exceed the model's context ({limit_ctx})")])
-    if not plans:
+    fits = [(it, m) for it, m in todo if len(it["ids"]) + args.max_new_tokens + args.block_size + 2 <= limit_ctx]
+    for it, m in todo:
+        if len(it["ids"]) + args.max_new_tokens + args.block_size + 2 > limit_ctx:
+            emit([_row_for(it, m, {"compiled": None, "path": None}, runner.device_name,
+                           f"prompt ({len(it['ids'])} tokens) + output exceed the model's context ({limit_ctx})")])
+    per_call = {m: args.requests.get(m, REQUESTS[m]) for m in METHODS}
+    steps = plan(fits, args.methods, args.group, per_call, args.prompt_budget, args.order_seed)
+    if not steps:
         return written
+    for m, batch, _ in steps:  # compiled in the order the calls take them
+        if m != "unconstrained":
+            for it in batch:
+                runner.pool.submit(it["k"], it["schema"])
+    plans: dict = {}
+    for m, batch, _ in steps:
+        plans.setdefault(m, []).append(batch)
     runner.build_engine(plans)
-    runner.scorer = runner.model.hf.to(device)
-    last = 0.0
-    for m, batches in plans.items():
-        for b_index, batch in enumerate(batches):
-            if time.time() + last > deadline:
-                print(f"time limit: stopping before {m} call {b_index + 1}/{len(batches)}", file=sys.stderr, flush=True)
-                return written
-            t0 = time.time()
-            if m != "unconstrained":
-                failed = [it for it in batch if runner.constraint(it)[0] is None]
-                emit([_row_for(it, m, runner.constraint(it)[1], runner.device_name, "not compiled") for it in failed])
-                batch = [it for it in batch if runner.constraint(it)[0] is not None]
-            if batch:
-                try:
-                    emit(runner.run_call(m, batch, seed=args.seed + 100_003 * METHODS.index(m) + batch[0]["k"]))
-                except Exception:  # noqa: BLE001 - no rows for this call (a later --resume retries it); go on
-                    print(f"{m} call {b_index + 1} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-            last = time.time() - t0
+    runner.scorer = runner.model.hf.to(runner.device)
+    last, group = dict.fromkeys(METHODS, 0.0), None  # the last call's seconds, per method
+    for s_index, (m, batch, g) in enumerate(steps):
+        if time.time() + last[m] > deadline:
+            print(f"time limit: stopping before call {s_index + 1}/{len(steps)} (group {g})", file=sys.stderr,
+                  flush=True)
+            break
+        if g != group:  # the constraints of the groups done are not needed again
+            runner.constraints = {k: v for k, v in runner.constraints.items() if k in {it["k"] for it in batch}}
+            group = g
+        t0 = time.time()
+        if m != "unconstrained":
+            failed = [it for it in batch if runner.constraint(it)[0] is None]
+            emit([_row_for(it, m, runner.constraint(it)[1], runner.device_name, "not compiled") for it in failed])
+            batch = [it for it in batch if runner.constraint(it)[0] is not None]
+        if batch:
+            try:
+                emit(runner.run_call(m, batch, seed=args.seed + 100_003 * METHODS.index(m) + batch[0]["k"]))
+            except Exception:  # noqa: BLE001 - no rows for this call (a later --resume retries it); go on
+                print(f"{m} call {s_index + 1} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        last[m] = time.time() - t0
     if bar is not None:
         bar.close()
     return written
@@ -479,81 +479,6 @@ def run_workers(args, argv: list[str], todo_n: int, out: Path, deadline: float) 
     return bad
 
 
-# -- summary -----------------------------------------------------------------------------------------
-
-
-def _quantile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else math.nan
-
-
-def summarise(rows: list[dict]) -> dict:
-    """Per subset (and "all") and method: schemas, compiled, valid, log-likelihood, seconds."""
-    last = {(r["subset"], r["id"], r["method"]): r for r in rows}  # a row written again replaces the old one
-    out: dict = {"subsets": {}, "not_compiled": {}}
-    for subset in (*SUBSETS, "all"):
-        per = {}
-        for m in METHODS:
-            rs = [r for (s, _, mm), r in last.items() if mm == m and subset in ("all", s)]
-            if not rs:
-                continue
-            compiled = [r for r in rs if r.get("compiled")]
-            lls = [r["loglik_per_token"] for r in rs if r.get("loglik_per_token") is not None]
-            secs = [r["seconds"] for r in rs if r.get("seconds") is not None]
-            per[m] = dict(
-                schemas=len(rs), compiled=len(compiled) if m != "unconstrained" else None,
-                automaton=sum(r.get("path") == "automaton" for r in rs),
-                llguidance=sum(r.get("path") == "llguidance" for r in rs),
-                valid=sum(bool(r["valid"]) for r in rs) / len(rs),
-                valid_of_compiled=(sum(bool(r["valid"]) for r in compiled) / len(compiled)) if compiled else None,
-                parses=sum(bool(r["parses"]) for r in rs) / len(rs),
-                no_output=sum(r.get("text") is None for r in rs),
-                loglik_per_token=sum(lls) / len(lls) if lls else None, scored=len(lls),
-                seconds_mean=sum(secs) / len(secs) if secs else None,
-                seconds_p50=_quantile(secs, 0.5) if secs else None, seconds_p99=_quantile(secs, 0.99) if secs else None,
-            )
-        out["subsets"][subset] = per
-    reasons: dict = {}
-    for (_, _, m), r in last.items():
-        if m != "unconstrained" and r.get("compiled") is False:
-            reason = (r.get("reason") or "")[:90]
-            reasons[reason] = reasons.get(reason, 0) + 1
-    out["not_compiled"] = dict(sorted(reasons.items(), key=lambda kv: -kv[1]))
-    out["devices"] = sorted({r.get("device") for r in last.values() if r.get("device")})
-    return out
-
-
-def table(summary: dict) -> str:
-    def pct(x):
-        return "—" if x is None else f"{100 * x:.1f} %"
-
-    def num(x, f="{:.2f}"):
-        return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f.format(x)
-
-    lines = ["| subset | method | schemas | compiled (automaton + llguidance) | valid | valid of compiled | parses "
-             "| log-lik / token | s / output mean (p50 / p99) |", "|---|---|---|---|---|---|---|---|---|"]
-    for subset, per in summary["subsets"].items():
-        for m, s in per.items():
-            comp = "—" if s["compiled"] is None else f"{s['compiled']} ({s['automaton']} + {s['llguidance']})"
-            lines.append(f"| {subset} | {m} | {s['schemas']} | {comp} | {pct(s['valid'])} | {pct(s['valid_of_compiled'])} "
-                         f"| {pct(s['parses'])} | {num(s['loglik_per_token'], '{:.3f}')} | {num(s['seconds_mean'], '{:.3f}')} "
-                         f"({num(s['seconds_p50'], '{:.3f}')} / {num(s['seconds_p99'], '{:.3f}')}) |")
-    return "\n".join(lines)
-
-
-def main_summarise(files: list[Path], summary_out: Path) -> None:
-    rows = [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
-    summary = summarise(rows)
-    print(table(summary))
-    print("\nnot compiled (SMC and masked rows), by reason:")
-    for reason, n in list(summary["not_compiled"].items())[:25]:
-        print(f"  {n:5d}  {reason}")
-    summary_out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"date": datetime.date.today().isoformat(), "rows_from": [str(f) for f in files], "rows": len(rows)}
-    summary_out.write_text(json.dumps({**meta, **summary}, indent=1))
-    print(f"\nwrote {summary_out}")
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -577,12 +502,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--requests", default="", help="requests per engine call, e.g. smc=32,masked=256")
     ap.add_argument("--prompt-budget", type=int, default=65536, help="prompt tokens per engine call, at most")
+    ap.add_argument("--group", type=int, default=256, help="schemas a group: every method runs a group's schemas "
+                    "before the next group starts")
+    ap.add_argument("--order-seed", type=int, default=0, help="the shuffled order the schemas run in")
+    ap.add_argument("--compile-procs", type=int, default=None,
+                    help="compile processes per worker (default: (CPU cores - workers) / workers)")
     ap.add_argument("--compile-timeout", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", dest="progress", action="store_false")
     args = ap.parse_args(argv)
     if args.summarise:
-        main_summarise(args.summarise, args.summary_out)
+        main_summarise(args.summarise, args.summary_out, args.data)
         return
     if args.out is None:
         raise SystemExit("--out FILE.jsonl is required (or --summarise FILES)")
@@ -597,7 +527,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError:
         raise SystemExit(f"--requests must look like smc=32,masked=256, got {args.requests!r}") from None
     for name, v in (("--max-new-tokens", args.max_new_tokens), ("--particles", args.particles),
-                    ("--block-size", args.block_size), *((f"--requests {k}", v) for k, v in args.requests.items())):
+                    ("--block-size", args.block_size), ("--group", args.group), *((f"--requests {k}", v) for k, v in args.requests.items())):
         if v < 1:
             raise SystemExit(f"{name} must be >= 1, got {v}")
     args.methods = methods

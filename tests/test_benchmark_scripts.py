@@ -3,6 +3,7 @@ findings computed from the numbers, and the output files they actually wrote."""
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script(name: str):
+    if str(ROOT / "benchmarks") not in sys.path:  # scripts import their sibling modules, as `python benchmarks/x.py` does
+        sys.path.insert(0, str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -156,14 +159,49 @@ def test_calls_respect_the_request_and_prompt_budgets(sq):
     assert [len(it["ids"]) for b in batches for it in b] == sorted(len(it["ids"]) for it in work)
 
 
-def test_a_schema_that_does_not_compile_is_a_row_not_a_crash(sq):
+def test_a_schema_that_does_not_compile_is_a_row_not_a_crash():
+    qc = _script("quality_compile")
     model = sd.FunctionModel(lambda ctx: None, vocab=["a", "1", "<eos>"], eos="<eos>")
-    c, info = sq.compile_constraint({"type": "integer", "minimum": 0, "maximum": 9}, model, 30.0, None)
+    c, info = qc.compile_constraint({"type": "integer", "minimum": 0, "maximum": 9}, model, 30.0, None)
     assert info["compiled"] and info["path"] == "automaton" and c.token_automaton is not None
-    c, info = sq.compile_constraint({"not": {"type": "string"}}, model, 30.0, None)
+    c, info = qc.compile_constraint({"not": {"type": "string"}}, model, 30.0, None)
     assert c is None and not info["compiled"] and "not" in info["reason"]
-    c, info = sq.compile_constraint({"type": "integer"}, model, 1e-6, None)
+    c, info = qc.compile_constraint({"type": "integer"}, model, 1e-6, None)
     assert c is None and info["reason"] == "compile over 1e-06 s"
+
+
+def test_a_compiled_constraint_crosses_processes_and_masks_the_same():
+    import pickle
+
+    import torch
+
+    qc = _script("quality_compile")
+    model = sd.FunctionModel(lambda ctx: None, vocab=["a", "1", "2", "<eos>"], eos="<eos>")
+    c, info = qc.compile_constraint({"type": "integer", "minimum": 0, "maximum": 29}, model, 30.0, None)
+    assert info["path"] == "automaton"
+    back = qc.restore(pickle.loads(pickle.dumps(qc.portable(c))), model)
+    assert back.model is model and back.path == "automaton"
+    assert torch.equal(back.token_automaton.table, c.token_automaton.table)
+    state = back.start(1)
+    assert torch.equal(back.allowed_bits(state), c.allowed_bits(c.start(1)))
+    assert qc.restore(None, model) is None
+
+
+def test_the_plan_runs_every_method_on_a_group_before_the_next(sq, tmp_path):
+    items = _items(sq, tmp_path)
+    for it in items:
+        it["ids"] = [0] * (2 + it["k"] % 4)
+    todo = sq.pending(items, ["smc", "masked", "unconstrained"], set())
+    steps = sq.plan(todo, ["smc", "masked", "unconstrained"], 4, {"smc": 2, "masked": 8, "unconstrained": 8}, 10**6, 0)
+    groups = [g for _, _, g in steps]
+    assert groups == sorted(groups) and len(set(groups)) == 4
+    for g in set(groups):  # each method gets the same schemas of a group, the methods in order
+        per = {m: sorted(it["k"] for mm, b, gg in steps if gg == g and mm == m for it in b)
+               for m in ("smc", "masked", "unconstrained")}
+        assert per["smc"] == per["masked"] == per["unconstrained"] and len(per["smc"]) in (3, 4)
+        order = [("smc", "masked", "unconstrained").index(m) for m, _, gg in steps if gg == g]
+        assert order == sorted(order)
+    assert sorted(it["k"] for m, b, _ in steps if m == "smc" for it in b) == list(range(15))
 
 
 def test_quality_summary_counts_what_the_rows_say(sq, tmp_path):
@@ -173,7 +211,9 @@ def test_quality_summary_counts_what_the_rows_say(sq, tmp_path):
                 "seconds": s, "device": "test", "reason": "why" if not compiled else "regular"}
     rows = [row("a", "smc", False), row("a", "smc", True, ll=-3.0),  # written again: the later row counts
             row("b", "smc", False, compiled=False, path=None, ll=None, s=None),
-            row("a", "unconstrained", False, compiled=None, path=None, ll=-0.5, s=1.0)]
+            row("a", "unconstrained", False, compiled=None, path=None, ll=-0.5, s=1.0),
+            row("b", "unconstrained", False, compiled=None, path=None, ll=-0.5, s=1.0),
+            row("c", "smc", True)]  # no unconstrained row: left out of the comparison, counted in the coverage
     f = tmp_path / "rows.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "summary.json"
@@ -185,3 +225,6 @@ def test_quality_summary_counts_what_the_rows_say(sq, tmp_path):
     assert s["subsets"]["all"]["unconstrained"]["compiled"] is None
     assert s["not_compiled"] == {"why": 1} and "masked" not in s["subsets"]["all"]
     assert "Github_easy" in s["subsets"] and s["subsets"]["Github_easy"] == {}
+    cov = s["coverage"]
+    assert cov["methods"]["smc"]["all"] == 3 and cov["methods"]["unconstrained"]["all"] == 2
+    assert cov["all_methods"]["Glaiveai2K"] == 2

@@ -4,9 +4,11 @@ their way to the host, and the settings of rows no request holds."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from ...errors import SMCDecodeError
@@ -78,6 +80,19 @@ class Leaving:
     event: object
     step: int
 
+    def finished(self) -> Finished:
+        """The request's outputs, once copied (``host``: tokens, lengths, drafted, log w, accepted, log Z)."""
+        if self.event is not None:
+            self.event.synchronize()
+        req, h, x = self.request, self.history, self.host
+        n, T = req.particles, req.max_new_tokens
+        lw = x[n * T + 2 * n : n * T + 3 * n].clone()
+        return Finished(req, x[: n * T].view(n, T).long(), x[n * T : n * T + n].long(), lw,
+                        float(x[-1] + torch.logsumexp(lw, 0) - math.log(n)), h["ess"], h["resampled"], len(h["ess"]),
+                        h["joined"], drafted=x[n * T + n : n * T + 2 * n].long(), weights=h["weights"],
+                        block_sizes=h["block_sizes"], survivors=h["survivors"],
+                        accepted=x[n * T + 3 * n : n * T + 4 * n].long())
+
 
 def idle_settings(b: dict, rows: slice) -> None:
     """Settings of rows no request holds: the round still runs over them (dead, never chosen), so
@@ -112,3 +127,17 @@ def check_exact(request: Request, program: EngineTarget, speculative: bool) -> N
     if program.alpha != 1.0 or program.constraints or program.rewards:
         raise SMCDecodeError("exact speculative decoding samples the target alone: give it a program without "
                              "power, constraints or rewards")
+
+
+def rows_of(groups, N: int) -> np.ndarray:
+    """The rows of request slots ``groups`` (N rows each)."""
+    return (np.concatenate([np.arange(g * N, (g + 1) * N) for g in groups]) if len(groups)
+            else np.zeros(0, dtype=np.int64))
+
+
+def check_fits(request: Request, extra: int, max_context: int) -> None:
+    """Refuse a prompt shorter than 2 tokens, or one that with ``extra`` positions overflows the context."""
+    need = len(request.prompt) + extra
+    if len(request.prompt) < 2 or need > max_context:
+        raise SMCDecodeError(f"prompt ({len(request.prompt)} tokens) must have at least 2 tokens and, with "
+                             f"max_new_tokens and a block, fit the engine's max_context ({max_context}; needs {need})")

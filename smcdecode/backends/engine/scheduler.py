@@ -26,13 +26,12 @@ the host without waiting for that round (``_collect``).
 A scheduler runs a fixed set of target programs (``target=[...]``; a request names its own in
 ``Request.target``): their automata share one device table, α is per row, rewards are scored per
 program. Constraints whose masks come from the host (llguidance) run the round eagerly
-(host_masks.py). ``Engine.smc_sd`` is this loop with every request submitted at once
-(``batch.run_batch``).
+(host_masks.py). ``Engine.smc_sd`` and ``Engine.speculative`` are this loop with every request
+submitted at once (``batch.py``).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 
@@ -46,7 +45,18 @@ from ...samplers.common import RewardTracker
 from ...samplers.resampling import RESAMPLERS
 from .host_masks import HostMasks, RequestMasks
 from .kv_cache import PageTable
-from .requests import Finished, Flight, Leaving, Request, Rounds, bucket_of, check_exact, idle_settings
+from .requests import (
+    Finished,
+    Flight,
+    Leaving,
+    Request,
+    Rounds,
+    bucket_of,
+    check_exact,
+    check_fits,
+    idle_settings,
+    rows_of,
+)
 from .smc import NEG_INF, Round, build_round, capture_round, host_terms, round_code
 from .targets import CombinedAutomaton, DeviceAutomaton, EngineTarget, Settings
 
@@ -194,11 +204,7 @@ class Scheduler:
         if request.block_size > self.Kmax:
             raise SMCDecodeError(f"block_size ({request.block_size}) exceeds the scheduler's max_block_size "
                                  f"({self.Kmax}): raise max_block_size")
-        need = len(request.prompt) + s.max_new_tokens[0] + self.Kmax + 2
-        if len(request.prompt) < 2 or need > self.max_context:
-            raise SMCDecodeError(f"prompt ({len(request.prompt)} tokens) must have at least 2 tokens and, with "
-                                 f"max_new_tokens and a block, fit the engine's max_context "
-                                 f"({self.max_context}; needs {need})")
+        check_fits(request, s.max_new_tokens[0] + self.Kmax + 2, self.max_context)
         check_exact(request, self._program(request), self.speculative)
         self.queue.append(request)
 
@@ -313,25 +319,13 @@ class Scheduler:
         self.requests[g] = None
 
     def _collect(self, wait_all: bool) -> list[Finished]:
-        """The released requests whose outputs have reached the host: those released in an earlier
-        step (their copies ran right after the round then in flight), or every one."""
+        """The released requests whose outputs reached the host: released in an earlier step, or all."""
         out, left = [], []
         for lv in self._leaving:
             if not (wait_all or lv.step < self._steps):
                 left.append(lv)
                 continue
-            if lv.event is not None:
-                lv.event.synchronize()
-            req, h = lv.request, lv.history
-            n, T = req.particles, req.max_new_tokens
-            x = lv.host
-            lw = x[n * T + 2 * n : n * T + 3 * n].clone()
-            out.append(Finished(req, x[: n * T].view(n, T).long(), x[n * T : n * T + n].long(), lw,
-                                float(x[-1] + torch.logsumexp(lw, 0) - math.log(n)),
-                                h["ess"], h["resampled"], len(h["ess"]), h["joined"],
-                                drafted=x[n * T + n : n * T + 2 * n].long(), weights=h["weights"],
-                                block_sizes=h["block_sizes"], survivors=h["survivors"],
-                                accepted=x[n * T + 3 * n : n * T + 4 * n].long()))
+            out.append(lv.finished())
         self._leaving = left
         return out
 
@@ -419,9 +413,7 @@ class Scheduler:
         return bucket, k, K_now
 
     def _rows(self, groups) -> np.ndarray:
-        N = self.Nmax
-        return (np.concatenate([np.arange(g * N, (g + 1) * N) for g in groups]) if len(groups)
-                else np.zeros(0, dtype=np.int64))
+        return rows_of(groups, self.Nmax)
 
     def _pipelined(self, bucket: int, k: int, K_now: dict) -> bool:
         """Whether this round can be launched before the one in flight is read: its graph exists,

@@ -19,9 +19,10 @@ from .potentials.base import as_target
 from .result import Result
 from .samplers.adaptive import AdaptiveBlocks, FixedBlocks, as_schedule
 from .samplers.autoregressive import autoregressive
+from .samplers.loop import smc_sd
 from .samplers.proposals import as_proposal
 from .samplers.resampling import RESAMPLERS, normalise
-from .samplers.smc_sd import SMCOutput, smc_sd
+from .samplers.smc_sd import SMCOutput
 from .samplers.speculative import speculative
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits

@@ -12,7 +12,7 @@ import torch
 from ..errors import SMCDecodeError
 from . import steps
 from .common import Constraints, dead_rows
-from .smc_sd import CHUNK, SMCOutput, _grow
+from .smc_sd import CHUNK, SMCOutput, grow
 
 
 def autoregressive(
@@ -48,7 +48,7 @@ def autoregressive(
             )
         v, _ = steps.bonus(log_p, 1.0, lm.alpha, mask, generator=generator)  # v ∝ p^α·1[valid]
         if t >= tokens.shape[1]:
-            tokens = _grow(tokens, min(max_new_tokens, 2 * tokens.shape[1]), eos)
+            tokens = grow(tokens, min(max_new_tokens, 2 * tokens.shape[1]), eos)
         tokens[active, t] = v[active]
         lengths[active] += 1
         constraints.states = constraints.advanced(v)

@@ -24,8 +24,10 @@ loop with one request (an adaptive schedule: one request per group, since each r
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +47,9 @@ class Request:
     ``groups`` independent particle systems of ``particles`` each (replicates, sharing the prompt);
     ``schedule`` a FixedBlocks / AdaptiveBlocks or None (``block_size`` every round); ``generator``
     the request's random stream (None: torch's global one); ``progress`` a bar told the tokens of
-    every round; ``id`` any hashable (None: the loop numbers it)."""
+    every round; ``id`` any hashable (None: the loop numbers it); ``scope`` a function returning a
+    context manager the loop enters around the request's prefill and each of its rounds (the server
+    watches the request's runners with it)."""
 
     prompt: list[int]
     target: object
@@ -60,6 +64,7 @@ class Request:
     generator: torch.Generator | None = None
     progress: object = None
     id: object = None
+    scope: Callable[[], contextlib.AbstractContextManager] | None = None
 
 
 @dataclass
@@ -124,12 +129,14 @@ class Loop:
         while self.queue and (self.max_live is None or len(self.live) < self.max_live):
             request = self.queue.popleft()
             try:
-                self.live[request.id] = (SMCRun(request), self.steps)
+                with _scope(request):
+                    self.live[request.id] = (SMCRun(request), self.steps)
             except Exception as e:  # noqa: BLE001 (handed back to the caller with its request)
                 left.append(Finished(request, None, self.steps, self.steps, e))
         for rid, (run, joined) in list(self.live.items()):
             try:
-                run.round()
+                with _scope(run.request):
+                    run.round()
             except Exception as e:  # noqa: BLE001
                 del self.live[rid]
                 left.append(Finished(run.request, None, joined, self.steps, e))
@@ -169,6 +176,10 @@ def smc_sd(target, draft, prompt_ids: list[int], *, groups: int, particles: int,
     if not split:
         return outputs[0]
     return stack([outputs[g] for g in range(groups)], target.lm.model.eos_token_id)
+
+
+def _scope(r: Request) -> contextlib.AbstractContextManager:
+    return r.scope() if r.scope is not None else contextlib.nullcontext()
 
 
 def _check(r: Request) -> None:

@@ -19,7 +19,8 @@ The rounds of different requests run one after another (each on its own runners:
 backend batches over a request's particles, not across prompts); the GPU engine's loop
 (``backends.engine.scheduler``) has the same shape and runs the live requests' rounds as one batch.
 :func:`smc_sd` — what ``SMC.run`` and ``SMC.run_groups`` call on the reference backend — is this
-loop with one request (an adaptive schedule: one request per group, since each request's K is its own).
+loop with one request (an adaptive schedule: one request per group, since each request's K is its own);
+autoregressive sampling (``samplers.autoregressive``) is a program on it (the target as proposal, τ = 0).
 """
 
 from __future__ import annotations

@@ -19,11 +19,10 @@ from .potentials.base import as_target
 from .result import Result
 from .samplers.adaptive import AdaptiveBlocks, FixedBlocks, as_schedule
 from .samplers.autoregressive import autoregressive
-from .samplers.loop import Finished, Request, smc_sd
+from .samplers.loop import Finished, Request, smc_sd, speculative
 from .samplers.proposals import as_proposal
 from .samplers.resampling import RESAMPLERS, normalise
 from .samplers.smc_sd import SMCOutput
-from .samplers.speculative import speculative
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 MAX_PARTICLES = 2**20  # particles (times groups, or samples) in one run: a bound far above any useful run

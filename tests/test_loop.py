@@ -15,7 +15,7 @@ import smcdecode as sd
 from smcdecode.errors import SMCDecodeError
 from smcdecode.samplers.adaptive import AdaptiveBlocks
 from smcdecode.samplers.loop import Loop, Request
-from smcdecode.testing import check_distribution, check_evidence_unbiased, exact_target
+from smcdecode.testing import check_distribution, check_evidence_unbiased, chi_square_pvalue, exact_target
 
 GROUPS = 2000
 MAX_NEW = 4
@@ -66,6 +66,29 @@ def test_requests_joining_and_leaving_each_target_their_own_pi(toy, pattern, see
                          groups=GROUPS, resampler="stratified", ess_threshold=1.0, generator=_generator(seed + 1)))
     (solo,) = alone.run()
     assert _same(solo.output, done["b"].output)
+
+
+@statistical_settings(2)
+@given(toy=toys(), seed=st.integers(0, 2**31 - 1))
+def test_exact_speculative_and_smc_requests_share_the_loop(toy, seed):
+    """An exact speculative decoding request (3,000 sequences, K = 2) joins while an SMC request with
+    the target as proposal runs: its sequences are distributed as p_T (chi-square), the SMC request's
+    Ẑ stays unbiased."""
+    smc = Request(toy.prompt, toy.lm(), None, particles=4, max_new_tokens=toy.max_new_tokens, groups=GROUPS,
+                  generator=_generator(seed), id="smc")
+    exact = Request(toy.prompt, toy.lm(), toy.proposal(), particles=10, block_size=2,
+                    max_new_tokens=toy.max_new_tokens, groups=300, generator=_generator(seed + 1), id="sd", exact=True)
+    loop = Loop()
+    loop.submit(smc)
+    loop.step()
+    loop.submit(exact)
+    done = {f.request.id: f for f in loop.run()}
+    assert done["sd"].joined == 1 and done["smc"].error is None and done["sd"].error is None
+    target = exact_target(toy.lm(), toy.prompt, toy.max_new_tokens)
+    check_evidence_unbiased(done["smc"].output, target.log_Z)
+    out = done["sd"].output
+    assert out.tokens.shape[:2] == (300, 10) and 0 <= out.accepted_tokens <= out.draft_tokens
+    assert chi_square_pvalue(out, target) > 1e-4
 
 
 def _mixed_requests(toy, n: int) -> list[Request]:
@@ -163,5 +186,9 @@ def test_ids_are_unique_and_adaptive_requests_have_one_group(toy_lm_model):
     with pytest.raises(SMCDecodeError, match="submit 3 requests of groups=1"):
         loop.submit(Request([0], sd.LM(toy_lm_model), sd.Draft(toy_lm_model), groups=3, max_new_tokens=3,
                             schedule=AdaptiveBlocks()))
+    with pytest.raises(SMCDecodeError, match="needs a draft and block_size >= 1"):
+        loop.submit(Request([0], sd.LM(toy_lm_model), None, max_new_tokens=3, exact=True))
+    with pytest.raises(SMCDecodeError, match="samples the LM alone"):
+        loop.submit(Request([0], sd.LM(toy_lm_model) ** 2.0, sd.Draft(toy_lm_model), max_new_tokens=3, exact=True))
     with pytest.raises(SMCDecodeError, match="max_live"):
         Loop(max_live=0)

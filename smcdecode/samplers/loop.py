@@ -19,8 +19,10 @@ The rounds of different requests run one after another (each on its own runners:
 backend batches over a request's particles, not across prompts); the GPU engine's loop
 (``backends.engine.scheduler``) has the same shape and runs the live requests' rounds as one batch.
 :func:`smc_sd` — what ``SMC.run`` and ``SMC.run_groups`` call on the reference backend — is this
-loop with one request (an adaptive schedule: one request per group, since each request's K is its own);
-autoregressive sampling (``samplers.autoregressive``) is a program on it (the target as proposal, τ = 0).
+loop with one request (an adaptive schedule: one request per group, since each request's K is its own).
+The baselines are programs on the same loop: :func:`speculative` (a request with ``exact=True``: a
+``speculative.SpeculativeRun`` of independent sequences) and ``autoregressive.autoregressive`` (the
+target as proposal, τ = 0); exact and SMC requests may share one loop.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ..errors import SMCDecodeError
 from ..potentials.base import as_target
 from .resampling import RESAMPLERS
 from .smc_sd import SMCOutput, SMCRun, stack
+from .speculative import SpeculativeRun
 
 
 @dataclass
@@ -50,7 +53,8 @@ class Request:
     the request's random stream (None: torch's global one); ``progress`` a bar told the tokens of
     every round; ``id`` any hashable (None: the loop numbers it); ``scope`` a function returning a
     context manager the loop enters around the request's prefill and each of its rounds (the server
-    watches the request's runners with it)."""
+    watches the request's runners with it); ``exact`` makes it exact speculative decoding (weights 1,
+    no evidence; a draft, K >= 1 and a plain LM target)."""
 
     prompt: list[int]
     target: object
@@ -66,6 +70,7 @@ class Request:
     progress: object = None
     id: object = None
     scope: Callable[[], contextlib.AbstractContextManager] | None = None
+    exact: bool = False  # exact speculative decoding: groups × particles independent sequences of the target
 
 
 @dataclass
@@ -92,7 +97,7 @@ class Loop:
             raise SMCDecodeError(f"max_live must be an integer >= 1 (requests advanced together) or None, got {max_live!r}")
         self.max_live = max_live
         self.queue: deque[Request] = deque()
-        self.live: dict[object, tuple[SMCRun, int]] = {}  # id -> (its run, the step it joined)
+        self.live: dict[object, tuple[SMCRun | SpeculativeRun, int]] = {}  # id -> (its run, the step it joined)
         self.steps = 0  # steps run so far (the index of the next one)
         self._ids = itertools.count()
 
@@ -104,6 +109,8 @@ class Loop:
         """Queue ``request``; it joins at the start of the next step with room. Returns its id."""
         _check(request)
         request.target = as_target(request.target)
+        if request.exact:
+            _check_exact(request)
         if request.draft is None:
             request.block_size, request.schedule = 0, None
         if request.id is None:
@@ -131,7 +138,8 @@ class Loop:
             request = self.queue.popleft()
             try:
                 with _scope(request):
-                    self.live[request.id] = (SMCRun(request), self.steps)
+                    run = SpeculativeRun(request) if request.exact else SMCRun(request)
+                    self.live[request.id] = (run, self.steps)
             except Exception as e:  # noqa: BLE001 (handed back to the caller with its request)
                 left.append(Finished(request, None, self.steps, self.steps, e))
         for rid, (run, joined) in list(self.live.items()):
@@ -179,6 +187,18 @@ def smc_sd(target, draft, prompt_ids: list[int], *, groups: int, particles: int,
     return stack([outputs[g] for g in range(groups)], target.lm.model.eos_token_id)
 
 
+def speculative(target, draft, prompt_ids: list[int], *, batch: int, block_size: int, max_new_tokens: int,
+                generator: torch.Generator | None = None, progress=None) -> SMCOutput:
+    """``batch`` sequences of exact speculative decoding: the loop with one ``exact`` request."""
+    loop = Loop()
+    loop.submit(Request(prompt_ids, target, draft, particles=batch, block_size=block_size,
+                        max_new_tokens=max_new_tokens, generator=generator, progress=progress, exact=True))
+    (done,) = loop.run()
+    if done.error is not None:
+        raise done.error
+    return done.output
+
+
 def _scope(r: Request) -> contextlib.AbstractContextManager:
     return r.scope() if r.scope is not None else contextlib.nullcontext()
 
@@ -202,3 +222,13 @@ def _check(r: Request) -> None:
     if r.schedule is not None and r.draft is not None and r.schedule.adaptive and r.groups > 1:
         raise SMCDecodeError(f"an adaptive schedule picks K per request: submit {r.groups} requests of groups=1 "
                              f"instead of one with groups={r.groups}")
+
+
+def _check_exact(r: Request) -> None:
+    t = r.target
+    if r.draft is None or r.block_size < 1:
+        raise SMCDecodeError(f"an exact (speculative decoding) request needs a draft and block_size >= 1, got "
+                             f"draft={r.draft!r}, block_size={r.block_size}")
+    if t.lm.alpha != 1 or t.constraints or t.rewards:
+        raise SMCDecodeError(f"an exact (speculative decoding) request samples the LM alone; target {t!r} has a "
+                             "power, constraint or reward: submit it with exact=False (SMC)")

@@ -19,10 +19,10 @@ from .potentials.base import as_target
 from .result import Result
 from .samplers.adaptive import AdaptiveBlocks, FixedBlocks, as_schedule
 from .samplers.autoregressive import autoregressive
+from .samplers.loop import Finished, Request, smc_sd, speculative
 from .samplers.proposals import as_proposal
 from .samplers.resampling import RESAMPLERS, normalise
-from .samplers.smc_sd import SMCOutput, smc_sd
-from .samplers.speculative import speculative
+from .samplers.smc_sd import SMCOutput
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 MAX_PARTICLES = 2**20  # particles (times groups, or samples) in one run: a bound far above any useful run
@@ -254,6 +254,27 @@ class SMC(_Strategy):
                 "rounds do not pass it the target's hidden states yet): use backend='reference', or a layer "
                 "draft (load_default_draft(model) or load_draft(model, DIR)) on the engine"
             )
+
+    def as_request(self, prompt, max_new_tokens: int = 64, seed: int | None = None, id=None) -> Request:
+        """``run(prompt, max_new_tokens, seed)`` as one request of the reference backend's request loop
+        (:class:`~smcdecode.samplers.loop.Loop`), to run interleaved with others; :meth:`result_of`
+        turns its :class:`~smcdecode.samplers.loop.Finished` record into the Result ``run`` returns."""
+        if self.backend != "reference":
+            raise SMCDecodeError(f"as_request makes requests of the reference backend's loop; this SMC runs on "
+                                 f"backend={self.backend!r}: use run, or the engine's Scheduler")
+        ids = self._prepare(prompt, max_new_tokens)
+        return Request(ids, self.target, self.proposal, self.particles, self.block_size, max_new_tokens,
+                       resampler=self.resampler, ess_threshold=self.ess_threshold, schedule=self.schedule,
+                       generator=_generator(seed), id=id)
+
+    def result_of(self, finished: Finished, seconds: float = 0.0) -> Result:
+        """The :class:`Result` of a request from :meth:`as_request` that left the loop (its error re-raised)."""
+        if finished.error is not None:
+            raise finished.error
+        r = finished.request
+        result = self._result(finished.output, r.prompt, seconds, r.generator)
+        result.max_new_tokens = r.max_new_tokens
+        return result
 
     def _run(self, ids, groups, max_new_tokens, g, bar):
         if self.backend == "engine":

@@ -333,6 +333,26 @@ def test_disconnect_frees_the_request_and_a_full_queue_is_429(server):
     assert _chat(server, max_tokens=2, seed=0).choices[0].message.content  # still serving
 
 
+def test_smc_requests_interleave_on_the_reference_loop(server):
+    """A short SMC request joins the loop while a long one (4 choices of a story) runs, and leaves
+    first; its answer is the one it gets alone (a request's draws do not depend on its company)."""
+    before = server.wait_idle()
+    story = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
+    long = _hold(server, {"messages": story, "max_tokens": 3000, "temperature": 1.0, "n": 4, "particles": 2})
+    deadline = time.time() + 30
+    while server.metrics()["smcdecode_running"] == 0:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    shared = _chat(server, max_tokens=10, seed=5)
+    assert server.metrics()["smcdecode_running"] == 1  # the long one still runs
+    long.close()
+    m = server.wait_idle(timeout=30)
+    assert m["smcdecode_cancelled_total"] == before["smcdecode_cancelled_total"] + 1
+    alone = _chat(server, max_tokens=10, seed=5)
+    assert shared.choices[0].message.content == alone.choices[0].message.content
+    assert shared.model_extra["smc"] == alone.model_extra["smc"]
+
+
 def test_64_concurrent_clients_mixing_good_and_bad_requests(server):
     results: dict[int, object] = {}
 

@@ -2,8 +2,9 @@
 
 Rows are particles (G groups × M rows, group g using its first n_g rows); every parameter may be
 given per row (temperatures, the power α, the number of drafts that count, budgets) so one call
-serves every mix of settings. The reference loop (``samplers.smc_sd``) runs these eagerly; the
-engine runs the same functions inside its CUDA graphs, and its fused Triton sampler implements
+serves every mix of settings. The reference request loop (``samplers.loop``; its round is in
+``samplers.smc_sd``) runs these eagerly; the engine runs the same functions inside its CUDA graphs,
+and its fused Triton sampler implements
 :func:`sample_and_score` (``backends.engine.sampling`` dispatches between the two; a test checks
 that they agree draw for draw under the same noise bits).
 

@@ -56,8 +56,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="max_tokens of chat requests that give none (completions: 16, as the OpenAI API)")
     p.add_argument("--slots", type=int, default=8,
-                   help="engine: requests whose rounds the SMC-SD scheduler runs together, and AR choices "
-                        "the AR scheduler runs together")
+                   help="SMC requests (each choice of n is one) whose rounds run together: on the engine in one "
+                        "batch, on the reference backend one after another between joins and leaves; engine: also "
+                        "the AR choices the AR scheduler runs together")
     p.add_argument("--engine-particles", type=int, default=8,
                    help="engine: most particles of a request the scheduler batches (more run on their own); "
                    "its KV pool holds slots x engine-particles sequences of --engine-context tokens")
@@ -119,7 +120,7 @@ def build(args):
     import smcdecode as sd
 
     from .app import create_app
-    from .executor import LibraryExecutor
+    from .library_executor import LibraryExecutor
     from .watch import WatchedModel
 
     _check(args)
@@ -152,7 +153,8 @@ def build(args):
                                      max_block_size=args.max_block_size, context=args.engine_context, **common)
     else:
         options = {"device": device} if backend != "reference" else None
-        executor = LibraryExecutor(watched, name, draft, backend=backend, engine_options=options, **common)
+        executor = LibraryExecutor(watched, name, draft, backend=backend, engine_options=options, slots=args.slots,
+                                   **common)
     return create_app(executor, limits=limits, defaults=defaults), executor
 
 

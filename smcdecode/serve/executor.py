@@ -4,10 +4,10 @@ A :class:`Job` is one request: its :class:`~.protocol.Spec`, its prompt ids and 
 constraint, and a queue of events the HTTP side reads (``("delta", index, text)`` as a choice's
 text becomes final, ``("done", Outcome)`` or ``("error", exception)`` at the end).
 
-:class:`LibraryExecutor` runs the public API (``SMC``, ``SpeculativeDecoding``,
-``Autoregressive``) on any backend, one request at a time on one worker thread, in arrival order:
-on the reference backend the batch dimension is the request's particles, and requests are queued,
-not batched. ``SchedulerExecutor`` (``engine_executor``) batches requests on the GPU engine.
+:class:`Executor` is what the HTTP layer calls; :class:`LibraryRunner` runs one job whole through
+the public API (``SMC``, ``SpeculativeDecoding``, ``Autoregressive``). ``LibraryExecutor``
+(``library_executor``) interleaves SMC requests on the reference backend's request loop and runs the
+others whole; ``SchedulerExecutor`` (``engine_executor``) batches requests on the GPU engine.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import math
 import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -315,66 +314,6 @@ def count(stats: Stats, result) -> None:
         amounts.update(resampled_rounds=int(sum(result.resampled)), ess_rounds=len(result.ess),
                        ess_sum=sum(e / result.particles for e in result.ess))
     stats.add(**amounts)
-
-
-class LibraryExecutor(Executor):
-    """The public API's strategies, one request at a time on a worker thread (module docstring)."""
-
-    def __init__(self, model: WatchedModel, model_name: str, draft=None, *, backend: str = "reference",
-                 engine_options: dict | None = None, limits: Limits, defaults: Defaults, max_queue: int = 64,
-                 stats: Stats | None = None):
-        super().__init__(model, model_name, limits=limits, defaults=defaults, max_queue=max_queue, stats=stats,
-                         has_draft=draft is not None)
-        self.runner = LibraryRunner(model, draft, self.stats, backend, engine_options)
-        self.queue: deque[Job] = deque()
-        self.running: Job | None = None
-        self.cond = threading.Condition()
-        self.closed = False
-        self.thread = threading.Thread(target=self._work, name="smcdecode-serve-worker", daemon=True)
-        self.thread.start()
-
-    def submit(self, job: Job) -> None:
-        with self.cond:
-            if len(self.queue) >= self.max_queue:
-                raise self.full()
-            self.queue.append(job)
-            self.cond.notify()
-
-    def cancel(self, job: Job) -> None:
-        job.cancelled.set()
-        with self.cond:
-            if job in self.queue:
-                self.queue.remove(job)
-                self.stats.add(cancelled=1)
-
-    def gauges(self) -> dict:
-        with self.cond:
-            return {"smcdecode_queue_length": len(self.queue), "smcdecode_running": int(self.running is not None)}
-
-    def close(self) -> None:
-        with self.cond:
-            self.closed = True
-            for job in self.queue:
-                job.cancelled.set()
-            self.queue.clear()
-            if self.running is not None:
-                self.running.cancelled.set()
-            self.cond.notify_all()
-        self.thread.join(timeout=30)
-
-    def _work(self) -> None:
-        while True:
-            with self.cond:
-                while not self.queue and not self.closed:
-                    self.cond.wait()
-                if self.closed:
-                    return
-                job = self.running = self.queue.popleft()
-            try:
-                run_job(job, self.runner.run, self.stats)
-            finally:
-                with self.cond:
-                    self.running = None
 
 
 def run_job(job: Job, run, stats: Stats) -> None:

@@ -157,16 +157,27 @@ def run_model(name: str, engine: Engine, model, prompts, eos: int, schema: dict,
                 raise RuntimeError(f"{name} {path} G={G}: {ended - valid} of {ended} finished documents do not "
                                    "validate against the schema")
             con = statistics.median(generated(o) / t for o, t in zip(outs, t_con))
+            engine.clear_graphs()
+            # the unconstrained engine again at the documents' length (per request, the longest
+            # particle's): what a call of that length costs without the constraint
+            Lc = max(1, round(statistics.median(generated(o) for o in outs) / G))
+            engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=2 * (K + 1))
+            t_same, o_same = timed(lambda: engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=Lc),
+                                   args.repeats, device)
+            same = generated(o_same) / statistics.median(t_same)
             row = {"model": name, "requests": G, "N": N, "K": K, "max_new_tokens": L, "path": path,
                    "device": torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu",
                    "plain_tok_s": plain, "constrained_tok_s": con, "ratio": con / plain,
+                   "same_length": Lc, "plain_same_length_tok_s": same, "ratio_same_length": con / same,
+                   "plain_same_length_seconds": t_same,
                    "plain_seconds": t_plain, "constrained_seconds": t_con,
                    "constrained_tokens": [generated(o) for o in outs],
                    "documents_ended": ended, "documents_valid": valid,
                    "host_s": [o.host_s for o in outs], "compile_s": c.compile_s}
             rows.append(row)
             print(f"{name} G={G} {path}: plain {plain:.0f} tok/s, constrained {con:.0f} tok/s "
-                  f"({100 * con / plain:.0f} %), {valid}/{ended} valid", flush=True)
+                  f"({100 * con / plain:.0f} %; plain at its {Lc} tokens {same:.0f} tok/s: "
+                  f"{100 * con / same:.0f} %), {valid}/{ended} valid", flush=True)
             engine.clear_graphs()
     return rows
 
@@ -279,14 +290,17 @@ def main() -> None:
         args.out.write_text(json.dumps(res, indent=1))  # after each model: a run cut later keeps these rows
     args.out.write_text(json.dumps(res, indent=1))
     print(f"\nwrote {args.out}\n")
-    print("| model | requests | path | plain tok/s | constrained tok/s | % of plain | valid |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | requests | path | plain tok/s | constrained tok/s | % of plain | plain at the same length | "
+          "% of it | valid |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in res["rows"]:
         if "skipped" in r:
-            print(f"| {r['model']} | | {r['path']} | skipped: {r['skipped'][:60]} | | | |")
+            print(f"| {r['model']} | | {r['path']} | skipped: {r['skipped'][:60]} | | | | | |")
             continue
         print(f"| {r['model']} | {r['requests']} | {r['path']} | {r['plain_tok_s']:.0f} | "
-              f"{r['constrained_tok_s']:.0f} | {100 * r['ratio']:.0f} % | {r['documents_valid']}/{r['documents_ended']} |")
+              f"{r['constrained_tok_s']:.0f} | {100 * r['ratio']:.0f} % | {r['plain_same_length_tok_s']:.0f} "
+              f"({r['same_length']} tokens) | {100 * r['ratio_same_length']:.0f} % | "
+              f"{r['documents_valid']}/{r['documents_ended']} |")
     if res["errors"]:
         raise SystemExit(f"{len(res['errors'])} model(s) failed: see errors in {args.out}")
 

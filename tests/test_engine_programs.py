@@ -110,6 +110,13 @@ def test_engine_backends_refuse_what_they_cannot_run():
     toy = sd.FunctionModel(lambda ctx: torch.zeros(ctx.shape[0], V), vocab=VOCAB, eos="<eos>")
     with pytest.raises(sd.SMCDecodeError, match="FunctionModel: use backend='reference'"):
         sd.Autoregressive(sd.LM(toy), backend="engine").run([0, 1], 2, progress=False)
+    from smcdecode.backends.engine import Request, Scheduler
+    from smcdecode.backends.engine.bridge import engine_for
+
+    engine = engine_for(target_model, draft_model, rows=8, context=16, options={})
+    sched = Scheduler(engine, slots=2, max_particles=2, max_block_size=2, max_context=16, exact_only=True)
+    with pytest.raises(sd.SMCDecodeError, match="exact speculative decoding only"):
+        sched.submit(Request(PROMPT, particles=2, block_size=2, max_new_tokens=3))
 
 
 @pytest.mark.parametrize("device", DEVICES)

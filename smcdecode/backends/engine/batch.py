@@ -128,7 +128,7 @@ def run_speculative(engine, prompts: list[list[int]], *, block_size: int, max_ne
                              f"{max_new_tokens} tokens: they need {need} pages of {PS} tokens; raise num_pages")
     sched = Scheduler(engine, slots=G, max_particles=S, max_block_size=K, eos_token_id=eos_token_id,
                       ess_threshold=0.0, use_graphs=use_graphs, seed=seed, max_context=context, shrink=False,
-                      speculative=True)
+                      exact_only=True)
     for g, p in enumerate(prompts):
         sched.submit(Request(list(p), S, K, max_new_tokens, draft_temperature, target_temperature, id=g, exact=True))
     by_id = {f.request.id: f for f in sched.run()}

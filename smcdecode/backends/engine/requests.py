@@ -116,9 +116,12 @@ class Rounds:
     by_bucket: dict = field(default_factory=dict)
 
 
-def check_exact(request: Request, program: EngineTarget, speculative: bool) -> None:
-    """Refuse an exact speculative decoding request its scheduler cannot run."""
+def check_exact(request: Request, program: EngineTarget, speculative: bool, exact_only: bool = False) -> None:
+    """Refuse an exact speculative decoding request its scheduler cannot run (or, ``exact_only``, any other)."""
     if not request.exact:
+        if exact_only:
+            raise SMCDecodeError("this scheduler runs exact speculative decoding only (exact_only=True): "
+                                 "submit Request(..., exact=True)")
         return
     if not speculative:
         raise SMCDecodeError("exact=True needs a Scheduler(speculative=True)")

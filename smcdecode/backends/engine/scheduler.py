@@ -37,7 +37,6 @@ from collections import deque
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from ...errors import SMCDecodeError
 from ...samplers.adaptive import group_statistics
@@ -69,7 +68,8 @@ class Scheduler:
                  target: EngineTarget | list | None = None, eos_token_id: int | None = None,
                  resampler: str = "systematic", ess_threshold: float = 0.5, use_graphs: bool | None = None,
                  seed: int = 0, max_context: int | None = None, record_weights: bool = False, schedule=None,
-                 pipeline: bool | None = None, shrink: bool = True, speculative: bool = False):
+                 pipeline: bool | None = None, shrink: bool = True, speculative: bool = False,
+                 exact_only: bool = False):
         """``schedule`` (``samplers.adaptive``: FixedBlocks / AdaptiveBlocks) sets each request's K
         between rounds from its own past rounds, up to its ``block_size`` (slot g is the schedule's
         group g). ``pipeline`` (default: with CUDA graphs) launches a round before the host reads the
@@ -77,8 +77,9 @@ class Scheduler:
         bookkeeping between rounds on the device's time. ``shrink`` False runs every round over all
         slots (one round shape for a batch submitted at once: no capture when its last slots leave,
         and the same draws pipelined or not). ``speculative`` lets requests ask for exact speculative
-        decoding (``Request(exact=True)``: one particle, unconstrained, accepted drafts then a draw
-        from (p − q)+ at the first rejection), in the same rounds as the SMC-SD requests."""
+        decoding (``Request(exact=True)``: unconstrained, accepted drafts then a draw from (p − q)+ at
+        the first rejection), in the same rounds as the SMC-SD requests; ``exact_only`` takes those
+        requests alone (its round leaves out the weights, statistics, resampling and page forks)."""
         if engine.draft is None and max_block_size != 0:
             raise SMCDecodeError("SMC-SD with drafted tokens needs a draft model: Engine(target, draft, ...), or "
                                  "max_block_size=0 (the target as proposal: one token a round)")
@@ -92,9 +93,9 @@ class Scheduler:
         if resampler not in RESAMPLERS:
             raise SMCDecodeError(f"unknown resampler {resampler!r}: choose one of {sorted(RESAMPLERS)}")
         self.engine, self.slots, self.Nmax, self.Kmax = engine, slots, max_particles, max_block_size
-        if speculative and (engine.draft is None or max_block_size < 1):
+        self.speculative, self.exact_only = speculative or exact_only, exact_only
+        if self.speculative and (engine.draft is None or max_block_size < 1):
             raise SMCDecodeError("speculative=True needs a draft model and max_block_size >= 1")
-        self.speculative = speculative
         self.max_context = max_context
         self.programs = list(target) if isinstance(target, (list, tuple)) else [target or EngineTarget()]
         dev = engine.device
@@ -138,14 +139,14 @@ class Scheduler:
         # the draft out of its rounds; one that may draft later feeds it every round (smc.py)
         self.drafts = engine.draft is not None and (max_block_size > 0 or schedule is not None)
         key = ("smc", slots, max_particles, max_block_size, self.cap, self.eos, resampler, ess_threshold,
-               self.use_graphs, n_slots, id(self.combined.table) if self.combined else None, with_rewards, speculative,
-               self.drafts)
+               self.use_graphs, n_slots, id(self.combined.table) if self.combined else None, with_rewards,
+               self.speculative, self.drafts, exact_only)
         rounds = None if eager else engine.graphs.get(key)
         if rounds is None:
             pt = torch.from_numpy(self.table.table).to(dev)
             rounds = Rounds(build_round(engine, slots, max_particles, max_block_size, self.cap, pt, self.automata,
                                          self.eos, self.pad, resampler, ess_threshold,
-                                         self.host if eager else None, speculative, self.drafts))
+                                         self.host if eager else None, self.speculative, self.drafts, exact_only))
             if not eager:
                 engine.graphs.put(key, rounds)
         self._rounds = rounds
@@ -205,7 +206,7 @@ class Scheduler:
             raise SMCDecodeError(f"block_size ({request.block_size}) exceeds the scheduler's max_block_size "
                                  f"({self.Kmax}): raise max_block_size")
         check_fits(request, s.max_new_tokens[0] + self.Kmax + 2, self.max_context)
-        check_exact(request, self._program(request), self.speculative)
+        check_exact(request, self._program(request), self.speculative, self.exact_only)
         self.queue.append(request)
 
     @property
@@ -371,22 +372,19 @@ class Scheduler:
                 view[name] = v[:R]
         rnd = Round(view, None, None, keep=list(self.full.keep))
         rnd.propose_code, rnd.finish_code = round_code(self.engine, view, self.automata, self.eos, self.pad,
-                                                         self.resampler, self.tau, self.host, self.drafts)
+                                                         self.resampler, self.tau, self.host, self.drafts,
+                                                         self.exact_only)
         if self.use_graphs:
-            # NOTE: capturing runs the round once (warm-up); save and restore every buffer around it
-            saved = {name: (v.clone() if isinstance(v, Tensor) else [s.clone() for s in v])
-                     for name, v in full.items()}
-            # (and the random stream: a run draws the same whether its rounds were captured now or before)
+            # NOTE: capturing runs the round once (warm-up); save and restore every buffer around it, and
+            # the random stream (a run draws the same whether its rounds were captured now or before)
+            saved = {name: [t.clone() for t in (v if isinstance(v, list) else [v])] for name, v in full.items()}
             cuda = self.engine.device.type == "cuda"
             rng = torch.cuda.get_rng_state(self.engine.device) if cuda else torch.get_rng_state()
             capture_round(self.engine, rnd, True, split=bool(self.rewards))
             torch.cuda.set_rng_state(rng, self.engine.device) if cuda else torch.set_rng_state(rng)
             for name, v in full.items():
-                if isinstance(v, Tensor):
-                    v.copy_(saved[name])
-                else:
-                    for s, o in zip(v, saved[name]):
-                        s.copy_(o)
+                for t, o in zip(v if isinstance(v, list) else [v], saved[name]):
+                    t.copy_(o)
         else:
             capture_round(self.engine, rnd, False, split=bool(self.rewards))
         if self.host is None:

@@ -83,7 +83,7 @@ def host_terms(b: dict, rewards: list, hosted, longest_new: int) -> None:
 
 
 def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resampler, tau, host,
-                speculative: bool = False, drafts: bool = True) -> Round:
+                speculative: bool = False, drafts: bool = True, exact_only: bool = False) -> Round:
     dev = engine.device
     B = G * Nmax
 
@@ -114,16 +114,18 @@ def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resamp
     )
     if speculative:  # rows of exact speculative decoding need the draft's logits at the first rejection
         b["draft_logits"] = torch.zeros(B, Kmax, engine.draft.cfg.vocab_size, dtype=engine.dtype, device=dev)
-    rnd = Round(b, None, None, keep=[t for a in automata for t in (a.table, a.classes, a.accepting)])
-    rnd.propose_code, rnd.finish_code = round_code(engine, b, automata, eos, pad, resampler, tau, host, drafts)
+    rnd = Round(b, None, None, keep=[t for a in automata for t in (a.table, a.classes, a.accepting, a.live)])
+    rnd.propose_code, rnd.finish_code = round_code(engine, b, automata, eos, pad, resampler, tau, host, drafts,
+                                                   exact_only)
     return rnd
 
 
 def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, tau: float, host=None,
-               drafts: bool = True):
+               drafts: bool = True, exact_only: bool = False):
     """(propose, finish) over the static buffers ``b``; ``host`` (a ``host_masks.HostMasks``) gives the host masks of
     draft step i (i = K_max: the bonus) in the eager host-mask path; ``drafts`` False leaves the draft
-    model out (a loop that never drafts: autoregressive sampling)."""
+    model out (a loop that never drafts: autoregressive sampling); ``exact_only``: every row is one of
+    exact speculative decoding (no weights, statistics, resampling or page forks in the round)."""
     G, Nmax = b["W"].shape
     B, Kmax = b["drafts"].shape
     ar, PS = b["ar"], engine.page_size
@@ -139,16 +141,19 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
     host_mask = host.mask if host is not None else None
     drafted = host.drafted if host is not None else None
 
-    def masks(states: list[Tensor], i: int) -> Tensor | None:
+    def masks(states: list[Tensor], i: int) -> tuple[Tensor | None, Tensor | None]:
+        """(the rows' mask [B, V] or None, the rows it leaves no token or None when not known here)."""
         m = None
         for a, s in zip(automata, states):
             mi = a.allowed(s)
             m = mi if m is None else m & mi
+        # (one automaton: a state's row allows some token or none, known without reducing the mask)
+        dead = ~automata[0].live[states[0]] if len(automata) == 1 else None
         if host_mask is not None:
             hm = host_mask(i)
             if hm is not None:
-                m = hm if m is None else m & hm
-        return m
+                m, dead = (hm if m is None else m & hm), None
+        return m, dead
 
     def propose() -> None:
         seeds = torch.randint(0, 2**62, (Kmax + 2,), device=T.device)
@@ -162,18 +167,20 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
             batch = PagedBatch.build((T - 1)[:, None] + pair, b["pt"], PS)
             logits = draft(b["pending"], engine.kv_d, batch, last_only=True)[:, 0]  # [B, V]
         for i in range(Kmax):
-            m = masks(states, i)
-            d, log_q[:, i], _, _ = sample_and_score(logits, b["T_draft"], seeds[i], mask=m, triton=fused)
+            m, dead = masks(states, i)
+            d, log_q[:, i], log_mass, _ = sample_and_score(logits, b["T_draft"], seeds[i], mask=m, dead=dead,
+                                                           triton=fused)
             drafts[:, i] = d
             if exact is not None:
                 b["draft_logits"][:, i] = logits
             if drafted is not None:
                 drafted(i, d)
-            if m is None:
+            if exact_only:
+                pass
+            elif m is None:
                 b["log_q_all"][:, i] = log_q[:, i]
-            else:  # (a constrained round: one more pass over the draft's logits, for the statistics)
-                x = logits.float() / b["T_draft"][:, None]
-                b["log_q_all"][:, i] = x.gather(1, d[:, None])[:, 0] - torch.logsumexp(x, -1)
+            else:  # log q(d) = log q'(d) + log Σ_v q(v)·1[valid] (0 on a row the mask leaves no token)
+                b["log_q_all"][:, i] = torch.where(torch.isfinite(log_mass), log_q[:, i] + log_mass, 0.0)
             states = [a.advance(s, d) for a, s in zip(automata, states)]
             kept = [torch.where(i < k_eff, s, k) for s, k in zip(states, kept)]
             if i < Kmax - 1:
@@ -191,19 +198,23 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
             log_p = sample_and_score(logits_t.view(B * (Kmax + 1), V), b["T_target"][:, None].expand(B, Kmax + 1).reshape(-1),
                                      seeds[Kmax], gather, draw=False, triton=fused).gathered.view(B, Kmax + 1)[:, :Kmax]
         # 3. the bonus after the row's K drafts, from π_loc ∝ p^α·1[valid], and its normaliser
-        bonus, _, log_norm, _ = sample_and_score(logits_t[rows, K_row], b["T_target"], seeds[Kmax + 1], alpha=alpha,
-                                                 mask=masks(kept, Kmax), triton=fused)
+        m, dead = masks(kept, Kmax)
+        bonus, _, log_norm, _ = sample_and_score(logits_t[rows, K_row], b["T_target"], seeds[Kmax + 1],
+                                                 alpha=None if exact_only else alpha, mask=m, dead=dead, triton=fused)
         b["bonus"].copy_(bonus)
-        # 4. incremental weights up to the first EOS and the budget (a dead end: -inf)
-        incr, n_new, any_eos, has_bonus = steps.weigh(log_p, log_q, drafts, alpha, k_eff, eos, log_norm,
-                                                      remaining > K_row)
-        # a schedule's statistics over every drafted position within the budget, up to the first EOS
-        drawn = ar[None, :Kmax] < remaining[:, None]
-        eos_all = (drafts == eos) & drawn
-        counted = ((torch.cumsum(eos_all.long(), 1) - eos_all.long()) == 0) & drawn & ~finished[:, None]
-        for name, value in zip(("accept", "accept_n", "draft_lw"),
-                               row_statistics(log_p, b["log_q_all"], alpha[:, None] * log_p - log_q, counted)):
-            b[name].copy_(value)
+        if exact_only:
+            incr, n_new, any_eos, has_bonus = None, None, None, torch.zeros_like(finished)
+        else:
+            # 4. incremental weights up to the first EOS and the budget (a dead end: -inf)
+            incr, n_new, any_eos, has_bonus = steps.weigh(log_p, log_q, drafts, alpha, k_eff, eos, log_norm,
+                                                          remaining > K_row)
+            # a schedule's statistics over every drafted position within the budget, up to the first EOS
+            drawn = ar[None, :Kmax] < remaining[:, None]
+            eos_all = (drafts == eos) & drawn
+            counted = ((torch.cumsum(eos_all.long(), 1) - eos_all.long()) == 0) & drawn & ~finished[:, None]
+            for name, value in zip(("accept", "accept_n", "draft_lw"),
+                                   row_statistics(log_p, b["log_q_all"], alpha[:, None] * log_p - log_q, counted)):
+                b[name].copy_(value)
         active = ~finished
         b["drafted"].add_(torch.where(active, k_eff, 0))
         block = torch.cat([drafts, torch.full_like(bonus, pad)[:, None]], dim=1)
@@ -219,12 +230,15 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
             is_eos = (sd_block == eos) & (ar[None] < sd_new[:, None])
             sd_eos = is_eos.any(1)
             sd_new = torch.where(sd_eos, is_eos.long().argmax(1) + 1, sd_new)
-            block = torch.where(exact[:, None], sd_block, block)
-            n_new = torch.where(exact, sd_new, n_new)
-            incr = torch.where(exact, 0.0, incr)
-            any_eos = torch.where(exact, sd_eos, any_eos)
-            has_bonus = has_bonus & ~exact
-            nxt, used = torch.where(exact, c, bonus), torch.where(exact, n_acc, K_row)
+            if exact_only:
+                block, n_new, any_eos, nxt, used = sd_block, sd_new, sd_eos, c, n_acc
+            else:
+                block = torch.where(exact[:, None], sd_block, block)
+                n_new = torch.where(exact, sd_new, n_new)
+                incr = torch.where(exact, 0.0, incr)
+                any_eos = torch.where(exact, sd_eos, any_eos)
+                has_bonus = has_bonus & ~exact
+                nxt, used = torch.where(exact, c, bonus), torch.where(exact, n_acc, K_row)
             # (positions these rows move on: what they kept + 1; the others K_row + 1)
             # (an exact row stops where it finished: its pages were reserved for its own output only)
             b["advance"].copy_(torch.where(exact, torch.where(b["valid"] & active, n_acc + 1, 0), K_row + 1))
@@ -235,13 +249,16 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         hit_eos = any_eos | (has_bonus & (bonus == eos))
         ended = active & (hit_eos | (n_gen >= b["budget"]))
         final = [torch.where(has_bonus, a.advance(k, bonus), k) for a, k in zip(automata, kept)]
-        accepted = torch.ones_like(ended)
-        for a, s in zip(automata, final):
-            accepted = accepted & a.accepting[s]
-        incr = steps.reject_cut(incr, ended, hit_eos, accepted)  # cut, and not in the language
-        lw = torch.where(active, log_w + incr, log_w)
-        log_w.copy_(lw)
-        finished.copy_(finished | ended | torch.isneginf(lw))
+        if exact_only:
+            finished.copy_(finished | ended)
+        else:
+            accepted = torch.ones_like(ended)
+            for a, s in zip(automata, final):
+                accepted = accepted & a.accepting[s]
+            incr = steps.reject_cut(incr, ended, hit_eos, accepted)  # cut, and not in the language
+            lw = torch.where(active, log_w + incr, log_w)
+            log_w.copy_(lw)
+            finished.copy_(finished | ended | torch.isneginf(lw))
         for s, f in zip(b["states"], final):
             s.copy_(torch.where(active, f, s))
         # the draft's next feed [token at T'−1, next]: the row's last kept draft, or (none) the last token
@@ -252,6 +269,14 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         b["active"].copy_(active)
         b["ended"].copy_(ended)
         b["hit_eos"].copy_(hit_eos)
+
+    def finish_exact() -> None:  # (exact rows only: no weights, no resampling, pages reserved ahead)
+        T.add_(b["advance"])
+        b["do"].zero_()
+        b["ess"].copy_(b["n"].double())
+        b["done"].copy_(finished.all()[None])
+        b["packed"].copy_(torch.cat([rows.double(), T.double(), finished.double(), b["do"].double(), b["ess"],
+                                     b["done"].double()]))
 
     def finish() -> None:
         lw = log_w + b["host_incr"]
@@ -279,6 +304,8 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
                                      b["done"].double()]))
         pages(go)
 
+    if exact_only:
+        return propose, finish_exact
     pools = [kv for kv in (engine.kv_t, engine.kv_d) if kv is not None]
     pages = pages_code(b, pools, PS)
     return propose, finish

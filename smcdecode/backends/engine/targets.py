@@ -28,6 +28,11 @@ class DeviceAutomaton:
     accepting: Tensor
     initial: int
     dead: int
+    live: Tensor | None = None  # [S+1] bool: the state allows some token (its mask is not all False)
+
+    def __post_init__(self):
+        # (every class holds a token, so a state allows a token iff one of its classes is not dead)
+        self.live = (self.table != self.dead).any(1)
 
     @classmethod
     def of(cls, constraint, device) -> DeviceAutomaton | None:
@@ -47,8 +52,8 @@ class DeviceAutomaton:
 
     @property
     def nbytes(self) -> int:
-        """Device memory of the table, class map and accepting flags."""
-        return sum(t.numel() * t.element_size() for t in (self.table, self.classes, self.accepting))
+        """Device memory of the table, class map, accepting and live flags."""
+        return sum(t.numel() * t.element_size() for t in (self.table, self.classes, self.accepting, self.live))
 
     def allowed(self, state: Tensor) -> Tensor:
         return (self.table[state] != self.dead)[:, self.classes]  # [B, C] -> [B, V]

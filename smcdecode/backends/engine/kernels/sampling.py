@@ -397,7 +397,8 @@ def _sample_chunk(R: int, V: int, block: int, device: torch.device) -> int:
 
 def triton_sample_and_score(logits: Tensor, temperature: float | Tensor, seed: Tensor, gather: Tensor | None = None,
                             sample_every: int = 1, chunk: int | None = None, *, alpha: Tensor | None = None,
-                            mask: Tensor | None = None, draw: bool = True, bits: Tensor | None = None) -> Scored:
+                            mask: Tensor | None = None, draw: bool = True, bits: Tensor | None = None,
+                            dead: Tensor | None = None) -> Scored:
     """``samplers.steps.sample_and_score`` in one read of ``logits`` [R, V] (unit stride in V), no host
     sync: for x = logits / T (``temperature`` a float or [R] float32), token ~ π ∝ exp(α·x)·1[valid] by
     the exponential race, log π(token), log Σ_v p^α·1[valid] (with ``alpha`` [R] or ``mask`` [R, V]
@@ -407,7 +408,8 @@ def triton_sample_and_score(logits: Tensor, temperature: float | Tensor, seed: T
 
     Noise: Philox keyed by ``seed`` (a device int64 scalar), the row and the element; ``bits`` [R, V]
     int32: those words instead (the reference then draws the same tokens). ``chunk``: logits a split
-    program reads (a multiple of 1024; default ``_sample_chunk``)."""
+    program reads (a multiple of 1024; default ``_sample_chunk``). ``dead`` [R] bool: the rows whose
+    mask allows nothing (default: reduced from ``mask``)."""
     R, V = logits.shape
     dev = logits.device
     if sample_every < 1:
@@ -447,7 +449,7 @@ def triton_sample_and_score(logits: Tensor, temperature: float | Tensor, seed: T
     log_norm = torch.empty(R, device=dev, dtype=torch.float32)
     if mask is not None:
         m8 = mask.contiguous().view(torch.uint8)
-        dead = ~mask.any(-1)
+        dead = ~mask.any(-1) if dead is None else dead.contiguous()
     else:
         m8, dead = tok, tok
     a = alpha.float().contiguous() if alpha is not None else part

@@ -419,7 +419,7 @@ def build_device(llamas: tuple, state: dict, settings: dict) -> None:
                                seed=S["seed"])
     state["sd"] = Scheduler(state["batch_engine"], slots=slots, max_particles=1, max_block_size=S["max_block_size"],
                             target=EngineTarget(), eos_token_id=S["eos"], resampler=S["resampler"], ess_threshold=0.0,
-                            use_graphs=use_graphs, seed=S["seed"] + 2, speculative=True)
+                            use_graphs=use_graphs, seed=S["seed"] + 2, exact_only=True)
     # autoregressive sampling: the target alone (no draft: a K = 0 round then runs the target only)
     state["ar_engine"] = ar_engine = Engine(target_llama, None, config(S["ar_slots"]))
     state["ar"] = Scheduler(ar_engine, slots=S["ar_slots"], max_particles=1, max_block_size=0,

@@ -7,7 +7,7 @@ live in their own modules and take the engine as their first argument:
     smc_sd          batch.py: the request loop of scheduler.py over the round of smc.py with
                     every request submitted at once (any target program: constraints,
                     powers, rewards, per-request settings)
-    speculative     batch.py: the same loop with exact speculative decoding's rows
+    speculative     speculative.py (exact speculative decoding; rounds.py: its draft and verify steps)
     autoregressive  autoregressive.py
     serve           scheduler.py (continuous batching of SMC-SD requests)
 
@@ -25,6 +25,7 @@ from torch import Tensor
 from ...errors import SMCDecodeError
 from . import autoregressive as _autoregressive
 from . import batch, prefill
+from . import speculative as _speculative
 from .config import EngineConfig
 from .graphs import GraphCache
 from .kv_cache import KVPool, PageTable
@@ -221,13 +222,15 @@ class Engine:
         the token is drawn from the residual (p − q)+ (normalised), after K acceptances a bonus
         from p. Outputs are exact samples of the target at ``target_temperature``.
 
-        A program of the request loop (``batch.run_speculative``): each prompt is one request whose
-        rows are reserved their pages for the whole output when it joins (they never fork), so the
-        rounds are pipelined like SMC-SD's."""
-        return batch.run_speculative(self, prompts, block_size=block_size, max_new_tokens=max_new_tokens,
-                                     samples=samples, draft_temperature=draft_temperature,
-                                     target_temperature=target_temperature, eos_token_id=eos_token_id,
-                                     use_graphs=use_graphs, seed=seed)
+        No per-round host work: every row's pages for the whole output are reserved up front (rows
+        never fork), and the host reads the "all finished" flag of the previous round while the
+        next one runs. (Exact speculative decoding is also a program of the request loop,
+        ``Request(exact=True)``, which the server runs; as a whole call it measured 10–14 % slower
+        than this round: docs/benchmarks.md#programs-on-the-one-loop.)"""
+        return _speculative.run(self, prompts, block_size=block_size, max_new_tokens=max_new_tokens,
+                                samples=samples, draft_temperature=draft_temperature,
+                                target_temperature=target_temperature, eos_token_id=eos_token_id,
+                                use_graphs=use_graphs, seed=seed)
 
     @_without_pdl
     @torch.inference_mode()

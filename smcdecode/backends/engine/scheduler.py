@@ -26,8 +26,8 @@ the host without waiting for that round (``_collect``).
 A scheduler runs a fixed set of target programs (``target=[...]``; a request names its own in
 ``Request.target``): their automata share one device table, α is per row, rewards are scored per
 program. Constraints whose masks come from the host (llguidance) run the round eagerly
-(host_masks.py). ``Engine.smc_sd`` and ``Engine.speculative`` are this loop with every request
-submitted at once (``batch.py``).
+(host_masks.py). ``Engine.smc_sd`` is this loop with every request submitted at once
+(``batch.run_batch``).
 """
 
 from __future__ import annotations

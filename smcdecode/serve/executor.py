@@ -249,15 +249,7 @@ class LibraryRunner:
         choices = []
         for i in range(spec.n):
             stream = TextStream(self.model.decode, spec.stop)
-
-            def on_commit(ids, stream=stream, index=i) -> bool:
-                stream.ids = ids
-                delta = stream.update(ids)
-                if delta and spec.stream:
-                    job.post("delta", index, delta)
-                return stream.stopped
-
-            watch = Watch(spec.strategy, self.model.eos_token_id, on_commit, job.cancelled)
+            watch = Watch(spec.strategy, self.model.eos_token_id, stream_commits(job, stream, i), job.cancelled)
             if job.cancelled.is_set():
                 raise Cancelled
             try:
@@ -349,3 +341,16 @@ def draft_temperature(spec: Spec, draft) -> float:
         return proposal_temperature(draft, spec.temperature)
     except (SMCDecodeError, AttributeError, KeyError, TypeError):
         return spec.temperature
+
+
+def stream_commits(job: Job, stream: TextStream, index: int):
+    """The ``Watch`` callback of choice ``index``: committed ids update its text, a streamed request
+    gets each new piece; returns whether a stop sequence ended the text."""
+    def on_commit(ids) -> bool:
+        stream.ids = ids
+        delta = stream.update(ids)
+        if delta and job.spec.stream:
+            job.post("delta", index, delta)
+        return stream.stopped
+
+    return on_commit

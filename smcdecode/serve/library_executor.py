@@ -31,6 +31,7 @@ from .executor import (
     post_choice,
     returned_tokens,
     run_job,
+    stream_commits,
 )
 from .metrics import Stats
 from .protocol import Defaults, Limits
@@ -142,15 +143,7 @@ class LibraryExecutor(Executor):
             for i in range(spec.n):
                 stream = TextStream(self.model.decode, spec.stop)
                 state.streams.append(stream)
-
-                def on_commit(ids, stream=stream, index=i) -> bool:
-                    stream.ids = ids
-                    delta = stream.update(ids)
-                    if delta and spec.stream:
-                        job.post("delta", index, delta)
-                    return stream.stopped
-
-                watch = Watch("smc", self.model.eos_token_id, on_commit, job.cancelled)
+                watch = Watch("smc", self.model.eos_token_id, stream_commits(job, stream, i), job.cancelled)
                 request = strategy.as_request(job.prompt_ids, spec.max_tokens, choice_seed(spec.seed, i), (job.id, i))
                 request.scope = lambda watch=watch: self.model.watching(watch)
                 self.loop.submit(request)

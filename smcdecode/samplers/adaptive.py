@@ -30,8 +30,8 @@ end of round t, and from nothing else:
   proposes one token there, which only feeds the statistics (the round's token is still the
   target's bonus); while the estimates keep K at 0 the wait doubles, up to 32 rounds. The first round has K = ``start_block`` (0:
   the schedule starts with the target as proposal and lets the draft in once it has shown that it
-  agrees with the target). (The GPU engine drafts K_max tokens every round
-  whatever K is, so its statistics are always fresh and it never probes.)
+  agrees with the target). (The GPU engine's round drafts the largest K its requests chose, or one
+  token when one of them probes.)
 
 Why the estimates stay exact
 ----------------------------

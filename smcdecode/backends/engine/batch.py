@@ -102,4 +102,3 @@ def run_batch(engine, prompts: list[list[int]], settings: Settings, target, *, e
     out.host_s = sched.host_s
     out.particles = list(settings.particles)
     return out
-

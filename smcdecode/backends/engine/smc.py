@@ -175,12 +175,11 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
                 b["draft_logits"][:, i] = logits
             if drafted is not None:
                 drafted(i, d)
-            if exact_only:
-                pass
-            elif m is None:
-                b["log_q_all"][:, i] = log_q[:, i]
-            else:  # log q(d) = log q'(d) + log Σ_v q(v)·1[valid] (0 on a row the mask leaves no token)
-                b["log_q_all"][:, i] = torch.where(torch.isfinite(log_mass), log_q[:, i] + log_mass, 0.0)
+            # a schedule's statistic, log q(d) of the unmasked draft (exact-only rounds keep no statistics):
+            # log q'(d) + log Σ_v q(v)·1[valid] (0 on a row the mask leaves no token)
+            if not exact_only:
+                b["log_q_all"][:, i] = log_q[:, i] if m is None else torch.where(
+                    torch.isfinite(log_mass), log_q[:, i] + log_mass, 0.0)
             states = [a.advance(s, d) for a, s in zip(automata, states)]
             kept = [torch.where(i < k_eff, s, k) for s, k in zip(states, kept)]
             if i < Kmax - 1:

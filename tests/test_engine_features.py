@@ -145,6 +145,24 @@ def test_grammar_constraint_on_host_masks_and_device_automaton(device, path):
     check_evidence_unbiased(out, exact.log_Z, z_max=5.0)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("path", ["regex", "llguidance"])
+def test_host_mask_round_as_graph_parts_draws_what_the_eager_round_draws(path):
+    """With host masks the proposal runs as CUDA graphs of its parts, the host writing each step's
+    masks in between: for the same seed it draws the tokens and weights of the eager round."""
+    pytest.importorskip("llguidance")
+    engine, model = _setup("cuda")
+    c = sd.Regex(PATTERNS[0]) if path == "regex" else sd.Grammar('start: ("a" | "b")+ "a"', path="llguidance")
+    prog = EngineTarget.of(sd.LM(model) * c, host_masks=path == "regex")
+    kw = dict(particles=4, block_size=2, max_new_tokens=4, eos_token_id=EOS, target=prog, draft_temperature=1.2)
+    graphs = engine.smc_sd([PROMPT] * 64, **kw, seed=9, use_graphs=True)
+    eager = engine.smc_sd([PROMPT] * 64, **kw, seed=9, use_graphs=False)
+    assert torch.equal(graphs.tokens.cpu(), eager.tokens.cpu())
+    torch.testing.assert_close(graphs.log_weights.cpu(), eager.log_weights.cpu(), rtol=0, atol=1e-9)
+    _check_constraint(graphs, PATTERNS[0] if path == "regex" else r"[ab]+a", model)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("alpha", [0.5, 2.0])
 def test_power_target(device, alpha):

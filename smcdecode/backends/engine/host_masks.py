@@ -10,7 +10,9 @@ comes after those k drafts when the budget allows one. The round asks for the ma
 
 A step's masks travel packed: the constraints write their rows of one pinned int32 [rows, ⌈V/32⌉]
 bitmask (llguidance fills the particles of every request in one parallel call), the bitmask is
-uploaded without blocking and unpacked on the device (a bit a token instead of a byte: 8× fewer bytes).
+uploaded without blocking into the round's ``host_bits`` buffer and unpacked there by the round (a
+bit a token instead of a byte: 8× fewer bytes). The round's parts between these host points are
+CUDA graphs (``smc.capture_round``).
 Host and device overlap: the round hands each draft column over as soon as it is sampled
 (``drafted``: a non-blocking copy and an event), so the host waits for that sample only and
 computes the next step's masks while the device runs the draft's next forward (or, for the bonus,
@@ -24,7 +26,6 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ...potentials.constraint import unpack_bits
 from ...potentials.grammar import fill_bits_together
 
 Column = Callable[[int], Tensor]  # draft step j -> the drafted tokens of a request's rows, on the CPU
@@ -108,6 +109,10 @@ class HostMasks:
         self.rows = 0
         self.k_max = 0  # the round's K_max: mask(k_max) asks for the bonus masks
         self._columns: dict[int, tuple[Tensor, object]] = {}  # step j -> (drafts[:rows, j] on the CPU, event)
+        # the packed masks of a step on the host, two buffers in turn (pinned on a GPU: uploaded without blocking)
+        self._bits = [torch.empty(0, self.W, dtype=torch.int32) for _ in range(2)]
+        self._turn = 0
+        self._uploaded: list = [None, None]  # each buffer's last upload (an event)
 
     def __bool__(self) -> bool:
         return bool(self.requests)
@@ -120,6 +125,8 @@ class HostMasks:
 
     def begin(self, rows: int, k_max: int, drafts: Tensor) -> None:
         self.rows, self.k_max, self.drafts = rows, k_max, drafts
+        if self._bits[0].shape[0] < rows:
+            self._bits = [torch.empty(rows, self.W, dtype=torch.int32, pin_memory=self.pinned) for _ in range(2)]
         self._columns = {}
         for m in self.requests.values():
             m.begin()
@@ -148,8 +155,9 @@ class HostMasks:
             self._columns[j] = (column, None)
         return column
 
-    def mask(self, i: int) -> Tensor | None:
-        """[rows, V] bool on the device for draft step i (i = K_max: the bonus), or None."""
+    def mask(self, i: int, out: Tensor) -> None:
+        """Write the packed masks of draft step i (i = K_max: the bonus) into ``out`` (int32 [rows, ⌈V/32⌉]
+        on the device; every token allowed on the rows no request constrains), without blocking."""
         bits, shared, filled = None, [], []
         for slot, m in self.requests.items():
             if i >= m.K and i != self.k_max:  # past this request's block (its bonus comes at i = K_max)
@@ -157,19 +165,39 @@ class HostMasks:
             step = min(i, m.K)
             if not m.counts(step):
                 continue
-            if bits is None:  # every token allowed for the rows no request constrains
-                bits = torch.full((self.rows, self.W), -1, dtype=torch.int32, pin_memory=self.pinned)
+            if bits is None:  # this step's host buffer (two in turn: the other one may still be uploading)
+                self._turn ^= 1
+                if self._uploaded[self._turn] is not None:
+                    self._uploaded[self._turn].synchronize()
+                bits = self._bits[self._turn][: self.rows]
+                bits.fill_(-1)
             r = self._rows(slot, m.n)
             m.fill(step, bits[r], lambda j, r=r: self._column(j)[r], shared, r.start)
             filled.append((m, r))
         if bits is None:
-            return None
+            out.fill_(-1)
+            return
         if shared:  # the llguidance rows of every request: one call into its thread pool
             fill_bits_together(shared, bits, self.rows)
         for m, r in filled:
             m.restrict(bits[r])
-        # bits: [rows, W] int32 -> the device (non-blocking from pinned memory) -> bool [rows, V]
-        return unpack_bits(bits.to(self.device, non_blocking=True), self.V)
+        out.copy_(bits, non_blocking=True)
+        if self.pinned:
+            self._uploaded[self._turn] = torch.cuda.Event()
+            self._uploaded[self._turn].record()
+
+    def handle(self, event: tuple[str, int], buffers: dict, warm_up: bool = False) -> None:
+        """A host point of the round's proposal (``smc.round_code``): ("mask", i) writes draft step
+        i's masks into ``buffers["host_bits"]``; ("drafted", i) starts the copy of draft column i to
+        the host. ``warm_up``: a graph capture's first run (every token allowed, nothing copied)."""
+        kind, i = event
+        if kind == "mask":
+            if warm_up:
+                buffers["host_bits"].fill_(-1)
+            else:
+                self.mask(i, buffers["host_bits"])
+        elif not warm_up:
+            self.drafted(i, buffers["drafts"][:, i])
 
     def end(self, bonus: Tensor) -> None:
         need = any(m.budget - m.position > m.K for m in self.requests.values())

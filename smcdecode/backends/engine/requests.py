@@ -114,6 +114,7 @@ class Rounds:
 
     full: Round
     by_bucket: dict = field(default_factory=dict)
+    host: object = None  # the host-mask constraints' HostMasks, when the scheduler has any
 
 
 def check_exact(request: Request, program: EngineTarget, speculative: bool, exact_only: bool = False) -> None:

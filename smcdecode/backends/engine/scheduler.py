@@ -25,8 +25,8 @@ the host without waiting for that round (``_collect``).
 
 A scheduler runs a fixed set of target programs (``target=[...]``; a request names its own in
 ``Request.target``): their automata share one device table, α is per row, rewards are scored per
-program. Constraints whose masks come from the host (llguidance) run the round eagerly
-(host_masks.py). ``Engine.smc_sd`` is this loop with every request submitted at once
+program. Constraints whose masks come from the host (llguidance) cut the proposal into parts, the
+host computing masks between them (host_masks.py). ``Engine.smc_sd`` is this loop with every request submitted at once
 (``batch.run_batch``).
 """
 
@@ -118,14 +118,12 @@ class Scheduler:
         self.combined = (CombinedAutomaton.of([a for o in self.own.values() for a in o], dev)
                          if n_slots else None)
         self.automata = [self.combined] * n_slots
-        eager = any(self.hosted.values())
-        if (self.automata or eager) and eos_token_id is None:
+        hosted = any(self.hosted.values())
+        if (self.automata or hosted) and eos_token_id is None:
             raise SMCDecodeError("constraints allow EOS only in accepting states: pass eos_token_id")
         self.eos = -1 if eos_token_id is None else eos_token_id
         self.pad = max(self.eos, 0)
-        use_graphs = engine.config.use_graphs if use_graphs is None else use_graphs
-        self.use_graphs = use_graphs and not eager
-        self.host = HostMasks(max_particles, V, dev) if eager else None
+        self.use_graphs = engine.config.use_graphs if use_graphs is None else use_graphs
         self.resampler, self.tau = resampler, ess_threshold
         self.record_weights = record_weights
         self.plan = schedule.start(slots) if schedule is not None else None
@@ -140,16 +138,19 @@ class Scheduler:
         self.drafts = engine.draft is not None and (max_block_size > 0 or schedule is not None)
         key = ("smc", slots, max_particles, max_block_size, self.cap, self.eos, resampler, ess_threshold,
                self.use_graphs, n_slots, id(self.combined.table) if self.combined else None, with_rewards,
-               self.speculative, self.drafts, exact_only)
-        rounds = None if eager else engine.graphs.get(key)
+               self.speculative, self.drafts, exact_only, hosted)
+        rounds = engine.graphs.get(key)
         if rounds is None:
             pt = torch.from_numpy(self.table.table).to(dev)
             rounds = Rounds(build_round(engine, slots, max_particles, max_block_size, self.cap, pt, self.automata,
-                                         self.eos, self.pad, resampler, ess_threshold,
-                                         self.host if eager else None, self.speculative, self.drafts, exact_only))
-            if not eager:
-                engine.graphs.put(key, rounds)
+                                         self.eos, self.pad, resampler, ess_threshold, hosted, self.speculative,
+                                         self.drafts, exact_only),
+                            host=HostMasks(max_particles, V, dev) if hosted else None)
+            engine.graphs.put(key, rounds)
         self._rounds = rounds
+        self.host = rounds.host
+        if self.host is not None:
+            self.host.requests.clear()
         self.full = rounds.full
         b = self.full.buffers
         b["finished"].fill_(True)
@@ -349,7 +350,7 @@ class Scheduler:
     def _round(self, bucket: int, k: int):
         """The round over the first ``bucket`` slots with ``k`` draft steps (the largest block size
         among the requests in them)."""
-        rnd = self._rounds.by_bucket.get((bucket, k)) if self.host is None else None
+        rnd = self._rounds.by_bucket.get((bucket, k))
         if rnd is not None:
             return rnd
         R = bucket * self.Nmax
@@ -372,7 +373,7 @@ class Scheduler:
                 view[name] = v[:R]
         rnd = Round(view, None, None, keep=list(self.full.keep))
         rnd.propose_code, rnd.finish_code = round_code(self.engine, view, self.automata, self.eos, self.pad,
-                                                         self.resampler, self.tau, self.host, self.drafts,
+                                                         self.resampler, self.tau, self.host is not None, self.drafts,
                                                          self.exact_only)
         if self.use_graphs:
             # NOTE: capturing runs the round once (warm-up); save and restore every buffer around it, and
@@ -380,15 +381,14 @@ class Scheduler:
             saved = {name: [t.clone() for t in (v if isinstance(v, list) else [v])] for name, v in full.items()}
             cuda = self.engine.device.type == "cuda"
             rng = torch.cuda.get_rng_state(self.engine.device) if cuda else torch.get_rng_state()
-            capture_round(self.engine, rnd, True, split=bool(self.rewards))
+            capture_round(self.engine, rnd, True, split=bool(self.rewards), host=self.host)
             torch.cuda.set_rng_state(rng, self.engine.device) if cuda else torch.set_rng_state(rng)
             for name, v in full.items():
                 for t, o in zip(v if isinstance(v, list) else [v], saved[name]):
                     t.copy_(o)
         else:
-            capture_round(self.engine, rnd, False, split=bool(self.rewards))
-        if self.host is None:
-            self._rounds.by_bucket[(bucket, k)] = rnd
+            capture_round(self.engine, rnd, False, split=bool(self.rewards), host=self.host)
+        self._rounds.by_bucket[(bucket, k)] = rnd
         return rnd
 
     def _shape(self, occupied: list[int]) -> tuple[int, int, dict]:

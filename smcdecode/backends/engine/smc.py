@@ -32,8 +32,10 @@ re-feeds [last, bonus] at positions T−1, T.
 
 Steps 1–4 and 6 are device tensor code. Without rewards or host-mask constraints they are captured
 as one CUDA graph; with rewards as two (1–4, and 6), the host scores texts in between. Constraints
-whose masks come from the host (host_masks.py) run the round eagerly: one host mask per draft step
-and one for the bonus.
+whose masks come from the host (host_masks.py) cut steps 1–3 into parts at the points where the host
+works: before each draft step and the bonus (it writes that step's packed masks into ``host_bits``)
+and after each draft (it starts copying the drafted tokens to itself, so the next step's masks are
+computed while the draft's forward runs). Each part is captured as its own CUDA graph.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ...potentials.constraint import unpack_bits
 from ...samplers import steps
 from ...samplers.adaptive import row_statistics
 from .attention import PagedBatch
@@ -82,7 +85,7 @@ def host_terms(b: dict, rewards: list, hosted, longest_new: int) -> None:
     b["host_incr"].copy_(incr)
 
 
-def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resampler, tau, host,
+def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resampler, tau, host: bool,
                 speculative: bool = False, drafts: bool = True, exact_only: bool = False) -> Round:
     dev = engine.device
     B = G * Nmax
@@ -112,6 +115,8 @@ def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resamp
         # positions each row moves on (K_row + 1; exact speculative decoding: its accepted drafts + 1)
         advance=z(B), exact=z(B, dtype=torch.bool), accepted=z(B),
     )
+    if host:  # the host masks of the current draft step, packed (a bit a token; host_masks.py)
+        b["host_bits"] = torch.full((B, (engine.target.cfg.vocab_size + 31) // 32), -1, dtype=torch.int32, device=dev)
     if speculative:  # rows of exact speculative decoding need the draft's logits at the first rejection
         b["draft_logits"] = torch.zeros(B, Kmax, engine.draft.cfg.vocab_size, dtype=engine.dtype, device=dev)
     rnd = Round(b, None, None, keep=[t for a in automata for t in (a.table, a.classes, a.accepting, a.live)])
@@ -120,12 +125,14 @@ def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resamp
     return rnd
 
 
-def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, tau: float, host=None,
+def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, tau: float, host: bool = False,
                drafts: bool = True, exact_only: bool = False):
-    """(propose, finish) over the static buffers ``b``; ``host`` (a ``host_masks.HostMasks``) gives the host masks of
-    draft step i (i = K_max: the bonus) in the eager host-mask path; ``drafts`` False leaves the draft
-    model out (a loop that never drafts: autoregressive sampling); ``exact_only``: every row is one of
-    exact speculative decoding (no weights, statistics, resampling or page forks in the round)."""
+    """(propose, finish) over the static buffers ``b``. ``propose()`` is a generator: with ``host``
+    (host-mask constraints) it yields ``("mask", i)`` where the host must write the packed masks of
+    draft step i (i = K_max: the bonus) into ``b["host_bits"]``, and ``("drafted", i)`` after draft
+    step i was sampled; without, it yields nothing. ``drafts`` False leaves the draft model out (a
+    loop that never drafts: autoregressive sampling); ``exact_only``: every row is one of exact
+    speculative decoding (no weights, statistics, resampling or page forks in the round)."""
     G, Nmax = b["W"].shape
     B, Kmax = b["drafts"].shape
     ar, PS = b["ar"], engine.page_size
@@ -136,12 +143,9 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
     drafts, log_q, K_row, alpha, T = b["drafts"], b["log_q"], b["K_row"], b["alpha"], b["seq"]
     exact = b["exact"] if "draft_logits" in b else None  # rows of exact speculative decoding
 
-    # host: the host-mask constraints (host_masks.HostMasks): mask(i) for draft step i (i = K_max: the
-    # bonus), and drafted(i, d), which starts each draft column's copy to the host as soon as it is sampled
-    host_mask = host.mask if host is not None else None
-    drafted = host.drafted if host is not None else None
+    V = engine.target.cfg.vocab_size
 
-    def masks(states: list[Tensor], i: int) -> tuple[Tensor | None, Tensor | None]:
+    def masks(states: list[Tensor]) -> tuple[Tensor | None, Tensor | None]:
         """(the rows' mask [B, V] or None, the rows it leaves no token or None when not known here)."""
         m = None
         for a, s in zip(automata, states):
@@ -149,13 +153,12 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
             m = mi if m is None else m & mi
         # (one automaton: a state's row allows some token or none, known without reducing the mask)
         dead = ~automata[0].live[states[0]] if len(automata) == 1 else None
-        if host_mask is not None:
-            hm = host_mask(i)
-            if hm is not None:
-                m, dead = (hm if m is None else m & hm), None
+        if host:  # the host's masks of this step (written between the round's parts)
+            hm = unpack_bits(b["host_bits"], V)
+            m, dead = (hm if m is None else m & hm), None
         return m, dead
 
-    def propose() -> None:
+    def propose():
         seeds = torch.randint(0, 2**62, (Kmax + 2,), device=T.device)
         remaining = b["budget"] - n_gen
         k_eff = torch.minimum(K_row, remaining)
@@ -167,14 +170,16 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
             batch = PagedBatch.build((T - 1)[:, None] + pair, b["pt"], PS)
             logits = draft(b["pending"], engine.kv_d, batch, last_only=True)[:, 0]  # [B, V]
         for i in range(Kmax):
-            m, dead = masks(states, i)
+            if host:
+                yield "mask", i
+            m, dead = masks(states)
             d, log_q[:, i], log_mass, _ = sample_and_score(logits, b["T_draft"], seeds[i], mask=m, dead=dead,
                                                            triton=fused)
             drafts[:, i] = d
             if exact is not None:
                 b["draft_logits"][:, i] = logits
-            if drafted is not None:
-                drafted(i, d)
+            if host:
+                yield "drafted", i
             # a schedule's statistic, log q(d) of the unmasked draft (exact-only rounds keep no statistics):
             # log q'(d) + log Σ_v q(v)·1[valid] (0 on a row the mask leaves no token)
             if not exact_only:
@@ -197,7 +202,9 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
             log_p = sample_and_score(logits_t.view(B * (Kmax + 1), V), b["T_target"][:, None].expand(B, Kmax + 1).reshape(-1),
                                      seeds[Kmax], gather, draw=False, triton=fused).gathered.view(B, Kmax + 1)[:, :Kmax]
         # 3. the bonus after the row's K drafts, from π_loc ∝ p^α·1[valid], and its normaliser
-        m, dead = masks(kept, Kmax)
+        if host:
+            yield "mask", Kmax
+        m, dead = masks(kept)
         bonus, _, log_norm, _ = sample_and_score(logits_t[rows, K_row], b["T_target"], seeds[Kmax + 1],
                                                  alpha=None if exact_only else alpha, mask=m, dead=dead, triton=fused)
         b["bonus"].copy_(bonus)
@@ -355,18 +362,42 @@ def pages_code(b: dict, pools: list, page_size: int):
     return pages
 
 
-def capture_round(engine, rnd: Round, graphs: bool, split: bool) -> None:
+def drive(steps, handle=None) -> None:
+    """Run the generator ``steps`` (a round's ``propose()``) to its end, ``handle(event)`` at each host point."""
+    for event in steps:
+        handle(event)
+
+
+def capture_round(engine, rnd: Round, graphs: bool, split: bool, host=None) -> None:
     """Eager closures, or their CUDA graphs: one for the whole round, two when the host scores
-    rewards between the proposal and the resampling."""
+    rewards between the proposal and the resampling; with ``host`` (a ``host_masks.HostMasks``:
+    ``host.handle(event, buffers)`` at each host point of the proposal) the proposal's parts, one
+    graph each, replayed with the host's work in between."""
     propose, finish = rnd.propose_code, rnd.finish_code
-    if not graphs:
-        rnd.propose, rnd.finish = propose, finish
+    b = rnd.buffers
+    if host is not None:
+        handle = lambda event: host.handle(event, b)  # noqa: E731
+        if graphs:
+            parts = engine.graphs.capture_parts(propose, lambda event: host.handle(event, b, warm_up=True))
+
+            def replay() -> None:
+                for part, event in parts:
+                    part()
+                    if event is not None:
+                        handle(event)
+
+            rnd.propose = replay
+        else:
+            rnd.propose = lambda: drive(propose(), handle)
+        rnd.finish = engine.graphs.capture(finish, graphs)
+    elif not graphs:
+        rnd.propose, rnd.finish = (lambda: drive(propose())), finish
     elif split:
-        rnd.propose = engine.graphs.capture(propose, True)
+        rnd.propose = engine.graphs.capture(lambda: drive(propose()), True)
         rnd.finish = engine.graphs.capture(finish, True)
     else:
         def whole() -> None:
-            propose()
+            drive(propose())
             finish()
 
         rnd.propose = engine.graphs.capture(whole, True)

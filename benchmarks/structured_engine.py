@@ -172,12 +172,17 @@ def run_model(name: str, engine: Engine, model, prompts, eos: int, schema: dict,
                    "plain_same_length_seconds": t_same,
                    "plain_seconds": t_plain, "constrained_seconds": t_con,
                    "constrained_tokens": [generated(o) for o in outs],
+                   "constrained_rounds": [o.rounds for o in outs], "plain_same_length_rounds": o_same.rounds,
+                   "ms_per_round_constrained": 1e3 * statistics.median(t / o.rounds for o, t in zip(outs, t_con)),
+                   "ms_per_round_plain_same_length": 1e3 * statistics.median(t_same) / o_same.rounds,
                    "documents_ended": ended, "documents_valid": valid,
                    "host_s": [o.host_s for o in outs], "compile_s": c.compile_s}
             rows.append(row)
             print(f"{name} G={G} {path}: plain {plain:.0f} tok/s, constrained {con:.0f} tok/s "
                   f"({100 * con / plain:.0f} %; plain at its {Lc} tokens {same:.0f} tok/s: "
-                  f"{100 * con / same:.0f} %), {valid}/{ended} valid", flush=True)
+                  f"{100 * con / same:.0f} %), {valid}/{ended} valid; rounds {outs[-1].rounds} vs {o_same.rounds}, "
+                  f"ms/round {row['ms_per_round_constrained']:.2f} vs {row['ms_per_round_plain_same_length']:.2f}",
+                  flush=True)
             engine.clear_graphs()
     return rows
 

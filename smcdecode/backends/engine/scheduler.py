@@ -56,7 +56,7 @@ from .requests import (
     idle_settings,
     rows_of,
 )
-from .smc import NEG_INF, Round, build_round, capture_round, host_terms, round_code
+from .smc import NEG_INF, Round, buffers_view, build_round, capture_round, host_terms, round_code
 from .targets import CombinedAutomaton, DeviceAutomaton, EngineTarget, Settings
 
 
@@ -353,24 +353,8 @@ class Scheduler:
         rnd = self._rounds.by_bucket.get((bucket, k))
         if rnd is not None:
             return rnd
-        R = bucket * self.Nmax
         full = self.full.buffers
-        view = {}
-        for name, v in full.items():
-            if name == "states":
-                view[name] = [s[:R] for s in v]
-            elif name in ("n", "log_Z", "do", "ess", "W", "group_base"):
-                view[name] = v[:bucket]
-            elif name == "ar":
-                view[name] = v[: k + 1]
-            elif name == "done":
-                view[name] = v
-            elif name == "packed":
-                view[name] = v[: 3 * R + 2 * bucket + 1]
-            elif name in ("drafts", "log_q", "log_q_all"):
-                view[name] = v[:R, :k]
-            else:
-                view[name] = v[:R]
+        view = buffers_view(full, bucket, self.Nmax, k)
         rnd = Round(view, None, None, keep=list(self.full.keep))
         rnd.propose_code, rnd.finish_code = round_code(self.engine, view, self.automata, self.eos, self.pad,
                                                          self.resampler, self.tau, self.host is not None, self.drafts,
@@ -467,6 +451,10 @@ class Scheduler:
                            if ahead else None)
         rnd = self._round(bucket, k)
         held = self._give(occupied, ahead, k, R) if pipelined else None
+        if held is not None and ahead.issuperset(occupied) and self._ended(self._flights[-1]):
+            self.table.unhold(held.reshape(-1))  # (every request ended in the round in flight: no round after it)
+            self._drain()
+            return self._collect(wait_all=True)
         self.host_s += time.perf_counter() - t0
         self._launch(rnd, bucket, k, occupied, K_now, held)
         if held is None or len(self._flights) > 1:
@@ -474,6 +462,16 @@ class Scheduler:
             self._read() if held is not None else self._drain()
             self.host_s += time.perf_counter() - t1
         return self._collect(wait_all=not self._flights)
+
+    def _ended(self, f: Flight) -> bool:
+        """Whether every row of the round in flight ``f`` finished, where rows may end before their
+        budget (EOS, constraints): waits for that round, so a pipelined round is never launched
+        after the last one that does work (the device idles only for the launch)."""
+        if self.eos < 0 and not self.automata:
+            return False
+        if f.event is not None:
+            f.event.synchronize()
+        return bool(self._host_packed[f.parity, 3 * f.bucket * self.Nmax + 2 * f.bucket] > 0)
 
     def _give(self, occupied: list[int], ahead: set, k: int, R: int) -> np.ndarray | None:
         """Set pages aside for the end of the round about to launch (the pages of the round after

@@ -125,6 +125,28 @@ def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resamp
     return rnd
 
 
+def buffers_view(full: dict, bucket: int, Nmax: int, k: int) -> dict:
+    """The buffers of the round over the first ``bucket`` slots with ``k`` draft steps: views of ``full``."""
+    R = bucket * Nmax
+    view = {}
+    for name, v in full.items():
+        if name == "states":
+            view[name] = [s[:R] for s in v]
+        elif name in ("n", "log_Z", "do", "ess", "W", "group_base"):
+            view[name] = v[:bucket]
+        elif name == "ar":
+            view[name] = v[: k + 1]
+        elif name == "done":
+            view[name] = v
+        elif name == "packed":
+            view[name] = v[: 3 * R + 2 * bucket + 1]
+        elif name in ("drafts", "log_q", "log_q_all"):
+            view[name] = v[:R, :k]
+        else:
+            view[name] = v[:R]
+    return view
+
+
 def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, tau: float, host: bool = False,
                drafts: bool = True, exact_only: bool = False):
     """(propose, finish) over the static buffers ``b``. ``propose()`` is a generator: with ``host``

@@ -45,6 +45,7 @@ from torch import Tensor
 
 from ...samplers import steps
 from ...samplers.adaptive import row_statistics
+from . import exact as exact_round
 from .attention import PagedBatch
 from .sampling import sample_and_score
 
@@ -112,7 +113,7 @@ def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resamp
         # positions each row moves on (K_row + 1; exact speculative decoding: its accepted drafts + 1)
         advance=z(B), exact=z(B, dtype=torch.bool), accepted=z(B),
     )
-    if speculative:  # rows of exact speculative decoding need the draft's logits at the first rejection
+    if speculative and Kmax > 0:  # rows of exact speculative decoding need the draft's logits at the first rejection
         b["draft_logits"] = torch.zeros(B, Kmax, engine.draft.cfg.vocab_size, dtype=engine.dtype, device=dev)
     rnd = Round(b, None, None, keep=[t for a in automata for t in (a.table, a.classes, a.accepting, a.live)])
     rnd.propose_code, rnd.finish_code = round_code(engine, b, automata, eos, pad, resampler, tau, host, drafts,
@@ -125,7 +126,9 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
     """(propose, finish) over the static buffers ``b``; ``host`` (a ``host_masks.HostMasks``) gives the host masks of
     draft step i (i = K_max: the bonus) in the eager host-mask path; ``drafts`` False leaves the draft
     model out (a loop that never drafts: autoregressive sampling); ``exact_only``: every row is one of
-    exact speculative decoding (no weights, statistics, resampling or page forks in the round)."""
+    exact speculative decoding or, without drafts, of autoregressive sampling: the round of exact.py."""
+    if exact_only:
+        return exact_round.round_code(engine, b, eos, pad, drafts)
     G, Nmax = b["W"].shape
     B, Kmax = b["drafts"].shape
     ar, PS = b["ar"], engine.page_size

@@ -13,6 +13,9 @@ tokens, fixed-length outputs (no EOS), 1 and 8 requests:
 
 Each repeat times every case once, in an order that alternates between repeats; the table gives
 medians over repeats (tok/s of all requests) and loop / dedicated. Raw times go to --out as JSON.
+``--profile``: after the timed repeats, one more call of each case under torch.profiler: its wall time,
+the device's busy time (kernels summed) and its kernel count, to tell a gap in device work from one
+in the host's launches.
 """
 
 from __future__ import annotations
@@ -54,6 +57,20 @@ def cases(engine: Engine, prompts: list, ar_len: int, sd_len: int, K: int) -> di
     }
 
 
+def profiled(fn) -> dict:
+    """Wall seconds, device-busy seconds (every kernel's time summed) and kernels of one call of ``fn``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {"wall_s": wall, "device_busy_s": sum(e.device_time_total for e in kernels) / 1e6, "kernels": len(kernels)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny random models (a CPU check of the script)")
@@ -63,6 +80,7 @@ def main() -> None:
     ap.add_argument("--ar-out-len", type=int, default=256)
     ap.add_argument("--sd-out-len", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--profile", action="store_true", help="also profile one call of each case (GPU)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/engine_general/loop_programs_ab.json"))
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -82,6 +100,7 @@ def main() -> None:
     prompts = torch.randint(0, V, (Gmax, args.prompt_len), generator=gen).tolist()
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     times: dict = {}
+    profiles: dict = {}
     for G in requests:
         calls = cases(engine, prompts[:G], args.ar_out_len, args.sd_out_len, K)
         for name in calls:  # capture and compile: a short call of each (the same graphs as the timed ones)
@@ -96,12 +115,16 @@ def main() -> None:
                 fn()
                 sync()
                 times.setdefault(f"{name}|{G}", []).append(time.perf_counter() - t0)
+        if args.profile and dev.type == "cuda":
+            for name, (fn, _) in calls.items():
+                profiles[f"{name}|{G}"] = profiled(fn)
         engine.clear_graphs()
     rows = []
     for key, ts in times.items():
         name, G = key.split("|")
         n = cases(engine, prompts[: int(G)], args.ar_out_len, args.sd_out_len, K)[name][1]
-        rows.append({"case": name, "requests": int(G), "seconds": ts, "tok_s": n / statistics.median(ts)})
+        rows.append({"case": name, "requests": int(G), "seconds": ts, "tok_s": n / statistics.median(ts),
+                     **({"profile": profiles[key]} if key in profiles else {})})
     res = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "shapes": {k: v.__dict__ for k, v in shapes.items()}, "dtype": str(dtype),
@@ -115,6 +138,11 @@ def main() -> None:
         for kind in ("AR", "SD"):
             a, b = by[(f"{kind} dedicated", G)], by[(f"{kind} loop", G)]
             print(f"{kind:<16}{G:>9}{a:>12.1f}{b:>10.1f}{b / a:>11.3f}")
+    for x in rows:
+        if "profile" in x:
+            p = x["profile"]
+            print(f"profile {x['case']} G={x['requests']}: wall {p['wall_s']:.3f} s, device busy "
+                  f"{p['device_busy_s']:.3f} s, {p['kernels']} kernels")
     print(f"raw: {args.out}")
 
 

@@ -178,11 +178,10 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
                 b["draft_logits"][:, i] = logits
             if drafted is not None:
                 drafted(i, d)
-            # a schedule's statistic, log q(d) of the unmasked draft (exact-only rounds keep no statistics):
+            # a schedule's statistic, log q(d) of the unmasked draft:
             # log q'(d) + log Σ_v q(v)·1[valid] (0 on a row the mask leaves no token)
-            if not exact_only:
-                b["log_q_all"][:, i] = log_q[:, i] if m is None else torch.where(
-                    torch.isfinite(log_mass), log_q[:, i] + log_mass, 0.0)
+            b["log_q_all"][:, i] = log_q[:, i] if m is None else torch.where(
+                torch.isfinite(log_mass), log_q[:, i] + log_mass, 0.0)
             states = [a.advance(s, d) for a, s in zip(automata, states)]
             kept = [torch.where(i < k_eff, s, k) for s, k in zip(states, kept)]
             if i < Kmax - 1:
@@ -202,21 +201,18 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         # 3. the bonus after the row's K drafts, from π_loc ∝ p^α·1[valid], and its normaliser
         m, dead = masks(kept, Kmax)
         bonus, _, log_norm, _ = sample_and_score(logits_t[rows, K_row], b["T_target"], seeds[Kmax + 1],
-                                                 alpha=None if exact_only else alpha, mask=m, dead=dead, triton=fused)
+                                                 alpha=alpha, mask=m, dead=dead, triton=fused)
         b["bonus"].copy_(bonus)
-        if exact_only:
-            incr, n_new, any_eos, has_bonus = None, None, None, torch.zeros_like(finished)
-        else:
-            # 4. incremental weights up to the first EOS and the budget (a dead end: -inf)
-            incr, n_new, any_eos, has_bonus = steps.weigh(log_p, log_q, drafts, alpha, k_eff, eos, log_norm,
-                                                          remaining > K_row)
-            # a schedule's statistics over every drafted position within the budget, up to the first EOS
-            drawn = ar[None, :Kmax] < remaining[:, None]
-            eos_all = (drafts == eos) & drawn
-            counted = ((torch.cumsum(eos_all.long(), 1) - eos_all.long()) == 0) & drawn & ~finished[:, None]
-            for name, value in zip(("accept", "accept_n", "draft_lw"),
-                                   row_statistics(log_p, b["log_q_all"], alpha[:, None] * log_p - log_q, counted)):
-                b[name].copy_(value)
+        # 4. incremental weights up to the first EOS and the budget (a dead end: -inf)
+        incr, n_new, any_eos, has_bonus = steps.weigh(log_p, log_q, drafts, alpha, k_eff, eos, log_norm,
+                                                      remaining > K_row)
+        # a schedule's statistics over every drafted position within the budget, up to the first EOS
+        drawn = ar[None, :Kmax] < remaining[:, None]
+        eos_all = (drafts == eos) & drawn
+        counted = ((torch.cumsum(eos_all.long(), 1) - eos_all.long()) == 0) & drawn & ~finished[:, None]
+        for name, value in zip(("accept", "accept_n", "draft_lw"),
+                               row_statistics(log_p, b["log_q_all"], alpha[:, None] * log_p - log_q, counted)):
+            b[name].copy_(value)
         active = ~finished
         b["drafted"].add_(torch.where(active, k_eff, 0))
         block = torch.cat([drafts, torch.full_like(bonus, pad)[:, None]], dim=1)
@@ -232,15 +228,12 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
             is_eos = (sd_block == eos) & (ar[None] < sd_new[:, None])
             sd_eos = is_eos.any(1)
             sd_new = torch.where(sd_eos, is_eos.long().argmax(1) + 1, sd_new)
-            if exact_only:
-                block, n_new, any_eos, nxt, used = sd_block, sd_new, sd_eos, c, n_acc
-            else:
-                block = torch.where(exact[:, None], sd_block, block)
-                n_new = torch.where(exact, sd_new, n_new)
-                incr = torch.where(exact, 0.0, incr)
-                any_eos = torch.where(exact, sd_eos, any_eos)
-                has_bonus = has_bonus & ~exact
-                nxt, used = torch.where(exact, c, bonus), torch.where(exact, n_acc, K_row)
+            block = torch.where(exact[:, None], sd_block, block)
+            n_new = torch.where(exact, sd_new, n_new)
+            incr = torch.where(exact, 0.0, incr)
+            any_eos = torch.where(exact, sd_eos, any_eos)
+            has_bonus = has_bonus & ~exact
+            nxt, used = torch.where(exact, c, bonus), torch.where(exact, n_acc, K_row)
             # (positions these rows move on: what they kept + 1; the others K_row + 1)
             # (an exact row stops where it finished: its pages were reserved for its own output only)
             b["advance"].copy_(torch.where(exact, torch.where(b["valid"] & active, n_acc + 1, 0), K_row + 1))
@@ -251,16 +244,13 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         hit_eos = any_eos | (has_bonus & (bonus == eos))
         ended = active & (hit_eos | (n_gen >= b["budget"]))
         final = [torch.where(has_bonus, a.advance(k, bonus), k) for a, k in zip(automata, kept)]
-        if exact_only:
-            finished.copy_(finished | ended)
-        else:
-            accepted = torch.ones_like(ended)
-            for a, s in zip(automata, final):
-                accepted = accepted & a.accepting[s]
-            incr = steps.reject_cut(incr, ended, hit_eos, accepted)  # cut, and not in the language
-            lw = torch.where(active, log_w + incr, log_w)
-            log_w.copy_(lw)
-            finished.copy_(finished | ended | torch.isneginf(lw))
+        accepted = torch.ones_like(ended)
+        for a, s in zip(automata, final):
+            accepted = accepted & a.accepting[s]
+        incr = steps.reject_cut(incr, ended, hit_eos, accepted)  # cut, and not in the language
+        lw = torch.where(active, log_w + incr, log_w)
+        log_w.copy_(lw)
+        finished.copy_(finished | ended | torch.isneginf(lw))
         for s, f in zip(b["states"], final):
             s.copy_(torch.where(active, f, s))
         # the draft's next feed [token at T'−1, next]: the row's last kept draft, or (none) the last token
@@ -271,14 +261,6 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         b["active"].copy_(active)
         b["ended"].copy_(ended)
         b["hit_eos"].copy_(hit_eos)
-
-    def finish_exact() -> None:  # (exact rows only: no weights, no resampling, pages reserved ahead)
-        T.add_(b["advance"])
-        b["do"].zero_()
-        b["ess"].copy_(b["n"].double())
-        b["done"].copy_(finished.all()[None])
-        b["packed"].copy_(torch.cat([rows.double(), T.double(), finished.double(), b["do"].double(), b["ess"],
-                                     b["done"].double()]))
 
     def finish() -> None:
         lw = log_w + b["host_incr"]
@@ -306,8 +288,6 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
                                      b["done"].double()]))
         pages(go)
 
-    if exact_only:
-        return propose, finish_exact
     pools = [kv for kv in (engine.kv_t, engine.kv_d) if kv is not None]
     pages = pages_code(b, pools, PS)
     return propose, finish

@@ -197,9 +197,8 @@ def test_autoregressive_launches_its_kernels_without_pdl(monkeypatch):
     exact-only request loop (their rounds are captured and launched there) and on again after them,
     also when they raise; SMC-SD keeps it on."""
     pytest.importorskip("triton")
-    from smcdecode.backends.engine import Request, Scheduler
+    from smcdecode.backends.engine import Request, Scheduler, kernels
     from smcdecode.backends.engine import engine as E
-    from smcdecode.backends.engine import kernels
 
     seen = []  # (PDL when a prompt is prefilled: the dedicated SD loop's start, the request loop's admission)
     start, prefill_rows = E.Engine.start, E.Engine.prefill_rows

@@ -367,3 +367,32 @@ def test_pipelined_request_loop_with_requests_joining_freed_slots():
     for i, f in done.items():
         assert bool((f.lengths == budgets[i]).all()) and torch.isfinite(f.log_weights).all()
     assert sched.table.used == 0 and len(sched.table.free) == 400 - 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_exact_only_rounds_pipelined_give_the_unpipelined_outputs(device, monkeypatch):
+    """Exact-only rounds (exact.py) hold their pages from admission on, so they pipeline whatever
+    each request's K: exact speculative decoding with K = 1, 2 and 3 in one scheduler, and
+    autoregressive sampling (K = 0, a one-token prompt among them), give the same tokens, lengths and
+    acceptance counts for the same seed pipelined (graphs) as read round by round (on the CPU the
+    capture is stood in by the eager round)."""
+    from smcdecode.backends.engine import Request, Scheduler
+
+    if device == "cpu":
+        monkeypatch.setattr(GraphCache, "capture", lambda self, fn, use_graphs: fn)
+    target, draft = _models(device)
+    for K, prompts in ((3, [[1, 2, 3, 4, 5], [6, 1, 2], [3, 3, 4, 5, 6, 1, 2, 3, 4]]), (0, [[1, 2, 3, 4, 5], [6], [3, 4]])):
+        outs = []
+        for pipeline in (False, True):
+            engine = Engine(target, draft if K else None, num_pages=200, page_size=4, max_context=40)
+            sched = Scheduler(engine, slots=len(prompts), max_particles=3, max_block_size=K, eos_token_id=EOS,
+                              seed=5, use_graphs=True, pipeline=pipeline, shrink=False, exact_only=True)
+            for g, p in enumerate(prompts):
+                sched.submit(Request(p, particles=3, block_size=min(K, g + 1), max_new_tokens=9 + 4 * g,
+                                     target_temperature=0.8 + 0.2 * g, id=g, exact=True))
+            done = sorted(sched.run(), key=lambda f: f.request.id)
+            outs.append([(f.tokens, f.lengths, f.accepted, f.drafted) for f in done])
+        for a, b in zip(*outs):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), K
+        lengths = torch.cat([f[1] for f in outs[0]])
+        assert (lengths < torch.tensor([9] * 3 + [13] * 3 + [17] * 3)).any()  # an EOS ended some row early

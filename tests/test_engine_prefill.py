@@ -193,46 +193,51 @@ def test_autoregressive_reuses_its_step_and_checks_input():
 
 
 def test_autoregressive_launches_its_kernels_without_pdl(monkeypatch):
-    """PDL is off inside Engine.autoregressive and Engine.speculative (their steps are captured there)
-    and on again after them, also when they raise; SMC-SD keeps it on."""
+    """PDL is off inside Engine.autoregressive and Engine.speculative and in every step of an
+    exact-only request loop (their rounds are captured and launched there) and on again after them,
+    also when they raise; SMC-SD keeps it on."""
     pytest.importorskip("triton")
+    from smcdecode.backends.engine import Request, Scheduler, kernels
     from smcdecode.backends.engine import engine as E
-    from smcdecode.backends.engine import kernels
 
-    seen = []
-    start = E.Engine.start
+    seen = []  # (PDL when a prompt is prefilled: the dedicated SD loop's start, the request loop's admission)
+    start, prefill_rows = E.Engine.start, E.Engine.prefill_rows
 
     def spy(self, *a, **k):
         seen.append(kernels.pdl_enabled())
         return start(self, *a, **k)
 
+    def loop_spy(self, *a, **k):
+        seen.append(kernels.pdl_enabled())
+        return prefill_rows(self, *a, **k)
+
     monkeypatch.setattr(E.Engine, "start", spy)
+    monkeypatch.setattr(E.Engine, "prefill_rows", loop_spy)
     e = Engine(tiny_llama(seed=4), None, num_pages=64, page_size=4, max_context=16)
     e.autoregressive([[1, 2, 3]], max_new_tokens=2)
-    assert seen == [False] and kernels.pdl_enabled()
+    assert seen and not any(seen) and kernels.pdl_enabled()
     with pytest.raises(SMCDecodeError):
         e.autoregressive([[1, 2]], max_new_tokens=0)
     assert kernels.pdl_enabled()
+    seen.clear()
+    sched = Scheduler(e, slots=1, max_particles=2, max_block_size=0, exact_only=True)  # (the server's AR lane)
+    sched.submit(Request([1, 2, 3], particles=2, block_size=0, max_new_tokens=2, exact=True))
+    sched.run()
+    assert seen and not any(seen) and kernels.pdl_enabled()
+    seen.clear()
     e = Engine(tiny_llama(seed=4), tiny_llama(seed=5, layers=1), num_pages=128, page_size=4, max_context=24)
     e.speculative([[1, 2, 3]], block_size=2, max_new_tokens=3)
-    assert seen[1:] == [False]
-    smc_seen = []  # (SMC-SD prefills through its request loop's admission)
-    prefill_rows = E.Engine.prefill_rows
-
-    def smc_spy(self, *a, **k):
-        smc_seen.append(kernels.pdl_enabled())
-        return prefill_rows(self, *a, **k)
-
-    monkeypatch.setattr(E.Engine, "prefill_rows", smc_spy)
+    assert seen and not any(seen)
+    seen.clear()
     e.smc_sd([[1, 2, 3]], particles=2, block_size=2, max_new_tokens=3)
-    assert smc_seen and all(smc_seen) and kernels.pdl_enabled()
+    assert seen and all(seen) and kernels.pdl_enabled()
 
 
 @torch.inference_mode()
 def test_autoregressive_stops_soon_after_every_row_sampled_eos():
     """With eos_token_id: each row equals the run without it up to and including its first EOS
-    (the same draws), is EOS after it, and decoding stops within two flag checks of the last row's
-    EOS instead of running to max_new_tokens."""
+    (the same draws), is EOS after it, and decoding stops within one round of the last row's EOS
+    (the round after it: pipelined) instead of running to max_new_tokens."""
     model = tiny_llama(seed=5)
     e = Engine(model, None, num_pages=2000, page_size=4, max_context=320)
     prompts, n = [[1, 2, 3], [4, 5]], 300
@@ -240,10 +245,9 @@ def test_autoregressive_stops_soon_after_every_row_sampled_eos():
     counts = torch.bincount(free[:, :20].flatten(), minlength=24)
     eos = int(counts.argmax())  # a token every row samples early
     first = torch.where((free == eos).any(1), (free == eos).long().argmax(1), n)
-    assert int(first.max()) + 1 + 2 * Engine.AR_CHECK_EVERY < n
+    assert int(first.max()) + 2 < n
     toks, _ = e.autoregressive(prompts, max_new_tokens=n, samples=4, seed=3, eos_token_id=eos)
-    every = Engine.AR_CHECK_EVERY
-    assert e.ar_steps_run < n and e.ar_steps_run <= int(first.max()) + 1 + 2 * every
+    assert int(first.max()) + 1 <= e.ar_steps_run <= int(first.max()) + 2
     for r in range(free.shape[0]):
         f = int(first[r])
         assert torch.equal(toks[r, : f + 1], free[r, : f + 1])
@@ -283,7 +287,7 @@ def test_no_recompile_or_recapture_across_calls_on_cuda():
     e.autoregressive(prompts(), max_new_tokens=12, samples=4, temperature=0.8)
     before = [_compiled(f) for f in fns]
     graphs = dict(e.graphs)
-    assert [k[:3] for k, _ in graphs] == [("ar", 32, 0.8)]
+    assert [k[:3] for k, _ in graphs] == [("ar", 8, 4)]  # (the request loop's AR rounds: 8 requests × 4 rows)
     for seed in range(3):
         toks, _ = e.autoregressive(prompts(), max_new_tokens=12, samples=4, temperature=0.8, seed=seed)
         assert toks.shape == (32, 12) and ((toks >= 0) & (toks < 256)).all()

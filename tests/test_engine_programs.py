@@ -120,9 +120,11 @@ def test_engine_backends_refuse_what_they_cannot_run():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_exact_speculative_decoding_on_the_request_loop_samples_the_target(device):
-    """Exact speculative decoding as a program of the request loop (``Request(exact=True)`` in a
-    ``Scheduler(speculative=True)``), in the same rounds as SMC-SD requests of another K: its
+@pytest.mark.parametrize("exact_only", [False, True])
+def test_exact_speculative_decoding_on_the_request_loop_samples_the_target(device, exact_only):
+    """Exact speculative decoding as a program of the request loop (``Request(exact=True)``): in a
+    ``Scheduler(speculative=True)``, in the same rounds as SMC-SD requests of another K, and alone in
+    an exact-only scheduler (the round of exact.py) whose requests draft K = 1 or 2 of its 3: its
     samples follow p_T exactly (chi-square against exact enumeration, ≤ 3 tokens), and the SMC-SD
     requests beside it still give unbiased evidence estimates."""
     from types import SimpleNamespace
@@ -133,12 +135,13 @@ def test_exact_speculative_decoding_on_the_request_loop_samples_the_target(devic
     target, draft = _models(device)
     eos = V - 1
     engine = engine_for(target, draft, rows=200, context=16, options={})
-    sched = Scheduler(engine, slots=64, max_particles=3, max_block_size=3, eos_token_id=eos, speculative=True,
-                      max_context=16, seed=5)
+    sched = Scheduler(engine, slots=64, max_particles=3, max_block_size=3, eos_token_id=eos,
+                      speculative=not exact_only, exact_only=exact_only, max_context=16, seed=5)
     M, n = 3000, 3
     for i in range(M):
-        sched.submit(Request(PROMPT, particles=1, block_size=2, max_new_tokens=n, exact=True, id=("sd", i)))
-        if i % 10 == 0:
+        k = 1 + i % 2 if exact_only else 2
+        sched.submit(Request(PROMPT, particles=1, block_size=k, max_new_tokens=n, exact=True, id=("sd", i)))
+        if i % 10 == 0 and not exact_only:
             sched.submit(Request(PROMPT, particles=3, block_size=3, max_new_tokens=n, id=("smc", i)))
     done = sched.run()
     sd_runs = [f for f in done if f.request.id[0] == "sd"]
@@ -150,7 +153,41 @@ def test_exact_speculative_decoding_on_the_request_loop_samples_the_target(devic
     assert chi_square_pvalue(out, exact) > 1e-4
     assert sum(int(f.accepted[0]) for f in sd_runs) > 0  # drafts were accepted, not only rejections drawn
     smc_runs = [f for f in done if f.request.id[0] == "smc"]
+    if exact_only:
+        return
     evidence = torch.tensor([f.log_evidence for f in smc_runs], dtype=torch.float64)
     assert torch.isfinite(evidence).all()
     ratio = torch.exp(evidence - exact.log_Z)
     assert abs(float(ratio.mean()) - 1) < 4 * float(ratio.std()) / len(ratio) ** 0.5 + 0.05
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autoregressive_rows_of_the_request_loop_sample_the_target(device):
+    """Exact-only rows of K = 0 without a draft (``Engine.autoregressive``'s program and the server's
+    AR lane): requests of a one-token prompt at temperature 1 and of a longer one at 0.7, in the same
+    rounds, joining as slots free up; each follows p_T at its temperature exactly (chi-square against
+    exact enumeration, 3 tokens); a request of K > 0 is refused."""
+    from types import SimpleNamespace
+
+    from smcdecode.backends.engine import Request, Scheduler
+    from smcdecode.backends.engine.bridge import engine_for
+
+    target, _ = _models(device)
+    engine = engine_for(target, None, rows=200, context=16, options={})
+    sched = Scheduler(engine, slots=4, max_particles=50, max_block_size=0, eos_token_id=V - 1, max_context=16,
+                      seed=3, exact_only=True)
+    prompts, temperatures, n = {"one": PROMPT[:1], "long": PROMPT}, {"one": 1.0, "long": 0.7}, 3
+    for i in range(60):
+        name = "one" if i % 2 else "long"
+        sched.submit(Request(prompts[name], particles=50, block_size=0, max_new_tokens=n,
+                             target_temperature=temperatures[name], id=(name, i), exact=True))
+    done = sched.run()
+    for name in prompts:
+        runs = [f for f in done if f.request.id[0] == name]
+        out = SimpleNamespace(tokens=torch.cat([f.tokens for f in runs])[:, None],
+                              lengths=torch.cat([f.lengths for f in runs])[:, None],
+                              log_weights=torch.zeros(1500, 1, dtype=torch.float64))
+        exact = exact_target(sd.LM(_models("cpu")[0], temperature=temperatures[name]), prompts[name], n)
+        assert chi_square_pvalue(out, exact) > 1e-4, name
+    with pytest.raises(sd.SMCDecodeError, match="block_size .* exceeds"):
+        sched.submit(Request(PROMPT, particles=1, block_size=1, max_new_tokens=n, exact=True))

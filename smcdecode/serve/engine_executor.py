@@ -6,13 +6,11 @@ resampler and ESS threshold, N and K within the scheduler's bounds) go to the en
 its own N, K and temperatures, joining between rounds when a slot is free and leaving when its
 particles have finished; streamed requests get the prefix every particle shares after each round.
 
-Plain autoregressive requests (no constraint, seed or logprobs) go to a second Scheduler: the target
-as proposal (K = 0: one token a round from p_T), one particle per choice, no resampling (τ = 0), so
-each choice is an independent sequence sampled token by token (locally normalised sampling, as
-``Autoregressive(..., backend="engine")`` with constraints runs). It runs on its own Engine over the
-same target Llama without a draft model: with a draft present, a K = 0 round would still run the
-draft's first forward and the admission would prefill the draft. AR choices join and leave between
-rounds like SMC requests, and stream token by token (the prefix shared by one particle is its text).
+Plain autoregressive requests (no constraint, seed or logprobs) go to a second Scheduler, exact-only
+with K = 0 (``Engine.autoregressive``'s program): each choice one exact row sampled token by token
+from p_T, in the lean round of exact.py (a target forward, a draw, the bookkeeping: no weights or
+resampling). It runs on its own Engine over the same target Llama without a draft model. AR choices
+join and leave between rounds like SMC requests, and stream token by token.
 The device thread steps the two schedulers in turn.
 
 Everything else (exact speculative decoding, constraints, seeded requests) runs whole between
@@ -204,10 +202,10 @@ class SchedulerExecutor(Executor):
         s = job.spec
         self.live[job] = {"choices": {}, "streams": [TextStream(self.model.decode, s.stop) for _ in range(s.n)],
                           "started": time.perf_counter()}
-        ar, exact = sched is self.ar, sched is self.sd
+        ar, exact = sched is self.ar, sched is self.sd or sched is self.ar
         dt = 1.0 if ar else _draft_temperature(s, self.draft)
         for i in range(s.n):
-            sched.submit(Request(list(job.prompt_ids), particles=1 if ar or exact else s.particles,
+            sched.submit(Request(list(job.prompt_ids), particles=1 if exact else s.particles,
                                  block_size=0 if ar else s.block_size, max_new_tokens=s.max_tokens,
                                  draft_temperature=dt, target_temperature=s.temperature, id=(job, i),
                                  exact=exact))
@@ -420,11 +418,11 @@ def build_device(llamas: tuple, state: dict, settings: dict) -> None:
     state["sd"] = Scheduler(state["batch_engine"], slots=slots, max_particles=1, max_block_size=S["max_block_size"],
                             target=EngineTarget(), eos_token_id=S["eos"], resampler=S["resampler"], ess_threshold=0.0,
                             use_graphs=use_graphs, seed=S["seed"] + 2, exact_only=True)
-    # autoregressive sampling: the target alone (no draft: a K = 0 round then runs the target only)
+    # autoregressive sampling: exact rows of K = 0 on the target alone
     state["ar_engine"] = ar_engine = Engine(target_llama, None, config(S["ar_slots"]))
     state["ar"] = Scheduler(ar_engine, slots=S["ar_slots"], max_particles=1, max_block_size=0,
-                            target=EngineTarget(), eos_token_id=S["eos"], resampler=S["resampler"],
-                            ess_threshold=0.0, use_graphs=use_graphs, seed=S["seed"] + 1)
+                            target=EngineTarget(), eos_token_id=S["eos"], use_graphs=use_graphs, seed=S["seed"] + 1,
+                            exact_only=True)
 
 
 def _keepalive(engine, state: dict) -> None:

@@ -1,5 +1,8 @@
-"""Autoregressive sampling on the engine (``Engine.autoregressive``): one token a step for G requests ×
-S independent rows, the step captured as one CUDA graph and replayed."""
+"""Autoregressive sampling in a dedicated step loop: one token a step for G requests × S independent
+rows, the step captured as one CUDA graph and replayed, the host reading an "all finished" flag every
+``Engine.AR_CHECK_EVERY`` steps. ``Engine.autoregressive`` runs the request loop's program instead
+(batch.run_autoregressive); this loop stays only as the other side of the GPU A/B of the two
+(benchmarks/loop_programs_ab.py), which decides which one is deleted."""
 
 from __future__ import annotations
 
@@ -15,10 +18,11 @@ from .graphs import ready
 from .sampling import sample_and_score
 
 
-def run(engine, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0, samples: int = 1,
-        use_graphs: bool | None = None, seed: int = 0, batched_prefill: bool = True,
-        eos_token_id: int | None = None) -> tuple[Tensor, int]:
-    """See ``Engine.autoregressive``."""
+def _run(engine, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0, samples: int = 1,
+         use_graphs: bool | None = None, seed: int = 0, batched_prefill: bool = True,
+         eos_token_id: int | None = None) -> tuple[Tensor, int]:
+    """``Engine.autoregressive``'s arguments and outputs, in the dedicated step loop (run it within
+    ``kernels.common.pdl_off()``, as the engine ran it)."""
     if not prompts or any(len(p) < 1 for p in prompts):
         raise SMCDecodeError("prompts must be a non-empty list of non-empty token lists")
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:

@@ -1,6 +1,8 @@
-"""One call of many SMC-SD requests on the request loop (``Engine.smc_sd``): every request
-submitted at once to a :class:`~smcdecode.backends.engine.scheduler.Scheduler` sized for them, the
-finished requests gathered into one :class:`~smcdecode.backends.engine.output.EngineOutput`."""
+"""One call of many requests on the request loop: every request submitted at once to a
+:class:`~smcdecode.backends.engine.scheduler.Scheduler` sized for them, the finished requests
+gathered into one output. SMC-SD (``Engine.smc_sd``: ``run_batch``), autoregressive sampling
+(``Engine.autoregressive``: ``run_autoregressive``) and exact speculative decoding
+(``run_speculative``), the last two in the exact-only round of exact.py."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import math
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from ...errors import SMCDecodeError
 from .output import EngineOutput
@@ -101,4 +104,78 @@ def run_batch(engine, prompts: list[list[int]], settings: Settings, target, *, e
     out.peak_pages = sched.peak_pages
     out.host_s = sched.host_s
     out.particles = list(settings.particles)
+    return out
+
+
+def _exact_pages(prompts: list[list[int]], samples: int, extra: int, page_size: int, num_pages: int) -> None:
+    """Refuse a call whose rows' pages for their whole outputs (``extra`` positions past the cached
+    prompt, reserved when their request joins) cannot all be held at once."""
+    PS = page_size
+    need = 1 + sum(-(-(len(p) - 1) // PS) + samples * (-(-(len(p) - 1 + extra) // PS) - (len(p) - 2) // PS)
+                   for p in prompts)
+    if num_pages < need:
+        raise SMCDecodeError(f"num_pages ({num_pages}) is too small for {len(prompts)} prompt(s) × {samples} samples: "
+                             f"their outputs need {need} pages of {PS} tokens; raise num_pages to at least {need}")
+
+
+def run_autoregressive(engine, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
+                       samples: int = 1, use_graphs: bool | None = None, seed: int = 0, batched_prefill: bool = True,
+                       eos_token_id: int | None = None) -> tuple[Tensor, int]:
+    """Autoregressive sampling on the request loop (``Engine.autoregressive``): each prompt one
+    request of ``samples`` independent rows (``Request(exact=True, block_size=0)`` in an exact-only
+    scheduler without drafts), all submitted at once. Returns (tokens [G·samples, max_new_tokens],
+    EOS after a row's first EOS; peak pages)."""
+    if not prompts or any(len(p) < 1 for p in prompts):
+        raise SMCDecodeError("prompts must be a non-empty list of non-empty token lists")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise SMCDecodeError(f"samples must be a positive integer, got {samples!r}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise SMCDecodeError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise SMCDecodeError(f"temperature must be a finite number > 0, got {temperature!r}")
+    G, S = len(prompts), samples
+    context = engine.max_context or max(len(p) for p in prompts) + max_new_tokens + 2
+    _exact_pages(prompts, S, max_new_tokens + 2, engine.page_size, engine.num_pages)
+    sched = Scheduler(engine, slots=G, max_particles=S, max_block_size=0, eos_token_id=eos_token_id,
+                      ess_threshold=0.0, use_graphs=use_graphs, seed=seed, max_context=context, shrink=False,
+                      exact_only=True, batched_prefill=batched_prefill)
+    for g, p in enumerate(prompts):
+        sched.submit(Request(list(p), S, 0, max_new_tokens, target_temperature=temperature, id=g, exact=True))
+    by_id = {f.request.id: f for f in sched.run()}
+    engine.ar_steps_run = sched.launched  # (diagnostics: rounds of one token run by the last call)
+    return torch.cat([by_id[g].tokens for g in range(G)]), sched.peak_pages
+
+
+def run_speculative(engine, prompts: list[list[int]], *, block_size: int, max_new_tokens: int, samples: int = 1,
+                    draft_temperature: float = 1.0, target_temperature: float = 1.0,
+                    eos_token_id: int | None = None, use_graphs: bool | None = None, seed: int = 0) -> EngineOutput:
+    """Exact speculative decoding of ``prompts`` on the request loop: each prompt one request of
+    ``samples`` independent rows (``Request(exact=True)``), all submitted at once. Returns an
+    :class:`~smcdecode.backends.engine.output.EngineOutput` with tokens [G, S, T], lengths,
+    ``accepted`` and ``drafted`` [G, S] (weights and evidence zero)."""
+    if engine.draft is None:
+        raise SMCDecodeError("speculative decoding needs a draft model: Engine(target, draft, ...)")
+    for name, v, least in (("block_size", block_size, 1), ("samples", samples, 1), ("max_new_tokens", max_new_tokens, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            raise SMCDecodeError(f"{name} must be an integer >= {least}, got {v!r}")
+    if not prompts or any(len(p) < 2 for p in prompts):
+        raise SMCDecodeError("every prompt needs at least 2 tokens")
+    G, S, K = len(prompts), samples, block_size
+    context = engine.max_context or max(len(p) for p in prompts) + max_new_tokens + K + 2
+    _exact_pages(prompts, S, max_new_tokens + K + 2, engine.page_size, engine.num_pages)
+    sched = Scheduler(engine, slots=G, max_particles=S, max_block_size=K, eos_token_id=eos_token_id,
+                      ess_threshold=0.0, use_graphs=use_graphs, seed=seed, max_context=context, shrink=False,
+                      exact_only=True)
+    for g, p in enumerate(prompts):
+        sched.submit(Request(list(p), S, K, max_new_tokens, draft_temperature, target_temperature, id=g, exact=True))
+    by_id = {f.request.id: f for f in sched.run()}
+    done = [by_id[g] for g in range(G)]
+    out = EngineOutput(torch.stack([f.tokens for f in done]), torch.stack([f.lengths for f in done]),
+                       torch.zeros(G, S, dtype=torch.float64), torch.zeros(G, dtype=torch.float64))
+    out.accepted = torch.stack([f.accepted for f in done])
+    out.drafted = torch.stack([f.drafted for f in done])
+    out.rounds = max(f.rounds for f in done)
+    out.finished = torch.ones(G, S, dtype=torch.bool)
+    out.peak_pages = sched.peak_pages
+    out.host_s = sched.host_s
     return out

@@ -8,7 +8,7 @@ live in their own modules and take the engine as their first argument:
                     every request submitted at once (any target program: constraints,
                     powers, rewards, per-request settings)
     speculative     speculative.py (exact speculative decoding; rounds.py: its draft and verify steps)
-    autoregressive  autoregressive.py
+    autoregressive  batch.py: the request loop in the exact-only round of exact.py, K = 0
     serve           scheduler.py (continuous batching of SMC-SD requests)
 
 prefill.py writes the prompts into the pools; graphs.py the graph cache.
@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 
 from ...errors import SMCDecodeError
-from . import autoregressive as _autoregressive
 from . import batch, prefill
 from . import speculative as _speculative
 from .config import EngineConfig
@@ -61,7 +60,7 @@ class Engine:
     shape and the engine's config); ``clear_graphs`` frees them."""
 
     PREFILL_TOKENS = prefill.PREFILL_TOKENS  # positions per prefill forward (rows × bucket length), at most
-    AR_CHECK_EVERY = 16  # steps between the host's reads of the autoregressive "all finished" flag
+    AR_CHECK_EVERY = 16  # steps between the host's reads of the "all finished" flag (autoregressive._run)
 
     def __init__(self, target: Llama, draft: Llama | None = None, config: EngineConfig | None = None, *,
                  num_pages: int | None = None, page_size: int = 16, max_context: int | None = None,
@@ -237,26 +236,31 @@ class Engine:
     def autoregressive(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
                        samples: int = 1, use_graphs: bool | None = None, seed: int = 0,
                        batched_prefill: bool = True, eos_token_id: int | None = None) -> tuple[Tensor, int]:
-        """Plain sampling from the target, one token a step for each of G requests × ``samples``
-        independent rows (no host sync until the end). Returns (tokens [G·samples, max_new_tokens],
-        row g·samples + s the s-th sample of prompt g; peak pages).
+        """Plain sampling from the target, one token a round for each of G requests × ``samples``
+        independent rows. Returns (tokens [G·samples, max_new_tokens], row g·samples + s the s-th
+        sample of prompt g; peak pages).
 
-        With ``eos_token_id`` a row that samples EOS keeps emitting EOS (its tokens after the first
-        EOS are EOS), and decoding stops once every row has finished: the host reads an "all
-        finished" flag every ``AR_CHECK_EVERY`` steps, one check behind (no sync on the step it
-        was copied in), so at most 2·AR_CHECK_EVERY steps run after the last row ends; columns
-        not decoded are EOS. Without it every row decodes ``max_new_tokens`` tokens.
+        A program of the request loop (``batch.run_autoregressive``): each prompt is one request of
+        exact rows with K = 0 (``Request(exact=True, block_size=0)``) in a scheduler without drafts,
+        whose round (exact.py) is a target forward on each row's last token, a draw at the
+        temperature and the token, EOS and budget bookkeeping: no weights, no resampling, every row's
+        pages for its whole output reserved when it joins, so the rounds are pipelined (the host
+        reads round r while round r + 1 runs). A prompt may be one token long.
 
-        Each prompt is prefilled once (all prompts together, ``prefill_rows``) and its pages are
-        shared by its ``samples`` rows; the partially filled last prompt page is copied for each
-        row before the row first writes into it (copy-on-write in ``PageTable.reserve``), so rows
-        never see each other's tokens.
+        With ``eos_token_id`` a row that samples EOS stops (its tokens after the first EOS are EOS),
+        and a request leaves once all its rows have finished: decoding stops at most one round
+        after the last row ends (``ar_steps_run``: rounds run by the last call). Without it every
+        row decodes ``max_new_tokens`` tokens.
 
-        The step is captured as a CUDA graph once per (rows, temperature, page-table width) and
-        replayed by later calls through static buffers, like the SMC-SD rounds. Give the Engine a
+        Each prompt is prefilled once (all prompts together, ``prefill_rows``; ``batched_prefill``
+        False: one forward of its own length each) and its pages are shared by its ``samples`` rows;
+        the partially filled last prompt page is copied for each row before the row first writes
+        into it (copy-on-write in ``PageTable.reserve``), so rows never see each other's tokens.
+
+        The round is captured as a CUDA graph once per (rows, page-table width) — temperatures are
+        per-row buffers — and replayed by later calls, like the SMC-SD rounds. Give the Engine a
         ``max_context`` so the page-table width, and thus the graph and the attention kernel's
         launch shape, is the same for every call."""
-        return _autoregressive.run(self, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   samples=samples, use_graphs=use_graphs, seed=seed,
-                                   batched_prefill=batched_prefill, eos_token_id=eos_token_id)
-
+        return batch.run_autoregressive(self, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                        samples=samples, use_graphs=use_graphs, seed=seed,
+                                        batched_prefill=batched_prefill, eos_token_id=eos_token_id)

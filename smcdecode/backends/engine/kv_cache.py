@@ -121,6 +121,23 @@ class PageTable:
         self.ref[pages] = 0
         return pages
 
+    def set_aside(self, rows: np.ndarray, T: np.ndarray, k: int, done: np.ndarray, F: int) -> np.ndarray | None:
+        """Hold the pages ``rows`` (at positions ``T``) need for a round of k + 1 tokens after the one
+        in flight: [all rows, F] page ids, row i's copy-on-write page, then the pages of the columns it
+        opens (0 = none; none for the rows ``done``); None when too few pages are free."""
+        PS = self.page_size
+        demand = 1 + (-(-(T + k + 1) // PS)) + (T // -PS)  # a copy + the columns it opens
+        demand[done] = 0
+        try:
+            pages = self.hold(int(demand.sum())) if demand.any() else np.zeros(0, dtype=np.int64)
+        except MemoryError:
+            return None
+        part = np.zeros((len(rows), F), dtype=np.int64)
+        part[np.arange(F)[None] < demand[:, None]] = pages
+        fresh = np.zeros((self.table.shape[0], F), dtype=np.int64)
+        fresh[rows] = part
+        return fresh
+
     def unhold(self, pages: np.ndarray) -> None:
         """Pages of ``hold`` that were not used go back to the free list."""
         pages = np.asarray(pages, dtype=np.int64)

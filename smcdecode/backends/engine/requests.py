@@ -13,12 +13,13 @@ from torch import Tensor
 
 from ...errors import SMCDecodeError
 from .smc import Round
-from .targets import EngineTarget
+from .targets import DeviceAutomaton, EngineTarget
 
 
 @dataclass
 class Request:
-    """One SMC-SD request: a prompt (token ids, at least 2) and its own settings."""
+    """One SMC-SD request: a prompt (token ids, at least 2; at least 1 in a scheduler without a
+    draft) and its own settings."""
 
     prompt: list[int]
     particles: int
@@ -117,8 +118,33 @@ class Rounds:
     host: object = None  # the host-mask constraints' HostMasks, when the scheduler has any
 
 
-def check_exact(request: Request, program: EngineTarget, speculative: bool, exact_only: bool = False) -> None:
-    """Refuse an exact speculative decoding request its scheduler cannot run (or, ``exact_only``, any other)."""
+def bucket_views(full: dict, bucket: int, k: int, N: int) -> dict:
+    """Views of a scheduler's round buffers ``full`` for a round over its first ``bucket`` slots (N
+    rows each) with ``k`` draft steps."""
+    R = bucket * N
+    view = {}
+    for name, v in full.items():
+        if name == "states":
+            view[name] = [s[:R] for s in v]
+        elif name in ("n", "log_Z", "do", "ess", "W", "group_base"):
+            view[name] = v[:bucket]
+        elif name == "ar":
+            view[name] = v[: k + 1]
+        elif name == "done":
+            view[name] = v
+        elif name == "packed":
+            view[name] = v[: 3 * R + 2 * bucket + 1]
+        elif name in ("drafts", "log_q", "log_q_all"):
+            view[name] = v[:R, :k]
+        else:
+            view[name] = v[:R]
+    return view
+
+
+def check_exact(request: Request, program: EngineTarget, speculative: bool, exact_only: bool = False,
+                max_block_size: int = 1) -> None:
+    """Refuse an exact speculative decoding request its scheduler cannot run (or, ``exact_only``, any
+    other); a scheduler with ``max_block_size`` 0 runs exact requests of K = 0 (autoregressive sampling)."""
     if not request.exact:
         if exact_only:
             raise SMCDecodeError("this scheduler runs exact speculative decoding only (exact_only=True): "
@@ -126,8 +152,9 @@ def check_exact(request: Request, program: EngineTarget, speculative: bool, exac
         return
     if not speculative:
         raise SMCDecodeError("exact=True needs a Scheduler(speculative=True)")
-    if request.block_size < 1:
-        raise SMCDecodeError(f"exact speculative decoding needs block_size >= 1, got block_size={request.block_size}")
+    if request.block_size < 1 and max_block_size > 0:
+        raise SMCDecodeError(f"exact speculative decoding needs block_size >= 1, got block_size={request.block_size} "
+                             "(autoregressive sampling: a Scheduler with max_block_size=0)")
     if program.alpha != 1.0 or program.constraints or program.rewards:
         raise SMCDecodeError("exact speculative decoding samples the target alone: give it a program without "
                              "power, constraints or rewards")
@@ -139,9 +166,28 @@ def rows_of(groups, N: int) -> np.ndarray:
             else np.zeros(0, dtype=np.int64))
 
 
-def check_fits(request: Request, extra: int, max_context: int) -> None:
-    """Refuse a prompt shorter than 2 tokens, or one that with ``extra`` positions overflows the context."""
+def check_fits(request: Request, extra: int, max_context: int, least: int = 2) -> None:
+    """Refuse a prompt shorter than ``least`` tokens (2 where a draft reads the last two), or one that
+    with ``extra`` positions overflows the context."""
     need = len(request.prompt) + extra
-    if len(request.prompt) < 2 or need > max_context:
-        raise SMCDecodeError(f"prompt ({len(request.prompt)} tokens) must have at least 2 tokens and, with "
+    if len(request.prompt) < least or need > max_context:
+        raise SMCDecodeError(f"prompt ({len(request.prompt)} tokens) must have at least {least} tokens and, with "
                              f"max_new_tokens and a block, fit the engine's max_context ({max_context}; needs {need})")
+
+
+def program_constraints(programs: list, vocab_size: int, device) -> tuple[dict, dict]:
+    """({program id: its device automata}, {program id: its host-mask constraints}) of a scheduler's
+    ``programs`` (EngineTargets), each checked, over an engine vocabulary of ``vocab_size``."""
+    own, hosted = {}, {}
+    for t in programs:
+        if not isinstance(t, EngineTarget):
+            raise SMCDecodeError(f"target must be an EngineTarget or a list of them, got {type(t).__name__}")
+        t.check()
+        own[id(t)], hosted[id(t)] = [], []
+        for c in t.constraints:
+            if c.model.vocab_size != vocab_size:
+                raise SMCDecodeError(f"constraint {c!r} is over a vocabulary of {c.model.vocab_size} tokens, "
+                                     f"the engine's model has {vocab_size}: bind it to the model the engine runs")
+            a = None if t.host_masks else DeviceAutomaton.of(c, device)
+            (own[id(t)].append(a) if a is not None else hosted[id(t)].append(c))
+    return own, hosted

@@ -26,12 +26,13 @@ the host without waiting for that round (``_collect``).
 A scheduler runs a fixed set of target programs (``target=[...]``; a request names its own in
 ``Request.target``): their automata share one device table, α is per row, rewards are scored per
 program. Constraints whose masks come from the host (llguidance) cut the proposal into parts, the
-host computing masks between them (host_masks.py). ``Engine.smc_sd`` is this loop with every request submitted at once
-(``batch.run_batch``).
+host computing masks between them (host_masks.py). ``Engine.smc_sd`` is this loop with every request
+submitted at once (``batch.run_batch``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 
@@ -42,6 +43,8 @@ from ...errors import SMCDecodeError
 from ...samplers.adaptive import group_statistics
 from ...samplers.common import RewardTracker
 from ...samplers.resampling import RESAMPLERS
+from . import prefill
+from .exact import launches
 from .host_masks import HostMasks, RequestMasks
 from .kv_cache import PageTable
 from .requests import (
@@ -51,13 +54,15 @@ from .requests import (
     Request,
     Rounds,
     bucket_of,
+    bucket_views,
     check_exact,
     check_fits,
     idle_settings,
+    program_constraints,
     rows_of,
 )
-from .smc import NEG_INF, Round, buffers_view, build_round, capture_round, host_terms, round_code
-from .targets import CombinedAutomaton, DeviceAutomaton, EngineTarget, Settings
+from .smc import NEG_INF, Round, build_round, capture_round, host_terms, round_code
+from .targets import CombinedAutomaton, EngineTarget, Settings
 
 
 class Scheduler:
@@ -69,7 +74,7 @@ class Scheduler:
                  resampler: str = "systematic", ess_threshold: float = 0.5, use_graphs: bool | None = None,
                  seed: int = 0, max_context: int | None = None, record_weights: bool = False, schedule=None,
                  pipeline: bool | None = None, shrink: bool = True, speculative: bool = False,
-                 exact_only: bool = False):
+                 exact_only: bool = False, batched_prefill: bool = True):
         """``schedule`` (``samplers.adaptive``: FixedBlocks / AdaptiveBlocks) sets each request's K
         between rounds from its own past rounds, up to its ``block_size`` (slot g is the schedule's
         group g). ``pipeline`` (default: with CUDA graphs) launches a round before the host reads the
@@ -79,7 +84,10 @@ class Scheduler:
         and the same draws pipelined or not). ``speculative`` lets requests ask for exact speculative
         decoding (``Request(exact=True)``: unconstrained, accepted drafts then a draw from (p − q)+ at
         the first rejection), in the same rounds as the SMC-SD requests; ``exact_only`` takes those
-        requests alone (its round leaves out the weights, statistics, resampling and page forks)."""
+        requests alone, in the round of exact.py (no weights, statistics, resampling or page forks):
+        with max_block_size 0 and no draft, autoregressive sampling (``Request(exact=True,
+        block_size=0)``: prompts of one token too). ``batched_prefill`` False prefills each prompt in
+        a forward of its own length (the reference the bucketed prefill is tested against)."""
         if engine.draft is None and max_block_size != 0:
             raise SMCDecodeError("SMC-SD with drafted tokens needs a draft model: Engine(target, draft, ...), or "
                                  "max_block_size=0 (the target as proposal: one token a round)")
@@ -94,26 +102,16 @@ class Scheduler:
             raise SMCDecodeError(f"unknown resampler {resampler!r}: choose one of {sorted(RESAMPLERS)}")
         self.engine, self.slots, self.Nmax, self.Kmax = engine, slots, max_particles, max_block_size
         self.speculative, self.exact_only = speculative or exact_only, exact_only
-        if self.speculative and (engine.draft is None or max_block_size < 1):
+        if speculative and (engine.draft is None or max_block_size < 1):
             raise SMCDecodeError("speculative=True needs a draft model and max_block_size >= 1")
+        if exact_only and schedule is not None:
+            raise SMCDecodeError("exact_only=True takes no schedule: its round keeps no draft statistics")
         self.max_context = max_context
         self.programs = list(target) if isinstance(target, (list, tuple)) else [target or EngineTarget()]
         dev = engine.device
         V = engine.target.cfg.vocab_size
-        self.own: dict[int, list] = {}  # program id -> its device automata
-        self.hosted: dict[int, list] = {}  # program id -> its host-mask constraints
-        for t in self.programs:
-            if not isinstance(t, EngineTarget):
-                raise SMCDecodeError(f"target must be an EngineTarget or a list of them, got {type(t).__name__}")
-            t.check()
-            own, host = [], []
-            for c in t.constraints:
-                if c.model.vocab_size != V:
-                    raise SMCDecodeError(f"constraint {c!r} is over a vocabulary of {c.model.vocab_size} tokens, "
-                                         f"the engine's model has {V}: bind it to the model the engine runs")
-                a = None if t.host_masks else DeviceAutomaton.of(c, dev)
-                (own.append(a) if a is not None else host.append(c))
-            self.own[id(t)], self.hosted[id(t)] = own, host
+        # program id -> its device automata, and its host-mask constraints
+        self.own, self.hosted = program_constraints(self.programs, V, dev)
         n_slots = max(len(o) for o in self.own.values())
         self.combined = (CombinedAutomaton.of([a for o in self.own.values() for a in o], dev)
                          if n_slots else None)
@@ -136,7 +134,7 @@ class Scheduler:
         # NOTE: a scheduler that never drafts (K = 0 and no schedule: autoregressive sampling) leaves
         # the draft out of its rounds; one that may draft later feeds it every round (smc.py)
         self.drafts = engine.draft is not None and (max_block_size > 0 or schedule is not None)
-        key = ("smc", slots, max_particles, max_block_size, self.cap, self.eos, resampler, ess_threshold,
+        key = ("ar" if exact_only and not self.drafts else "sd" if exact_only else "smc", slots, max_particles, max_block_size, self.cap, self.eos, resampler, ess_threshold,
                self.use_graphs, n_slots, id(self.combined.table) if self.combined else None, with_rewards,
                self.speculative, self.drafts, exact_only, hosted)
         rounds = engine.graphs.get(key)
@@ -175,6 +173,7 @@ class Scheduler:
         # outputs are on their way to the host
         self.pipeline = self.use_graphs if pipeline is None else pipeline
         self.shrink = shrink
+        self.batched_prefill = batched_prefill
         self._flights: list[Flight] = []
         self._leaving: list[Leaving] = []
         self._steps = 0
@@ -206,8 +205,8 @@ class Scheduler:
         if request.block_size > self.Kmax:
             raise SMCDecodeError(f"block_size ({request.block_size}) exceeds the scheduler's max_block_size "
                                  f"({self.Kmax}): raise max_block_size")
-        check_fits(request, s.max_new_tokens[0] + self.Kmax + 2, self.max_context)
-        check_exact(request, self._program(request), self.speculative, self.exact_only)
+        check_fits(request, s.max_new_tokens[0] + self.Kmax + 2, self.max_context, 2 if self.drafts else 1)
+        check_exact(request, self._program(request), self.speculative, self.exact_only, self.Kmax)
         self.queue.append(request)
 
     @property
@@ -225,19 +224,26 @@ class Scheduler:
             self.table.advance(rows[:1], np.array([len(req.prompt) - 1]))
             heads.append(g * N)
         e.upload(self.table, b["pt"], ([], []), rows=self._rows([g for g, _ in joining]))
-        e.prefill_rows(e.target, e.kv_t, b["pt"], heads, [list(req.prompt[:-1]) for _, req in joining])
-        if e.draft is not None:
-            e.prefill_rows(e.draft, e.kv_d, b["pt"], heads, [list(req.prompt[:-2]) for _, req in joining])
+        for model, kv, cut in ((e.target, e.kv_t, 1), (e.draft if self.drafts else None, e.kv_d, 2)):
+            seqs = [list(req.prompt[:-cut]) for _, req in joining]
+            if model is None:
+                continue
+            if self.batched_prefill:
+                e.prefill_rows(model, kv, b["pt"], heads, seqs)
+            else:
+                for row, ids in zip(heads, seqs):
+                    prefill.prefill_unpadded(model, kv, b["pt"], row, ids, e.page_size)
         for g, req in joining:
             self._settings(g, req)
         # rows of exact speculative decoding move on by what they accept, which the host learns only
         # after the round: their pages for the whole output are reserved now (they never fork), so
-        # the rounds need no pages of theirs booked ahead and stay pipelined
+        # the rounds need no pages of theirs booked ahead and stay pipelined (the draft writes from
+        # position T−1 on, the target from T)
         exact = [g for g, req in joining if req.exact]
         if exact:
             rows = self._rows(exact)
             need = np.repeat([self.t_end[g] + self.Kmax + 2 for g in exact], N)
-            copies = self.table.reserve(rows, need, write_from=self.lens[rows] - 1)
+            copies = self.table.reserve(rows, need, write_from=self.lens[rows] - int(self.drafts))
             e.upload(self.table, b["pt"], copies, rows=rows)
 
     def _settings(self, g: int, req: Request) -> None:
@@ -252,7 +258,7 @@ class Scheduler:
         r = slice(int(rows[0]), int(rows[-1]) + 1)
         valid = torch.arange(N, device=dev) < n
         b["seq"][r] = len(ids) - 1
-        b["pending"][r] = torch.tensor(ids[-2:], device=dev)
+        b["pending"][r] = torch.tensor(ids[-2:] if len(ids) > 1 else ids * 2, device=dev)  # (no draft: unread)
         b["last"][r] = ids[-1]
         b["tokens"][r] = self.pad
         b["n_gen"][r] = 0
@@ -354,7 +360,7 @@ class Scheduler:
         if rnd is not None:
             return rnd
         full = self.full.buffers
-        view = buffers_view(full, bucket, self.Nmax, k)
+        view = bucket_views(full, bucket, k, self.Nmax)
         rnd = Round(view, None, None, keep=list(self.full.keep))
         rnd.propose_code, rnd.finish_code = round_code(self.engine, view, self.automata, self.eos, self.pad,
                                                          self.resampler, self.tau, self.host is not None, self.drafts,
@@ -400,15 +406,21 @@ class Scheduler:
     def _pipelined(self, bucket: int, k: int, K_now: dict) -> bool:
         """Whether this round can be launched before the one in flight is read: its graph exists,
         the host has nothing to do inside the round, and every request drafts k tokens (so every
-        row's pages for the next round are known before this one ends)."""
+        row's pages for the next round are known before this one ends) or is exact."""
         return (self.pipeline and self.host is None and not self.rewards and self.plan is None
-                and (bucket, k) in self._rounds.by_bucket and all(v == k for v in K_now.values()))
+                and (bucket, k) in self._rounds.by_bucket
+                # (exact rows hold their pages from admission on: any K)
+                and all(v == k or self.requests[g].exact for g, v in K_now.items()))
 
     @torch.inference_mode()
     def step(self) -> list[Finished]:
         """Admit queued requests into free slots, launch one round over the occupied bucket, read
         the round before it (pipelined) or this one, release the requests that finished in the
-        round read. Returns those requests."""
+        round read. Returns those requests. (Exact-only rounds run without PDL: ``exact.launches``.)"""
+        with launches() if self.exact_only else contextlib.nullcontext():
+            return self._step()
+
+    def _step(self) -> list[Finished]:
         t0 = time.perf_counter()
         self._steps += 1
         joining = []
@@ -446,7 +458,7 @@ class Scheduler:
             return self._collect(wait_all=True)
         # (rows of exact speculative decoding hold their pages from admission on)
         book = self._rows([g for g in occupied if g not in ahead and not self.requests[g].exact])
-        copies = self.table.reserve(book, self.lens[book] + k + 1, write_from=self.lens[book] - 1)
+        copies = self.table.reserve(book, self.lens[book] + k + 1, write_from=self.lens[book] - 1) if len(book) else ([], [])
         self.engine.upload(self.table, b["pt"], copies, rows=self._rows(sorted(set(occupied) - ahead))
                            if ahead else None)
         rnd = self._round(bucket, k)
@@ -476,25 +488,14 @@ class Scheduler:
     def _give(self, occupied: list[int], ahead: set, k: int, R: int) -> np.ndarray | None:
         """Set pages aside for the end of the round about to launch (the pages of the round after
         it) and upload them to ``fresh``; None (zeros uploaded) when too few pages are free."""
-        b, PS = self.full.buffers, self.engine.page_size
-        F = b["fresh"].shape[1]
-        rows = self._rows(occupied)
-        T = self.lens[rows] + np.where(np.isin(rows // self.Nmax, list(ahead)), k + 1, 0) + k + 1  # after it
-        demand = 1 + (-(-(T + k + 1) // PS)) + (T // -PS)  # a copy + the columns it opens
-        demand[T >= self.t_end[rows // self.Nmax]] = 0  # (its budget spent: no round after it)
-        demand[np.isin(rows // self.Nmax, [g for g in occupied if self.requests[g].exact])] = 0  # (reserved)
-        fresh = np.zeros((self.slots * self.Nmax, F), dtype=np.int64)
-        try:
-            pages = self.table.hold(int(demand.sum())) if demand.any() else np.zeros(0, dtype=np.int64)
-        except MemoryError:
-            held = None
-        else:
-            part = np.zeros((len(rows), F), dtype=np.int64)
-            part[np.arange(F)[None] < demand[:, None]] = pages
-            fresh[rows] = part
-            held = fresh
+        b, rows = self.full.buffers, self._rows(occupied)
+        slot = rows // self.Nmax
+        T = self.lens[rows] + np.where(np.isin(slot, list(ahead)), k + 1, 0) + k + 1  # after it
+        # (no round after it where its budget is spent; exact rows hold their pages from admission on)
+        done = (T >= self.t_end[slot]) | np.isin(slot, [g for g in occupied if self.requests[g].exact])
+        held = self.table.set_aside(rows, T, k, done, b["fresh"].shape[1])
         stage = self._stage[self._parity]
-        stage.numpy()[:R] = fresh[:R]
+        stage.numpy()[:R] = 0 if held is None else held[:R]
         b["fresh"][:R].copy_(stage[:R], non_blocking=True)
         return held
 
@@ -578,7 +579,8 @@ class Scheduler:
             hist["ess"].append(float(ess[g]))
             hist["resampled"].append(bool(do[g]))
             hist["block_sizes"].append(f.K[g])
-            hist["survivors"].append(len(np.unique(parents[g, : f.requests[g].particles])))
+            n = f.requests[g].particles  # (exact rows are never resampled)
+            hist["survivors"].append(n if self.exact_only else len(np.unique(parents[g, :n])))
             if f.weights is not None:
                 hist["weights"].append(f.weights[g])
             if g in gone:

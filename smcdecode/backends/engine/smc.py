@@ -40,6 +40,7 @@ computed while the draft's forward runs). Each part is captured as its own CUDA 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,7 @@ from torch import Tensor
 from ...potentials.constraint import unpack_bits
 from ...samplers import steps
 from ...samplers.adaptive import row_statistics
+from . import exact as exact_round
 from .attention import PagedBatch
 from .sampling import sample_and_score
 
@@ -117,34 +119,12 @@ def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resamp
     )
     if host:  # the host masks of the current draft step, packed (a bit a token; host_masks.py)
         b["host_bits"] = torch.full((B, (engine.target.cfg.vocab_size + 31) // 32), -1, dtype=torch.int32, device=dev)
-    if speculative:  # rows of exact speculative decoding need the draft's logits at the first rejection
+    if speculative and Kmax > 0:  # rows of exact speculative decoding need the draft's logits at the first rejection
         b["draft_logits"] = torch.zeros(B, Kmax, engine.draft.cfg.vocab_size, dtype=engine.dtype, device=dev)
     rnd = Round(b, None, None, keep=[t for a in automata for t in (a.table, a.classes, a.accepting, a.live)])
     rnd.propose_code, rnd.finish_code = round_code(engine, b, automata, eos, pad, resampler, tau, host, drafts,
                                                    exact_only)
     return rnd
-
-
-def buffers_view(full: dict, bucket: int, Nmax: int, k: int) -> dict:
-    """The buffers of the round over the first ``bucket`` slots with ``k`` draft steps: views of ``full``."""
-    R = bucket * Nmax
-    view = {}
-    for name, v in full.items():
-        if name == "states":
-            view[name] = [s[:R] for s in v]
-        elif name in ("n", "log_Z", "do", "ess", "W", "group_base"):
-            view[name] = v[:bucket]
-        elif name == "ar":
-            view[name] = v[: k + 1]
-        elif name == "done":
-            view[name] = v
-        elif name == "packed":
-            view[name] = v[: 3 * R + 2 * bucket + 1]
-        elif name in ("drafts", "log_q", "log_q_all"):
-            view[name] = v[:R, :k]
-        else:
-            view[name] = v[:R]
-    return view
 
 
 def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, tau: float, host: bool = False,
@@ -154,7 +134,9 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
     draft step i (i = K_max: the bonus) into ``b["host_bits"]``, and ``("drafted", i)`` after draft
     step i was sampled; without, it yields nothing. ``drafts`` False leaves the draft model out (a
     loop that never drafts: autoregressive sampling); ``exact_only``: every row is one of exact
-    speculative decoding (no weights, statistics, resampling or page forks in the round)."""
+    speculative decoding or, without drafts, of autoregressive sampling: the round of exact.py."""
+    if exact_only:
+        return exact_round.round_code(engine, b, eos, pad, drafts)
     G, Nmax = b["W"].shape
     B, Kmax = b["drafts"].shape
     ar, PS = b["ar"], engine.page_size
@@ -202,11 +184,10 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
                 b["draft_logits"][:, i] = logits
             if host:
                 yield "drafted", i
-            # a schedule's statistic, log q(d) of the unmasked draft (exact-only rounds keep no statistics):
+            # a schedule's statistic, log q(d) of the unmasked draft:
             # log q'(d) + log Σ_v q(v)·1[valid] (0 on a row the mask leaves no token)
-            if not exact_only:
-                b["log_q_all"][:, i] = log_q[:, i] if m is None else torch.where(
-                    torch.isfinite(log_mass), log_q[:, i] + log_mass, 0.0)
+            b["log_q_all"][:, i] = log_q[:, i] if m is None else torch.where(
+                torch.isfinite(log_mass), log_q[:, i] + log_mass, 0.0)
             states = [a.advance(s, d) for a, s in zip(automata, states)]
             kept = [torch.where(i < k_eff, s, k) for s, k in zip(states, kept)]
             if i < Kmax - 1:
@@ -228,21 +209,18 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
             yield "mask", Kmax
         m, dead = masks(kept)
         bonus, _, log_norm, _ = sample_and_score(logits_t[rows, K_row], b["T_target"], seeds[Kmax + 1],
-                                                 alpha=None if exact_only else alpha, mask=m, dead=dead, triton=fused)
+                                                 alpha=alpha, mask=m, dead=dead, triton=fused)
         b["bonus"].copy_(bonus)
-        if exact_only:
-            incr, n_new, any_eos, has_bonus = None, None, None, torch.zeros_like(finished)
-        else:
-            # 4. incremental weights up to the first EOS and the budget (a dead end: -inf)
-            incr, n_new, any_eos, has_bonus = steps.weigh(log_p, log_q, drafts, alpha, k_eff, eos, log_norm,
-                                                          remaining > K_row)
-            # a schedule's statistics over every drafted position within the budget, up to the first EOS
-            drawn = ar[None, :Kmax] < remaining[:, None]
-            eos_all = (drafts == eos) & drawn
-            counted = ((torch.cumsum(eos_all.long(), 1) - eos_all.long()) == 0) & drawn & ~finished[:, None]
-            for name, value in zip(("accept", "accept_n", "draft_lw"),
-                                   row_statistics(log_p, b["log_q_all"], alpha[:, None] * log_p - log_q, counted)):
-                b[name].copy_(value)
+        # 4. incremental weights up to the first EOS and the budget (a dead end: -inf)
+        incr, n_new, any_eos, has_bonus = steps.weigh(log_p, log_q, drafts, alpha, k_eff, eos, log_norm,
+                                                      remaining > K_row)
+        # a schedule's statistics over every drafted position within the budget, up to the first EOS
+        drawn = ar[None, :Kmax] < remaining[:, None]
+        eos_all = (drafts == eos) & drawn
+        counted = ((torch.cumsum(eos_all.long(), 1) - eos_all.long()) == 0) & drawn & ~finished[:, None]
+        for name, value in zip(("accept", "accept_n", "draft_lw"),
+                               row_statistics(log_p, b["log_q_all"], alpha[:, None] * log_p - log_q, counted)):
+            b[name].copy_(value)
         active = ~finished
         b["drafted"].add_(torch.where(active, k_eff, 0))
         block = torch.cat([drafts, torch.full_like(bonus, pad)[:, None]], dim=1)
@@ -258,15 +236,12 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
             is_eos = (sd_block == eos) & (ar[None] < sd_new[:, None])
             sd_eos = is_eos.any(1)
             sd_new = torch.where(sd_eos, is_eos.long().argmax(1) + 1, sd_new)
-            if exact_only:
-                block, n_new, any_eos, nxt, used = sd_block, sd_new, sd_eos, c, n_acc
-            else:
-                block = torch.where(exact[:, None], sd_block, block)
-                n_new = torch.where(exact, sd_new, n_new)
-                incr = torch.where(exact, 0.0, incr)
-                any_eos = torch.where(exact, sd_eos, any_eos)
-                has_bonus = has_bonus & ~exact
-                nxt, used = torch.where(exact, c, bonus), torch.where(exact, n_acc, K_row)
+            block = torch.where(exact[:, None], sd_block, block)
+            n_new = torch.where(exact, sd_new, n_new)
+            incr = torch.where(exact, 0.0, incr)
+            any_eos = torch.where(exact, sd_eos, any_eos)
+            has_bonus = has_bonus & ~exact
+            nxt, used = torch.where(exact, c, bonus), torch.where(exact, n_acc, K_row)
             # (positions these rows move on: what they kept + 1; the others K_row + 1)
             # (an exact row stops where it finished: its pages were reserved for its own output only)
             b["advance"].copy_(torch.where(exact, torch.where(b["valid"] & active, n_acc + 1, 0), K_row + 1))
@@ -277,16 +252,13 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         hit_eos = any_eos | (has_bonus & (bonus == eos))
         ended = active & (hit_eos | (n_gen >= b["budget"]))
         final = [torch.where(has_bonus, a.advance(k, bonus), k) for a, k in zip(automata, kept)]
-        if exact_only:
-            finished.copy_(finished | ended)
-        else:
-            accepted = torch.ones_like(ended)
-            for a, s in zip(automata, final):
-                accepted = accepted & a.accepting[s]
-            incr = steps.reject_cut(incr, ended, hit_eos, accepted)  # cut, and not in the language
-            lw = torch.where(active, log_w + incr, log_w)
-            log_w.copy_(lw)
-            finished.copy_(finished | ended | torch.isneginf(lw))
+        accepted = torch.ones_like(ended)
+        for a, s in zip(automata, final):
+            accepted = accepted & a.accepting[s]
+        incr = steps.reject_cut(incr, ended, hit_eos, accepted)  # cut, and not in the language
+        lw = torch.where(active, log_w + incr, log_w)
+        log_w.copy_(lw)
+        finished.copy_(finished | ended | torch.isneginf(lw))
         for s, f in zip(b["states"], final):
             s.copy_(torch.where(active, f, s))
         # the draft's next feed [token at T'−1, next]: the row's last kept draft, or (none) the last token
@@ -297,14 +269,6 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         b["active"].copy_(active)
         b["ended"].copy_(ended)
         b["hit_eos"].copy_(hit_eos)
-
-    def finish_exact() -> None:  # (exact rows only: no weights, no resampling, pages reserved ahead)
-        T.add_(b["advance"])
-        b["do"].zero_()
-        b["ess"].copy_(b["n"].double())
-        b["done"].copy_(finished.all()[None])
-        b["packed"].copy_(torch.cat([rows.double(), T.double(), finished.double(), b["do"].double(), b["ess"],
-                                     b["done"].double()]))
 
     def finish() -> None:
         lw = log_w + b["host_incr"]
@@ -332,8 +296,6 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
                                      b["done"].double()]))
         pages(go)
 
-    if exact_only:
-        return propose, finish_exact
     pools = [kv for kv in (engine.kv_t, engine.kv_d) if kv is not None]
     pages = pages_code(b, pools, PS)
     return propose, finish
@@ -384,6 +346,14 @@ def pages_code(b: dict, pools: list, page_size: int):
     return pages
 
 
+def _generator(fn):
+    def steps():
+        fn()
+        yield from ()
+
+    return steps
+
+
 def drive(steps, handle=None) -> None:
     """Run the generator ``steps`` (a round's ``propose()``) to its end, ``handle(event)`` at each host point."""
     for event in steps:
@@ -397,6 +367,8 @@ def capture_round(engine, rnd: Round, graphs: bool, split: bool, host=None) -> N
     graph each, replayed with the host's work in between."""
     propose, finish = rnd.propose_code, rnd.finish_code
     b = rnd.buffers
+    if not inspect.isgeneratorfunction(propose):  # (exact.py's rounds: no host points)
+        propose = _generator(propose)
     if host is not None:
         handle = lambda event: host.handle(event, b)  # noqa: E731
         if graphs:

@@ -7,10 +7,16 @@ ignored). For SMC-SD, exact speculative decoding (SD) and autoregressive samplin
 another through HTTP (the ``openai`` client), it measures
 
 - throughput through HTTP (tokens of all returned choices / wall time; the clients run in a process
-  of their own, as an application's would) and the engine's offline
-  figure for the same requests (``Engine.serve`` with as many slots as clients for SMC-SD; batched
-  ``Engine.speculative`` / ``Engine.autoregressive`` calls of ``clients`` prompts for SD / AR),
-  and their ratio;
+  of their own, as an application's would) against two offline figures for the same requests:
+  the engine's dedicated call (``Engine.serve`` with as many slots as clients for SMC-SD; batched
+  ``Engine.speculative`` / ``Engine.autoregressive`` calls of ``clients`` prompts for SD / AR) and
+  the server's own request loop without HTTP (``same_loop``: a Scheduler with the settings of the
+  executor's lane, sharing its engine and captured rounds, driven directly with ``clients``
+  requests in flight). HTTP / same loop is the cost of the HTTP layer and the executor; same loop /
+  dedicated is the request loop's own gap (for SD and AR a different program: the loop's exact
+  speculative / K = 0 rounds against the dedicated batched loops);
+- where the executor's device thread spent the HTTP pass (``device_thread_s``: the schedulers'
+  steps, streaming, finishing choices, handing events over, waiting for requests);
 - p50 / p99 time to the first streamed token, and p50 / p99 per-request tokens per second.
 
 Every response is checked as it comes: status 200, exactly ``--max-tokens`` completion tokens,
@@ -46,7 +52,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from smcdecode.backends.engine import PRESETS, Llama, LlamaConfig, Request  # noqa: E402
+from smcdecode.backends.engine import PRESETS, EngineTarget, Llama, LlamaConfig, Request, Scheduler  # noqa: E402
 from smcdecode.models import Model  # noqa: E402
 from smcdecode.serve.app import create_app  # noqa: E402
 from smcdecode.serve.engine_executor import SchedulerExecutor  # noqa: E402
@@ -122,7 +128,8 @@ async def http_round(base: str, model: str, prompts: list[list[int]], clients: i
     await asyncio.gather(*(one(k) for k in range(clients)))
     wall = time.perf_counter() - start
     await client.close()
-    return {"wall_s": wall, "tok_s": clients * rounds * max_tokens / wall, "ttft_p50_s": pct(ttft, 0.5),
+    # (perf_counter is the system's monotonic clock on Linux: the server's process reads the same)
+    return {"wall_s": wall, "started_at": start, "tok_s": clients * rounds * max_tokens / wall, "ttft_p50_s": pct(ttft, 0.5),
             "ttft_p99_s": pct(ttft, 0.99), "req_tok_s_p50": pct(rate, 0.5), "req_tok_s_p99": pct(rate, 0.01),
             "errors": errors}
 
@@ -165,6 +172,38 @@ def offline(executor: SchedulerExecutor, strategy: str, prompts: list[list[int]]
     return {"wall_s": wall, "tok_s": total * T / wall}
 
 
+def same_loop(executor: SchedulerExecutor, strategy: str, prompts: list[list[int]], clients: int, rounds: int,
+              args) -> dict:
+    """The server's request loop for the same requests, without HTTP: a Scheduler with the settings of
+    the executor's lane for ``strategy`` (its engine, so its captured rounds), stepped here with
+    ``clients`` requests in flight (a request joins as soon as one leaves). The executor is idle
+    meanwhile (the HTTP pass before has ended), so its scheduler holds no rows of the shared buffers."""
+    lane = {"smc": executor.sched, "sd": executor.sd, "ar": executor.ar}[strategy]
+    while any(s.busy for s in executor.schedulers) or executor.live:
+        time.sleep(0.01)
+    sched = Scheduler(lane.engine, slots=lane.slots, max_particles=lane.Nmax, max_block_size=lane.Kmax,
+                      target=EngineTarget(), eos_token_id=None, resampler=lane.resampler, ess_threshold=lane.tau,
+                      use_graphs=lane.use_graphs, seed=3, exact_only=lane.exact_only)
+    T, total = args.max_tokens, clients * rounds
+    particles = args.particles if strategy == "smc" else 1
+    K = {"smc": args.block_size, "sd": args.sd_block_size, "ar": 0}[strategy]
+    todo = [Request(list(prompts[i % len(prompts)]), particles=particles, block_size=K, max_new_tokens=T,
+                    draft_temperature=1.0, target_temperature=1.0, exact=strategy == "sd") for i in range(total)]
+    sync(args.device)
+    t0 = time.perf_counter()
+    live = 0
+    while todo or sched.busy:
+        while todo and live < clients:
+            sched.submit(todo.pop(0))
+            live += 1
+        for f in sched.step():
+            assert int(f.lengths.min()) == T, "a same-loop request ended early"
+            live -= 1
+    sync(args.device)
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "tok_s": total * T / wall}
+
+
 def round_shapes(executor: SchedulerExecutor) -> int:
     """Round shapes the executor's engines hold (the speculative / autoregressive rounds, and each scheduler's rounds by bucket
     and block size): a new one is a capture (with CUDA graphs) or a new round's code (without)."""
@@ -177,20 +216,19 @@ def round_shapes(executor: SchedulerExecutor) -> int:
 
 def warm_up(executor: SchedulerExecutor, pool, base: str, prompts: list[list[int]], strategy: str, clients: int,
             body: dict, args) -> None:
-    """Meet every round shape of the timed passes untimed: the offline calls as timed (their shapes
-    follow the output length); through HTTP the timed pattern (same clients, same requests per client).
-    The schedulers' shapes (SMC-SD, AR) follow the occupied slots, not the output length: short outputs,
-    after one request from each power-of-two number of clients (every bucket). Exact SD batches the
-    waiting requests in one call whose shape follows the output length: full-length outputs."""
+    """Meet every round shape of the timed passes untimed: the offline calls as timed (the dedicated
+    calls' shapes follow the output length); through HTTP the timed pattern (same clients, same
+    requests per client). The request loops' shapes (every lane) follow the occupied slots, not the
+    output length: short outputs, after one request from each power-of-two number of clients (every
+    bucket)."""
     offline(executor, strategy, prompts, clients, 1, args)
-    short = 16 if strategy in ("smc", "ar") else args.max_tokens
-    if strategy in ("smc", "ar"):
-        c = 1
-        while c < clients:
-            errors = clients_run(pool, base, prompts, c, 1, body, short)["errors"]
-            assert not errors, f"warm-up: {errors[:3]}"
-            c *= 2
-    errors = clients_run(pool, base, prompts, clients, args.rounds, body, short)["errors"]
+    same_loop(executor, strategy, prompts, clients, 1, args)
+    c = 1
+    while c < clients:
+        errors = clients_run(pool, base, prompts, c, 1, body, 16)["errors"]
+        assert not errors, f"warm-up: {errors[:3]}"
+        c *= 2
+    errors = clients_run(pool, base, prompts, clients, args.rounds, body, 16)["errors"]
     assert not errors, f"warm-up: {errors[:3]}"
 
 
@@ -256,18 +294,27 @@ def main() -> None:
             before = round_shapes(executor)
             off = offline(executor, strategy, prompts, C, args.rounds, args)
             mid = round_shapes(executor)
+            loop = same_loop(executor, strategy, prompts, C, args.rounds, args)
+            mid2 = round_shapes(executor)
+            seconds, t_snap = executor.device_seconds(), time.perf_counter()
             http = clients_run(pool, base, prompts, C, args.rounds, bodies[strategy], args.max_tokens)
+            spent = {k: v - seconds[k] for k, v in executor.device_seconds().items()}
+            # (idle before the clients' clock started and after it stopped is not the pass's)
+            spent["idle"] -= (http["started_at"] - t_snap) + (time.perf_counter() - http["started_at"] - http["wall_s"])
+            http["device_thread_s"] = {k: round(v, 4) for k, v in spent.items()}
             # rounds of a shape first met in a timed pass (a CUDA graph captured inside the measurement)
-            new = {"offline": mid - before, "http": round_shapes(executor) - mid}
-            run = {"strategy": strategy, "clients": C, "offline": off, "http": http,
-                   "ratio": http["tok_s"] / off["tok_s"], "new_round_shapes_in_timed_pass": new}
+            new = {"offline": mid - before, "same_loop": mid2 - mid, "http": round_shapes(executor) - mid2}
+            run = {"strategy": strategy, "clients": C, "offline": off, "same_loop": loop, "http": http,
+                   "ratio": http["tok_s"] / off["tok_s"], "ratio_same_loop": http["tok_s"] / loop["tok_s"],
+                   "new_round_shapes_in_timed_pass": new}
             if any(new.values()):
                 print(f"    warning: round shapes first met in the timed pass (captured inside it): {new}", flush=True)
             res["runs"].append(run)
             print(f"{strategy:4s} {C:3d} clients: HTTP {http['tok_s']:8.1f} tok/s, offline {off['tok_s']:8.1f} "
-                  f"({run['ratio']:.1%}); TTFT p50 {http['ttft_p50_s']:.3f} s p99 {http['ttft_p99_s']:.3f} s; "
+                  f"({run['ratio']:.1%}), same loop {loop['tok_s']:8.1f} ({run['ratio_same_loop']:.1%}); TTFT p50 {http['ttft_p50_s']:.3f} s p99 {http['ttft_p99_s']:.3f} s; "
                   f"per request p50 {http['req_tok_s_p50']:.1f} tok/s, p99 (slowest 1 %) "
                   f"{http['req_tok_s_p99']:.1f}; errors {len(http['errors'])}", flush=True)
+            print(f"     device thread (s): {http['device_thread_s']} of {http['wall_s']:.3f}", flush=True)
             for e in http["errors"][:5]:
                 print("   ", e, flush=True)
     pool.shutdown()
@@ -276,11 +323,13 @@ def main() -> None:
     executor.close()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
-    print("\n| strategy | clients | HTTP tok/s | offline tok/s | ratio | TTFT p50 / p99 (s) | per-request tok/s p50 |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| strategy | clients | HTTP tok/s | offline tok/s | ratio | same-loop tok/s | ratio | "
+          "TTFT p50 / p99 (s) | per-request tok/s p50 |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in res["runs"]:
         h = r["http"]
         print(f"| {r['strategy']} | {r['clients']} | {h['tok_s']:.1f} | {r['offline']['tok_s']:.1f} | {r['ratio']:.1%} "
+              f"| {r['same_loop']['tok_s']:.1f} | {r['ratio_same_loop']:.1%} "
               f"| {h['ttft_p50_s']:.3f} / {h['ttft_p99_s']:.3f} | {h['req_tok_s_p50']:.1f} |")
     bad = sum(len(r["http"]["errors"]) for r in res["runs"])
     if bad:

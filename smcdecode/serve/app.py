@@ -54,6 +54,47 @@ async def _disconnected(request: Request) -> None:
             return
 
 
+def _sse_events(job: Job, batch: list) -> tuple[bytes, bool]:
+    """The server-sent events of a job's events (consecutive deltas of one choice as one chunk),
+    and whether the stream ends with them."""
+    out: list[bytes] = []
+    pending: list = []  # [index, text] of the deltas not written yet
+
+    def write_pending():
+        if pending:
+            out.append(sse(chunk(job, pending[0], pending[1])))
+            pending.clear()
+
+    for kind, *rest in batch:
+        if kind == "delta":
+            if pending and pending[0] != rest[0]:
+                write_pending()
+            if pending:
+                pending[1] += rest[1]
+            else:
+                pending.extend(rest)
+            continue
+        write_pending()
+        if kind == "choice":
+            c, tail = rest
+            if tail:
+                out.append(sse(chunk(job, c.index, tail)))
+            out.append(sse(chunk(job, c.index, None, c.finish_reason, logprobs=c.logprobs)))
+        elif kind == "done":
+            last = chunk(job, 0)
+            last["choices"] = []
+            last["smc"] = rest[0].smc
+            if job.spec.include_usage:
+                last["usage"] = usage(rest[0])
+            out += [sse(last), sse("[DONE]")]
+            return b"".join(out), True
+        else:
+            out.append(sse(_run_error(rest[0]).body()))
+            return b"".join(out), True
+    write_pending()
+    return b"".join(out), False
+
+
 def create_app(executor: Executor, *, limits: Limits, defaults: Defaults) -> Starlette:
     """The ASGI application serving ``executor``."""
     stats = executor.stats
@@ -98,31 +139,21 @@ def create_app(executor: Executor, *, limits: Limits, defaults: Defaults) -> Sta
             if spec.endpoint == "chat":
                 for i in range(spec.n):
                     yield sse(chunk(job, i, "", role=True))
-            while True:
-                event = asyncio.ensure_future(job.events.get())
-                done, _ = await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if event not in done:
-                    event.cancel()
-                    return
-                kind, *rest = event.result()
-                if kind == "delta":
-                    yield sse(chunk(job, rest[0], rest[1]))
-                elif kind == "choice":
-                    c, tail = rest
-                    if tail:
-                        yield sse(chunk(job, c.index, tail))
-                    yield sse(chunk(job, c.index, None, c.finish_reason, logprobs=c.logprobs))
-                elif kind == "done":
-                    last = chunk(job, 0)
-                    last["choices"] = []
-                    last["smc"] = rest[0].smc
-                    if spec.include_usage:
-                        last["usage"] = usage(rest[0])
-                    yield sse(last)
-                    yield sse("[DONE]")
-                    return
+            while not gone.done():
+                if job.events.empty():
+                    event = asyncio.ensure_future(job.events.get())
+                    done, _ = await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
+                    if event not in done:
+                        event.cancel()
+                        return
+                    batch = [event.result()]
                 else:
-                    yield sse(_run_error(rest[0]).body())
+                    batch = []
+                while not job.events.empty():  # every event that has arrived, in one write
+                    batch.append(job.events.get_nowait())
+                body, ended = _sse_events(job, batch)
+                yield body
+                if ended:
                     return
         finally:  # the client went away (or the task was cancelled), or the stream ended
             gone.cancel()

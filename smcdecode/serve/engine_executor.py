@@ -18,6 +18,10 @@ rounds: plain SD batched with the waiting SD requests of the same settings in on
 own KV pool), the rest through the public API on the engine; their text is sent when they end.
 Seeded requests stay there because the schedulers draw from one random stream shared by every
 request in a round, so a seed could not reproduce a request's sample.
+
+The scheduled requests' events (streamed text, finished choices) are handed to the HTTP side's event
+loop once a step, all together (``Outbox``): the device thread and the event loop share the GIL, and
+a wake-up per event would hand it over once per request and round.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 
 from ..errors import SMCDecodeError
 from ..result import Result
-from .executor import Choice, Executor, Job, LibraryRunner, count, finish_choice, outcome, run_job
+from .executor import Choice, Executor, Job, LibraryRunner, Outbox, count, finish_choice, outcome, run_job
 from .metrics import Stats
 from .protocol import Defaults, Limits
 from .stream import TextStream
@@ -84,6 +88,11 @@ class SchedulerExecutor(Executor):
         self.incoming: deque[Job] = deque()
         self.side_queue: deque[Job] = deque()
         self.cancels: list[Job] = []
+        self.outbox = Outbox()  # the scheduled jobs' events, delivered once a step (not once an event)
+        # seconds of the device thread: in the schedulers' steps (their host work and their waits for
+        # the device), streaming, finishing choices, handing events to the HTTP side, waiting for work
+        self.seconds = dict.fromkeys(("rounds", "stream", "finish", "deliver", "idle"), 0.0)
+        self._idle_since: float | None = None  # when the device thread's current wait for work began
         self.waiting: set[Job] = set()  # submitted, not yet running
         self.live: dict[Job, dict] = {}  # job -> {"choices": {index: Choice}, "streams": [...]}
         self._pending: dict = {}  # scheduler id -> (stream read in flight, its slots, its event)
@@ -136,6 +145,14 @@ class SchedulerExecutor(Executor):
 
     pages_in_use = 0
 
+    def device_seconds(self) -> dict:
+        """``seconds`` (see ``__init__``) up to now, a wait for work in progress included."""
+        with self.cond:
+            out = dict(self.seconds)
+            if self._idle_since is not None:
+                out["idle"] += time.perf_counter() - self._idle_since
+        return out
+
     def close(self) -> None:
         with self.cond:
             self.closed = True
@@ -150,10 +167,13 @@ class SchedulerExecutor(Executor):
         side_turn = False
         while True:
             with self.cond:
+                self._idle_since = time.perf_counter()
                 while not (self.incoming or self.cancels or self.side_queue or any(x.busy for x in self.schedulers)
                            or self.closed):
                     if not self.cond.wait(KEEPALIVE_S if self.lockstep else None):
                         self.lockstep.run(_keepalive)  # the other ranks wait for a call under a timeout
+                self.seconds["idle"] += time.perf_counter() - self._idle_since
+                self._idle_since = None
                 if self.closed:
                     return
                 incoming, self.incoming = list(self.incoming), deque()
@@ -193,6 +213,7 @@ class SchedulerExecutor(Executor):
                 for sched in self.schedulers:
                     for r in [r for r in sched.requests if r is not None] + list(sched.queue):
                         sched.cancel(r.id)
+            self._deliver()
             side_turn = not side_turn
 
     def _enqueue(self, job: Job, sched) -> None:
@@ -200,8 +221,9 @@ class SchedulerExecutor(Executor):
         from ..backends.engine import Request
 
         s = job.spec
+        job.outbox = self.outbox
         self.live[job] = {"choices": {}, "streams": [TextStream(self.model.decode, s.stop) for _ in range(s.n)],
-                          "started": time.perf_counter()}
+                          "shared": [0] * s.n, "started": time.perf_counter()}
         ar, exact = sched is self.ar, sched is self.sd or sched is self.ar
         dt = 1.0 if ar else _draft_temperature(s, self.draft)
         for i in range(s.n):
@@ -300,7 +322,9 @@ class SchedulerExecutor(Executor):
 
     def _step(self, sched) -> None:
         """One round of ``sched``: stream what became final, report the choices that finished."""
+        t0 = time.perf_counter()
         finished = sched.step()
+        t1 = time.perf_counter()
         with self.cond:
             for r in sched.requests:
                 if r is not None:
@@ -309,10 +333,21 @@ class SchedulerExecutor(Executor):
                 self.waiting.discard(f.request.id[0])
         self._count_pages()
         self._stream(sched)
+        t2 = time.perf_counter()
         for f in finished:
             job, i = f.request.id
             if job in self.live:
                 self._finish(job, i, f, {id(self.ar): "autoregressive", id(self.sd): "speculative"}.get(id(sched), "smc"))
+        t3 = time.perf_counter()
+        self.seconds["rounds"] += t1 - t0
+        self.seconds["stream"] += t2 - t1
+        self.seconds["finish"] += t3 - t2
+        self._deliver()
+
+    def _deliver(self) -> None:
+        t0 = time.perf_counter()
+        self.outbox.flush()
+        self.seconds["deliver"] += time.perf_counter() - t0
 
     def _stream(self, sched) -> None:
         """Send each streamed choice the prefix all its particles share. One device read for all of
@@ -348,12 +383,16 @@ class SchedulerExecutor(Executor):
     def _send(self, packed, slots, event) -> None:
         if event is not None:
             event.synchronize()
+        packed = packed.numpy()
         for g, r in slots:
             job, i = r.id
             state = self.live.get(job)
             if state is None or i in state["choices"]:  # (finished since: its text went with it)
                 continue
             n = min(int(packed[g, 0]), r.max_new_tokens)  # (past a row's generated tokens lies padding)
+            if n <= state["shared"][i]:  # nothing new is shared
+                continue
+            state["shared"][i] = n
             ids = packed[g, 1 : 1 + n].tolist()
             if self.eos is not None and self.eos in ids:
                 ids = ids[: ids.index(self.eos)]

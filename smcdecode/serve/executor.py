@@ -58,13 +58,42 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.submitted = time.perf_counter()
+        self.outbox: Outbox | None = None  # set by an executor that delivers its events in batches
 
     def post(self, *event) -> None:
-        """Deliver an event to the HTTP side (from any thread)."""
+        """Deliver an event to the HTTP side (from any thread; with an ``outbox``, from the thread
+        that flushes it, when it does)."""
+        if self.outbox is not None:
+            self.outbox.items.append((self, event))
+            return
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop has closed (server shutting down)
             pass
+
+
+class Outbox:
+    """Events of many jobs, posted by one thread and delivered with one wake-up of each event loop
+    per :meth:`flush` (not one per event: the event loop and the posting thread share the GIL)."""
+
+    def __init__(self):
+        self.items: list[tuple[Job, tuple]] = []
+
+    def flush(self) -> None:
+        items, self.items = self.items, []
+        by_loop: dict = {}
+        for job, event in items:
+            by_loop.setdefault(job.loop, []).append((job, event))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the event loop has closed (server shutting down)
+                pass
+
+
+def _put_all(batch: list) -> None:
+    for job, event in batch:
+        job.events.put_nowait(event)
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -209,8 +238,11 @@ class HFModelRunner:
 
 def returned_tokens(model, tokens: list[int], text: str) -> list[int]:
     """The first tokens of ``tokens`` whose text covers ``text`` (the choice's text after a stop
-    sequence cut it), EOS excluded."""
+    sequence cut it), EOS excluded: all of them when ``text`` is their whole text (one decode; the
+    search, a decode per prefix, only for a text a stop sequence cut)."""
     tokens = [t for t in tokens if t != model.eos_token_id]
+    if model.decode(tokens) == text:
+        return tokens
     for k in range(len(tokens) + 1):
         if len(model.decode(tokens[:k])) >= len(text):
             return tokens[:k]

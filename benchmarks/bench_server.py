@@ -13,8 +13,8 @@ another through HTTP (the ``openai`` client), it measures
   the server's own request loop without HTTP (``same_loop``: a Scheduler with the settings of the
   executor's lane, sharing its engine and captured rounds, driven directly with ``clients``
   requests in flight). HTTP / same loop is the cost of the HTTP layer and the executor; same loop /
-  dedicated is the request loop's own gap (for SD and AR a different program: the loop's exact
-  speculative / K = 0 rounds against the dedicated batched loops);
+  dedicated is the cost of requests joining one by one against calls of ``clients`` requests
+  submitted at once (the same exact-only request loop for SD and AR);
 - where the executor's device thread spent the HTTP pass (``device_thread_s``: the schedulers'
   steps, streaming, finishing choices, handing events over, waiting for requests);
 - p50 / p99 time to the first streamed token, and p50 / p99 per-request tokens per second.
@@ -188,7 +188,7 @@ def same_loop(executor: SchedulerExecutor, strategy: str, prompts: list[list[int
     particles = args.particles if strategy == "smc" else 1
     K = {"smc": args.block_size, "sd": args.sd_block_size, "ar": 0}[strategy]
     todo = [Request(list(prompts[i % len(prompts)]), particles=particles, block_size=K, max_new_tokens=T,
-                    draft_temperature=1.0, target_temperature=1.0, exact=strategy == "sd") for i in range(total)]
+                    draft_temperature=1.0, target_temperature=1.0, exact=strategy != "smc") for i in range(total)]
     sync(args.device)
     t0 = time.perf_counter()
     live = 0

@@ -230,17 +230,3 @@ def test_quality_summary_counts_what_the_rows_say(sq, tmp_path):
     assert cov["all_methods"]["Glaiveai2K"] == 2
 
 
-# -- loop_programs_ab.py ---------------------------------------------------------------------------
-
-
-def test_loop_programs_ab_times_every_case_and_writes_them(tmp_path, monkeypatch):
-    lp = _script("loop_programs_ab")
-    out = tmp_path / "ab.json"
-    monkeypatch.setattr(sys, "argv", ["loop_programs_ab.py", "--tiny", "--requests", "1,2", "--repeats", "2",
-                                      "--prompt-len", "5", "--ar-out-len", "4", "--sd-out-len", "4", "--out", str(out)])
-    lp.main()
-    res = json.loads(out.read_text())
-    cases = {(r["case"], r["requests"]) for r in res["rows"]}
-    assert cases == {(f"{kind} {how}", G) for kind in ("AR", "SD") for how in ("dedicated", "loop") for G in (1, 2)}
-    assert all(len(r["seconds"]) == 2 and r["tok_s"] > 0 for r in res["rows"])
-    assert res["shapes"]["target"]["vocab_size"] == 512 and res["device"]

@@ -9,6 +9,8 @@ import torch
 
 from smcdecode import SMCDecodeError
 from smcdecode.backends.engine import Engine, KVPool, Llama, LlamaConfig, PagedBatch
+from smcdecode.backends.engine.kv_cache import PageTable
+from smcdecode.backends.engine.prefill import prefill_unpadded
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
@@ -33,6 +35,30 @@ LENGTHS = [9, 2, 5, 1, 16, 17, 18, 3, 33, 40, 6]
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+
+def _prefilled(engine, prompts: list[list[int]], N: int, extra: int, batched: bool):
+    """A page table for G·N rows with each prompt prefilled once (in row g·N, batched through
+    ``prefill_rows`` or one forward per prompt) and shared by its N rows; its device copy."""
+    G, PS = len(prompts), engine.page_size
+    engine.ensure_rope(max(len(p) for p in prompts) + extra + PS)
+    table = PageTable(G * N, -(-engine.max_context // PS) + 1, engine.num_pages, PS)
+    for g, ids in enumerate(prompts):
+        table.reserve(np.array([g * N]), np.array([len(ids) - 1]))
+        table.advance(np.array([g * N]), np.array([len(ids) - 1]))
+    pt_dev = torch.from_numpy(table.table).to(engine.device)
+    heads = [g * N for g in range(G)]
+    if batched:
+        engine.prefill_rows(engine.target, engine.kv_t, pt_dev, heads, [p[:-1] for p in prompts])
+        engine.prefill_rows(engine.draft, engine.kv_d, pt_dev, heads, [p[:-2] for p in prompts])
+    else:
+        for g, ids in enumerate(prompts):
+            prefill_unpadded(engine.target, engine.kv_t, pt_dev, g * N, ids[:-1], PS)
+            prefill_unpadded(engine.draft, engine.kv_d, pt_dev, g * N, ids[:-2], PS)
+    for g in range(G):
+        table.share_prefix(list(range(g * N, (g + 1) * N)), g * N)
+    return table, pt_dev
+
+
 @pytest.mark.parametrize("device, dim, tol", [
     ("cpu", 32, 1e-5),
     # the Triton kernels (float32 inputs, tf32 products; head dim 32 for the fused decode kernel)
@@ -52,7 +78,7 @@ def test_batched_prefill_matches_per_prompt_prefill(device, dim, tol):
     for batched in (False, True):
         e = Engine(target, draft, num_pages=256, page_size=PS, max_context=64)
         e.PREFILL_TOKENS = 64  # several forwards per bucket, and a padded last chunk (R = 2^k rows)
-        table, pt = e.start(prompts, N, extra=4, batched_prefill=batched)
+        table, pt = _prefilled(e, prompts, N, 4, batched)
         engines[batched] = (e, table, pt)
     (e0, t0, _), (e1, t1, _) = engines[False], engines[True]
     np.testing.assert_array_equal(t0.table, t1.table)
@@ -200,18 +226,13 @@ def test_autoregressive_launches_its_kernels_without_pdl(monkeypatch):
     from smcdecode.backends.engine import Request, Scheduler, kernels
     from smcdecode.backends.engine import engine as E
 
-    seen = []  # (PDL when a prompt is prefilled: the dedicated SD loop's start, the request loop's admission)
-    start, prefill_rows = E.Engine.start, E.Engine.prefill_rows
-
-    def spy(self, *a, **k):
-        seen.append(kernels.pdl_enabled())
-        return start(self, *a, **k)
+    seen = []  # (PDL when the request loop prefills a joining request's prompt)
+    prefill_rows = E.Engine.prefill_rows
 
     def loop_spy(self, *a, **k):
         seen.append(kernels.pdl_enabled())
         return prefill_rows(self, *a, **k)
 
-    monkeypatch.setattr(E.Engine, "start", spy)
     monkeypatch.setattr(E.Engine, "prefill_rows", loop_spy)
     e = Engine(tiny_llama(seed=4), None, num_pages=64, page_size=4, max_context=16)
     e.autoregressive([[1, 2, 3]], max_new_tokens=2)

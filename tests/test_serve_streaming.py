@@ -130,3 +130,24 @@ def test_text_stream_holds_back_partial_characters_and_stop_sequences():
 def test_cut_at_stop_takes_the_first_occurrence_of_any():
     assert cut_at_stop("one two three", ["three", " t"]) == ("one", True)
     assert cut_at_stop("abc", ["x"]) == ("abc", False)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_incremental_decode_equals_the_whole_decode_on_the_default_tokenizer(seed):
+    """TextStream decodes only a window before its kept text each update: on the default model's
+    tokenizer (multi-byte characters split across tokens, random tokens, growth by 1–5 tokens) its
+    text equals decoding every id again, at every length, also after the kept text moved."""
+    import random
+
+    model = sd.load_model()
+    rng = random.Random(seed)
+    ids = model.encode("Héllo wörld — ünïcödé ✓ 日本語のテキスト 🙂 " * 3) + \
+        [rng.randrange(model.vocab_size) for _ in range(60)] + model.encode(" ok. \n\n done")
+    if seed % 2:
+        rng.shuffle(ids)
+    stream, n, moved = TextStream(model.decode, []), 0, False
+    while n < len(ids):
+        n = min(len(ids), n + rng.randint(1, 5))
+        assert stream._text(ids[:n]) == model.decode(ids[:n]), n
+        moved |= stream._base > 0
+    assert moved  # the kept text moved on (the window path ran)

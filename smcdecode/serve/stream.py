@@ -32,19 +32,48 @@ def _held_back(text: str, stops: list[str]) -> int:
 
 
 class TextStream:
-    """Deltas of one choice's text (see the module docstring)."""
+    """Deltas of one choice's text (see the module docstring).
+
+    The text of the growing ids is decoded incrementally: the text of the first ``base`` ids is
+    kept, and each update decodes only the ids from ``WINDOW`` tokens before ``base`` on (tokenizers
+    that join or clean up text across tokens see their context), taking what that decode adds to
+    the decode of the window alone; where the window's text is not a prefix of it, the whole text
+    is decoded again. ``base`` moves up to ``WINDOW`` tokens before the end, where the text decoded
+    so far ends in a complete character."""
+
+    WINDOW = 8
 
     def __init__(self, decode: Callable[[list[int]], str], stops: list[str]):
         self.decode, self.stops = decode, stops
         self.sent = ""
         self.ids: list[int] = []  # the final token ids last seen
         self.stopped = False  # a stop sequence is in the final text: nothing more will be sent
+        self._base, self._base_text = 0, ""  # the first ``_base`` ids decode to ``_base_text``
+
+    def _since(self, ids: list[int], end: int) -> str | None:
+        """The text of ids[:end] from the kept text and a decode of the window before it, or None."""
+        c = max(0, self._base - self.WINDOW)
+        head = self.decode(ids[c:self._base]) if c < self._base else ""
+        tail = self.decode(ids[c:end])
+        return self._base_text + tail[len(head):] if tail.startswith(head) else None
+
+    def _text(self, ids: list[int]) -> str:
+        text = self._since(ids, len(ids)) if self._base else None
+        if text is None:
+            self._base, self._base_text = 0, ""
+            text = self.decode(ids)
+        move = len(ids) - self.WINDOW
+        if move > self._base + self.WINDOW:
+            kept = self._since(ids, move) if self._base else self.decode(ids[:move])
+            if kept is not None and not kept.endswith("\ufffd") and text.startswith(kept):
+                self._base, self._base_text = move, kept
+        return text
 
     def update(self, ids: list[int]) -> str:
         """The new text of ``ids`` (final token ids, growing), or "" while nothing new is certain."""
         if self.stopped:
             return ""
-        text = self.decode(ids).rstrip("\ufffd")  # an incomplete UTF-8 character at the end
+        text = self._text(ids).rstrip("\ufffd")  # an incomplete UTF-8 character at the end
         text, self.stopped = cut_at_stop(text, self.stops)
         if not self.stopped:
             text = text[: len(text) - _held_back(text, self.stops)]

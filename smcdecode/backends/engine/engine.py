@@ -7,7 +7,7 @@ live in their own modules and take the engine as their first argument:
     smc_sd          batch.py: the request loop of scheduler.py over the round of smc.py with
                     every request submitted at once (any target program: constraints,
                     powers, rewards, per-request settings)
-    speculative     speculative.py (exact speculative decoding; rounds.py: its draft and verify steps)
+    speculative     batch.py: the request loop in the exact-only round of exact.py (exact speculative decoding)
     autoregressive  batch.py: the request loop in the exact-only round of exact.py, K = 0
     serve           scheduler.py (continuous batching of SMC-SD requests)
 
@@ -24,7 +24,6 @@ from torch import Tensor
 
 from ...errors import SMCDecodeError
 from . import batch, prefill
-from . import speculative as _speculative
 from .config import EngineConfig
 from .graphs import GraphCache
 from .kv_cache import KVPool, PageTable
@@ -60,7 +59,6 @@ class Engine:
     shape and the engine's config); ``clear_graphs`` frees them."""
 
     PREFILL_TOKENS = prefill.PREFILL_TOKENS  # positions per prefill forward (rows × bucket length), at most
-    AR_CHECK_EVERY = 16  # steps between the host's reads of the "all finished" flag (autoregressive._run)
 
     def __init__(self, target: Llama, draft: Llama | None = None, config: EngineConfig | None = None, *,
                  num_pages: int | None = None, page_size: int = 16, max_context: int | None = None,
@@ -116,11 +114,6 @@ class Engine:
         """``prefill.prefill_rows`` with this engine's page size, at most ``max_tokens`` positions a
         forward (default ``PREFILL_TOKENS``). Returns the number of forwards."""
         return prefill.prefill_rows(model, kv, pt_dev, rows, seqs, self.page_size, max_tokens or self.PREFILL_TOKENS)
-
-    def start(self, prompts: list[list[int]], N: int, extra: int, batched_prefill: bool = True
-              ) -> tuple[PageTable, Tensor]:
-        """``prefill.start``: a page table for G·N rows with every prompt prefilled once."""
-        return prefill.start(self, prompts, N, extra, batched_prefill)
 
     def upload(self, table: PageTable, pt_dev: Tensor, copies: tuple[list[int], list[int]],
                rows: np.ndarray | None = None) -> None:
@@ -221,15 +214,14 @@ class Engine:
         the token is drawn from the residual (p − q)+ (normalised), after K acceptances a bonus
         from p. Outputs are exact samples of the target at ``target_temperature``.
 
-        No per-round host work: every row's pages for the whole output are reserved up front (rows
-        never fork), and the host reads the "all finished" flag of the previous round while the
-        next one runs. (Exact speculative decoding is also a program of the request loop,
-        ``Request(exact=True)``, which the server runs; as a whole call it measured 10–14 % slower
-        than this round: docs/benchmarks.md#programs-on-the-one-loop.)"""
-        return _speculative.run(self, prompts, block_size=block_size, max_new_tokens=max_new_tokens,
-                                samples=samples, draft_temperature=draft_temperature,
-                                target_temperature=target_temperature, eos_token_id=eos_token_id,
-                                use_graphs=use_graphs, seed=seed)
+        A program of the request loop (``batch.run_speculative``): each prompt is one request of
+        ``samples`` exact rows (``Request(exact=True)``) in an exact-only scheduler, whose round
+        (exact.py) drafts, verifies and accepts with no weights or resampling; every row's pages for
+        its whole output are reserved when it joins, so the host reads round r while round r + 1 runs."""
+        return batch.run_speculative(self, prompts, block_size=block_size, max_new_tokens=max_new_tokens,
+                                     samples=samples, draft_temperature=draft_temperature,
+                                     target_temperature=target_temperature, eos_token_id=eos_token_id,
+                                     use_graphs=use_graphs, seed=seed)
 
     @_without_pdl
     @torch.inference_mode()

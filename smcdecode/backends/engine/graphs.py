@@ -3,25 +3,14 @@ the same static buffers (as serving engines do)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-
-
-@dataclass
-class Graph:
-    """Static buffers of one captured round and its replay (reused across calls of one shape)."""
-
-    buffers: dict
-    step: object
-    fn: object = None  # the captured closure: keeps every tensor it references alive with the graph
 
 
 class GraphCache:
     """The rounds an Engine captured, keyed by (round key, config): a round key names the round's
     shape (strategy, rows, K, temperatures, page-table width, ...), and the engine's
     ``EngineConfig`` is part of every key, so a graph never replays under other settings. An entry is
-    a ``Graph`` (the speculative and autoregressive rounds) or the request loop's rounds."""
+    the request loop's rounds of one scheduler shape."""
 
     def __init__(self, config):
         self.config = config
@@ -91,19 +80,3 @@ class GraphCache:
                 break
         torch.cuda.set_rng_state(rng)
         return parts
-
-
-def ready(engine, key: tuple, graph: Graph | None, buffers: dict, step, reset, table, copies,
-          use_graphs: bool) -> Graph:
-    """Upload the page table, reset the buffers for this call, and capture ``step`` the first time
-    ``key`` is seen (cached when graphs are on; the capture's warm-up run advances the state, so the
-    buffers are reset again)."""
-    engine.upload(table, buffers["pt"], copies)
-    reset()
-    if graph is None:
-        graph = Graph(buffers, engine.graphs.capture(step, use_graphs), step)
-        if use_graphs:
-            engine.graphs.put(key, graph)
-            buffers["pt"].copy_(torch.from_numpy(table.table))  # NOTE: device page bookkeeping rewrote it
-            reset()
-    return graph

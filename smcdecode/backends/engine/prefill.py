@@ -10,13 +10,12 @@ forward per prompt length would compile a kernel per length.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from ...errors import SMCDecodeError
 from .attention import PagedBatch
-from .kv_cache import KVPool, PageTable
+from .kv_cache import KVPool
 
 PREFILL_TOKENS = 16384  # positions per prefill forward (rows × bucket length), at most
 
@@ -88,36 +87,3 @@ def prefill_rows(model, kv: KVPool, pt_dev: Tensor, rows: list[int], seqs: list[
             forwards += 1
         i = j
     return forwards
-
-
-def start(engine, prompts: list[list[int]], N: int, extra: int, batched_prefill: bool = True
-          ) -> tuple[PageTable, Tensor]:
-    """Page table for G·N rows; each request's prompt prefilled once (in row g·N) and shared by
-    its N rows (copy-on-write of the partial last page when a row first writes into it).
-    ``batched_prefill`` False prefills one prompt per forward of its own length (the reference
-    for tests; on CUDA that compiles an attention kernel per prompt length)."""
-    G, PS = len(prompts), engine.page_size
-    longest = max(len(p) for p in prompts) + extra
-    if engine.max_context is not None and longest > engine.max_context:
-        raise ValueError(f"prompt + new tokens + block need {longest} positions, more than the engine's "
-                         f"max_context ({engine.max_context}): raise max_context")
-    engine.ensure_rope(longest + PS)
-    table = PageTable(G * N, -(-(engine.max_context or longest) // PS) + 1, engine.num_pages, PS)
-    for g, ids in enumerate(prompts):
-        r = g * N
-        table.reserve(np.array([r]), np.array([len(ids) - 1]))
-        table.advance(np.array([r]), np.array([len(ids) - 1]))
-    pt_dev = torch.from_numpy(table.table).to(engine.device)
-    heads = [g * N for g in range(G)]
-    if batched_prefill:
-        engine.prefill_rows(engine.target, engine.kv_t, pt_dev, heads, [p[:-1] for p in prompts])
-        if engine.draft is not None:
-            engine.prefill_rows(engine.draft, engine.kv_d, pt_dev, heads, [p[:-2] for p in prompts])
-    else:
-        for g, ids in enumerate(prompts):
-            prefill_unpadded(engine.target, engine.kv_t, pt_dev, g * N, ids[:-1], PS)
-            if engine.draft is not None:
-                prefill_unpadded(engine.draft, engine.kv_d, pt_dev, g * N, ids[:-2], PS)
-    for g in range(G):
-        table.share_prefix(list(range(g * N, (g + 1) * N)), g * N)
-    return table, pt_dev

@@ -244,6 +244,8 @@ def main() -> None:
     ap.add_argument("--clients", default="8,32")
     ap.add_argument("--rounds", type=int, default=2, help="requests each client sends, one after another")
     ap.add_argument("--strategies", default="smc,sd,ar")
+    ap.add_argument("--stream-interval", type=float, default=0.02,
+                    help="the server's stream_interval (seconds between a streamed choice's texts; 0: every round)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "server.json"))
     ap.add_argument("--tiny", action="store_true",
                     help="a 2-layer toy target and draft on the CPU, 16-token prompts and outputs, 2 and 4 clients")
@@ -267,7 +269,8 @@ def main() -> None:
     defaults = Defaults(particles=args.particles, block_size=args.block_size)
     executor = SchedulerExecutor(vocab, "random-llama", None, limits=limits, defaults=defaults,
                                  max_queue=4 * max(clients), slots=max(clients), max_particles=args.particles,
-                                 max_block_size=K, context=context, ignore_eos=True, llamas=(target, draft))
+                                 max_block_size=K, context=context, ignore_eos=True, llamas=(target, draft),
+                                 stream_interval=args.stream_interval)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(executor, limits=limits, defaults=defaults), host="127.0.0.1",
                                            port=port, log_level="warning"))
@@ -283,7 +286,8 @@ def main() -> None:
                       "dtype": str(dtype).removeprefix("torch."), "prompt_len": args.prompt_len,
                       "max_tokens": args.max_tokens, "weights": "random", "eos": "ignored (fixed-length outputs)"},
            "settings": {"particles": args.particles, "block_size": args.block_size,
-                        "sd_block_size": args.sd_block_size, "rounds_per_client": args.rounds},
+                        "sd_block_size": args.sd_block_size, "rounds_per_client": args.rounds,
+                        "stream_interval_s": args.stream_interval},
            "runs": []}
     bodies = {"smc": {"strategy": "smc", "particles": args.particles, "block_size": args.block_size},
               "sd": {"strategy": "sd", "block_size": args.sd_block_size}, "ar": {"strategy": "ar"}}

@@ -70,6 +70,9 @@ def parser() -> argparse.ArgumentParser:
                    "draft whole on every rank. N must divide the target's attention heads, key/value heads and "
                    "MLP width. The draft must then be a model directory, a .gguf file or truncated:L, and the "
                    "server answers plain requests (no constraint, seed or logprobs). See docs/engine.md")
+    p.add_argument("--stream-interval", type=float, default=0.02, metavar="SECONDS",
+                   help="GPU engine: a streamed choice gets new text at most this often (its first text and its "
+                        "end at once); 0 sends after every round")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: as smcdecode generate)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
@@ -150,7 +153,8 @@ def build(args):
         from .engine_executor import SchedulerExecutor
 
         executor = SchedulerExecutor(watched, name, draft, slots=args.slots, max_particles=args.engine_particles,
-                                     max_block_size=args.max_block_size, context=args.engine_context, **common)
+                                     max_block_size=args.max_block_size, context=args.engine_context,
+                                     stream_interval=args.stream_interval, **common)
     else:
         options = {"device": device} if backend != "reference" else None
         executor = LibraryExecutor(watched, name, draft, backend=backend, engine_options=options, slots=args.slots,

@@ -44,7 +44,9 @@ from .watch import Cancelled, WatchedModel
 
 class SchedulerExecutor(Executor):
     """See the module docstring. ``ignore_eos``: generate exactly ``max_tokens`` tokens (benchmarks).
-    ``ar_slots``: autoregressive choices in flight at once (default ``slots``)."""
+    ``ar_slots``: autoregressive choices in flight at once (default ``slots``). ``stream_interval``:
+    a streamed choice gets new text at most once every that many seconds (its first text and its
+    end at once; 0: after every round)."""
 
     min_prompt_tokens = 2  # the engine feeds the last two prompt tokens to the draft in the first round
 
@@ -52,10 +54,14 @@ class SchedulerExecutor(Executor):
                  max_queue: int = 64, slots: int = 8, max_particles: int = 8, max_block_size: int = 8,
                  context: int = 2048, page_size: int = 16, use_graphs: bool | None = None, ignore_eos: bool = False,
                  stats: Stats | None = None, seed: int = 0, llamas: tuple | None = None, ar_slots: int | None = None,
-                 lockstep=None):
+                 lockstep=None, stream_interval: float = 0.02):
         super().__init__(model, model_name, limits=limits, defaults=defaults, max_queue=max_queue, stats=stats,
                          has_draft=True)
         self.eos = None if ignore_eos else model.eos_token_id
+        if isinstance(stream_interval, bool) or not isinstance(stream_interval, (int, float)) \
+                or not 0 <= stream_interval < float("inf"):
+            raise SMCDecodeError(f"stream_interval must be a number of seconds >= 0, got {stream_interval!r}")
+        self.stream_interval = float(stream_interval)
         context = min(context, model.max_context or context)
         settings = dict(slots=slots, max_particles=max_particles, max_block_size=max_block_size, context=context,
                         page_size=page_size, use_graphs=use_graphs, eos=self.eos, resampler=defaults.resampler,
@@ -223,7 +229,7 @@ class SchedulerExecutor(Executor):
         s = job.spec
         job.outbox = self.outbox
         self.live[job] = {"choices": {}, "streams": [TextStream(self.model.decode, s.stop) for _ in range(s.n)],
-                          "shared": [0] * s.n, "started": time.perf_counter()}
+                          "shared": [0] * s.n, "sent_at": [-math.inf] * s.n, "started": time.perf_counter()}
         ar, exact = sched is self.ar, sched is self.sd or sched is self.ar
         dt = 1.0 if ar else _draft_temperature(s, self.draft)
         for i in range(s.n):
@@ -350,17 +356,20 @@ class SchedulerExecutor(Executor):
         self.seconds["deliver"] += time.perf_counter() - t0
 
     def _stream(self, sched) -> None:
-        """Send each streamed choice the prefix all its particles share. One device read for all of
-        them, started after the round just launched and taken at the next step (on a GPU: so the
+        """Send each streamed choice the prefix all its particles share (those whose last text went
+        ``stream_interval`` seconds ago or more). One device read for all of them, started after the round just launched and taken at the next step (on a GPU: so the
         host does not wait for the round in flight; a prefix that every particle shares never
         changes, so an earlier one is as final as the newest)."""
         pending = self._pending.pop(id(sched), None)
         if pending is not None:
             self._send(*pending)
-        slots = [(g, r) for g, r in enumerate(sched.requests)
-                 if r is not None and r.id[0].spec.stream and r.id[0] in self.live]
+        now = time.perf_counter()
+        slots = [(g, r) for g, r in enumerate(sched.requests) if r is not None and r.id[0].spec.stream
+                 and r.id[0] in self.live and now - self.live[r.id[0]]["sent_at"][r.id[1]] >= self.stream_interval]
         if not slots:
             return
+        for _, r in slots:
+            self.live[r.id[0]]["sent_at"][r.id[1]] = now
         b, N = sched.full.buffers, sched.Nmax
         top = max(g for g, _ in slots) + 1
         T = max(r.max_new_tokens for _, r in slots)

@@ -170,7 +170,8 @@ def build_executor(args, limits, defaults):
         return SchedulerExecutor(model, args.served_model_name or model.name, None, limits=limits,
                                  defaults=defaults, max_queue=args.max_queue, slots=args.slots,
                                  max_particles=args.engine_particles, max_block_size=args.max_block_size,
-                                 context=args.engine_context, lockstep=lock)
+                                 context=args.engine_context, lockstep=lock,
+                                 stream_interval=getattr(args, "stream_interval", 0.02))
     except BaseException:
         lock.close()
         raise

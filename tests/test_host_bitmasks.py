@@ -160,3 +160,46 @@ pinned copy and an event); else the host reads it from the drafts buffer."""
                     host.drafted(i, d_dev)
             else:
                 host.end(d_dev)
+
+
+@pytest.mark.slow
+def test_host_masks_of_rows_sharing_matchers_equal_their_replayed_histories(model):
+    """Resampled rows share their ancestor's matcher (copy on write) and, drawing from one logit vector,
+    often take the same token: every step's HostMasks mask (one mask per distinct matcher, the
+    unique-key rule applied) equals, row by row, the reference mask of that row's own token history
+    replayed into a fresh matcher."""
+    V, eos = model.vocab_size, model.eos_token_id
+    c = JSONSchema({"type": "object", "additionalProperties": {"type": "integer"}}, path="llguidance").bind(model)
+    closing = torch.tensor([b is not None and b"}" in b for b in c._keys.token_bytes])  # (documents stay open)
+    N, K = 4, 2
+    host = HostMasks(N, V, "cpu")
+    host.add(0, RequestMasks([c], N, K, budget=1000))
+    hist = [[] for _ in range(N)]
+    g = torch.Generator().manual_seed(3)
+    out = torch.empty(N, host.W, dtype=torch.int32)
+    shared_steps = 0
+    for rnd in range(8):
+        drafts = torch.zeros(N, K, dtype=torch.long)
+        host.begin(N, K, drafts)
+        for i in range(K + 1):
+            host.mask(i, out)
+            ref = _reference_mask(c, c._replay(hist))
+            assert torch.equal(unpack_bits(out, V), ref), (rnd, i)
+            matchers = host.requests[0].states[0].matchers
+            shared_steps += len({id(m) for m in matchers}) < N
+            choice = ref & ~closing
+            choice[:, eos] = False
+            logits = torch.rand(V, generator=g).expand(N, V).clone()
+            logits[3] = torch.rand(V, generator=g)  # row 3 draws on its own
+            d = torch.where(choice, logits, -1.0).argmax(1)
+            for r in range(N):
+                hist[r].append(int(d[r]))
+            if i < K:
+                drafts[:, i] = d
+                host.drafted(i, d)
+            else:
+                host.end(d)
+        index = torch.tensor([0, 0, 1, 0] if rnd % 2 == 0 else [2, 2, 3, 3])
+        host.fork(index)
+        hist = [list(hist[a]) for a in index]
+    assert shared_steps > 8  # the rows did share matchers for much of the walk

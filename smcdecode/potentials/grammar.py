@@ -11,10 +11,15 @@ states is a :class:`MatcherBatch`; the tensor path of :class:`TokenConstraint` m
     allowed_bits(state)   one call into llguidance's thread pool fills a [B, ⌈V/32⌉] int32 bitmask
                           for all B particles (what the engine uploads and unpacks on the device)
     allowed(state)        that bitmask unpacked to bool [B, V] on the CPU
-    advance(state, v [B]) each matcher consumes its token in place; the old batch is spent
-    fork(state, A [B])    copy-on-write gather: the first child of an ancestor takes its matcher,
-                          further children get ``deep_copy`` (a few µs: the compiled grammar and
-                          lexer caches are shared, only the parser stack is copied)
+    advance(state, v [B]) each distinct matcher consumes its token in place; the old batch is spent
+    fork(state, A [B])    a gather of references: children of one ancestor share its matcher
+
+Rows share a matcher copy-on-write: rows that hold one object have the same tokens since the
+ancestor they were forked from, hence the same parser state, key state and mask, so a mask is
+computed and a token consumed once per distinct matcher (after a resampling, and where a peaked
+model makes particles agree, many rows share one). ``advance`` copies a shared matcher
+(``deep_copy``: a few µs, the compiled grammar and lexer caches are shared, only the parser stack
+is copied) only where its rows' tokens differ.
 
 NOTE: states are used linearly — ``advance`` and ``fork`` consume their input batch, and using a
 spent batch again raises. Every strategy in ``samplers/`` threads states that way.
@@ -54,6 +59,17 @@ class MatcherBatch:
 
     def __len__(self) -> int:
         return len(self.matchers)
+
+    def distinct(self) -> tuple[list[int], list[int], list[int]]:
+        """(the first row of each distinct matcher; the other rows; the first row of each of those's matcher)."""
+        first: dict = {}
+        rest, src = [], []
+        for i, m in enumerate(self.matchers):
+            j = first.setdefault(id(m), i)
+            if j != i:
+                rest.append(i)
+                src.append(j)
+        return list(first.values()), rest, src
 
     def take(self) -> list:
         """The matchers, marking this batch spent (its states are about to change)."""
@@ -148,7 +164,7 @@ class LLGuidanceConstraint(TokenConstraint):
         if template.is_error():
             raise self._error(template.get_error())
         self._template = template
-        self._executor = llg.LLExecutor(self.threads) if self.threads else llg.LLExecutor()
+        self._executor = _executor(self.threads)
         self._keys = KeyTracker(token_texts(model, tok)) if self.unique_keys else None
         self.model = model
         self._words = (model.vocab_size + 31) // 32
@@ -165,7 +181,7 @@ class LLGuidanceConstraint(TokenConstraint):
         if self.path == "automaton":
             return torch.full((batch,), self.automaton.initial, dtype=torch.long)
         keys = [START] * batch if self._keys is not None else None
-        return MatcherBatch([self._template.deep_copy() for _ in range(batch)], keys)
+        return MatcherBatch([self._template.deep_copy()] * batch, keys)  # (rows share it until they differ)
 
     def allowed_bits(self, state: MatcherBatch) -> Tensor:
         if self.path == "automaton":
@@ -203,36 +219,52 @@ class LLGuidanceConstraint(TokenConstraint):
             return self.automaton.advance(state.cpu(), tokens.cpu()).to(state.device)
         matchers = state.take()
         tokens = tokens.tolist()
-        # NOTE: one by one: llguidance's consume_token_par measured 5x slower for 8 matchers (a token's
-        # consume takes microseconds; the thread pool's dispatch costs more)
+        # one matcher per distinct (matcher, token): the first token of a shared matcher takes it, a
+        # further one a copy, taken here, before any matcher consumes
+        owners: dict = {}  # (id(matcher), token) -> the matcher that consumes it
+        claimed, rows = set(), []
         for m, t in zip(matchers, tokens):
-            m.consume_token(t)  # a disallowed token puts the matcher in its (absorbing) error state
+            k = (id(m), t)
+            if k not in owners:
+                if id(m) in claimed:
+                    owners[k] = m.deep_copy()
+                else:
+                    claimed.add(id(m))
+                    owners[k] = m
+            rows.append(k)
+        # NOTE: one by one: llguidance's consume_token_par measured slower, 5x for 8 matchers and 2-2.6x
+        # for 64 (a consume takes ~2 µs; extracting the matchers and the pool's dispatch cost more)
+        for (_, t), o in owners.items():
+            o.consume_token(t)  # a disallowed token puts the matcher in its (absorbing) error state
         keys = None
-        if state.keys is not None:
-            keys = [self._keys.advance(k, t) for k, t in zip(state.keys, tokens)]
-        return MatcherBatch(matchers, keys)
+        if state.keys is not None:  # (rows that share a matcher share its key state)
+            new: dict = {}
+            keys = []
+            for k, key in zip(rows, state.keys):
+                if k not in new:
+                    new[k] = self._keys.advance(key, k[1])
+                keys.append(new[k])
+        return MatcherBatch([owners[k] for k in rows], keys)
 
     def accepting(self, state: MatcherBatch) -> Tensor:
         if self.path == "automaton":
             return self.automaton.accepting[state.cpu()].to(state.device)
         state.check()
-        return torch.tensor(
-            [m.is_accepting() and not state.dead(i) for i, m in enumerate(state.matchers)], dtype=torch.bool
-        )
+        first, rest, src = state.distinct()
+        ok = [False] * len(state)
+        for i in first:
+            ok[i] = state.matchers[i].is_accepting() and not state.dead(i)
+        for i, j in zip(rest, src):
+            ok[i] = ok[j]
+        return torch.tensor(ok, dtype=torch.bool)
 
     def fork(self, state: MatcherBatch, index: Tensor) -> MatcherBatch:
         if self.path == "automaton":
             return TokenConstraint.fork(self, state, index)
         matchers = state.take()
-        taken = [False] * len(matchers)
-        out = []
-        for a in index.tolist():
-            if taken[a]:
-                out.append(matchers[a].deep_copy())
-            else:
-                taken[a] = True
-                out.append(matchers[a])
-        forked = MatcherBatch(out, None if state.keys is None else [state.keys[a] for a in index.tolist()])
+        index_list = index.tolist()
+        forked = MatcherBatch([matchers[a] for a in index_list],
+                              None if state.keys is None else [state.keys[a] for a in index_list])
         if state.mask is not None:
             forked.mask = state.mask[index.to(state.mask.device)]
         if state.bits is not None:
@@ -300,6 +332,17 @@ class LLGuidanceConstraint(TokenConstraint):
         return bool(self.accepting(state)[0])
 
 
+_EXECUTORS: dict = {}  # llguidance thread pools by thread count (None: its default), one per process
+
+
+def _executor(threads: int | None):
+    """The process's llguidance executor of ``threads`` threads (every bound constraint shares it)."""
+    if threads not in _EXECUTORS:
+        llg = _llguidance()
+        _EXECUTORS[threads] = llg.LLExecutor(threads) if threads else llg.LLExecutor()
+    return _EXECUTORS[threads]
+
+
 def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
     """``parts``: (llguidance constraint, its MatcherBatch, first row) — write every part's
     ``allowed_bits`` into rows first_row … first_row + B − 1 of ``out`` (int32 [≥ rows, ⌈V/32⌉],
@@ -310,7 +353,7 @@ def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
             or out.device.type != "cpu" or out.stride() != (W, 1):
         raise SMCDecodeError(f"the bitmask must be a contiguous int32 CPU tensor of shape ({rows}, {W}), "
                              f"got {out.dtype} {tuple(out.shape)} on {out.device}")
-    pairs, cached = [], []
+    pairs, cached, fresh = [], [], []
     for c, state, r0 in parts:
         state.check()
         if c._words != W or r0 < 0 or r0 + len(state) > rows:
@@ -319,22 +362,24 @@ def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
         if state.bits is not None:
             cached.append((state, r0))
         else:
-            pairs += [(m, r0 + i) for i, m in enumerate(state.matchers)]
+            first, rest, src = state.distinct()  # one mask per distinct matcher, copied to the rows sharing it
+            pairs += [(state.matchers[i], r0 + i) for i in first]
+            fresh.append((c, state, r0, first, rest, src))
     if pairs:
         # NOTE: what llguidance.torch.fill_next_token_bitmask_par does, without importing that
         # module (it applies torch.compile at import, which costs seconds)
         parts[0][0]._executor.unsafe_compute_mask_ptr(pairs, out.data_ptr(), W * 4, rows)
     for state, r0 in cached:
         out[r0: r0 + len(state)] = state.bits
-    for c, state, r0 in parts:
-        if state.bits is not None:
-            continue
-        mine = out[r0: r0 + len(state)]
-        for i, m in enumerate(state.matchers):
-            if m.is_error():  # a dead particle: llguidance would still allow EOS
-                mine[i] = 0
+    words = out.numpy()
+    for c, state, r0, first, rest, src in fresh:
+        for i in first:
+            if state.matchers[i].is_error():  # a dead particle: llguidance would still allow EOS
+                words[r0 + i] = 0
         if state.keys is not None:
-            c._keys.restrict_bits(mine, state.keys)
+            c._keys.restrict_bits(out[r0: r0 + len(state)], state.keys, first)
+        if rest:
+            words[[r0 + i for i in rest]] = words[[r0 + i for i in src]]
 
 
 class Grammar(LLGuidanceConstraint):

@@ -28,6 +28,7 @@ START = ((), False, False, None)  # (stack, in a string, after a backslash, raw 
 _ARRAY = None  # a stack frame for an array; an object's frame is (frozenset of its keys, expecting a key)
 _QUOTE, _BACKSLASH = 0x22, 0x5C
 _OPEN_OBJECT, _CLOSE_OBJECT, _OPEN_ARRAY, _CLOSE_ARRAY, _COMMA = 0x7B, 0x7D, 0x5B, 0x5D, 0x2C
+_PLAIN_NOT = frozenset((_QUOTE, _BACKSLASH, _OPEN_OBJECT, _CLOSE_OBJECT, _OPEN_ARRAY, _CLOSE_ARRAY, _COMMA))
 
 
 def step(state, data: bytes):
@@ -81,11 +82,21 @@ class KeyTracker:
         self.token_bytes = token_bytes
         self.quote_ids = [i for i, b in enumerate(token_bytes) if b is not None and b'"' in b]
         self._blocked: OrderedDict = OrderedDict()
+        self._words: OrderedDict = OrderedDict()  # state -> _cleared(state)
         self._cache_size = cache_size
+        # tokens that change the scanner only by extending the key being written: no byte of _PLAIN_NOT
+        self.plain = [bool(b) and _PLAIN_NOT.isdisjoint(b) for b in token_bytes]
 
     def advance(self, state, token: int):
         data = self.token_bytes[token]
-        return state if data is None else step(state, data)
+        if data is None:
+            return state
+        if self.plain[token] and state != DEAD:  # (what step gives, without scanning the bytes)
+            stack, in_string, _, key = state
+            if not in_string:
+                return state
+            return (stack, True, False, None if key is None else key + data)
+        return step(state, data)
 
     def replay(self, tokens) -> object:
         state = START
@@ -106,19 +117,40 @@ class KeyTracker:
             self._blocked.popitem(last=False)
         return out
 
-    def restrict_bits(self, bits: Tensor, states: list) -> Tensor:
+    def _cleared(self, state) -> tuple | None:
+        """``blocked(state)`` as (word indices, each word's mask of the bits kept), or None if none."""
+        try:
+            self._words.move_to_end(state)
+            return self._words[state]
+        except KeyError:
+            pass
+        blocked = self.blocked(state)
+        out = None
+        if blocked:
+            t = np.asarray(blocked, dtype=np.int64)
+            words, where = np.unique(t >> 5, return_inverse=True)
+            clear = np.zeros(len(words), dtype=np.int64)
+            np.bitwise_or.at(clear, where, np.left_shift(np.int64(1), t & 31))
+            out = (words, (~clear & 0xFFFFFFFF).astype(np.uint32).view(np.int32))
+        self._words[state] = out
+        if len(self._words) > self._cache_size:
+            self._words.popitem(last=False)
+        return out
+
+    def restrict_bits(self, bits: Tensor, states: list, rows=None) -> Tensor:
         """``bits`` (int32 [B, ⌈V/32⌉] on the CPU, packed as ``constraint.pack_bits``) with the bits of
-        tokens that repeat a key cleared (rows of dead states zeroed); in place."""
+        tokens that repeat a key cleared (rows of dead states zeroed); in place. ``rows``: only these
+        rows (default: all)."""
         words = bits.numpy()
-        for i, s in enumerate(states):
+        for i in range(len(states)) if rows is None else rows:
+            s = states[i]
             if s == DEAD:
                 words[i] = 0
             else:
-                blocked = self.blocked(s)
-                if blocked:
-                    t = np.asarray(blocked, dtype=np.int64)
-                    np.bitwise_and.at(words[i], t >> 5, ~np.left_shift(np.int64(1), t & 31).astype(np.uint32)
-                                      .view(np.int32))
+                cleared = self._cleared(s)
+                if cleared is not None:
+                    w, keep = cleared
+                    words[i, w] &= keep
         return bits
 
     def restrict(self, mask: Tensor, states: list) -> Tensor:

@@ -109,6 +109,7 @@ class HostMasks:
         self.rows = 0
         self.k_max = 0  # the round's K_max: mask(k_max) asks for the bonus masks
         self._columns: dict[int, tuple[Tensor, object]] = {}  # step j -> (drafts[:rows, j] on the CPU, event)
+        self._pinned = torch.empty(0, 0, dtype=torch.long)  # on a GPU: the pinned host buffer of the drafted columns
         # the packed masks of a step on the host, two buffers in turn (pinned on a GPU: uploaded without blocking)
         self._bits = [torch.empty(0, self.W, dtype=torch.int32) for _ in range(2)]
         self._turn = 0
@@ -138,7 +139,10 @@ class HostMasks:
         """The round sampled draft step i (``tokens`` [≥ rows] on the device): start its copy to the
         host now, before the device's next forward is queued, so ``mask(i + 1)`` waits for this copy only."""
         if tokens.device.type == "cuda":
-            column = torch.empty(self.rows, dtype=tokens.dtype, pin_memory=True)
+            if self._pinned.shape[0] <= i or self._pinned.shape[1] < self.rows or self._pinned.dtype != tokens.dtype:
+                self._pinned = torch.empty(max(self.k_max, i + 1), self.rows, dtype=tokens.dtype, pin_memory=True)
+            # (a column is read only after its event; a later round's copy into it follows on the same stream)
+            column = self._pinned[i, : self.rows]
             column.copy_(tokens[: self.rows], non_blocking=True)
             done = torch.cuda.Event()
             done.record()
@@ -158,25 +162,27 @@ class HostMasks:
     def mask(self, i: int, out: Tensor) -> None:
         """Write the packed masks of draft step i (i = K_max: the bonus) into ``out`` (int32 [rows, ⌈V/32⌉]
         on the device; every token allowed on the rows no request constrains), without blocking."""
-        bits, shared, filled = None, [], []
+        counted = []
         for slot, m in self.requests.items():
             if i >= m.K and i != self.k_max:  # past this request's block (its bonus comes at i = K_max)
                 continue
             step = min(i, m.K)
-            if not m.counts(step):
-                continue
-            if bits is None:  # this step's host buffer (two in turn: the other one may still be uploading)
-                self._turn ^= 1
-                if self._uploaded[self._turn] is not None:
-                    self._uploaded[self._turn].synchronize()
-                bits = self._bits[self._turn][: self.rows]
-                bits.fill_(-1)
-            r = self._rows(slot, m.n)
-            m.fill(step, bits[r], lambda j, r=r: self._column(j)[r], shared, r.start)
-            filled.append((m, r))
-        if bits is None:
+            if m.counts(step):
+                counted.append((m, step, self._rows(slot, m.n)))
+        if not counted:
             out.fill_(-1)
             return
+        # this step's host buffer (two in turn: the other one may still be uploading)
+        self._turn ^= 1
+        if self._uploaded[self._turn] is not None:
+            self._uploaded[self._turn].synchronize()
+        bits = self._bits[self._turn][: self.rows]
+        if sum(m.n for m, _, _ in counted) < self.rows:  # (rows no request constrains: every token)
+            bits.fill_(-1)
+        shared, filled = [], []
+        for m, step, r in counted:
+            m.fill(step, bits[r], lambda j, r=r: self._column(j)[r], shared, r.start)
+            filled.append((m, r))
         if shared:  # the llguidance rows of every request: one call into its thread pool
             fill_bits_together(shared, bits, self.rows)
         for m, r in filled:

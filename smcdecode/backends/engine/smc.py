@@ -346,14 +346,6 @@ def pages_code(b: dict, pools: list, page_size: int):
     return pages
 
 
-def _generator(fn):
-    def steps():
-        fn()
-        yield from ()
-
-    return steps
-
-
 def drive(steps, handle=None) -> None:
     """Run the generator ``steps`` (a round's ``propose()``) to its end, ``handle(event)`` at each host point."""
     for event in steps:
@@ -367,8 +359,8 @@ def capture_round(engine, rnd: Round, graphs: bool, split: bool, host=None) -> N
     graph each, replayed with the host's work in between."""
     propose, finish = rnd.propose_code, rnd.finish_code
     b = rnd.buffers
-    if not inspect.isgeneratorfunction(propose):  # (exact.py's rounds: no host points)
-        propose = _generator(propose)
+    # the whole proposal in one call (exact.py's rounds are plain functions: no host points)
+    run = (lambda: drive(propose())) if inspect.isgeneratorfunction(propose) else propose
     if host is not None:
         handle = lambda event: host.handle(event, b)  # noqa: E731
         if graphs:
@@ -385,13 +377,13 @@ def capture_round(engine, rnd: Round, graphs: bool, split: bool, host=None) -> N
             rnd.propose = lambda: drive(propose(), handle)
         rnd.finish = engine.graphs.capture(finish, graphs)
     elif not graphs:
-        rnd.propose, rnd.finish = (lambda: drive(propose())), finish
+        rnd.propose, rnd.finish = run, finish
     elif split:
-        rnd.propose = engine.graphs.capture(lambda: drive(propose()), True)
+        rnd.propose = engine.graphs.capture(run, True)
         rnd.finish = engine.graphs.capture(finish, True)
     else:
         def whole() -> None:
-            drive(propose())
+            run()
             finish()
 
         rnd.propose = engine.graphs.capture(whole, True)

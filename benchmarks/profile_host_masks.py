@@ -10,7 +10,8 @@ cProfile, whose cumulative times of the host-mask steps give the breakdown:
 - ``matchers advanced``: ``RequestMasks._catch_up`` (the drafted tokens consumed by the matchers);
 - ``waiting for drafted tokens``: ``HostMasks._column`` (the host waits for a draft step's column);
 - ``bonus and round end``: ``HostMasks.end`` (it waits for the round's bonus tokens);
-- ``host mask steps in all``: ``HostMasks.mask`` + ``HostMasks.end`` (every host point of the round).
+- ``mask() (a step's host point)``: ``HostMasks.mask`` (the fill, the advance, the waits and the upload
+  of a draft step's or the bonus's masks).
 
     python benchmarks/profile_host_masks.py        # one NVIDIA GPU; writes benchmarks/results/structured/host_masks_profile.json
 """

@@ -216,6 +216,16 @@ def same_loop(executor: SchedulerExecutor, strategy: str, prompts: list[list[int
     return {"wall_s": wall, "tok_s": total * T / wall}
 
 
+def idle_waits(executor: SchedulerExecutor, start: float, end: float) -> dict:
+    """The device thread's waits for work within [start, end] (the clients' clock): the one the
+    first request ended, and the others (count, seconds, longest)."""
+    waits = [(max(a, start), min(b, end)) for a, b in list(executor.idle_waits) if b > start and a < end]
+    first = [b - a for a, b in waits if a <= start]
+    later = [b - a for a, b in waits if a > start]
+    return {"before_first_request_s": round(sum(first), 4), "later": len(later), "later_s": round(sum(later), 4),
+            "longest_later_s": round(max(later, default=0.0), 4)}
+
+
 def round_shapes(executor: SchedulerExecutor) -> int:
     """Round shapes the executor's engines hold (the speculative / autoregressive rounds, and each scheduler's rounds by bucket
     and block size): a new one is a capture (with CUDA graphs) or a new round's code (without)."""
@@ -333,12 +343,13 @@ def main() -> None:
                 # (idle before the clients' clock started and after it stopped is not the pass's)
                 spent["idle"] -= (http["started_at"] - t_snap) + (time.perf_counter() - http["started_at"] - http["wall_s"])
                 http["device_thread_s"] = {k: round(x, 4) for k, x in spent.items()}
+                http["idle_waits"] = idle_waits(executor, http["started_at"], http["started_at"] + http["wall_s"])
                 http["variant"] = name
                 passes.append(http)
             if len(variants) > 1:
                 for h in passes:
                     print(f"     {h['variant']:18s} HTTP {h['tok_s']:8.1f} tok/s ({h['tok_s'] / off['tok_s']:.1%} of offline), "
-                          f"device thread {h['device_thread_s']}", flush=True)
+                          f"device thread {h['device_thread_s']}, waits for work {h['idle_waits']}", flush=True)
             # (the row's figures: the median pass of the first variant)
             firsts = sorted((h for h in passes if h["variant"] == variants[0]), key=lambda h: h["tok_s"])
             http = firsts[(len(firsts) - 1) // 2]
@@ -355,7 +366,8 @@ def main() -> None:
                   f"({run['ratio']:.1%}), same loop {loop['tok_s']:8.1f} ({run['ratio_same_loop']:.1%}); TTFT p50 {http['ttft_p50_s']:.3f} s p99 {http['ttft_p99_s']:.3f} s; "
                   f"per request p50 {http['req_tok_s_p50']:.1f} tok/s, p99 (slowest 1 %) "
                   f"{http['req_tok_s_p99']:.1f}; errors {len(http['errors'])}", flush=True)
-            print(f"     device thread (s): {http['device_thread_s']} of {http['wall_s']:.3f}", flush=True)
+            print(f"     device thread (s): {http['device_thread_s']} of {http['wall_s']:.3f}; waits for work: "
+                  f"{http['idle_waits']}", flush=True)
             for e in http["errors"][:5]:
                 print("   ", e, flush=True)
     pool.shutdown()

@@ -99,6 +99,7 @@ class SchedulerExecutor(Executor):
         # the device), streaming, finishing choices, handing events to the HTTP side, waiting for work
         self.seconds = dict.fromkeys(("rounds", "stream", "finish", "deliver", "idle"), 0.0)
         self._idle_since: float | None = None  # when the device thread's current wait for work began
+        self.idle_waits: deque = deque(maxlen=4096)  # the last waits for work: (began, ended), perf_counter
         self.waiting: set[Job] = set()  # submitted, not yet running
         self.live: dict[Job, dict] = {}  # job -> {"choices": {index: Choice}, "streams": [...]}
         self._pending: dict = {}  # scheduler id -> (stream read in flight, its slots, its event)
@@ -173,12 +174,16 @@ class SchedulerExecutor(Executor):
         side_turn = False
         while True:
             with self.cond:
-                self._idle_since = time.perf_counter()
+                self._idle_since = waited = time.perf_counter()
                 while not (self.incoming or self.cancels or self.side_queue or any(x.busy for x in self.schedulers)
                            or self.closed):
+                    waited = None
                     if not self.cond.wait(KEEPALIVE_S if self.lockstep else None):
                         self.lockstep.run(_keepalive)  # the other ranks wait for a call under a timeout
-                self.seconds["idle"] += time.perf_counter() - self._idle_since
+                now = time.perf_counter()
+                self.seconds["idle"] += now - self._idle_since
+                if waited is None:  # (a wait for work, not a look at the queues)
+                    self.idle_waits.append((self._idle_since, now))
                 self._idle_since = None
                 if self.closed:
                     return

@@ -6,8 +6,8 @@ ignored). For SMC-SD, exact speculative decoding (SD) and autoregressive samplin
 32 concurrent clients (``--clients``), each sending ``--rounds`` streamed requests one after
 another through HTTP (the ``openai`` client), it measures
 
-- throughput through HTTP (tokens of all returned choices / wall time; the clients run in processes
-  of their own, 8 clients each, as an application's would; the median of three passes, ``--variants``; the passes
+- throughput through HTTP (tokens of all returned choices / wall time; each client runs in a process
+  of its own (``--clients-per-process``), as independent applications' would; the median of three passes, ``--variants``; the passes
   differ by up to 5 % in our runs) against two offline figures for the same requests:
   the engine's dedicated call (``Engine.serve`` with as many slots as clients for SMC-SD; batched
   ``Engine.speculative`` / ``Engine.autoregressive`` calls of ``clients`` prompts for SD / AR) and
@@ -144,12 +144,12 @@ async def http_clients(base: str, model: str, prompts: list[list[int]], ks: list
 
 
 def clients_run(pool, base: str, prompts: list[list[int]], clients: int, rounds: int, body: dict,
-                max_tokens: int, stream: bool = True, per_process: int = 8) -> dict:
-    """``clients`` clients in the clients' own processes (``pool``: spawned workers, ``per_process``
-    clients each), as an application's clients would run: they take no host time from the server's
-    process, and one process does not build every client's requests in turn (a process of 32
-    clients sent its first request 0.13-0.33 s after the start in our runs, 8 clients 0.04-0.07 s).
-    Every process starts at one time; the pass ends with the last response."""
+                max_tokens: int, stream: bool = True, per_process: int = 1) -> dict:
+    """``clients`` clients in processes of their own (``pool``: spawned workers, ``per_process``
+    clients each), as independent applications' clients would run: they take no host time from
+    the server's process, and one process does not build every client's requests in turn (in our
+    runs a process of 32 clients sent its first request 0.13-0.33 s after the start, a process of 8
+    0.03-0.06 s). Every process starts at one time; the pass ends with the last response."""
     processes = -(-clients // per_process)
     start_at = time.perf_counter() + 0.25
     futures = [pool.submit(_http_clients_sync, base, "random-llama", prompts, list(range(p, clients, processes)),
@@ -259,12 +259,14 @@ def warm_up(executor: SchedulerExecutor, pool, base: str, prompts: list[list[int
     same_loop(executor, strategy, prompts, clients, 1, args)
     c = 1
     while c < clients:
-        errors = clients_run(pool, base, prompts, c, 1, body, 16)["errors"]
+        errors = clients_run(pool, base, prompts, c, 1, body, 16, per_process=args.clients_per_process)["errors"]
         assert not errors, f"warm-up: {errors[:3]}"
         c *= 2
-    errors = clients_run(pool, base, prompts, clients, args.rounds, body, 16)["errors"]
+    errors = clients_run(pool, base, prompts, clients, args.rounds, body, 16,
+                         per_process=args.clients_per_process)["errors"]
     assert not errors, f"warm-up: {errors[:3]}"
-    errors = clients_run(pool, base, prompts, clients, args.rounds, body, args.max_tokens)["errors"]
+    errors = clients_run(pool, base, prompts, clients, args.rounds, body, args.max_tokens,
+                         per_process=args.clients_per_process)["errors"]
     assert not errors, f"warm-up: {errors[:3]}"
 
 
@@ -280,6 +282,9 @@ def main() -> None:
     ap.add_argument("--clients", default="8,32")
     ap.add_argument("--rounds", type=int, default=2, help="requests each client sends, one after another")
     ap.add_argument("--strategies", default="smc,sd,ar")
+    ap.add_argument("--clients-per-process", type=int, default=1,
+                    help="clients that share one process of the load generator (1: each its own, as independent "
+                         "applications)")
     ap.add_argument("--stream-interval", type=float, default=0.02,
                     help="the server's stream_interval (seconds between a streamed choice's texts; 0: every round)")
     ap.add_argument("--variants", default="streamed,streamed,streamed",
@@ -331,12 +336,13 @@ def main() -> None:
                       "max_tokens": args.max_tokens, "weights": "random", "eos": "ignored (fixed-length outputs)"},
            "settings": {"particles": args.particles, "block_size": args.block_size,
                         "sd_block_size": args.sd_block_size, "rounds_per_client": args.rounds,
-                        "stream_interval_s": args.stream_interval,
+                        "stream_interval_s": args.stream_interval, "clients_per_process": args.clients_per_process,
                         "variants": variants},
            "runs": []}
     bodies = {"smc": {"strategy": "smc", "particles": args.particles, "block_size": args.block_size},
               "sd": {"strategy": "sd", "block_size": args.sd_block_size}, "ar": {"strategy": "ar"}}
-    pool = concurrent.futures.ProcessPoolExecutor(-(-max(clients) // 8), mp_context=multiprocessing.get_context("spawn"))
+    pool = concurrent.futures.ProcessPoolExecutor(-(-max(clients) // args.clients_per_process),
+                                                  mp_context=multiprocessing.get_context("spawn"))
     for strategy in args.strategies.split(","):
         for C in clients:
             warm_up(executor, pool, base, prompts, strategy, C, bodies[strategy], args)
@@ -349,7 +355,7 @@ def main() -> None:
             for name in variants:
                 seconds, t_snap = executor.device_seconds(), time.perf_counter()
                 http = clients_run(pool, base, prompts, C, args.rounds, bodies[strategy], args.max_tokens,
-                                   VARIANTS[name])
+                                   VARIANTS[name], per_process=args.clients_per_process)
                 spent = {k: v - seconds[k] for k, v in executor.device_seconds().items()}
                 # (idle before the clients' clock started and after it stopped is not the pass's)
                 spent["idle"] -= (http["started_at"] - t_snap) + (time.perf_counter() - http["started_at"] - http["wall_s"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -95,6 +96,21 @@ def test_ar_streams_token_by_token_and_later_requests_join_mid_run(served):
         assert deltas[longest.index] > 1
     assert out.smc["strategy"] == "ar" and len(out.choices) == 2
     assert ex.gauges()["smcdecode_kv_pages_in_use"] == 0
+
+
+def test_the_device_thread_records_the_wait_a_request_ends(served):
+    ex, loop, _ = served
+    deadline = time.time() + 60
+    while any(s.busy for s in ex.schedulers) or ex.live:
+        assert time.time() < deadline, "the executor did not go idle"
+        time.sleep(0.01)
+    time.sleep(0.05)  # (the device thread waits for work now)
+    submitted = time.perf_counter()
+    _collect(_job(ex, loop, max_tokens=2), loop)
+    ended_by_it = [(a, b) for a, b in ex.idle_waits if b >= submitted]
+    assert ended_by_it, list(ex.idle_waits)[-3:]
+    began, ended = ended_by_it[0]
+    assert began < submitted <= ended
 
 
 def test_ar_samples_the_models_distribution(served):

@@ -174,15 +174,15 @@ class SchedulerExecutor(Executor):
         side_turn = False
         while True:
             with self.cond:
-                self._idle_since = waited = time.perf_counter()
+                self._idle_since, waited = time.perf_counter(), False
                 while not (self.incoming or self.cancels or self.side_queue or any(x.busy for x in self.schedulers)
                            or self.closed):
-                    waited = None
+                    waited = True
                     if not self.cond.wait(KEEPALIVE_S if self.lockstep else None):
                         self.lockstep.run(_keepalive)  # the other ranks wait for a call under a timeout
                 now = time.perf_counter()
                 self.seconds["idle"] += now - self._idle_since
-                if waited is None:  # (a wait for work, not a look at the queues)
+                if waited:  # (a wait for work, not a look at the queues)
                     self.idle_waits.append((self._idle_since, now))
                 self._idle_since = None
                 if self.closed:

@@ -196,7 +196,7 @@ def offline(executor: SchedulerExecutor, strategy: str, prompts: list[list[int]]
 
 
 def same_loop(executor: SchedulerExecutor, strategy: str, prompts: list[list[int]], clients: int, rounds: int,
-              args) -> dict:
+              args, max_tokens: int | None = None) -> dict:
     """The server's request loop for the same requests, without HTTP: a Scheduler with the settings of
     the executor's lane for ``strategy`` (its engine, so its captured rounds), stepped here with
     ``clients`` requests in flight (a request joins as soon as one leaves). The executor is idle
@@ -207,7 +207,7 @@ def same_loop(executor: SchedulerExecutor, strategy: str, prompts: list[list[int
     sched = Scheduler(lane.engine, slots=lane.slots, max_particles=lane.Nmax, max_block_size=lane.Kmax,
                       target=EngineTarget(), eos_token_id=None, resampler=lane.resampler, ess_threshold=lane.tau,
                       use_graphs=lane.use_graphs, seed=3, exact_only=lane.exact_only)
-    T, total = args.max_tokens, clients * rounds
+    T, total = max_tokens or args.max_tokens, clients * rounds
     particles = args.particles if strategy == "smc" else 1
     K = {"smc": args.block_size, "sd": args.sd_block_size, "ar": 0}[strategy]
     todo = [Request(list(prompts[i % len(prompts)]), particles=particles, block_size=K, max_new_tokens=T,
@@ -252,11 +252,17 @@ def warm_up(executor: SchedulerExecutor, pool, base: str, prompts: list[list[int
     """Meet every round shape of the timed passes untimed: the offline calls as timed (the dedicated
     calls' shapes follow the output length); through HTTP the timed pattern (same clients, same
     requests per client). The request loops' shapes (every lane) follow the occupied slots, not the
-    output length: short outputs, after one request from each power-of-two number of clients (every
-    bucket). Then the timed pattern at full length, untimed (in our runs a first full-length pass was
+    output length: the lane's request loop with each power-of-two number of short requests submitted
+    at once (every bucket: clients in processes of their own do not arrive together, so through HTTP
+    a small bucket may never be met), then short outputs through HTTP from each of those numbers of
+    clients. Then the timed pattern at full length, untimed (in our runs a first full-length pass was
     up to 7 % slower than the next ones)."""
     offline(executor, strategy, prompts, clients, 1, args)
     same_loop(executor, strategy, prompts, clients, 1, args)
+    c = 1
+    while c <= clients:
+        same_loop(executor, strategy, prompts, c, 1, args, max_tokens=16)
+        c *= 2
     c = 1
     while c < clients:
         errors = clients_run(pool, base, prompts, c, 1, body, 16, per_process=args.clients_per_process)["errors"]

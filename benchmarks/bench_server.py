@@ -6,9 +6,10 @@ ignored). For SMC-SD, exact speculative decoding (SD) and autoregressive samplin
 32 concurrent clients (``--clients``), each sending ``--rounds`` streamed requests one after
 another through HTTP (the ``openai`` client), it measures
 
-- throughput through HTTP (tokens of all returned choices / wall time; each client runs in a process
-  of its own (``--clients-per-process``), as independent applications' would; the median of three passes, ``--variants``; the passes
-  differ by up to 5 % in our runs) against two offline figures for the same requests:
+- throughput through HTTP (tokens of all returned choices / wall time; each client runs in a
+  process of its own (``--clients-per-process``), as independent applications' would; the median
+  of three passes, ``--variants``: passes differ by up to 5 % in our runs) against two offline
+  figures for the same requests:
   the engine's dedicated call (``Engine.serve`` with as many slots as clients for SMC-SD; batched
   ``Engine.speculative`` / ``Engine.autoregressive`` calls of ``clients`` prompts for SD / AR) and
   the server's own request loop without HTTP (``same_loop``: a Scheduler with the settings of the
@@ -17,7 +18,8 @@ another through HTTP (the ``openai`` client), it measures
   dedicated is the cost of requests joining one by one against calls of ``clients`` requests
   submitted at once (the same exact-only request loop for SD and AR);
 - where the executor's device thread spent the HTTP pass (``device_thread_s``: the schedulers'
-  steps, streaming, finishing choices, handing events over, waiting for requests);
+  steps, streaming, finishing choices, handing events over, waiting for requests) and its waits for
+  work (``idle_waits``: the one the first request ended, the later ones);
 - p50 / p99 time to the first streamed token, and p50 / p99 per-request tokens per second.
 
 Every response is checked as it comes: status 200, exactly ``--max-tokens`` completion tokens,

@@ -8,7 +8,7 @@ another through HTTP (the ``openai`` client), it measures
 
 - throughput through HTTP (tokens of all returned choices / wall time; each client runs in a
   process of its own (``--clients-per-process``), as independent applications' would; the median
-  of three passes, ``--variants``: passes differ by up to 5 % in our runs) against two offline
+  of three passes, ``--variants``: passes differ by up to 6 points in our runs) against two offline
   figures for the same requests:
   the engine's dedicated call (``Engine.serve`` with as many slots as clients for SMC-SD; batched
   ``Engine.speculative`` / ``Engine.autoregressive`` calls of ``clients`` prompts for SD / AR) and
@@ -258,7 +258,7 @@ def warm_up(executor: SchedulerExecutor, pool, base: str, prompts: list[list[int
     at once (every bucket: clients in processes of their own do not arrive together, so through HTTP
     a small bucket may never be met), then short outputs through HTTP from each of those numbers of
     clients. Then the timed pattern at full length, untimed (in our runs a first full-length pass was
-    up to 7 % slower than the next ones)."""
+    up to 8 % slower than the next ones)."""
     offline(executor, strategy, prompts, clients, 1, args)
     same_loop(executor, strategy, prompts, clients, 1, args)
     c = 1

@@ -255,17 +255,18 @@ def main(argv=None) -> int:
         if rank0:
             print(f"wrote {out_path}" + (f"; {len(res['errors'])} error(s)" if res["errors"] else ""), flush=True)
         code = 1 if res["errors"] else 0
+        # NOTE: the ranks meet here, then leave without interpreter teardown. With NCCL, teardown
+        # hung on 2 H200s (8B and 70B, result already written: communicators still held by captured
+        # CUDA graphs); with gloo, a rank's exit after destroy_process_group aborted now and then
+        # ("terminate called without an active exception", about 1 run in 12 on a loaded 2-core CPU).
         if cuda:
-            # NOTE: on 2 H200s both the 8B and the 70B run hung after this point until killed (the
-            # result already written): NCCL teardown with communicators still held by captured CUDA
-            # graphs. The ranks meet here, then leave without tearing NCCL down.
             torch.cuda.synchronize()
-            dist.barrier()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-        dist.destroy_process_group()
-        return code
+        dist.barrier()
+        if not cuda:
+            dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
     # --- 1. correctness first
     checks = [torch.float32] + ([dtype] if dtype != torch.float32 else [])

@@ -91,6 +91,23 @@ class UsageError(Exception):
     """A bad command-line argument, reported in one line with exit status 2."""
 
 
+DRAFT_CHOICES = "auto, default, target, truncated:L, a distilled draft directory or a model"
+
+
+def check_draft_spec(spec: str) -> None:
+    """Refuse a --draft that is a near miss of one of its words (``defualt``) before any model loads;
+    anything else may name a model."""
+    import difflib
+
+    words = ("auto", "default", "target")
+    if spec in words or spec.startswith("truncated:") or "/" in spec or _is_dir(Path(spec)) or _is_file(Path(spec)):
+        return
+    close = difflib.get_close_matches(spec.lower(), words + ("truncated",), n=1, cutoff=0.7)
+    if close:
+        hint = "truncated:L" if close[0] == "truncated" else close[0]
+        raise UsageError(f"--draft {spec!r}: did you mean {hint!r}? (--draft takes {DRAFT_CHOICES})")
+
+
 def _draft(spec: str, target_model, args):
     import smcdecode as sd
 
@@ -114,17 +131,24 @@ def _draft(spec: str, target_model, args):
 
         draft = load_draft(target_model, spec)
         return sd.Draft(draft, args.draft_temperature or proposal_temperature(draft, args.temperature))
-    return sd.Draft(sd.load_model(spec, device=args.device), args.draft_temperature or args.temperature)
+    try:
+        model = sd.load_model(spec, device=args.device)
+    except sd.SMCDecodeError as e:
+        raise UsageError(f"--draft {spec!r}: {e} (--draft takes {DRAFT_CHOICES})") from None
+    return sd.Draft(model, args.draft_temperature or args.temperature)
 
 
 def choose_proposal(draft: str, block_size, device: str, backend: str) -> tuple[str, int | str, str]:
     """(--draft, --block-size, what was chosen and why) for SMC: explicit choices are kept; 'auto'
     picks the target as proposal on a CPU (measured: the shipped draft makes the default model no
     faster there and its answers worse, docs/strategies.md) and the shipped draft with adaptive K
-    on a GPU or with --backend engine (whose rounds need a draft); --block-size auto is adaptive
-    whenever a draft proposes."""
+    on a GPU or with --backend engine (whose rounds need a draft), and the shipped draft wherever
+    --block-size is given; --block-size auto is adaptive whenever a draft proposes."""
     notes = []
-    if draft == "auto":
+    if draft == "auto" and block_size != "auto":
+        draft = "default"
+        notes.append(f"the built-in draft (--draft auto with --block-size {block_size}: a K asks for a draft)")
+    elif draft == "auto":
         if str(device).startswith("cpu") and backend != "engine":  # (the engine's own rounds need a draft)
             draft = "target"
             notes.append("the target as proposal (--draft auto on a CPU: the built-in draft does not pay there, "
@@ -195,11 +219,21 @@ def _generate(args) -> int:
         except ValueError:
             raise UsageError(f"--block-size must be an integer >= 1, 'adaptive' or 'auto', got {args.block_size!r}") \
                 from None
-    for flag, value in (("--particles", args.particles), ("--block-size", 1 if isinstance(args.block_size, str)
-                                                          else args.block_size),
-                        ("--max-new-tokens", args.max_new_tokens)):
+    if isinstance(args.block_size, int) and args.block_size < 1:
+        raise UsageError(f"--block-size must be >= 1, got {args.block_size} (for rounds of K = 0, where the target "
+                         "proposes, give --block-size adaptive, which lets the draft in only where it pays, or "
+                         "--draft target)")
+    for flag, value in (("--particles", args.particles), ("--max-new-tokens", args.max_new_tokens)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
+    check_draft_spec(args.draft)
+    if args.draft == "target":
+        if args.strategy in ("sd", "all"):
+            raise UsageError(f"--strategy {args.strategy} runs exact speculative decoding, which needs a draft "
+                             "model: drop --draft target (or give --strategy smc)")
+        if args.block_size != "auto":
+            raise UsageError(f"--block-size {args.block_size} needs a draft: with --draft target the target proposes "
+                             "one token a round; drop --block-size, or give a draft (--draft default)")
     for flag, value in (("--temperature", args.temperature), ("--draft-temperature", args.draft_temperature),
                         ("--alpha", args.alpha)):
         if value is not None and (not value > 0 or value == float("inf")):
@@ -257,8 +291,6 @@ def _generate(args) -> int:
             runner = sd.SMC(target, proposal, particles=args.particles, block_size=block,
                             resampler=args.resampler, ess_threshold=args.ess_threshold, backend=args.backend)
         elif name == "sd":
-            if args.draft == "target":
-                raise UsageError("--strategy sd needs a draft model, not --draft target")
             block = 4 if isinstance(args.block_size, str) else args.block_size
             if args.block_size == "adaptive":
                 raise UsageError("--block-size adaptive is for SMC: exact speculative decoding takes a fixed K")

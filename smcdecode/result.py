@@ -136,8 +136,8 @@ class Result:
         if self.strategy != "smc" or not self.ess or self.sample_index is None:
             return ""
         n, rounds = self.particles, self.rounds
-        gap = None
-        if self.target_log_evidence is not None and math.isfinite(self.target_log_evidence):
+        gap = None  # (with the target as proposal, the gap is the rewards' share of log Z: no proposal to blame)
+        if self.block_size and self.target_log_evidence is not None and math.isfinite(self.target_log_evidence):
             gap = self.target_log_evidence - self.log_evidence
         ones = self.one_ancestor_rounds
         low_ess = n > 1 and self.mean_ess < COLLAPSE_ESS * n
@@ -164,6 +164,9 @@ class Result:
             if len(set(self.block_sizes[:-1])) > 1:  # (the last round's K may be cut by the budget)
                 proposal = (f"K from {min(self.block_sizes)} to {max(self.block_sizes)} draft tokens a round "
                             f"(mean {sum(self.block_sizes) / len(self.block_sizes):.1f})")
+            elif self.block_size and self.block_sizes and not any(self.block_sizes):
+                proposal = ("K = 0 in every round (the schedule never let the draft in: the target proposed one "
+                            "token a round)")
             elif self.block_size:
                 proposal = f"K = {self.block_sizes[0] if self.block_sizes else self.block_size} draft tokens a round"
             else:

@@ -173,13 +173,14 @@ def test_draft_cache_stays_consistent_across_k0_rounds(schedule, toy, seed):
     assert torch.allclose(out.log_evidence, torch.zeros_like(out.log_evidence), atol=1e-5)
 
 
-def _result(ess, survivors, log_evidence=-4.0, target_log_evidence=-4.0, block_size=4):
+def _result(ess, survivors, log_evidence=-4.0, target_log_evidence=-4.0, block_size=4, block_sizes=()):
     n = 8
     return sd.Result(strategy="smc", texts=["x"] * n, tokens=[[1]] * n, log_weights=torch.zeros(n, dtype=torch.float64),
                      weights=torch.full((n,), 1 / n, dtype=torch.float64), finished=torch.ones(n, dtype=torch.bool),
                      log_evidence=log_evidence, ess=ess, resampled=[s < n for s in survivors],
                      weight_history=[], sample_index=0, seconds=1.0, prompt_tokens=3, particles=n,
-                     block_size=block_size, survivors=survivors, target_log_evidence=target_log_evidence)
+                     block_size=block_size, survivors=survivors, target_log_evidence=target_log_evidence,
+                     block_sizes=list(block_sizes))
 
 
 def test_collapse_diagnosis_names_the_signs_and_the_fix():
@@ -191,4 +192,17 @@ def test_collapse_diagnosis_names_the_signs_and_the_fix():
         line = bad.diagnosis
         assert line.startswith("particle system collapsed (mean ESS") and "target as proposal" in line, line
         assert line in bad.summary()
-    assert "more particles" in _result([3.0, 3.0], [8, 8], block_size=0).diagnosis
+    # with the target as proposal there is no proposal to blame: the gap (a reward's share of log Ẑ) is
+    # neither a sign nor a fact, and the fix is more particles
+    tilted = _result([3.0, 3.0], [8, 8], log_evidence=-12.0, block_size=0).diagnosis
+    assert "more particles" in tilted and "target as proposal" not in tilted, tilted
+    assert _result([6.0, 5.5, 7.0, 6.5], [8, 5, 8, 6], log_evidence=-12.0, block_size=0).diagnosis == ""
+
+
+def test_summary_says_when_the_schedule_never_let_the_draft_in():
+    kept_out = _result([6.0] * 3, [8] * 3, block_size=8, block_sizes=[0, 0, 0]).summary()
+    assert "K = 0 in every round (the schedule never let the draft in" in kept_out, kept_out
+    mixed = _result([6.0] * 3, [8] * 3, block_size=8, block_sizes=[0, 2, 4]).summary()
+    assert "K from 0 to 4 draft tokens a round (mean 2.0)" in mixed, mixed
+    fixed = _result([6.0] * 3, [8] * 3, block_size=4, block_sizes=[4, 4, 4]).summary()
+    assert "K = 4 draft tokens a round" in fixed, fixed

@@ -36,6 +36,11 @@ def test_help_lists_every_knob(capsys):
         (["--regex", "a("], "invalid or unsupported regex 'a('"),
         (["--prompt", ""], "--prompt is empty"),
         (["--model", "/nonexistent/model.gguf"], "GGUF file '/nonexistent/model.gguf' does not exist"),
+        (["--block-size", "0"], "--block-size adaptive"),
+        (["--draft", "defualt"], "--draft 'defualt': did you mean 'default'?"),
+        (["--draft", "truncate:4"], "did you mean 'truncated:L'?"),
+        (["--draft", "target", "--block-size", "4"], "--block-size 4 needs a draft"),
+        (["--draft", "target", "--strategy", "all"], "--strategy all runs exact speculative decoding"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, message, capsys):
@@ -257,3 +262,13 @@ def test_progress_bar_reaches_its_end(strategy, capsys):
     assert shown, "no progress bar drawn"
     done, total = map(int, shown[-1])
     assert done == total > 0
+
+
+def test_auto_proposal_keeps_explicit_choices():
+    from smcdecode.cli import choose_proposal
+
+    assert choose_proposal("auto", "auto", "cpu", "auto")[:2] == ("target", "adaptive")
+    assert choose_proposal("auto", "auto", "cuda", "auto")[:2] == ("default", "adaptive")
+    draft, block, chosen = choose_proposal("auto", 4, "cpu", "auto")  # a K asks for a draft, also on a CPU
+    assert (draft, block) == ("default", 4) and "--block-size 4: a K asks for a draft" in chosen
+    assert choose_proposal("default", 4, "cpu", "auto") == ("default", 4, "")

@@ -87,6 +87,17 @@ def test_invalid_grammar_raises_naming_the_problem(grammar, syntax, needle):
     assert needle in str(e.value)
 
 
+@pytest.mark.parametrize("force_canonical", [False, True])  # (False: we prepend an llguidance options line)
+def test_grammar_errors_quote_the_users_lines(force_canonical):
+    with pytest.raises(sd.SMCDecodeError) as e:
+        Grammar("start: expr\nexpr: NUMBER", force_canonical=force_canonical)
+    message = str(e.value)
+    assert "at 2(7): unknown name" in message and "%llguidance" not in message, message
+    assert "   1 | start: expr\n   2 | expr: NUMBER" in message, message
+    with pytest.raises(sd.SMCDecodeError, match=r"2\(8\): Expected token"):
+        Grammar('start: "a"\nfoo: ((', force_canonical=force_canonical)
+
+
 def test_grammar_needs_a_model_before_use():
     with pytest.raises(sd.SMCDecodeError, match="not bound to a vocabulary"):
         Grammar(ARITH).start(1)

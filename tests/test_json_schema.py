@@ -77,6 +77,22 @@ def test_invalid_or_unsupported_schema_raises_naming_the_problem(schema, needle)
     assert needle in str(e.value)
 
 
+def test_keywords_that_constrain_nothing_are_dropped_not_refused():
+    # (a property may still be named like a keyword: only schema keywords go)
+    noop = {"type": "object", "additionalProperties": False, "required": ["uniqueItems"], "propertyNames": True,
+            "properties": {"uniqueItems": {"type": "array", "items": {"type": "integer"}, "maxItems": 2,
+                                           "uniqueItems": False, "propertyNames": {}}}}
+    plain = {"type": "object", "additionalProperties": False, "required": ["uniqueItems"],
+             "properties": {"uniqueItems": {"type": "array", "items": {"type": "integer"}, "maxItems": 2}}}
+    for path in ("auto", "llguidance"):
+        got, want = JSONSchema(noop, path=path), JSONSchema(plain, path=path)
+        assert got.compiled_schema == want.compiled_schema and got.path == want.path
+        assert got.schema == noop  # (documents are still validated against the schema as given)
+        assert got.is_valid('{"uniqueItems": [1, 1]}') and not got.is_valid('{"uniqueItems": [1, 2, 3]}')
+    with pytest.raises(sd.SMCDecodeError, match="uniqueItems"):  # true does constrain: refused
+        JSONSchema({"type": "array", "uniqueItems": True})
+
+
 def test_unsupported_schema_is_reported_as_unsupported_not_invalid():
     with pytest.raises(sd.SMCDecodeError, match="not supported by the grammar engine"):
         JSONSchema({"type": "object", "properties": {"a": {"not": {"type": "null"}}}})

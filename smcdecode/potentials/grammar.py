@@ -126,6 +126,8 @@ class LLGuidanceConstraint(TokenConstraint):
             message = message.split("failed to compile JSON schema: ", 1)[1]
             message = re.split(r"\n\s*1 \| ", message, maxsplit=1)[0]
             message = " ".join(line.strip() for line in message.splitlines() if line.strip())
+        elif getattr(self, "_header_lines", 0):
+            message = _without_header(message, self._header_lines)
         return SMCDecodeError(f"{self._what}: {message}")
 
     def bind(self, model) -> LLGuidanceConstraint:
@@ -444,7 +446,9 @@ class Grammar(LLGuidanceConstraint):
                 raise SMCDecodeError(f"invalid GBNF grammar: {type(e).__name__}: {e}") from None
         self._what = f"invalid {syntax} grammar"
         self.force_canonical = bool(force_canonical)
-        self._grammar = llg.LLMatcher.grammar_from_lark(lark_header(self.force_canonical) + lark)
+        header = lark_header(self.force_canonical)
+        self._header_lines = header.count("\n") if syntax == "lark" else 0  # (GBNF: lines of the converted text)
+        self._grammar = llg.LLMatcher.grammar_from_lark(header + lark)
         self._validate()
         regex, fsm, self.path_reason = self._choose_path(path, lark)
         if regex is not None:
@@ -480,6 +484,23 @@ class Grammar(LLGuidanceConstraint):
 def lark_header(force_canonical: bool) -> str:
     """The llguidance options line that starts every grammar we compile."""
     return "" if force_canonical else '%llguidance {"no_forcing": true}\n'
+
+
+def _without_header(message: str, lines: int) -> str:
+    """llguidance's message about header + the user's grammar, in the user's line numbers: "L(C):"
+    and the quoted "  L | text" lines shifted back by the header's ``lines``, the header's own
+    quoted lines dropped."""
+    message = re.sub(r"\b(\d+)\((\d+)\)(?=:)", lambda m: f"{max(1, int(m[1]) - lines)}({m[2]})", message)
+    out = []
+    for line in message.splitlines():
+        quoted = re.match(r"(\s*)(\d+)( \|.*)", line)
+        if quoted:
+            number = int(quoted[2]) - lines
+            if number < 1:
+                continue
+            line = f"{quoted[1]}{str(number).rjust(len(quoted[2]))}{quoted[3]}"
+        out.append(line)
+    return "\n".join(out)
 
 
 def grammar_of_regex(pattern: str) -> str:

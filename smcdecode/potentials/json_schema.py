@@ -115,6 +115,26 @@ def closed_schema(schema) -> dict:
     return _close(schema, pattern)
 
 
+def without_noops(schema):
+    """A copy of ``schema`` without the keywords that constrain nothing and that the grammar
+    engine would refuse by name: ``"uniqueItems": false`` and ``"propertyNames": {}`` / ``true``
+    (tools that write schemas emit them)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v for k, v in schema.items()
+           if not (k == "uniqueItems" and v is False) and not (k == "propertyNames" and v in ({}, True))}
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: without_noops(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS + ("allOf",):
+        if isinstance(out.get(key), list):
+            out[key] = [without_noops(v) for v in out[key]]
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = without_noops(out[key])
+    return out
+
+
 def _closable(schema) -> bool:
     return isinstance(schema, dict) and isinstance(schema.get("properties"), dict) and not _OPEN_KEYS & set(schema)
 
@@ -238,7 +258,7 @@ class JSONSchema(LLGuidanceConstraint):
         self.validator = check_schema(self.schema)
         self.extra_properties = bool(extra_properties)
         # the schema the grammar is compiled from; documents are validated against self.schema
-        self.compiled_schema = self.schema if self.extra_properties else closed_schema(self.schema)
+        self.compiled_schema = without_noops(self.schema if self.extra_properties else closed_schema(self.schema))
         self.whitespace = whitespace
         self.coerce_one_of = bool(coerce_one_of)
         self.unique_keys = bool(unique_keys)

@@ -16,7 +16,7 @@ import torch
 from .devices import check_device, check_dtype
 from .errors import SMCDecodeError, check_nonneg_int, check_positive_int, check_unit_interval
 from .potentials.base import as_target
-from .result import Result
+from .result import NO_SAMPLE, Result
 from .samplers.adaptive import AdaptiveBlocks, FixedBlocks, as_schedule
 from .samplers.autoregressive import autoregressive
 from .samplers.loop import Finished, Request, smc_sd, speculative
@@ -172,10 +172,7 @@ class _Strategy:
         if float(W.sum()) > 0:
             sample = int(torch.multinomial(W, 1, generator=g)[0])
         elif not message:
-            message = (
-                "every particle has weight 0: no particle satisfied the constraints within max_new_tokens; "
-                "raise max_new_tokens or the number of particles"
-            )
+            message = NO_SAMPLE
         return Result(
             strategy=self.name,
             texts=texts,

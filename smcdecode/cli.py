@@ -24,6 +24,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Sequential Monte Carlo over language models: SMC speculative decoding, "
         "constrained and reward-weighted generation.",
     )
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"smcdecode {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("distill", add_help=False,
                    help="distil a small draft from a target model (smcdecode distill --help)")

@@ -20,8 +20,10 @@ class RewardError(SMCDecodeError):
 
 
 def _check_int(name: str, value: Any, minimum: int, kind: str, fix: str, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # (the fix is about the number)
+        raise SMCDecodeError(f"{name} must be a {kind} integer, got {type(value).__name__} {value!r}")
     hint = f": {fix}" if fix else ""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+    if value < minimum:
         raise SMCDecodeError(f"{name} must be a {kind} integer, got {value!r}{hint}")
     if maximum is not None and value > maximum:
         raise SMCDecodeError(f"{name} must be at most {maximum}, got {value!r}{hint}")

@@ -12,6 +12,8 @@ from .errors import SMCDecodeError
 
 COLLAPSE_GAP = 2.0  # nats of log Ẑ below the target-as-proposal estimate that mean collapse
 COLLAPSE_ESS = 0.5  # mean ESS / N below which the particle system counts as collapsed
+NO_SAMPLE = ("every particle has weight 0: no particle satisfied the constraints within max_new_tokens; "
+             "raise max_new_tokens or the number of particles")
 
 
 @dataclass

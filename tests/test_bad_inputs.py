@@ -424,3 +424,19 @@ def test_prompt_plus_budget_past_the_drafts_context():
 def test_cli_errors_are_one_line(argv, match, capsys):
     code, err = _cli(["generate", "--no-progress", *argv], capsys)
     assert code == 2 and len(err) == 1 and match in err[0], err
+
+
+def test_a_fix_is_offered_only_where_it_fits_the_value():
+    from smcdecode.errors import SMCDecodeError, check_positive_int
+    from smcdecode.serve.protocol import Defaults, Limits, RequestError, parse
+
+    with pytest.raises(SMCDecodeError) as e:
+        check_positive_int("particles", "8", "use at least 1 particle")
+    assert str(e.value) == "particles must be a positive integer, got str '8'"
+    with pytest.raises(SMCDecodeError, match="got 0: use at least 1 particle"):
+        check_positive_int("particles", 0, "use at least 1 particle")
+    limits = Limits(max_particles=16)
+    for value, hint in ((-1, False), ("eight", False), (64, True)):
+        with pytest.raises(RequestError) as e:
+            parse({"prompt": "hi", "particles": value}, "completions", limits, Defaults())
+        assert e.value.param == "particles" and ("--max-particles" in e.value.message) == hint, e.value.message

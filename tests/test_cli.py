@@ -272,3 +272,9 @@ def test_auto_proposal_keeps_explicit_choices():
     draft, block, chosen = choose_proposal("auto", 4, "cpu", "auto")  # a K asks for a draft, also on a CPU
     assert (draft, block) == ("default", 4) and "--block-size 4: a K asks for a draft" in chosen
     assert choose_proposal("default", 4, "cpu", "auto") == ("default", 4, "")
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"smcdecode {sd.__version__}"

@@ -200,6 +200,11 @@ def test_json_schema_and_json_object(server):
     r = _chat(server, messages=[{"role": "user", "content": "Describe a city as a JSON object."}], max_tokens=40,
               seed=0, response_format={"type": "json_object"})
     assert isinstance(json.loads(r.choices[0].message.content), dict)
+    # no document fits 3 tokens: no sample, and the fix is said in the request's own terms
+    r = _chat(server, messages=messages, max_tokens=3, seed=0, response_format=fmt)
+    message = r.model_extra["smc"]["runs"][0]["message"]
+    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.content
+    assert "raise max_tokens or particles" in message and "max_new_tokens" not in message, message
 
 
 @pytest.mark.parametrize("strategy", ["smc", "sd", "ar"])
@@ -273,7 +278,8 @@ def test_bad_requests_get_openai_errors_naming_the_field(server):
         assert got == status, (body, answer)
         err = answer["error"]
         assert err["param"] == param and err["message"] and err["type"], (body, err)
-    assert server.get("/v1/chat/completions")[0] == 405
+    status, answer = server.get("/v1/chat/completions")
+    assert status == 405 and answer["error"]["type"] == "invalid_request_error", answer
     assert server.get("/nowhere")[1]["error"]["message"]
     with pytest.raises(openai.BadRequestError) as e:  # the client sees the field too
         _chat(server, max_tokens=4, temperature=0)
@@ -479,3 +485,24 @@ def test_serve_without_the_extra_names_it():
                                text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120).stdout
     for flag in ("--model", "--draft", "--backend", "--device", "--host", "--port", "--max-queue", "--max-particles"):
         assert flag in help_text
+
+
+def test_the_startup_line_says_what_serves(server):
+    server.log.seek(0)
+    first = next(line for line in server.log.read().splitlines() if line.startswith("smcdecode serve:"))
+    assert first == (f"smcdecode serve: {server.model} (the reference backend on cpu (float32), draft default) "
+                     f"on http://127.0.0.1:{server.port}/v1"), first
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(capsys):
+    from smcdecode.serve.cli import main as serve
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        started = time.perf_counter()
+        assert serve(["--port", str(port), "--host", "127.0.0.1"]) == 2
+    err = capsys.readouterr().err
+    assert f"--port {port}: cannot listen on 127.0.0.1:{port}" in err and "give another --port" in err, err
+    assert time.perf_counter() - started < 5  # (no model was loaded)

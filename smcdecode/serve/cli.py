@@ -135,6 +135,7 @@ def build(args):
         from .tensor_parallel import build_executor
 
         executor = build_executor(args, limits, defaults)
+        executor.setup = f"the engine over {args.tensor_parallel} ranks, draft {args.draft}"
         return create_app(executor, limits=limits, defaults=defaults), executor
     device = args.device
     if device == "auto":
@@ -159,7 +160,26 @@ def build(args):
         options = {"device": device} if backend != "reference" else None
         executor = LibraryExecutor(watched, name, draft, backend=backend, engine_options=options, slots=args.slots,
                                    **common)
+    executor.setup = (f"the {backend} backend on {device} ({dtype}), "
+                      + (f"draft {args.draft}" if draft is not None else "no draft (smc proposes from the target)"))
     return create_app(executor, limits=limits, defaults=defaults), executor
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse a --host / --port this process cannot listen on, before any model loads."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise SMCDecodeError(f"--host {host!r}: cannot resolve it ({e}): give an address such as 127.0.0.1") from None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as the server's own socket: TIME_WAIT is fine)
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise SMCDecodeError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e}): give another "
+                                 "--port, or stop what uses it") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,13 +187,14 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser().parse_args(argv)
     try:
+        check_port(args.host, args.port)
         app, executor = build(args)
     except SMCDecodeError as e:
         print(f"smcdecode serve: error: {one_line(e)}", file=sys.stderr)
         return 2
     import uvicorn
 
-    print(f"smcdecode serve: {executor.model_name} ({type(executor).__name__}) on http://{args.host}:{args.port}/v1",
+    print(f"smcdecode serve: {executor.model_name} ({executor.setup}) on http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

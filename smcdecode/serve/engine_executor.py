@@ -34,7 +34,7 @@ from collections import deque
 import torch
 
 from ..errors import SMCDecodeError
-from ..result import Result
+from ..result import NO_SAMPLE, Result
 from .executor import Choice, Executor, Job, LibraryRunner, Outbox, count, finish_choice, outcome, run_job
 from .metrics import Stats
 from .protocol import Defaults, Limits
@@ -432,7 +432,7 @@ class SchedulerExecutor(Executor):
             sample_index=sample, seconds=time.perf_counter() - state["started"], prompt_tokens=len(job.prompt_ids),
             particles=n, block_size=f.request.block_size, eos_token_id=self.eos,
             max_new_tokens=f.request.max_new_tokens, n_rounds=f.rounds,
-            message="" if sample is not None else "every particle has weight 0",
+            message="" if sample is not None else NO_SAMPLE,
             **({"draft_tokens": int(f.drafted[0]), "accepted_tokens": int(f.accepted[0])}
                if strategy == "speculative" else {}))
         choice = finish_choice(self.model, job, i, result, state["streams"][i])

@@ -118,6 +118,7 @@ class Executor:
                  max_queue: int, stats: Stats | None = None, has_draft: bool = True):
         self.model, self.model_name, self.limits, self.defaults = model, model_name, limits, defaults
         self.max_queue, self.has_draft = max_queue, has_draft
+        self.setup = type(self).__name__  # what runs the requests, for the startup line (``cli.build`` says more)
         self.stats = stats or Stats()
 
     def prepare(self, spec: Spec, loop) -> Job:
@@ -180,8 +181,9 @@ def run_info(result, return_particles: bool) -> dict:
                     mean_ess=result.mean_ess if result.ess else None, rounds_resampled=int(sum(result.resampled)))
     if result.acceptance_rate is not None:
         info["acceptance_rate"] = result.acceptance_rate
-    if result.message:
-        info["message"] = result.message
+    if result.message:  # (in the request's terms)
+        info["message"] = result.message.replace("max_new_tokens", "max_tokens").replace(
+            "the number of particles", "particles")
     if return_particles:
         info["particles"] = [{"text": t, "weight": float(w), "log_weight": float(lw), "end": end}
                              for t, w, lw, end in zip(result.texts, result.weights, result.log_weights,

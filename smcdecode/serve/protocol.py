@@ -34,8 +34,8 @@ class RequestError(Exception):
         self.message, self.param, self.status, self.code = message, param, status, code
 
     def body(self) -> dict:
-        kind = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
-                503: "server_error"}.get(self.status, "server_error")
+        kind = {404: "not_found_error", 429: "rate_limit_error"}.get(
+            self.status, "invalid_request_error" if 400 <= self.status < 500 else "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
@@ -111,7 +111,7 @@ def _int(body: dict, name: str, default, lo: int, hi: int, fix: str = "") -> int
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not lo <= v <= hi:
-        hint = f": {fix}" if fix else ""
+        hint = f": {fix}" if fix and not isinstance(v, bool) and isinstance(v, numbers.Integral) and v > hi else ""
         raise RequestError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}{hint}", name)
     return int(v)
 

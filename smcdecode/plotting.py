@@ -10,6 +10,7 @@ def plot_result(result, path: str | None = None):
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import torch
+    from matplotlib.ticker import MaxNLocator
 
     fig, (ax_ess, ax_w) = plt.subplots(1, 2, figsize=(11, 3.6))
     rounds = list(range(1, len(result.ess) + 1))
@@ -30,6 +31,9 @@ def plot_result(result, path: str | None = None):
     ax_w.set_xlabel("round")
     ax_w.set_ylabel("particle")
     ax_w.set_title("weights before resampling")
+    for ax in (ax_ess, ax_w):  # rounds are whole numbers (one round: 1, not 0.96 … 1.04)
+        ax.set_xlim(0.5, len(rounds) + 0.5)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     proposal = f"K={result.block_size}" if result.block_size else "the target as proposal"
     fig.suptitle(f"{result.strategy}: N={result.particles}, {proposal}, log Z={result.log_evidence:.3f}")
     fig.tight_layout()

@@ -49,6 +49,10 @@ def test_result_fields(strategies, tmp_path):
     assert "weight" in res.summary()
     res.plot(str(tmp_path / "run.png"))
     assert (tmp_path / "run.png").stat().st_size > 1000
+    fig = res.plot()  # rounds on whole-number ticks, one round too
+    for ax in fig.axes[:2]:
+        assert ax.get_xlim() == (0.5, res.rounds + 0.5)
+        assert all(float(t).is_integer() for t in ax.get_xticks())
     sdres = strategies[2].run([0], max_new_tokens=6, seed=0, progress=False)
     assert math.isnan(sdres.log_evidence) and 0 <= sdres.acceptance_rate <= 1
 

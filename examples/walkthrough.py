@@ -1,10 +1,12 @@
-"""The code of docs/walkthrough.md: runs every step and saves its figures under docs/img/.
+"""The code of docs/walkthrough.md: runs every step and saves its figures in a folder.
 
-python examples/walkthrough.py            # about half a minute on a 2-core CPU
+python examples/walkthrough.py                   # figures in ./walkthrough_plots/
+python examples/walkthrough.py --out docs/img    # regenerate the figures shown in docs/walkthrough.md
 """
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import matplotlib
@@ -18,10 +20,8 @@ from smcdecode.potentials import JSONSchema, LMReward  # noqa: E402
 from smcdecode.structured import generate_json  # noqa: E402
 from smcdecode.testing import exact_autoregressive, exact_target, particle_distributions, total_variation  # noqa: E402
 
-IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
 
-
-def step1_toy() -> None:
+def step1_toy(out: Path) -> None:
     """A toy LM where every probability is known: global conditional vs local masking vs SMC."""
     print("## 1. A toy problem, solved exactly")
     vocab = ["<bos>", "{", '"a"', '"b"', ": ", ", ", "1", "2", "}", "<eos>"]
@@ -38,9 +38,9 @@ def step1_toy() -> None:
     local = exact_autoregressive(target, [0], 10)
     runs = {}
     for n in (1, 4, 16):
-        out = sd.SMC(target, particles=n).run_groups([0], groups=2000, max_new_tokens=10, seed=0)
+        res = sd.SMC(target, particles=n).run_groups([0], groups=2000, max_new_tokens=10, seed=0)
         dist: dict = {}
-        for d in particle_distributions(out):
+        for d in particle_distributions(res):
             for x, w in d.items():
                 dist[x] = dist.get(x, 0.0) + w / 2000
         runs[n] = dist
@@ -61,7 +61,7 @@ def step1_toy() -> None:
     ax.set_title("toy LM + JSON Schema: the distribution of the returned document")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(IMG / "walkthrough_toy_distributions.png", dpi=110)
+    fig.savefig(out / "walkthrough_toy_distributions.png", dpi=110)
     plt.close(fig)
     for x in keys:
         print(
@@ -70,16 +70,16 @@ def step1_toy() -> None:
         )
 
 
-def step2_regex(model) -> None:
+def step2_regex(model, out: Path) -> None:
     print("\n## 2. A date format on SmolLM2")
     target = sd.LM(model, temperature=0.7) * sd.Regex(r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])")
     messages = [{"role": "user", "content": "When did the Berlin Wall fall? Answer with the date as YYYY-MM-DD."}]
     result = sd.SMC(target, particles=8).run(messages, max_new_tokens=12, seed=0, progress=False)
     print(result.summary())
-    result.plot(str(IMG / "walkthrough_regex.png"))
+    result.plot(str(out / "walkthrough_regex.png"))
 
 
-def step3_json(model) -> None:
+def step3_json(model, out: Path) -> None:
     print("\n## 3. JSON Schema on SmolLM2, parsed")
     schema = {
         "type": "object",
@@ -95,15 +95,15 @@ def step3_json(model) -> None:
         "required": ["title", "year", "genres"],
         "additionalProperties": False,
     }
-    out = generate_json(
+    res = generate_json(
         model, "Describe the film Star Wars (1977).", schema, particles=8, max_new_tokens=40, temperature=0.7, seed=0
     )
-    print("value:", out.value)
-    print(out.result.summary())
-    out.result.plot(str(IMG / "walkthrough_json.png"))
+    print("value:", res.value)
+    print(res.result.summary())
+    res.result.plot(str(out / "walkthrough_json.png"))
 
 
-def step4_rewards(model) -> None:
+def step4_rewards(model, out: Path) -> None:
     print("\n## 4. Reward-weighted decoding and a second prompt")
     question = [{"role": "user", "content": "Write one sentence about your favourite place."}]
 
@@ -118,23 +118,29 @@ def step4_rewards(model) -> None:
     )
     print(result.summary())
     print("sample:", result.text)
-    result.plot(str(IMG / "walkthrough_reward.png"))
+    result.plot(str(out / "walkthrough_reward.png"))
     second = model.prompt_ids([{"role": "user", "content": "Write one sentence about the sea and sailing."}])
     target = sd.LM(model, temperature=0.8) * LMReward(model, second, beta=1.0)
     result = sd.SMC(target, particles=8).run(question, max_new_tokens=24, seed=0, progress=False)
     print(result.summary())
     print("sample:", result.text)
-    result.plot(str(IMG / "walkthrough_prompt_intersection.png"))
+    result.plot(str(out / "walkthrough_prompt_intersection.png"))
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out", type=Path, default=Path("walkthrough_plots"), help="folder for the figures (default: ./walkthrough_plots)"
+    )
+    out = parser.parse_args().out
     torch.set_num_threads(1)
-    IMG.mkdir(parents=True, exist_ok=True)
-    step1_toy()
+    out.mkdir(parents=True, exist_ok=True)
+    step1_toy(out)
     model = sd.load_model()
-    step2_regex(model)
-    step3_json(model)
-    step4_rewards(model)
+    step2_regex(model, out)
+    step3_json(model, out)
+    step4_rewards(model, out)
+    print(f"\nfigures saved in {out}/")
 
 
 if __name__ == "__main__":

@@ -467,7 +467,31 @@ def test_the_default_models_tokenizer_converted_by_this_transformers_version():
         vocab_size=49152, hidden_size=4, intermediate_size=4, num_hidden_layers=1,
         num_attention_heads=1, num_key_value_heads=1,
     )
-    check_json_bridge(sd.HFModel(LlamaForCausalLM(config), tok, name="smollm2-tokenizer"))
+    model = sd.HFModel(LlamaForCausalLM(config), tok, name="smollm2-tokenizer")
+    check_json_bridge(model)
+    check_split_characters(model)
+
+
+def check_split_characters(model) -> None:
+    """Characters the tokenizer splits over byte pieces (日 and 😀 in SmolLM2's vocabulary) can be
+    written under a constraint, on the automaton path and on llguidance's; a tokenizer that drops
+    the pieces fails the byte check."""
+    from smcdecode.potentials.token_bytes import _from_bytes, check_token_bytes, llguidance_tokenizer, special_ids
+
+    for char in ("日", "😀"):
+        ids = model.encode(char)
+        assert len(ids) > 1 and all(model.token_strings[i] is None for i in ids), (char, ids)  # pieces, not text
+        for c in (sd.Regex(f"x{char}+"), JSONSchema({"enum": [f"x{char}"]}, path="llguidance")):
+            c = c.bind(model)
+            state = c.start(1)
+            for t in model.encode('"x' if isinstance(c, JSONSchema) else "x") + ids:
+                assert bool(c.allowed(state)[0][t]), (c, char, t)
+                state = c.advance(state, torch.tensor([t]))
+    pieces = {i for i, s in enumerate(model.token_strings) if s is None and i not in special_ids(model)}
+    assert check_token_bytes(model, llguidance_tokenizer(model), pieces) == []
+    text_only = _from_bytes(model, [None if s is None else s.encode("utf-8") for s in model.token_strings])
+    assert check_token_bytes(model, text_only) == []  # (sound: the lenient check passes it) ...
+    assert check_token_bytes(model, text_only, pieces)  # ... but it cannot write a split character
 
 
 @pytest.mark.slow
@@ -475,6 +499,7 @@ def test_smollm2_smc_with_a_json_schema_returns_a_valid_object():
     """The issue's call: SMC(LM(model) * JSONSchema(schema)) on the default model, CPU backend."""
     model = sd.load_model()
     check_json_bridge(model)
+    check_split_characters(model)
     schema = {
         "type": "object",
         "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -572,3 +597,17 @@ def test_closed_schema_names_its_keys_and_refuses_schema_keywords():
     assert closed_schema(mapping) == mapping
     typed = JSONSchema({"type": "object", "additionalProperties": {"type": "integer"}}, extra_properties=False)
     assert typed.bind(model).matches('{"b": 2}') and not typed.bind(model).matches('{"type": 1}')
+
+
+@pytest.mark.slow
+def test_smollm2_writes_characters_split_over_byte_tokens_under_a_constraint():
+    """日 and 😀 are several byte tokens each in SmolLM2's vocabulary: SMC with a regex (the device
+    automaton's token table) and with a JSON Schema on llguidance writes them."""
+    import re
+
+    model = sd.load_model()
+    for constraint, ok in ((sd.Regex("(日本|😀)+"), lambda t: re.fullmatch("(日本|😀)+", t)),
+                           (JSONSchema({"enum": ["日本", "😀"]}, path="llguidance"), lambda t: t in ('"日本"', '"😀"'))):
+        out = sd.SMC(sd.LM(model) * constraint, particles=4).run("Say something:", max_new_tokens=12, seed=0,
+                                                                 progress=False)
+        assert out.text is not None and ok(out.text), (constraint, out.text, out.message)

@@ -34,6 +34,7 @@ _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_NEVER_UTF8 = re.compile(rb"[\xc0\xc1\xf5-\xff]")
 
 
 def _llguidance():
@@ -146,19 +147,30 @@ def _is_text(b: bytes) -> bool:
     return True
 
 
-def check_token_bytes(model, lltok) -> list[str]:
+def _not_text_alone(b: bytes) -> bool:
+    """Bytes the model's decoding of one token cannot tell from part of a character: not UTF-8 on
+    their own, or U+FFFD itself (what a broken character decodes to)."""
+    return not _is_text(b) or "\ufffd" in b.decode("utf-8")
+
+
+def check_token_bytes(model, lltok, pieces: set[int] | None = None) -> list[str]:
     """Where the llguidance tokenizer ``lltok`` disagrees with ``model``'s decoding (at most 5
     descriptions; empty when they agree): a text token must have exactly the bytes of the model's
     decoding and not be special; a token the model does not decode as text (a special token, or part
-    of a character) must be special or not be valid UTF-8 on its own."""
+    of a character) must be special or not be text on its own. ``pieces``: ids that are parts of
+    characters (vocabulary pieces, not special tokens), which must not be special but carry their
+    bytes, so that a character split over several tokens can be written."""
     problems = []
+    pieces = pieces or set()
     for i, s in enumerate(model.token_strings):
         b = lltok.decode_bytes([i])
         special = lltok.is_special_token(i)
         if s is not None:
             ok = not special and b == s.encode("utf-8")
+        elif i in pieces:
+            ok = not special and b != b"" and _not_text_alone(b)
         else:
-            ok = special or not _is_text(b) or b == b""
+            ok = special or b == b"" or _not_text_alone(b)
         if not ok:
             problems.append(f"token {i}: the model decodes {s!r}, llguidance has {b!r}{' (special)' if special else ''}")
             if len(problems) == 5:
@@ -176,7 +188,13 @@ def llguidance_tokenizer(model):
     _llguidance()  # a clear error when it is missing
     hf_tok = getattr(model, "tokenizer", None)
     candidates = []
+    pieces: set[int] = set()  # parts of characters: the first two candidates must give their bytes
     if hf_tok is not None and hasattr(hf_tok, "backend_tokenizer"):
+        special, raw = special_ids(model), vocabulary_bytes(model)
+        # (a piece with a byte no UTF-8 text has, 0xC0, 0xC1, 0xF5–0xFF, can be in no text: llguidance
+        # may keep it special, as it does 0xFF, its own marker of special tokens)
+        pieces = {i for i, s in enumerate(model.token_strings) if s is None and i not in special
+                  and not (raw is not None and raw[i] is not None and _NEVER_UTF8.search(raw[i]))}
         import llguidance.hf
 
         def from_hf_json():
@@ -187,18 +205,26 @@ def llguidance_tokenizer(model):
             return None if tokens is None else _from_bytes(model, tokens)
 
         candidates += [from_hf_json, from_vocabulary]
+    text_only = len(candidates)
     candidates.append(lambda: _from_bytes(model, [None if s is None else s.encode("utf-8") for s in model.token_strings]))
     tok, problems = None, []
-    for build in candidates:
+    for k, build in enumerate(candidates):
         try:
             tok = build()
         except Exception as e:  # noqa: BLE001 - llguidance raises several types; try the next one
             problems = [f"{type(e).__name__}: {e}"]
             tok = None
         if tok is not None:
-            problems = check_token_bytes(model, tok)
+            problems = check_token_bytes(model, tok, pieces if k < text_only else None)
             if not problems:
                 break
+    if tok is not None and not problems and pieces and k == text_only:
+        import warnings
+
+        warnings.warn(f"model {getattr(model, 'name', model)!r}: no byte-exact tokenizer for llguidance, so its "
+                      f"{len(pieces)} tokens that are parts of characters are never allowed under a constraint: "
+                      "characters split over several tokens (most CJK characters, emoji) cannot be written there",
+                      stacklevel=2)
     if tok is None or problems:  # pragma: no cover - the token strings agree with themselves
         raise SMCDecodeError(
             f"cannot give llguidance the tokens of model {getattr(model, 'name', model)!r}: "

@@ -252,6 +252,9 @@ def _generate(args) -> int:
     check_device(args.device, "--device")
     if args.plot and not _is_dir(Path(args.plot).parent):
         raise UsageError(f"--plot {args.plot!r}: its directory does not exist")
+    if args.plot and args.strategy in ("sd", "ar"):
+        raise UsageError(f"--plot draws SMC's effective sample size and weights over rounds: use it with --strategy "
+                         f"smc or all, not {args.strategy}")
     if args.prompt is not None and not args.prompt:
         raise UsageError("--prompt is empty: give some text")
     regex = sd.Regex(args.regex) if args.regex is not None else None

@@ -34,6 +34,7 @@ def plot_result(result, path: str | None = None):
     for ax in (ax_ess, ax_w):  # rounds are whole numbers (one round: 1, not 0.96 … 1.04)
         ax.set_xlim(0.5, len(rounds) + 0.5)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_w.yaxis.set_major_locator(MaxNLocator(integer=True))  # particles are whole numbers too
     proposal = f"K={result.block_size}" if result.block_size else "the target as proposal"
     fig.suptitle(f"{result.strategy}: N={result.particles}, {proposal}, log Z={result.log_evidence:.3f}")
     fig.tight_layout()

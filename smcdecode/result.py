@@ -145,8 +145,12 @@ class Result:
         low_ess = n > 1 and self.mean_ess < COLLAPSE_ESS * n
         if not ((gap is not None and gap > COLLAPSE_GAP) or (ones >= max(2, rounds / 4)) or low_ess):
             return ""
-        facts = [f"mean ESS {self.mean_ess:.1f}/{n}", f"{ones} of {rounds} rounds with one surviving ancestor"]
-        if gap is not None:
+        facts = []  # (the signs seen, only: none of them contradicts the verdict)
+        if low_ess:
+            facts.append(f"mean ESS {self.mean_ess:.1f}/{n}")
+        if ones >= max(2, rounds / 4):
+            facts.append(f"{ones} of {rounds} rounds with one surviving ancestor")
+        if gap is not None and gap > COLLAPSE_GAP:
             facts.append(f"log Z {self.log_evidence:.1f} vs about {self.target_log_evidence:.1f} with the target "
                          "as proposal")
         if self.block_size:
@@ -219,6 +223,9 @@ class Result:
 
         from .plotting import plot_result
 
+        if self.strategy != "smc" or not self.ess:
+            raise SMCDecodeError(f"plot draws SMC's effective sample size and particle weights over rounds; a "
+                                 f"{self.strategy} result has none (run sd.SMC for them)")
         if path is not None:
             if not isinstance(path, (str, Path)):
                 raise SMCDecodeError(f"plot path must be a file name, got {type(path).__name__} {path!r}")

@@ -186,12 +186,16 @@ def _result(ess, survivors, log_evidence=-4.0, target_log_evidence=-4.0, block_s
 def test_collapse_diagnosis_names_the_signs_and_the_fix():
     healthy = _result([6.0, 5.5, 7.0, 6.5], [8, 5, 8, 6])
     assert healthy.diagnosis == "" and "collapsed" not in healthy.summary()
-    for bad in (_result([3.0, 3.5, 3.9, 3.6], [8, 5, 8, 6]),  # mean ESS < N/2
-                _result([6.0, 5.5, 7.0, 6.5], [1, 8, 1, 8]),  # two of four rounds with one ancestor
-                _result([6.0, 5.5, 7.0, 6.5], [8, 5, 8, 6], log_evidence=-12.0)):  # log Ẑ far below the target's
-        line = bad.diagnosis
-        assert line.startswith("particle system collapsed (mean ESS") and "target as proposal" in line, line
+    for bad, sign in ((_result([3.0, 3.5, 3.9, 3.6], [8, 5, 8, 6]), "(mean ESS 3.5/8)"),  # mean ESS < N/2
+                      (_result([6.0, 5.5, 7.0, 6.5], [1, 8, 1, 8]), "(2 of 4 rounds with one surviving ancestor)"),
+                      (_result([6.0, 5.5, 7.0, 6.5], [8, 5, 8, 6], log_evidence=-12.0),  # log Ẑ far below
+                       "(log Z -12.0 vs about -4.0 with the target as proposal)")):
+        line = bad.diagnosis  # (only the signs seen: a healthy ESS is not quoted as a sign of collapse)
+        assert line.startswith("particle system collapsed " + sign + ": the draft cannot propose"), line
         assert line in bad.summary()
+    one = _result([1.0, 1.0], [1, 1], log_evidence=-12.0)  # one particle: its ESS is no sign
+    one.particles = 1
+    assert one.diagnosis.startswith("particle system collapsed (log Z -12.0"), one.diagnosis
     # with the target as proposal there is no proposal to blame: the gap (a reward's share of log Ẑ) is
     # neither a sign nor a fact, and the fix is more particles
     tilted = _result([3.0, 3.0], [8, 8], log_evidence=-12.0, block_size=0).diagnosis

@@ -53,8 +53,11 @@ def test_result_fields(strategies, tmp_path):
     for ax in fig.axes[:2]:
         assert ax.get_xlim() == (0.5, res.rounds + 0.5)
         assert all(float(t).is_integer() for t in ax.get_xticks())
+    assert all(float(t).is_integer() for t in fig.axes[1].get_yticks())  # particles
     sdres = strategies[2].run([0], max_new_tokens=6, seed=0, progress=False)
     assert math.isnan(sdres.log_evidence) and 0 <= sdres.acceptance_rate <= 1
+    with pytest.raises(sd.SMCDecodeError, match="a speculative result has none"):
+        sdres.plot()
 
 
 def test_progress_bar_is_shown(strategies, capsys):

@@ -41,6 +41,7 @@ def test_help_lists_every_knob(capsys):
         (["--draft", "truncate:4"], "did you mean 'truncated:L'?"),
         (["--draft", "target", "--block-size", "4"], "--block-size 4 needs a draft"),
         (["--draft", "target", "--strategy", "all"], "--strategy all runs exact speculative decoding"),
+        (["--strategy", "ar", "--plot", "run.png"], "use it with --strategy smc or all, not ar"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, message, capsys):

@@ -187,6 +187,8 @@ def test_completions_with_a_regex_and_logprobs(server):
     assert all(max(t.values()) >= v - 1e-9 for t, v in zip(lp.top_logprobs, lp.token_logprobs))
     r = _chat(server, max_tokens=4, seed=0, extra_body={"strategy": "ar", "regex": "(yes|no)"})
     assert r.choices[0].message.content in ("yes", "no")
+    r = _chat(server, max_tokens=4, seed=0, extra_body={"regex": ""})  # as Regex(""): the empty text only
+    assert r.choices[0].message.content == "" and r.choices[0].finish_reason == "stop"
 
 
 def test_json_schema_and_json_object(server):

@@ -135,12 +135,12 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     return v
 
 
-def _text(body: dict, name: str) -> str | None:
+def _text(body: dict, name: str, empty_ok: bool = False) -> str | None:
     v = body.get(name)
     if v is None:
         return None
-    if not isinstance(v, str) or not v:
-        raise RequestError(f"{name} must be a non-empty string, got {v!r}", name)
+    if not isinstance(v, str) or not (v or empty_ok):
+        raise RequestError(f"{name} must be a {'' if empty_ok else 'non-empty '}string, got {v!r}", name)
     return v
 
 
@@ -276,7 +276,7 @@ def parse(body, endpoint: str, limits: Limits, defaults: Defaults) -> Spec:
     if fmt is not None:
         constraint, param = fmt, "response_format"
     for name in ("regex", "grammar"):
-        text = _text(body, name)
+        text = _text(body, name, empty_ok=name == "regex")  # (the regex "" allows only the empty text, as Regex(""))
         if text is not None:
             if constraint is not None:
                 raise RequestError(f"give one constraint: {name} and {param} are both set", name)

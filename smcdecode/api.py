@@ -59,13 +59,22 @@ def _generator(seed: int | None) -> torch.Generator:
 
 
 @contextlib.contextmanager
-def _progress(enabled: bool, total: int, desc: str):
+def _progress(enabled: bool, total: int, desc: str, prompt_tokens: int = 0):
     if not enabled:
         yield None
         return
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=total, desc=desc, unit="tok", leave=False)
+    class Bar(tqdm):
+        """Says "prefill" until the first tokens come (a long prompt's prefill can take a while)."""
+
+        def update(self, n=1):
+            if self.postfix:
+                self.set_postfix_str("", refresh=False)
+            return super().update(n)
+
+    bar = Bar(total=total, desc=desc, unit="tok", leave=False,
+              postfix=f"prefill of the {prompt_tokens}-token prompt" if prompt_tokens else None)
     try:
         yield bar
         if 0 < bar.n < bar.total:  # every sequence ended before the token budget: the bar ends where they did
@@ -129,7 +138,7 @@ class _Strategy:
         ids = self._prepare(prompt, max_new_tokens)
         g = _generator(seed)
         start = time.perf_counter()
-        with _progress(progress, max_new_tokens * self._bar_scale(), self.name) as bar:
+        with _progress(progress, max_new_tokens * self._bar_scale(), self.name, len(ids)) as bar:
             out = self._run(ids, 1, max_new_tokens, g, bar)
         seconds = time.perf_counter() - start
         result = self._result(out, ids, seconds, g)

@@ -61,8 +61,9 @@ def test_result_fields(strategies, tmp_path):
 
 
 def test_progress_bar_is_shown(strategies, capsys):
-    strategies[0].run([0], max_new_tokens=6, seed=0, progress=True)
-    assert "tok" in capsys.readouterr().err
+    strategies[0].run([0, 1, 2], max_new_tokens=6, seed=0, progress=True)
+    err = capsys.readouterr().err
+    assert "tok" in err and "prefill of the 3-token prompt" in err, err  # (until the first tokens come)
 
 
 def test_plot_to_a_missing_directory_is_a_clear_error(strategies, tmp_path):

@@ -138,19 +138,20 @@ class Result:
         if self.strategy != "smc" or not self.ess or self.sample_index is None:
             return ""
         n, rounds = self.particles, self.rounds
-        gap = None  # (with the target as proposal, the gap is the rewards' share of log Z: no proposal to blame)
-        if self.block_size and self.target_log_evidence is not None and math.isfinite(self.target_log_evidence):
-            gap = self.target_log_evidence - self.log_evidence
+        # (with the target as proposal, the gap is the rewards' share of log Z: no proposal to blame)
+        far_below = bool(self.block_size) and self.target_log_evidence is not None and \
+            math.isfinite(self.target_log_evidence) and self.target_log_evidence - self.log_evidence > COLLAPSE_GAP
         ones = self.one_ancestor_rounds
+        one_ancestor = ones >= max(2, rounds / 4)
         low_ess = n > 1 and self.mean_ess < COLLAPSE_ESS * n
-        if not ((gap is not None and gap > COLLAPSE_GAP) or (ones >= max(2, rounds / 4)) or low_ess):
+        if not (far_below or one_ancestor or low_ess):
             return ""
         facts = []  # (the signs seen, only: none of them contradicts the verdict)
         if low_ess:
             facts.append(f"mean ESS {self.mean_ess:.1f}/{n}")
-        if ones >= max(2, rounds / 4):
+        if one_ancestor:
             facts.append(f"{ones} of {rounds} rounds with one surviving ancestor")
-        if gap is not None and gap > COLLAPSE_GAP:
+        if far_below:
             facts.append(f"log Z {self.log_evidence:.1f} vs about {self.target_log_evidence:.1f} with the target "
                          "as proposal")
         if self.block_size:

@@ -123,16 +123,23 @@ def without_noops(schema):
         return schema
     out = {k: v for k, v in schema.items()
            if not (k == "uniqueItems" and v is False) and not (k == "propertyNames" and v in ({}, True))}
+    _map_subschemas(out, without_noops)
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [without_noops(v) for v in out["allOf"]]
+    return out
+
+
+def _map_subschemas(out: dict, fn) -> None:
+    """Replace each subschema of ``out`` (but ``allOf``'s members) by ``fn`` of it, in place."""
     for key in _SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {k: without_noops(v) for k, v in out[key].items()}
-    for key in _SUBSCHEMA_LISTS + ("allOf",):
+            out[key] = {k: fn(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [without_noops(v) for v in out[key]]
+            out[key] = [fn(v) for v in out[key]]
     for key in _SUBSCHEMAS:
         if isinstance(out.get(key), dict):
-            out[key] = without_noops(out[key])
-    return out
+            out[key] = fn(out[key])
 
 
 def _closable(schema) -> bool:
@@ -143,15 +150,7 @@ def _close(schema, pattern: str | None, in_all_of: bool = False):
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {k: _close(v, pattern) for k, v in out[key].items()}
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [_close(v, pattern) for v in out[key]]
-    for key in _SUBSCHEMAS:
-        if isinstance(out.get(key), dict):
-            out[key] = _close(out[key], pattern)
+    _map_subschemas(out, lambda v: _close(v, pattern))
     members = out.get("allOf")
     if isinstance(members, list):
         out["allOf"] = [_close(v, pattern, in_all_of=True) for v in members]

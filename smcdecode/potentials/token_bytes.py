@@ -190,7 +190,7 @@ def llguidance_tokenizer(model):
     candidates = []
     pieces: set[int] = set()  # parts of characters: the first two candidates must give their bytes
     if hf_tok is not None and hasattr(hf_tok, "backend_tokenizer"):
-        special, raw = special_ids(model), vocabulary_bytes(model)
+        special, raw = special_ids(model), vocabulary_bytes(model)  # (raw: also the second candidate's bytes)
         # (a piece with a byte no UTF-8 text has, 0xC0, 0xC1, 0xF5–0xFF, can be in no text: llguidance
         # may keep it special, as it does 0xFF, its own marker of special tokens)
         pieces = {i for i, s in enumerate(model.token_strings) if s is None and i not in special
@@ -201,8 +201,7 @@ def llguidance_tokenizer(model):
             return llguidance.hf.from_tokenizer(hf_tok, n_vocab=model.vocab_size, eos_token=model.eos_token_id)
 
         def from_vocabulary():
-            tokens = vocabulary_bytes(model)
-            return None if tokens is None else _from_bytes(model, tokens)
+            return None if raw is None else _from_bytes(model, raw)
 
         candidates += [from_hf_json, from_vocabulary]
     text_only = len(candidates)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import dataclasses
 import datetime
 import json
 import multiprocessing
@@ -101,8 +102,9 @@ def free_port() -> int:
 
 
 async def http_clients(base: str, model: str, prompts: list[list[int]], ks: list[int], rounds: int, body: dict,
-                       max_tokens: int, stream: bool, start_at: float) -> dict:
-    """Clients ``ks``, each sending ``rounds`` requests one after another, from ``start_at`` on."""
+                       max_tokens: int, stream: bool, ready) -> dict:
+    """Clients ``ks``, each sending ``rounds`` requests one after another, once every process of
+    the pass waits at ``ready`` (a barrier shared by them) with its client built."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=3600)
@@ -138,26 +140,39 @@ async def http_clients(base: str, model: str, prompts: list[list[int]], ks: list
             ttft.append((first or t1) - t0)
             rate.append(max_tokens / (t1 - t0))
 
-    await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+    ready.wait(120)  # (every process of the pass is here, its imports done, before any request goes)
+    start = time.perf_counter()
     await asyncio.gather(*(one(k) for k in ks))
     end = time.perf_counter()
     await client.close()
-    return {"end": end, "ttft": ttft, "rate": rate, "errors": errors}
+    return {"start": start, "end": end, "ttft": ttft, "rate": rate, "errors": errors}
 
 
-def clients_run(pool, base: str, prompts: list[list[int]], clients: int, rounds: int, body: dict,
+@dataclasses.dataclass
+class ClientPool:
+    """The load generator's processes (spawned, each runs the clients of one task at a time) and the
+    manager of the barriers they meet at before a pass."""
+
+    workers: concurrent.futures.ProcessPoolExecutor
+    manager: object
+
+
+def clients_run(pool: ClientPool, base: str, prompts: list[list[int]], clients: int, rounds: int, body: dict,
                 max_tokens: int, stream: bool = True, per_process: int = 1) -> dict:
     """``clients`` clients in processes of their own (``pool``: spawned workers, ``per_process``
     clients each), as independent applications' clients would run: they take no host time from
     the server's process, and one process does not build every client's requests in turn (in our
     runs a process of 32 clients sent its first request 0.13-0.33 s after the start, a process of 8
-    0.03-0.06 s). Every process starts at one time; the pass ends with the last response."""
+    0.03-0.06 s). The processes meet at a barrier before their first request (a worker the pool
+    just spawned imports for seconds, and a pass timed from a fixed moment counted that wait); the
+    pass runs from the first process leaving the barrier to the last response."""
     processes = -(-clients // per_process)
-    start_at = time.perf_counter() + 0.25
-    futures = [pool.submit(_http_clients_sync, base, "random-llama", prompts, list(range(p, clients, processes)),
-                           rounds, body, max_tokens, stream, start_at) for p in range(processes)]
+    ready = pool.manager.Barrier(processes)
+    futures = [pool.workers.submit(_http_clients_sync, base, "random-llama", prompts, list(range(p, clients, processes)),
+                           rounds, body, max_tokens, stream, ready) for p in range(processes)]
     parts = [f.result() for f in futures]
     # (perf_counter is the system's monotonic clock on Linux: every process reads the same)
+    start_at = min(p["start"] for p in parts)
     wall = max(p["end"] for p in parts) - start_at
     ttft, rate = [t for p in parts for t in p["ttft"]], [r for p in parts for r in p["rate"]]
     return {"wall_s": wall, "started_at": start_at, "client_processes": processes,
@@ -249,7 +264,7 @@ def round_shapes(executor: SchedulerExecutor) -> int:
     return n
 
 
-def warm_up(executor: SchedulerExecutor, pool, base: str, prompts: list[list[int]], strategy: str, clients: int,
+def warm_up(executor: SchedulerExecutor, pool: ClientPool, base: str, prompts: list[list[int]], strategy: str, clients: int,
             body: dict, args) -> None:
     """Meet every round shape of the timed passes untimed: the offline calls as timed (the dedicated
     calls' shapes follow the output length); through HTTP the timed pattern (same clients, same
@@ -257,8 +272,7 @@ def warm_up(executor: SchedulerExecutor, pool, base: str, prompts: list[list[int
     output length: the lane's request loop with each power-of-two number of short requests submitted
     at once (every bucket: clients in processes of their own do not arrive together, so through HTTP
     a small bucket may never be met), then short outputs through HTTP from each of those numbers of
-    clients. Then the timed pattern at full length, untimed (in our runs a first full-length pass was
-    up to 8 % slower than the next ones)."""
+    clients (``warm_pass`` runs the full-length pattern later, after the offline figures)."""
     offline(executor, strategy, prompts, clients, 1, args)
     same_loop(executor, strategy, prompts, clients, 1, args)
     c = 1
@@ -273,6 +287,11 @@ def warm_up(executor: SchedulerExecutor, pool, base: str, prompts: list[list[int
     errors = clients_run(pool, base, prompts, clients, args.rounds, body, 16,
                          per_process=args.clients_per_process)["errors"]
     assert not errors, f"warm-up: {errors[:3]}"
+
+
+def warm_pass(pool: ClientPool, base: str, prompts: list[list[int]], clients: int, body: dict, args) -> None:
+    """The timed pattern at full length through HTTP, untimed: right before the timed passes (in our
+    runs the first full-length pass after the offline calls was up to 30 % slower than the next ones)."""
     errors = clients_run(pool, base, prompts, clients, args.rounds, body, args.max_tokens,
                          per_process=args.clients_per_process)["errors"]
     assert not errors, f"warm-up: {errors[:3]}"
@@ -349,8 +368,9 @@ def main() -> None:
            "runs": []}
     bodies = {"smc": {"strategy": "smc", "particles": args.particles, "block_size": args.block_size},
               "sd": {"strategy": "sd", "block_size": args.sd_block_size}, "ar": {"strategy": "ar"}}
-    pool = concurrent.futures.ProcessPoolExecutor(-(-max(clients) // args.clients_per_process),
-                                                  mp_context=multiprocessing.get_context("spawn"))
+    spawn = multiprocessing.get_context("spawn")
+    pool = ClientPool(concurrent.futures.ProcessPoolExecutor(-(-max(clients) // args.clients_per_process),
+                                                             mp_context=spawn), spawn.Manager())
     for strategy in args.strategies.split(","):
         for C in clients:
             warm_up(executor, pool, base, prompts, strategy, C, bodies[strategy], args)
@@ -359,6 +379,8 @@ def main() -> None:
             mid = round_shapes(executor)
             loop = same_loop(executor, strategy, prompts, C, args.rounds, args)
             mid2 = round_shapes(executor)
+            warm_pass(pool, base, prompts, C, bodies[strategy], args)
+            mid3 = round_shapes(executor)
             passes = []
             for name in variants:
                 seconds, t_snap = executor.device_seconds(), time.perf_counter()
@@ -379,7 +401,7 @@ def main() -> None:
             firsts = sorted((h for h in passes if h["variant"] == variants[0]), key=lambda h: h["tok_s"])
             http = firsts[(len(firsts) - 1) // 2]
             # rounds of a shape first met in a timed pass (a CUDA graph captured inside the measurement)
-            new = {"offline": mid - before, "same_loop": mid2 - mid, "http": round_shapes(executor) - mid2}
+            new = {"offline": mid - before, "same_loop": mid2 - mid, "http": round_shapes(executor) - mid3}
             run = {"strategy": strategy, "clients": C, "offline": off, "same_loop": loop, "http": http,
                    **({"http_variants": passes} if len(variants) > 1 else {}),
                    "ratio": http["tok_s"] / off["tok_s"], "ratio_same_loop": http["tok_s"] / loop["tok_s"],
@@ -395,7 +417,8 @@ def main() -> None:
                   f"{http['idle_waits']}", flush=True)
             for e in http["errors"][:5]:
                 print("   ", e, flush=True)
-    pool.shutdown()
+    pool.workers.shutdown()
+    pool.manager.shutdown()
     server.should_exit = True
     thread.join(timeout=30)
     executor.close()

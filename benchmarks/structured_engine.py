@@ -13,7 +13,7 @@ end at EOS, which the constraint allows once the document is complete, so tok/s 
 generated (the longest particle of each request, summed). The unconstrained engine is timed again at
 the documents' lengths (``max_new_tokens`` per request: its longest particle's length), the same
 tokens and rounds per request without the constraint (``ratio_same_length``, the figure the goal of
-≥ 90 % / ≥ 75 % is read against). Every constrained output is checked as it
+≥ 90 % / ≥ 75 % is read against), its calls interleaved with the constrained ones. Every constrained output is checked as it
 goes: each particle that ended with EOS and a nonzero weight must parse and validate against the
 schema (``valid`` below; a run with an invalid document is an error, not a number).
 
@@ -146,9 +146,20 @@ def run_model(name: str, engine: Engine, model, prompts, eos: int, schema: dict,
             prog = EngineTarget.of(sd.LM(model) * c)
             kw = {"particles": N, "block_size": K, "target": prog, "eos_token_id": eos}
             engine.smc_sd(P, max_new_tokens=2 * (K + 1), **kw)
-            outs = []
-            t_con, out = timed(lambda: outs.append(engine.smc_sd(P, max_new_tokens=L, **kw)) or outs[-1],
-                               args.repeats, device)
+            # the documents' lengths (each request's longest particle) from an untimed constrained
+            # call: the calls draw the same, so the timed ones meet the same lengths
+            first = engine.smc_sd(P, max_new_tokens=L, **kw)
+            Lc = [max(1, int(first.lengths[g].max())) for g in range(G)]
+            engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=Lc)  # (captures its rounds)
+            # constrained and unconstrained-at-the-same-lengths calls interleaved (A/B), so a drift of
+            # the machine's speed during the measurement falls on both
+            outs, t_con, t_same, o_same = [], [], [], None
+            for _ in range(args.repeats):
+                t, o = timed(lambda: engine.smc_sd(P, max_new_tokens=L, **kw), 1, device)
+                t_con += t
+                outs.append(o)
+                t, o_same = timed(lambda: engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=Lc), 1, device)
+                t_same += t
             ended, valid = 0, 0
             for o in outs:
                 e, v = check_documents(o, c, decode, eos)
@@ -159,14 +170,10 @@ def run_model(name: str, engine: Engine, model, prompts, eos: int, schema: dict,
             if valid != ended:
                 raise RuntimeError(f"{name} {path} G={G}: {ended - valid} of {ended} finished documents do not "
                                    "validate against the schema")
+            if any([int(o.lengths[g].max()) for g in range(G)] != Lc for o in outs):
+                raise RuntimeError(f"{name} {path} G={G}: the timed constrained calls did not meet the lengths of "
+                                   "the untimed one (the calls are seeded alike: they should)")
             con = statistics.median(generated(o) / t for o, t in zip(outs, t_con))
-            engine.clear_graphs()
-            # the unconstrained engine again at the documents' lengths (each request's longest
-            # particle, median over the calls): the same tokens and rounds per request, without the constraint
-            Lc = [max(1, round(statistics.median(int(o.lengths[g].max()) for o in outs))) for g in range(G)]
-            engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=2 * (K + 1))
-            t_same, o_same = timed(lambda: engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=Lc),
-                                   args.repeats, device)
             same = generated(o_same) / statistics.median(t_same)
             row = {"model": name, "requests": G, "N": N, "K": K, "max_new_tokens": L, "path": path,
                    "device": torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu",

@@ -65,6 +65,18 @@ DEFAULT_SCHEMA = {"type": "object", "additionalProperties": False, "required": [
                                           "maxItems": 4}}}
 
 
+# an object open to other keys (no ``additionalProperties: false``): not regular once keys must be
+# unique, so ``path="auto"`` takes llguidance, as it does for most schemas that leave the automaton.
+# Its strings are enums and its other keys' values bounded, so the random models' particles can end
+# (a particle that opens another key may write its name to the token budget)
+OPEN_SCHEMA = {"type": "object", "required": ["name", "age", "tags"],
+               "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9},
+               "properties": {"name": {"enum": ["Alice", "Bob", "Carol", "Dan", "Erin", "Frank"]},
+                              "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                              "tags": {"type": "array", "items": {"enum": ["admin", "user", "guest", "owner"]},
+                                       "maxItems": 4}}}
+
+
 def synthetic_vocabulary(base: list, size: int) -> list[str]:
     """``size`` unique token texts: the base vocabulary's texts (special tokens and repeats left out),
     then filler words; the last one is "<eos>"."""
@@ -121,19 +133,22 @@ def check_documents(out, constraint: JSONSchema, decode, eos: int) -> tuple[int,
     return ended, valid
 
 
-def run_model(name: str, engine: Engine, model, prompts, eos: int, schema: dict, args, device) -> list[dict]:
+def run_model(name: str, engine: Engine, model, prompts, eos: int, schemas: list, args, device) -> list[dict]:
+    """``schemas``: (label, schema, path) — path "automaton" / "llguidance" insists on one, "auto" lets
+    the constraint choose (recorded as the row's ``path``)."""
     rows = []
     N, K, L = args.particles, args.block_size, args.max_new_tokens
     paths = {}
-    for path in ("automaton", "llguidance"):
+    for label, schema, path in schemas:
         t0 = time.perf_counter()
         try:
-            paths[path] = JSONSchema(schema, path=path).bind(model)
+            c = JSONSchema(schema, path=path).bind(model)
         except (ImportError, sd.SMCDecodeError) as e:
-            rows.append({"model": name, "path": path, "skipped": f"{type(e).__name__}: {e}"})
-            print(f"{name} {path}: skipped ({e})", flush=True)
+            rows.append({"model": name, "schema": label, "path": path, "skipped": f"{type(e).__name__}: {e}"})
+            print(f"{name} {label} {path}: skipped ({e})", flush=True)
             continue
-        paths[path].compile_s = time.perf_counter() - t0
+        c.compile_s, c.label, c.asked = time.perf_counter() - t0, label, path
+        paths[(label, path)] = c
     decode = model.decode
     for G in args.requests:
         P = prompts[:G]
@@ -142,7 +157,8 @@ def run_model(name: str, engine: Engine, model, prompts, eos: int, schema: dict,
                              device)
         plain = generated(out) / statistics.median(t_plain)
         engine.clear_graphs()
-        for path, c in paths.items():
+        for (label, _), c in paths.items():
+            path = c.path
             prog = EngineTarget.of(sd.LM(model) * c)
             kw = {"particles": N, "block_size": K, "target": prog, "eos_token_id": eos}
             engine.smc_sd(P, max_new_tokens=2 * (K + 1), **kw)
@@ -165,17 +181,18 @@ def run_model(name: str, engine: Engine, model, prompts, eos: int, schema: dict,
                 e, v = check_documents(o, c, decode, eos)
                 ended, valid = ended + e, valid + v
             if ended == 0:
-                raise RuntimeError(f"{name} {path} G={G}: no particle finished a document in {L} tokens, so "
+                raise RuntimeError(f"{name} {label} {path} G={G}: no particle finished a document in {L} tokens, so "
                                    "nothing was checked: raise --max-new-tokens or use a bounded schema")
             if valid != ended:
-                raise RuntimeError(f"{name} {path} G={G}: {ended - valid} of {ended} finished documents do not "
+                raise RuntimeError(f"{name} {label} {path} G={G}: {ended - valid} of {ended} finished documents do not "
                                    "validate against the schema")
             if any([int(o.lengths[g].max()) for g in range(G)] != Lc for o in outs):
-                raise RuntimeError(f"{name} {path} G={G}: the timed constrained calls did not meet the lengths of "
+                raise RuntimeError(f"{name} {label} {path} G={G}: the timed constrained calls did not meet the lengths of "
                                    "the untimed one (the calls are seeded alike: they should)")
             con = statistics.median(generated(o) / t for o, t in zip(outs, t_con))
             same = generated(o_same) / statistics.median(t_same)
-            row = {"model": name, "requests": G, "N": N, "K": K, "max_new_tokens": L, "path": path,
+            row = {"model": name, "schema": label, "requests": G, "N": N, "K": K, "max_new_tokens": L, "path": path,
+                   "path_asked": c.asked, "path_reason": c.path_reason,
                    "device": torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu",
                    "plain_tok_s": plain, "constrained_tok_s": con, "ratio": con / plain,
                    "same_length": Lc, "plain_same_length_tok_s": same, "ratio_same_length": con / same,
@@ -188,7 +205,7 @@ def run_model(name: str, engine: Engine, model, prompts, eos: int, schema: dict,
                    "documents_ended": ended, "documents_valid": valid,
                    "host_s": [o.host_s for o in outs], "compile_s": c.compile_s}
             rows.append(row)
-            print(f"{name} G={G} {path}: plain {plain:.0f} tok/s, constrained {con:.0f} tok/s "
+            print(f"{name} G={G} {label} {path}: plain {plain:.0f} tok/s, constrained {con:.0f} tok/s "
                   f"({100 * con / plain:.0f} %; plain at its {sum(Lc)} tokens {same:.0f} tok/s: "
                   f"{100 * con / same:.0f} %), {valid}/{ended} valid; rounds {outs[-1].rounds} vs {o_same.rounds}, "
                   f"ms/round {row['ms_per_round_constrained']:.2f} vs {row['ms_per_round_plain_same_length']:.2f}",
@@ -258,7 +275,10 @@ def main() -> None:
     ap.add_argument("--smollm2-gguf", default=None, help="SmolLM2-135M-Instruct GGUF: also run the real pair")
     ap.add_argument("--models", default="random,smollm2",
                     help="which pairs: random (8B/1B shapes), smollm2 (needs --smollm2-gguf), comma-separated")
-    ap.add_argument("--schema", type=Path, default=None, help="a JSON Schema file (default: a small object schema)")
+    ap.add_argument("--schema", type=Path, default=None,
+                    help="a JSON Schema file, run on both paths (default: a small closed object schema)")
+    ap.add_argument("--no-open", action="store_true",
+                    help="leave out the rows of the open object schema (the path the constraint chooses: llguidance)")
     ap.add_argument("--particles", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -283,7 +303,11 @@ def main() -> None:
             raise SystemExit("needs an NVIDIA GPU (or --tiny for the CPU check)")
         device, dtype = "cuda", torch.bfloat16
     schema = json.loads(args.schema.read_text()) if args.schema else DEFAULT_SCHEMA
+    label = args.schema.stem if args.schema else "small object"
+    schemas = [(label, schema, "automaton"), (label, schema, "llguidance")] + \
+        ([] if args.no_open else [("open object", OPEN_SCHEMA, "auto")])
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "schema": schema,
+           "schemas": {lab: sc for lab, sc, _ in schemas},
            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "rows": [],
            "errors": []}
     loaders = ([random_models] if "random" in args.models else []) + \
@@ -295,7 +319,7 @@ def main() -> None:
             max_ctx = max(len(p) for p in prompts) + args.max_new_tokens + 16
             pages = max(args.requests) * (args.particles + 4) * (-(-max_ctx // 16) + 1) + 64
             engine = Engine(target, draft, num_pages=pages, page_size=16, max_context=max_ctx)
-            res["rows"] += run_model(name, engine, model, prompts, eos, schema, args, device)
+            res["rows"] += run_model(name, engine, model, prompts, eos, schemas, args, device)
             del engine, target, draft
         except Exception:  # noqa: BLE001 - record and go on to the next model
             res["errors"].append(traceback.format_exc()[-3000:])
@@ -305,14 +329,14 @@ def main() -> None:
         args.out.write_text(json.dumps(res, indent=1))  # after each model: a run cut later keeps these rows
     args.out.write_text(json.dumps(res, indent=1))
     print(f"\nwrote {args.out}\n")
-    print("| model | requests | path | plain tok/s | constrained tok/s | % of plain | plain at the same length | "
+    print("| model | requests | schema | path | plain tok/s | constrained tok/s | % of plain | plain at the same length | "
           "% of it | valid |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in res["rows"]:
         if "skipped" in r:
-            print(f"| {r['model']} | | {r['path']} | skipped: {r['skipped'][:60]} | | | | | |")
+            print(f"| {r['model']} | | {r['schema']} | {r['path']} | skipped: {r['skipped'][:60]} | | | | | |")
             continue
-        print(f"| {r['model']} | {r['requests']} | {r['path']} | {r['plain_tok_s']:.0f} | "
+        print(f"| {r['model']} | {r['requests']} | {r['schema']} | {r['path']} | {r['plain_tok_s']:.0f} | "
               f"{r['constrained_tok_s']:.0f} | {100 * r['ratio']:.0f} % | {r['plain_same_length_tok_s']:.0f} "
               f"({sum(r['same_length'])} tokens) | {100 * r['ratio_same_length']:.0f} % | "
               f"{r['documents_valid']}/{r['documents_ended']} |")

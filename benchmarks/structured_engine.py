@@ -77,6 +77,14 @@ OPEN_SCHEMA = {"type": "object", "required": ["name", "age", "tags"],
                                        "maxItems": 4}}}
 
 
+# keys beyond the declared ones only as ``patternProperties`` allow (x0 … x9, integer values): the
+# automaton does not take pattern properties, so ``path="auto"`` takes llguidance; every document is
+# bounded (unique keys), so the random models' particles end too
+PATTERN_SCHEMA = {"type": "object", "required": ["name", "age", "tags"], "additionalProperties": False,
+                  "patternProperties": {"^x[0-9]$": {"type": "integer", "minimum": 0, "maximum": 9}},
+                  "properties": OPEN_SCHEMA["properties"]}
+
+
 def synthetic_vocabulary(base: list, size: int) -> list[str]:
     """``size`` unique token texts: the base vocabulary's texts (special tokens and repeats left out),
     then filler words; the last one is "<eos>"."""
@@ -133,6 +141,66 @@ def check_documents(out, constraint: JSONSchema, decode, eos: int) -> tuple[int,
     return ended, valid
 
 
+def measure(name: str, label: str, c, engine: Engine, model, P: list, eos: int, plain: float, t_plain: list,
+            args, device) -> dict:
+    """One row: SMC-SD with the constraint ``c`` against the unconstrained engine at the same lengths
+    (calls interleaved). Raises RuntimeError when nothing could be checked or a document is invalid."""
+    G, N, K, L = len(P), args.particles, args.block_size, args.max_new_tokens
+    decode = model.decode
+    path = c.path
+    prog = EngineTarget.of(sd.LM(model) * c)
+    kw = {"particles": N, "block_size": K, "target": prog, "eos_token_id": eos}
+    engine.smc_sd(P, max_new_tokens=2 * (K + 1), **kw)
+    # the documents' lengths (each request's longest particle) from an untimed constrained
+    # call: the calls draw the same, so the timed ones meet the same lengths
+    first = engine.smc_sd(P, max_new_tokens=L, **kw)
+    Lc = [max(1, int(first.lengths[g].max())) for g in range(G)]
+    engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=Lc)  # (captures its rounds)
+    # constrained and unconstrained-at-the-same-lengths calls interleaved (A/B), so a drift of
+    # the machine's speed during the measurement falls on both
+    outs, t_con, t_same, o_same = [], [], [], None
+    for _ in range(args.repeats):
+        t, o = timed(lambda: engine.smc_sd(P, max_new_tokens=L, **kw), 1, device)
+        t_con += t
+        outs.append(o)
+        t, o_same = timed(lambda: engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=Lc), 1, device)
+        t_same += t
+    ended, valid = 0, 0
+    for o in outs:
+        e, v = check_documents(o, c, decode, eos)
+        ended, valid = ended + e, valid + v
+    if ended == 0:
+        raise RuntimeError(f"{name} {label} {path} G={G}: no particle finished a document in {L} tokens, so "
+                           "nothing was checked: raise --max-new-tokens or use a bounded schema")
+    if valid != ended:
+        raise RuntimeError(f"{name} {label} {path} G={G}: {ended - valid} of {ended} finished documents do not "
+                           "validate against the schema")
+    if any([int(o.lengths[g].max()) for g in range(G)] != Lc for o in outs):
+        raise RuntimeError(f"{name} {label} {path} G={G}: the timed constrained calls did not meet the lengths of "
+                           "the untimed one (the calls are seeded alike: they should)")
+    con = statistics.median(generated(o) / t for o, t in zip(outs, t_con))
+    same = generated(o_same) / statistics.median(t_same)
+    row = {"model": name, "schema": label, "requests": G, "N": N, "K": K, "max_new_tokens": L, "path": path,
+           "path_asked": c.asked, "path_reason": c.path_reason,
+           "device": torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu",
+           "plain_tok_s": plain, "constrained_tok_s": con, "ratio": con / plain,
+           "same_length": Lc, "plain_same_length_tok_s": same, "ratio_same_length": con / same,
+           "plain_same_length_seconds": t_same,
+           "plain_seconds": t_plain, "constrained_seconds": t_con,
+           "constrained_tokens": [generated(o) for o in outs],
+           "constrained_rounds": [o.rounds for o in outs], "plain_same_length_rounds": o_same.rounds,
+           "ms_per_round_constrained": 1e3 * statistics.median(t / o.rounds for o, t in zip(outs, t_con)),
+           "ms_per_round_plain_same_length": 1e3 * statistics.median(t_same) / o_same.rounds,
+           "documents_ended": ended, "documents_valid": valid,
+           "host_s": [o.host_s for o in outs], "compile_s": c.compile_s}
+    print(f"{name} G={G} {label} {path}: plain {plain:.0f} tok/s, constrained {con:.0f} tok/s "
+          f"({100 * con / plain:.0f} %; plain at its {sum(Lc)} tokens {same:.0f} tok/s: "
+          f"{100 * con / same:.0f} %), {valid}/{ended} valid; rounds {outs[-1].rounds} vs {o_same.rounds}, "
+          f"ms/round {row['ms_per_round_constrained']:.2f} vs {row['ms_per_round_plain_same_length']:.2f}",
+          flush=True)
+    return row
+
+
 def run_model(name: str, engine: Engine, model, prompts, eos: int, schemas: list, args, device) -> list[dict]:
     """``schemas``: (label, schema, path) — path "automaton" / "llguidance" insists on one, "auto" lets
     the constraint choose (recorded as the row's ``path``)."""
@@ -149,7 +217,6 @@ def run_model(name: str, engine: Engine, model, prompts, eos: int, schemas: list
             continue
         c.compile_s, c.label, c.asked = time.perf_counter() - t0, label, path
         paths[(label, path)] = c
-    decode = model.decode
     for G in args.requests:
         P = prompts[:G]
         engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=2 * (K + 1))
@@ -158,58 +225,11 @@ def run_model(name: str, engine: Engine, model, prompts, eos: int, schemas: list
         plain = generated(out) / statistics.median(t_plain)
         engine.clear_graphs()
         for (label, _), c in paths.items():
-            path = c.path
-            prog = EngineTarget.of(sd.LM(model) * c)
-            kw = {"particles": N, "block_size": K, "target": prog, "eos_token_id": eos}
-            engine.smc_sd(P, max_new_tokens=2 * (K + 1), **kw)
-            # the documents' lengths (each request's longest particle) from an untimed constrained
-            # call: the calls draw the same, so the timed ones meet the same lengths
-            first = engine.smc_sd(P, max_new_tokens=L, **kw)
-            Lc = [max(1, int(first.lengths[g].max())) for g in range(G)]
-            engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=Lc)  # (captures its rounds)
-            # constrained and unconstrained-at-the-same-lengths calls interleaved (A/B), so a drift of
-            # the machine's speed during the measurement falls on both
-            outs, t_con, t_same, o_same = [], [], [], None
-            for _ in range(args.repeats):
-                t, o = timed(lambda: engine.smc_sd(P, max_new_tokens=L, **kw), 1, device)
-                t_con += t
-                outs.append(o)
-                t, o_same = timed(lambda: engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=Lc), 1, device)
-                t_same += t
-            ended, valid = 0, 0
-            for o in outs:
-                e, v = check_documents(o, c, decode, eos)
-                ended, valid = ended + e, valid + v
-            if ended == 0:
-                raise RuntimeError(f"{name} {label} {path} G={G}: no particle finished a document in {L} tokens, so "
-                                   "nothing was checked: raise --max-new-tokens or use a bounded schema")
-            if valid != ended:
-                raise RuntimeError(f"{name} {label} {path} G={G}: {ended - valid} of {ended} finished documents do not "
-                                   "validate against the schema")
-            if any([int(o.lengths[g].max()) for g in range(G)] != Lc for o in outs):
-                raise RuntimeError(f"{name} {label} {path} G={G}: the timed constrained calls did not meet the lengths of "
-                                   "the untimed one (the calls are seeded alike: they should)")
-            con = statistics.median(generated(o) / t for o, t in zip(outs, t_con))
-            same = generated(o_same) / statistics.median(t_same)
-            row = {"model": name, "schema": label, "requests": G, "N": N, "K": K, "max_new_tokens": L, "path": path,
-                   "path_asked": c.asked, "path_reason": c.path_reason,
-                   "device": torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu",
-                   "plain_tok_s": plain, "constrained_tok_s": con, "ratio": con / plain,
-                   "same_length": Lc, "plain_same_length_tok_s": same, "ratio_same_length": con / same,
-                   "plain_same_length_seconds": t_same,
-                   "plain_seconds": t_plain, "constrained_seconds": t_con,
-                   "constrained_tokens": [generated(o) for o in outs],
-                   "constrained_rounds": [o.rounds for o in outs], "plain_same_length_rounds": o_same.rounds,
-                   "ms_per_round_constrained": 1e3 * statistics.median(t / o.rounds for o, t in zip(outs, t_con)),
-                   "ms_per_round_plain_same_length": 1e3 * statistics.median(t_same) / o_same.rounds,
-                   "documents_ended": ended, "documents_valid": valid,
-                   "host_s": [o.host_s for o in outs], "compile_s": c.compile_s}
-            rows.append(row)
-            print(f"{name} G={G} {label} {path}: plain {plain:.0f} tok/s, constrained {con:.0f} tok/s "
-                  f"({100 * con / plain:.0f} %; plain at its {sum(Lc)} tokens {same:.0f} tok/s: "
-                  f"{100 * con / same:.0f} %), {valid}/{ended} valid; rounds {outs[-1].rounds} vs {o_same.rounds}, "
-                  f"ms/round {row['ms_per_round_constrained']:.2f} vs {row['ms_per_round_plain_same_length']:.2f}",
-                  flush=True)
+            try:
+                rows.append(measure(name, label, c, engine, model, P, eos, plain, t_plain, args, device))
+            except RuntimeError as e:
+                rows.append({"model": name, "schema": label, "path": c.path, "requests": G, "error": str(e)})
+                print(f"{name} G={G} {label} {c.path}: {e}", flush=True)
             engine.clear_graphs()
     return rows
 
@@ -278,13 +298,14 @@ def main() -> None:
     ap.add_argument("--schema", type=Path, default=None,
                     help="a JSON Schema file, run on both paths (default: a small closed object schema)")
     ap.add_argument("--no-open", action="store_true",
-                    help="leave out the rows of the open object schema (the path the constraint chooses: llguidance)")
+                    help="leave out the rows of the pattern-keys and open object schemas (the path the constraint "
+                         "chooses: llguidance)")
     ap.add_argument("--particles", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--requests", default="1,8")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/structured_engine.json"))
     args = ap.parse_args()
     args.requests = [int(g) for g in args.requests.split(",")]
@@ -305,7 +326,7 @@ def main() -> None:
     schema = json.loads(args.schema.read_text()) if args.schema else DEFAULT_SCHEMA
     label = args.schema.stem if args.schema else "small object"
     schemas = [(label, schema, "automaton"), (label, schema, "llguidance")] + \
-        ([] if args.no_open else [("open object", OPEN_SCHEMA, "auto")])
+        ([] if args.no_open else [("pattern keys", PATTERN_SCHEMA, "auto"), ("open object", OPEN_SCHEMA, "auto")])
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "schema": schema,
            "schemas": {lab: sc for lab, sc, _ in schemas},
            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "rows": [],
@@ -336,12 +357,17 @@ def main() -> None:
         if "skipped" in r:
             print(f"| {r['model']} | | {r['schema']} | {r['path']} | skipped: {r['skipped'][:60]} | | | | | |")
             continue
+        if "error" in r:
+            print(f"| {r['model']} | {r['requests']} | {r['schema']} | {r['path']} | not measured: {r['error'][-90:]} "
+                  "| | | | | |")
+            continue
         print(f"| {r['model']} | {r['requests']} | {r['schema']} | {r['path']} | {r['plain_tok_s']:.0f} | "
               f"{r['constrained_tok_s']:.0f} | {100 * r['ratio']:.0f} % | {r['plain_same_length_tok_s']:.0f} "
               f"({sum(r['same_length'])} tokens) | {100 * r['ratio_same_length']:.0f} % | "
               f"{r['documents_valid']}/{r['documents_ended']} |")
-    if res["errors"]:
-        raise SystemExit(f"{len(res['errors'])} model(s) failed: see errors in {args.out}")
+    failed = [r for r in res["rows"] if "error" in r]
+    if res["errors"] or failed:
+        raise SystemExit(f"{len(res['errors'])} model(s) and {len(failed)} row(s) failed: see errors in {args.out}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,11 @@ The default model's tokenizer (SmolLM2, 49,152 tokens) and structured_engine.py'
 advanced over the prefix's tokens and one mask is filled (``fill_bits_together``, one row; llguidance
 keeps a computed mask, so each repeat starts from a fresh state); median of ``--repeats``.
 
+Then a step of the engine's host path: 64 particles, each at its own place inside a string value
+(a random word of 1 to 20 letters), their masks filled in one call on llguidance's thread pool (1
+thread, and one per CPU), for each kind of string value: unbounded, ``maxLength``
+24 and 256, a ``pattern`` (bounded and unbounded), a ``format``.
+
     python benchmarks/llguidance_mask_cost.py     # CPU; writes benchmarks/results/structured/llguidance_mask_cost.json
 """
 
@@ -16,6 +21,7 @@ import copy
 import datetime
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -30,7 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from structured_engine import DEFAULT_SCHEMA  # noqa: E402
 
 import smcdecode as sd  # noqa: E402
-from smcdecode.potentials.grammar import fill_bits_together  # noqa: E402
+from smcdecode.potentials.grammar import MatcherBatch, fill_bits_together  # noqa: E402
 from smcdecode.potentials.json_schema import JSONSchema  # noqa: E402
 
 # (the schema's whitespace: ", " between items, ": " after keys)
@@ -45,6 +51,40 @@ def unbounded(schema):
     if isinstance(schema, list):
         return [unbounded(v) for v in schema]
     return schema
+
+
+# the string value of {"name": ..., "age": integer}, by kind
+STRING_KINDS = {"string": {"type": "string"}, "maxLength 24": {"type": "string", "maxLength": 24},
+                "maxLength 256": {"type": "string", "maxLength": 256},
+                "pattern ^[a-z ]{1,24}$": {"type": "string", "pattern": "^[a-z ]{1,24}$"},
+                "pattern ^[a-z ]+$": {"type": "string", "pattern": "^[a-z ]+$"},
+                "format email": {"type": "string", "format": "email"}}
+
+
+def batch_fill(model, kind: str, value: dict, threads: int | None, repeats: int) -> dict:
+    """Median time to fill 64 fresh particles' masks in one call, each inside the string value."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": value, "age": {"type": "integer"}}}
+    c = JSONSchema(schema, path="llguidance", threads=threads).bind(model)
+    rows = 64
+    states = []
+    for r in range(rows):
+        rnd = random.Random(r)
+        word = "".join(rnd.choice("abcdefghijklmnop") for _ in range(1 + r % 20))
+        m = c._template.deep_copy()
+        m.consume_tokens(model.encode('{"name": "' + word))
+        if m.is_error():
+            raise SystemExit(f"{kind}: the prefix of particle {r} leaves the schema")
+        states.append(m)
+    out = torch.zeros(rows, c._words, dtype=torch.int32)
+    times = []
+    for _ in range(repeats):
+        batch = MatcherBatch([m.deep_copy() for m in states])  # (fresh: llguidance keeps a computed mask)
+        t0 = time.perf_counter()
+        fill_bits_together([(c, batch, 0)], out, rows)
+        times.append(time.perf_counter() - t0)
+    return {"string": kind, "threads": threads, "particles": rows,
+            "ms_median": 1e3 * statistics.median(times), "path_by_default": JSONSchema(schema).path}
 
 
 def main() -> None:
@@ -74,6 +114,13 @@ def main() -> None:
                    "allowed_tokens": allowed}
             res["rows"].append(row)
             print(f"{label:18s} {where:24s} {row['ms_median']:7.3f} ms  ({allowed} tokens allowed)", flush=True)
+    res["batch_rows"] = []
+    for kind, value in STRING_KINDS.items():
+        for threads in sorted({1, os.cpu_count() or 1}):
+            row = batch_fill(model, kind, value, threads, max(3, args.repeats // 4))
+            res["batch_rows"].append(row)
+            print(f"64 particles inside a {kind:24s} string, {row['threads']!s:7s} threads: {row['ms_median']:7.2f} ms "
+                  f"(path by default: {row['path_by_default']})", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
     print(f"wrote {args.out}")

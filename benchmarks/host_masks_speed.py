@@ -5,8 +5,8 @@ for one source tree or between two (A/B: e.g. the commit before a change, and th
     python benchmarks/host_masks_speed.py --a /path/to/old/tree --b .  # A/B, alternating order
     python benchmarks/host_masks_speed.py --b . --profile              # + cProfile of the host calls
 
-A process binds one JSON Schema (default: ``structured_engine.DEFAULT_SCHEMA``, the engine
-benchmark's; ``--eval``: the first schemas of two JSONSchemaBench subsets instead) to the default
+A process binds one JSON Schema (``--schema``: one of the engine benchmark's, ``structured_engine.py``,
+default its small closed object; ``--eval``: the first schemas of two JSONSchemaBench subsets instead) to the default
 model's vocabulary (SmolLM2, 49,152 tokens) on the llguidance path, shared by G requests of N
 particles, and drives the engine's ``HostMasks`` exactly as ``Scheduler._launch`` and
 ``smc.round_code`` do: ``begin``, then for each of the K draft steps ``handle(("mask", i))`` and, once
@@ -56,8 +56,8 @@ if cfg["sources"]:
         with open(name) as f:
             schemas += [json.loads(line)["schema"] for line in f][: cfg["schemas"]]
 else:
-    from structured_engine import DEFAULT_SCHEMA
-    schemas = [DEFAULT_SCHEMA]
+    import structured_engine as se
+    schemas = [{"small": se.DEFAULT_SCHEMA, "pattern": se.PATTERN_SCHEMA, "open": se.OPEN_SCHEMA}[cfg["schema"]]]
 N, K, G, rounds, budget = cfg["particles"], cfg["block_size"], cfg["requests"], cfg["rounds"], cfg["budget"]
 R = G * N
 W = (V + 31) // 32
@@ -183,7 +183,10 @@ def main() -> None:
     ap.add_argument("--fork-every", type=int, default=2, help="resample every this many rounds (0: never)")
     ap.add_argument("--agree", type=float, default=0.0, help="how often a row takes its request's logits")
     ap.add_argument("--threads", type=int, default=None, help="llguidance's mask threads (default: its own)")
-    ap.add_argument("--eval", action="store_true", help="JSONSchemaBench schemas instead of the default schema")
+    ap.add_argument("--schema", choices=("small", "pattern", "open"), default="small",
+                    help="structured_engine.py's schema: the small closed object (DEFAULT_SCHEMA), the pattern-keys "
+                         "object (PATTERN_SCHEMA) or the open object (OPEN_SCHEMA)")
+    ap.add_argument("--eval", action="store_true", help="JSONSchemaBench schemas instead of --schema")
     ap.add_argument("--schemas", type=int, default=5, help="with --eval: schemas from each source file")
     ap.add_argument("--profile", action="store_true", help="cProfile the host calls (B's first pass)")
     ap.add_argument("--profile-lines", type=int, default=25)
@@ -196,7 +199,7 @@ def main() -> None:
     for G in [int(x) for x in args.requests.split(",")]:
         cfg = {"particles": args.particles, "block_size": args.block_size, "requests": G, "rounds": args.rounds,
                "warmup": args.warmup, "budget": args.budget, "fork_every": args.fork_every, "agree": args.agree,
-               "threads": args.threads, "schemas": args.schemas, "sources": sources,
+               "threads": args.threads, "schemas": args.schemas, "sources": sources, "schema": args.schema,
                "bench_dir": str(Path(__file__).resolve().parent), "profile_lines": args.profile_lines}
         for p in range(args.passes):
             for name in (sorted(trees) if p % 2 == 0 else sorted(trees, reverse=True)):

@@ -8,7 +8,10 @@ each particle carries a small scanner state (the stack of open objects and array
 keys so far, and the key being written), and the mask forbids every token that would close a key
 its object already has. A token can only close a key with a ``"`` byte, so only the vocabulary's
 tokens that contain one (163 of SmolLM2's 49,152) are ever checked, and their verdict depends on
-the scanner state alone, so it is cached per state.
+the scanner state alone, so it is cached per state. Most of them hold one or two ``"`` and no
+backslash: such a token repeats a key only by closing the key being written with the bytes before
+its first quote (found by looking up each key the object holds that continues the key so far), or
+by enclosing a held key between its two quotes; the others (11 on SmolLM2) are scanned.
 
 States are immutable tuples (forking shares them); :data:`DEAD` is the state after a repeated key
 (only reachable by a token the mask forbade), from which nothing is allowed.
@@ -17,6 +20,7 @@ States are immutable tuples (forking shares them); :data:`DEAD` is the state aft
 from __future__ import annotations
 
 import json
+import re
 from collections import OrderedDict
 
 import numpy as np
@@ -28,7 +32,31 @@ START = ((), False, False, None)  # (stack, in a string, after a backslash, raw 
 _ARRAY = None  # a stack frame for an array; an object's frame is (frozenset of its keys, expecting a key)
 _QUOTE, _BACKSLASH = 0x22, 0x5C
 _OPEN_OBJECT, _CLOSE_OBJECT, _OPEN_ARRAY, _CLOSE_ARRAY, _COMMA = 0x7B, 0x7D, 0x5B, 0x5D, 0x2C
+_CONTROL = re.compile(rb"[\x00-\x1f]")
 _PLAIN_NOT = frozenset((_QUOTE, _BACKSLASH, _OPEN_OBJECT, _CLOSE_OBJECT, _OPEN_ARRAY, _CLOSE_ARRAY, _COMMA))
+
+
+def _name(raw: bytes) -> str | None:
+    """The key that the bytes ``raw`` between a key's quotes name (JSON unescaped), or None where they
+    are no JSON string (a token llguidance forbids anyway)."""
+    if b"\\" in raw:
+        try:
+            return json.loads(b'"' + raw + b'"')
+        except ValueError:
+            return None
+    if _CONTROL.search(raw):  # (control characters are written escaped)
+        return None
+    try:
+        return raw.decode("utf-8", "surrogatepass")  # (as json.loads decodes)
+    except UnicodeDecodeError:
+        return None
+
+
+def _raw(name: str) -> bytes | None:
+    """The bytes that name ``name`` without an escape (inverse of ``_name``), or None if none do."""
+    if any(ord(ch) < 0x20 for ch in name) or '"' in name or "\\" in name:
+        return None
+    return name.encode("utf-8", "surrogatepass")
 
 
 def step(state, data: bytes):
@@ -48,10 +76,7 @@ def step(state, data: bytes):
                 in_string = False
                 if key is not None:
                     keys = stack[-1][0]
-                    try:
-                        name = json.loads(b'"' + key + b'"')
-                    except ValueError:  # not JSON (a token llguidance forbids anyway): no key
-                        name = None
+                    name = _name(key)
                     if name is not None and name in keys:
                         return DEAD
                     stack = (*stack[:-1], (keys if name is None else keys | {name}, False))
@@ -86,6 +111,22 @@ class KeyTracker:
         self._cache_size = cache_size
         # tokens that change the scanner only by extending the key being written: no byte of _PLAIN_NOT
         self.plain = [bool(b) and _PLAIN_NOT.isdisjoint(b) for b in token_bytes]
+        # quote tokens without a backslash and with one or two quotes, by the bytes before their first
+        # quote (``by_head``), and those with two by the key their quotes would enclose (``pairs``);
+        # the others are always scanned
+        self.by_head: dict[bytes, list[int]] = {}
+        self.pairs: list[tuple[int, str | None]] = []
+        self.scanned: list[int] = []
+        for t in self.quote_ids:
+            b = token_bytes[t]
+            q = b.count(b'"')
+            if q > 2 or b"\\" in b:
+                self.scanned.append(t)
+                continue
+            first = b.index(b'"')
+            self.by_head.setdefault(b[:first], []).append(t)
+            if q == 2:
+                self.pairs.append((t, _name(b[first + 1: b.index(b'"', first + 1)])))
 
     def advance(self, state, token: int):
         data = self.token_bytes[token]
@@ -111,11 +152,43 @@ class KeyTracker:
             return self._blocked[state]
         except KeyError:
             pass
-        out = [t for t in self.quote_ids if step(state, self.token_bytes[t]) == DEAD]
+        out = self._scan(state)
         self._blocked[state] = out
         if len(self._blocked) > self._cache_size:
             self._blocked.popitem(last=False)
         return out
+
+    def _scan(self, state) -> list[int]:
+        """``blocked(state)`` computed: exactly the quote tokens whose ``step`` from ``state`` is DEAD.
+        Without a backslash, a token of one or two quotes can repeat a key only by closing the key
+        being written (with the bytes before its first quote: looked up), or, outside a string, by
+        enclosing a key between its two quotes (scanned only where some object holds that name);
+        the others are scanned."""
+        if state == DEAD:
+            return list(self.quote_ids)
+        stack, in_string, escaped, key = state
+        tb = self.token_bytes
+        out = [t for t in self.scanned if step(state, tb[t]) == DEAD]
+        # where the key so far holds an escape, the name a token's first quote closes is the key's
+        # name so far and then the token's bytes before that quote (when the key so far decodes)
+        named = None if key is None or escaped or b"\\" not in key else _name(key)
+        if escaped or (key is not None and b"\\" in key and named is None):  # (scan)
+            out += [t for ts in self.by_head.values() for t in ts if step(state, tb[t]) == DEAD]
+        elif named is not None:
+            for name in stack[-1][0]:
+                raw = _raw(name[len(named):]) if name.startswith(named) else None
+                if raw is not None:
+                    out += self.by_head.get(raw, [])
+        elif in_string and key is not None:  # the first quote closes the key being written
+            for name in stack[-1][0]:
+                raw = _raw(name)
+                if raw is not None and raw.startswith(key):
+                    out += self.by_head.get(raw[len(key):], [])
+        elif not in_string:  # the first quote opens a string, the second (if any) closes it
+            held = set().union(*(f[0] for f in stack if f is not _ARRAY))
+            out += [t for t, name in self.pairs if name in held and step(state, tb[t]) == DEAD]
+        # (inside a value: the first quote closes it, a second opens a string that stays open)
+        return sorted(out)
 
     def _cleared(self, state) -> tuple | None:
         """``blocked(state)`` as (word indices, each word's mask of the bits kept), or None if none."""

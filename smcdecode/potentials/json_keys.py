@@ -33,6 +33,7 @@ _ARRAY = None  # a stack frame for an array; an object's frame is (frozenset of 
 _QUOTE, _BACKSLASH = 0x22, 0x5C
 _OPEN_OBJECT, _CLOSE_OBJECT, _OPEN_ARRAY, _CLOSE_ARRAY, _COMMA = 0x7B, 0x7D, 0x5B, 0x5D, 0x2C
 _CONTROL = re.compile(rb"[\x00-\x1f]")
+_NOT_RAW = re.compile('[\x00-\x1f"\\\\]')  # characters a key's name holds only written as an escape
 _PLAIN_NOT = frozenset((_QUOTE, _BACKSLASH, _OPEN_OBJECT, _CLOSE_OBJECT, _OPEN_ARRAY, _CLOSE_ARRAY, _COMMA))
 
 
@@ -54,7 +55,7 @@ def _name(raw: bytes) -> str | None:
 
 def _raw(name: str) -> bytes | None:
     """The bytes that name ``name`` without an escape (inverse of ``_name``), or None if none do."""
-    if any(ord(ch) < 0x20 for ch in name) or '"' in name or "\\" in name:
+    if _NOT_RAW.search(name):
         return None
     return name.encode("utf-8", "surrogatepass")
 

@@ -195,7 +195,7 @@ def main() -> None:
             "seeds": args.seeds, "reference_seed": args.reference_seed, "reference_from": args.reference_from,
             "methods": args.methods,
             "questions": len(questions), "every": args.every, "shard": args.shard}
-    methods = [("K=0", "target", 1), ("K=2", draft, 2), ("K=4", draft, 4), ("K=8", draft, 8),
+    methods = [("K=0", "target", None), ("K=2", draft, 2), ("K=4", draft, 4), ("K=8", draft, 8),
                ("adaptive", draft, "adaptive")]
     if args.methods:
         methods = [m for m in methods if m[0] in args.methods]

@@ -214,7 +214,8 @@ class SMC(_Strategy):
 
     ``proposal``: a :class:`Draft` (its samples are reweighted, never rejected), or ``"target"``
     for a plain particle filter proposing one token per round from the locally normalised target.
-    ``block_size`` K: draft tokens per round (a round adds K+1 tokens: the drafts and a bonus);
+    ``block_size`` K: draft tokens per round (a round adds K+1 tokens: the drafts and a bonus;
+    default 4 with a draft; with ``proposal="target"`` leave it out: a round adds one token);
     ``"adaptive"`` (or ``AdaptiveBlocks(max_block_size=...)``) picks K ∈ {0..8} per round from the
     draft's record so far (docs/strategies.md); a list gives K per round (the last repeats; 0 allowed).
     ``ess_threshold`` τ: resample when ESS < τ·N; 0 never (sequential importance sampling), 1 every round.
@@ -231,7 +232,7 @@ class SMC(_Strategy):
         proposal="target",
         *,
         particles: int = 8,
-        block_size: int | str | list | AdaptiveBlocks | FixedBlocks = 4,
+        block_size: int | str | list | AdaptiveBlocks | FixedBlocks | None = None,
         resampler: str = "systematic",
         ess_threshold: float = 0.5,
         backend: str = "reference",
@@ -240,21 +241,28 @@ class SMC(_Strategy):
         super().__init__(target)
         self._set_backend(backend, engine_options)
         self.particles = check_positive_int("particles", particles, "use at least 1 particle", MAX_PARTICLES)
-        self.schedule = as_schedule(block_size)
-        if self.schedule is not None:
-            self.block_size = self.schedule.max_block_size
+        self.proposal = as_proposal(proposal, self.model)
+        if self.proposal is None:
+            if block_size is not None:
+                raise SMCDecodeError(
+                    f"block_size={block_size!r} needs a draft: with proposal='target' every round proposes one "
+                    "token from the target itself. Pass a draft as proposal (sd.Draft(model), or "
+                    "load_default_draft(model) for the default model), or leave block_size out")
+            self.block_size, self.schedule = 0, None
         else:
-            self.block_size = check_positive_int(
-                "block_size", block_size,
-                "draft at least 1 token per round, or pass block_size='adaptive' (K from 0 up, chosen per round)")
+            block_size = 4 if block_size is None else block_size
+            self.schedule = as_schedule(block_size)
+            if self.schedule is not None:
+                self.block_size = self.schedule.max_block_size
+            else:
+                self.block_size = check_positive_int(
+                    "block_size", block_size,
+                    "draft at least 1 token per round, or pass block_size='adaptive' (K from 0 up, chosen per round)")
         if not isinstance(resampler, str) or resampler not in RESAMPLERS:
             raise SMCDecodeError(f"unknown resampler {resampler!r}: choose one of {sorted(RESAMPLERS)}")
         self.resampler = resampler
         self.ess_threshold = check_unit_interval("ess_threshold", ess_threshold, "0 never resamples, 1 always")
-        self.proposal = as_proposal(proposal, self.model)
-        if self.proposal is None:
-            self.block_size, self.schedule = 0, None
-        elif self.proposal.reads_target and backend != "reference":
+        if self.proposal is not None and self.proposal.reads_target and backend != "reference":
             raise SMCDecodeError(
                 f"feature draft {self.proposal.model.name!r} runs on backend='reference' only (the engine's "
                 "rounds do not pass it the target's hidden states yet): use backend='reference', or a layer "

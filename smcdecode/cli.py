@@ -294,7 +294,8 @@ def _generate(args) -> int:
         if name == "smc":
             spec, block, chosen = choose_proposal(args.draft, args.block_size, args.device, args.backend)
             proposal = _draft(spec, model, args)
-            runner = sd.SMC(target, proposal, particles=args.particles, block_size=block,
+            runner = sd.SMC(target, proposal, particles=args.particles,
+                            block_size=None if proposal == "target" else block,
                             resampler=args.resampler, ess_threshold=args.ess_threshold, backend=args.backend)
         elif name == "sd":
             block = 4 if isinstance(args.block_size, str) else args.block_size

@@ -227,6 +227,8 @@ class FunctionModel(Model):
 
     ``fn(contexts)`` receives a LongTensor ``[B, T]`` of token ids (prompt and generated tokens)
     and returns next-token logits or log-probabilities ``[B, V]`` (they are normalised here).
+    ``max_context``: the longest context ``fn`` takes, if it has one (a run whose prompt and
+    ``max_new_tokens`` exceed it is refused before it starts).
 
         >>> toy = FunctionModel(lambda ctx: torch.zeros(ctx.shape[0], 3), vocab=["a", "b", "<eos>"])
     """
@@ -237,6 +239,7 @@ class FunctionModel(Model):
         vocab: Sequence[str],
         eos: str | int | None = None,
         name: str = "function-model",
+        max_context: int | None = None,
     ):
         if not callable(fn):
             raise SMCDecodeError(f"fn must be callable, got {type(fn).__name__}")
@@ -259,11 +262,15 @@ class FunctionModel(Model):
             raise SMCDecodeError(f"eos must be a token string of vocab or its integer id, got {eos!r}")
         if not 0 <= int(eos) < len(vocab):
             raise SMCDecodeError(f"eos id {eos} is outside the vocabulary [0, {len(vocab)})")
+        if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, numbers.Integral)
+                                        or max_context < 1):
+            raise SMCDecodeError(f"max_context must be a positive number of tokens or None, got {max_context!r}")
         self.fn = fn
         self.vocab = vocab
         self.vocab_size = len(vocab)
         self.eos_token_id = int(eos)
         self.name = name
+        self.max_context = None if max_context is None else int(max_context)
 
     def start(self, prefix_ids: list[int], batch: int):
         from .backends.reference import FunctionRunner

@@ -98,7 +98,7 @@ def generate_json(
     particles: int = 8,
     strategy: str = "smc",
     proposal="target",
-    block_size: int = 4,
+    block_size: int | str | None = None,
     temperature: float = 0.7,
     max_new_tokens: int = 256,
     ess_threshold: float = 0.5,
@@ -118,8 +118,9 @@ def generate_json(
     ``schema``; a small model otherwise tends to add keys, or to copy the schema's own keywords, and
     to run on); True allows whatever the schema allows. ``schema_in_prompt``: also state the schema in a system message (small models
     need it to fill the fields sensibly; the constraint guarantees validity either way).
-    ``strategy``: "smc" (``particles`` particles, ``proposal`` = "target" or a Draft) or "masked"
-    (locally-masked decoding of one sample, the usual constrained decoder).
+    ``strategy``: "smc" (``particles`` particles, ``proposal`` = "target" or a Draft, ``block_size``
+    its draft tokens per round as in :class:`SMC`) or "masked" (locally-masked decoding of one
+    sample, the usual constrained decoder).
     """
     if not isinstance(model, Model):
         raise SMCDecodeError(

@@ -73,8 +73,9 @@ def toy_table(seed: int, vocab_size: int, scale: float) -> torch.Tensor:
     return scale * torch.randn(TABLE_ROWS, vocab_size, generator=gen)
 
 
-def toy_model(table: torch.Tensor, vocab: list[str], markov: bool = False, name: str = "toy") -> sd.FunctionModel:
-    return sd.FunctionModel(HashedTableLM(table, markov), vocab=vocab, eos="<eos>", name=name)
+def toy_model(table: torch.Tensor, vocab: list[str], markov: bool = False, name: str = "toy",
+              max_context: int | None = None) -> sd.FunctionModel:
+    return sd.FunctionModel(HashedTableLM(table, markov), vocab=vocab, eos="<eos>", name=name, max_context=max_context)
 
 
 @dataclass

@@ -305,7 +305,8 @@ def test_a_dead_particle_stops_and_is_never_fed_an_arbitrary_token(proposal):
     target_model = _recording(_toy(0, forbid=[0]))  # neither model ever proposes <bos> (id 0)
     draft_model = _recording(_toy(1, forbid=[0]))
     prop = sd.Draft(draft_model) if proposal == "draft" else "target"
-    smc = sd.SMC(sd.LM(target_model) * sd.Grammar(DEAD_END, path="llguidance"), prop, particles=16, block_size=3)
+    smc = sd.SMC(sd.LM(target_model) * sd.Grammar(DEAD_END, path="llguidance"), prop, particles=16,
+                 block_size=3 if proposal == "draft" else None)
     res = smc.run([0], max_new_tokens=6, seed=0, progress=False)
     dead = [i for i, t in enumerate(res.tokens) if t and t[0] == 2]
     assert dead, "the seed should send some particle into the dead end"
@@ -440,3 +441,26 @@ def test_a_fix_is_offered_only_where_it_fits_the_value():
         with pytest.raises(RequestError) as e:
             parse({"prompt": "hi", "particles": value}, "completions", limits, Defaults())
         assert e.value.param == "particles" and ("--max-particles" in e.value.message) == hint, e.value.message
+
+
+def test_a_block_size_without_a_draft_is_refused_and_the_default_proposes_one_token():
+    """block_size counts a draft's tokens: with the target as proposal it cannot apply, so it is
+    refused (naming the value and the fix) instead of ignored; left out, a round adds one token."""
+    target = sd.LM(_toy(1))
+    for k in (4, "adaptive", [2, 1]):
+        with pytest.raises(sd.SMCDecodeError, match=r"block_size=.* needs a draft.*leave block_size out"):
+            sd.SMC(target, "target", particles=4, block_size=k)
+    smc = sd.SMC(target, particles=4)
+    res = smc.run([0], max_new_tokens=3, seed=0, progress=False)
+    assert smc.block_size == 0 and res.rounds == 3  # (one token a round)
+    assert sd.SMC(target, sd.Draft(_toy(2)), particles=4).block_size == 4  # (the default with a draft)
+
+
+def test_a_function_model_declares_its_context_and_longer_runs_are_refused():
+    model = sd.FunctionModel(lambda ctx: torch.zeros(ctx.shape[0], 3), vocab=["a", "b", "<eos>"], max_context=8)
+    with pytest.raises(sd.SMCDecodeError, match=r"exceeds the context of model .* \(8 tokens\)"):
+        sd.SMC(sd.LM(model), particles=2).run([0, 1], max_new_tokens=7, seed=0, progress=False)
+    assert len(sd.SMC(sd.LM(model), particles=2).run([0, 1], max_new_tokens=6, seed=0, progress=False).tokens) <= 6
+    for bad in (0, -1, 2.5, True, "8"):
+        with pytest.raises(sd.SMCDecodeError, match="max_context must be a positive number of tokens"):
+            sd.FunctionModel(lambda ctx: torch.zeros(ctx.shape[0], 3), vocab=["a", "b", "<eos>"], max_context=bad)

@@ -34,7 +34,7 @@ def run_smc(toy, target, block, particles=8, resampler="systematic", tau=0.5, se
         target,
         proposal,
         particles=particles,
-        block_size=1 if block == "target" else block,
+        block_size=None if block == "target" else block,
         resampler=resampler,
         ess_threshold=tau,
     )
@@ -128,8 +128,8 @@ def test_every_particle_dies_when_nothing_fits_the_budget(toy_lm_model):
     Result says so instead of returning a sample."""
     target = sd.LM(toy_lm_model) * sd.Regex(r"a{5}")
     assert exact_target(target, PROMPT, 3).log_Z == -math.inf
-    for proposal in ("target", sd.Draft(toy_lm_model, 1.3)):
-        strategy = sd.SMC(target, proposal, particles=4, block_size=2, ess_threshold=1.0)
+    for proposal, block in (("target", None), (sd.Draft(toy_lm_model, 1.3), 2)):
+        strategy = sd.SMC(target, proposal, particles=4, block_size=block, ess_threshold=1.0)
         out = strategy.run_groups(PROMPT, 50, 3, seed=0)
         assert bool(torch.isneginf(out.log_evidence).all())
         assert bool(torch.isneginf(out.log_weights).all())

@@ -92,7 +92,7 @@ def test_smc_samples_the_product_of_experts(seed, beta_mode, draft):
     target = sd.LM(model) * LMReward(model, PROMPT2, beta=beta, mode=mode)
     exact = exact_target(target, PROMPT, 4)
     proposal = sd.Draft(toy_model(toy_table(seed, len(VOCAB), 1.0) + 0.3 * toy_table(seed + 1, len(VOCAB), 1.0), VOCAB))
-    smc = sd.SMC(target, proposal if draft else "target", particles=4, block_size=2)
+    smc = sd.SMC(target, proposal if draft else "target", particles=4, block_size=2 if draft else None)
     out = smc.run_groups(PROMPT, groups=1200, max_new_tokens=4, seed=seed)
     check_distribution(out, exact)
 

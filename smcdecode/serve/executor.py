@@ -274,7 +274,8 @@ class LibraryRunner:
             proposal = sd.Draft(self.draft, draft_temperature(spec, self.draft))
         if spec.strategy == "sd":
             return sd.SpeculativeDecoding(target, proposal, block_size=spec.block_size, samples=1, **options)
-        return sd.SMC(target, proposal, particles=spec.particles, block_size=spec.block_size,
+        return sd.SMC(target, proposal, particles=spec.particles,
+                      block_size=None if proposal == "target" else spec.block_size,
                       resampler=spec.resampler, ess_threshold=spec.ess_threshold, **options)
 
     def run(self, job: Job) -> Outcome:

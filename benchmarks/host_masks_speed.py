@@ -39,7 +39,7 @@ import statistics
 from pathlib import Path
 
 WORKER = r"""
-import cProfile, io, json, pstats, statistics, sys, time
+import cProfile, inspect, io, json, pstats, statistics, sys, time
 import torch
 import smcdecode as sd
 from smcdecode.backends.engine.host_masks import HostMasks, RequestMasks
@@ -113,8 +113,11 @@ for schema in schemas:
     host = HostMasks(N, V, "cpu")
     admitted = [0]
 
+    # (a tree whose requests take lanes, as Scheduler._launch gives them: each slot its own)
+    lanes = "lane" in inspect.signature(RequestMasks).parameters
+
     def admit(slot):
-        host.add(slot, RequestMasks([c], N, K, budget))
+        host.add(slot, RequestMasks([c], N, K, budget, **({"lane": slot} if lanes else {})))
         admitted[0] += 1
 
     for slot in range(G):

@@ -203,3 +203,83 @@ def test_host_masks_of_rows_sharing_matchers_equal_their_replayed_histories(mode
         host.fork(index)
         hist = [list(hist[a]) for a in index]
     assert shared_steps > 8  # the rows did share matchers for much of the walk
+
+
+@pytest.mark.slow
+def test_requests_of_one_constraint_take_lanes_whose_masks_agree(model):
+    """Three requests under one constraint take lanes 0, 1, 2 (each a compile of its own, so
+    llguidance fills them in parallel); fed the same tokens, every request's HostMasks rows equal
+    the reference masks of one replayed history, whatever its lane. A lane is taken modulo the
+    pool's threads, and a lane that is not a whole number >= 0 is refused."""
+    V = model.vocab_size
+    c = JSONSchema(_schemas("jsonschemabench_Glaiveai2K.jsonl", 1)[0], path="llguidance", threads=3).bind(model)
+    N, K = 2, 2
+    host = HostMasks(N, V, "cpu")
+    for slot in range(3):
+        host.add(slot, RequestMasks([c], N, K, budget=100, lane=slot))
+    assert len(c._lanes) == 3 and len({id(m) for m in c._lanes}) == 3
+    assert c._lane(4) is c._lanes[1]
+    for bad in (-1, 1.5, True):
+        with pytest.raises(sd.SMCDecodeError, match="lane"):
+            c.start(2, lane=bad)
+    rows, hist = 3 * N, []
+    g = torch.Generator().manual_seed(4)
+    out = torch.empty(rows, host.W, dtype=torch.int32)
+    for _round in range(3):
+        drafts = torch.zeros(rows, K, dtype=torch.long)
+        host.begin(rows, K, drafts)
+        for i in range(K + 1):
+            host.mask(i, out)
+            ref = _reference_mask(c, c._replay([hist]))[0]
+            assert torch.equal(unpack_bits(out, V), ref.expand(rows, V)), (_round, i)
+            choice = ref.clone()
+            choice[model.eos_token_id] = False
+            t = int(torch.multinomial(choice.double(), 1, generator=g))
+            hist.append(t)
+            d = torch.full((rows,), t)
+            if i < K:
+                drafts[:, i] = d
+                host.drafted(i, d)
+            else:
+                host.end(d)
+
+
+@pytest.mark.slow
+def test_complete_documents_and_finished_rows_on_the_host_masks(model):
+    """A matcher whose document is complete (llguidance has stopped it) gets EOS alone without a mask
+    computed, as llguidance's own mask of it; a dead one no token. Rows marked finished (idle) keep
+    their matchers unadvanced and get every token, and the other rows are as before."""
+    V, eos = model.vocab_size, model.eos_token_id
+    c = JSONSchema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                    "additionalProperties": False}, path="llguidance").bind(model)
+    texts = ['{"a": 12}', '{"a": 1', '{"a"']
+    state = c._replay([model.encode(t) for t in texts])
+    assert state.matchers[0].is_stopped() and not state.matchers[1].is_stopped()
+    state = c.advance(state, torch.tensor([eos, model.encode("}")[0], model.encode("x")[0]]))
+    assert state.matchers[2].is_error()
+    bits = c.allowed_bits(state)
+    ref = _reference_mask(c, state)
+    assert torch.equal(unpack_bits(bits, V), ref)
+    assert ref[0].nonzero().flatten().tolist() == [eos] and ref[1].nonzero().flatten().tolist() == [eos]
+    assert not ref[2].any()
+    # finished rows: row 1 idle
+    state = c._replay([model.encode(t) for t in ['{"a": 1', '{"a": 2']])
+    host = HostMasks(2, V, "cpu")
+    req = RequestMasks([c], 2, 1, budget=100)
+    req.states = [state]
+    host.add(0, req)
+    host.finished(0, [1, 5])  # (row 5 is past the request's rows: left out)
+    assert state.idle == frozenset({1})
+    kept = state.matchers[1]
+    drafts = torch.zeros(2, 1, dtype=torch.long)
+    host.begin(2, 1, drafts)
+    out = torch.empty(2, host.W, dtype=torch.int32)
+    host.mask(0, out)
+    m = unpack_bits(out, V)
+    assert torch.equal(m[0], _reference_mask(c, c._replay([model.encode('{"a": 1')]))[0]) and m[1].all()
+    drafts[:, 0] = torch.tensor([model.encode("3")[0], model.encode("x")[0]])
+    host.drafted(0, drafts[:, 0])
+    host.mask(1, out)
+    s = host.requests[0].states[0]
+    assert s.matchers[1] is kept and not kept.is_error()
+    assert torch.equal(unpack_bits(out, V)[0], _reference_mask(c, c._replay([model.encode('{"a": 13')]))[0])

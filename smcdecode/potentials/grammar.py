@@ -27,9 +27,11 @@ spent batch again raises. Every strategy in ``samplers/`` threads states that wa
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -48,11 +50,14 @@ class MatcherBatch:
     """Constraint states of B particles: one llguidance matcher per particle, and for JSON with
     unique keys one key-scanner state per particle (``json_keys.py``)."""
 
-    __slots__ = ("matchers", "keys", "mask", "bits", "spent")
+    __slots__ = ("matchers", "keys", "mask", "bits", "spent", "idle")
 
-    def __init__(self, matchers: list, keys: list | None = None):
+    def __init__(self, matchers: list, keys: list | None = None, idle: frozenset = frozenset()):
         self.matchers = matchers
         self.keys = keys
+        # rows the engine no longer reads (finished particles): advance_together leaves them as they
+        # are and fill_bits_together gives them every token
+        self.idle = idle
         self.mask: Tensor | None = None  # cached allowed() of this batch, bool [B, V]
         self.bits: Tensor | None = None  # cached allowed_bits() of this batch, int32 [B, ⌈V/32⌉]
         self.spent = False
@@ -61,10 +66,14 @@ class MatcherBatch:
         return len(self.matchers)
 
     def distinct(self) -> tuple[list[int], list[int], list[int]]:
-        """(the first row of each distinct matcher; the other rows; the first row of each of those's matcher)."""
+        """(the first row of each distinct matcher; the other rows; the first row of each of those's
+        matcher), idle rows left out."""
         first: dict = {}
         rest, src = [], []
+        idle = self.idle
         for i, m in enumerate(self.matchers):
+            if idle and i in idle:
+                continue
             j = first.setdefault(id(m), i)
             if j != i:
                 rest.append(i)
@@ -166,6 +175,7 @@ class LLGuidanceConstraint(TokenConstraint):
         if template.is_error():
             raise self._error(template.get_error())
         self._template = template
+        self._tok, self._lanes = tok, [template]
         self._executor = _executor(self.threads)
         self._keys = KeyTracker(token_texts(model, tok)) if self.unique_keys else None
         self.model = model
@@ -178,12 +188,30 @@ class LLGuidanceConstraint(TokenConstraint):
         self._require_model()
         return self.automaton
 
-    def start(self, batch: int) -> MatcherBatch | Tensor:
+    def start(self, batch: int, lane: int = 0) -> MatcherBatch | Tensor:
+        """``lane``: which compile of the grammar the batch's matchers come from (``_lane``): batches
+        whose masks are filled together (the engine's requests) take different lanes."""
         self._require_model()
         if self.path == "automaton":
             return torch.full((batch,), self.automaton.initial, dtype=torch.long)
         keys = [START] * batch if self._keys is not None else None
-        return MatcherBatch([self._template.deep_copy()] * batch, keys)  # (rows share it until they differ)
+        template = self._lane(lane)
+        return MatcherBatch([template.deep_copy()] * batch, keys)  # (rows share it until they differ)
+
+    def _lane(self, lane: int):
+        """The template matcher of ``lane``. The matchers copied from one compiled grammar share its
+        lexer, behind a lock, so llguidance's thread pool fills their masks one after the other; a
+        lane is a compile of its own (made when first asked for), and the pool fills the masks of
+        different lanes in parallel. One lane per thread of the pool: ``lane`` is taken modulo it."""
+        if isinstance(lane, bool) or not isinstance(lane, int) or lane < 0:
+            raise SMCDecodeError(f"lane must be an integer >= 0, got {lane!r}")
+        i = lane % (self.threads or os.cpu_count() or 1)
+        while len(self._lanes) <= i:
+            m = _llguidance().LLMatcher(self._tok, self._grammar, log_level=0)
+            if m.is_error():  # (the same grammar compiled once already: not expected)
+                raise self._error(m.get_error())
+            self._lanes.append(m)
+        return self._lanes[i]
 
     def allowed_bits(self, state: MatcherBatch) -> Tensor:
         if self.path == "automaton":
@@ -219,34 +247,7 @@ class LLGuidanceConstraint(TokenConstraint):
     def advance(self, state: MatcherBatch, tokens: Tensor) -> MatcherBatch:
         if self.path == "automaton":
             return self.automaton.advance(state.cpu(), tokens.cpu()).to(state.device)
-        matchers = state.take()
-        tokens = tokens.tolist()
-        # one matcher per distinct (matcher, token): the first token of a shared matcher takes it, a
-        # further one a copy, taken here, before any matcher consumes
-        owners: dict = {}  # (id(matcher), token) -> the matcher that consumes it
-        claimed, rows = set(), []
-        for m, t in zip(matchers, tokens):
-            k = (id(m), t)
-            if k not in owners:
-                if id(m) in claimed:
-                    owners[k] = m.deep_copy()
-                else:
-                    claimed.add(id(m))
-                    owners[k] = m
-            rows.append(k)
-        # NOTE: one by one: llguidance's consume_token_par measured slower, 5x for 8 matchers and 2-2.6x
-        # for 64 (a consume takes ~2 µs; extracting the matchers and the pool's dispatch cost more)
-        for (_, t), o in owners.items():
-            o.consume_token(t)  # a disallowed token puts the matcher in its (absorbing) error state
-        keys = None
-        if state.keys is not None:  # (rows that share a matcher share its key state)
-            new: dict = {}
-            keys = []
-            for k, key in zip(rows, state.keys):
-                if k not in new:
-                    new[k] = self._keys.advance(key, k[1])
-                keys.append(new[k])
-        return MatcherBatch([owners[k] for k in rows], keys)
+        return advance_together([(self, state, tokens.tolist())])[0]
 
     def accepting(self, state: MatcherBatch) -> Tensor:
         if self.path == "automaton":
@@ -345,6 +346,57 @@ def _executor(threads: int | None):
     return _EXECUTORS[threads]
 
 
+def advance_together(parts: list) -> list[MatcherBatch]:
+    """``parts``: (llguidance constraint, its MatcherBatch, tokens: a list of one token id per row) ->
+    each part's batch advanced by its tokens (the batches given are spent): one matcher per distinct
+    (matcher, token), where a shared matcher's first token takes it and a further one a copy, taken
+    before any matcher consumes (the engine's host catch-up: every request of a step at once)."""
+    plans, consumes = [], []
+    for c, state, tokens in parts:
+        matchers = state.take()
+        if len(tokens) != len(matchers):
+            raise SMCDecodeError(f"{len(tokens)} tokens for {len(matchers)} particles: give one token per particle")
+        owners: dict = {}  # (id(matcher), token) -> the matcher that consumes it
+        idle = state.idle
+        # (an idle row's matcher stays as it is: a row that advances and shares it takes a copy)
+        claimed, rows = {id(matchers[i]) for i in idle}, []
+        for i, (m, t) in enumerate(zip(matchers, tokens)):
+            if idle and i in idle:
+                k = (id(m), None)
+                owners[k] = m
+                rows.append(k)
+                continue
+            k = (id(m), t)
+            if k not in owners:
+                if id(m) in claimed:
+                    owners[k] = m.deep_copy()
+                else:
+                    claimed.add(id(m))
+                    owners[k] = m
+            rows.append(k)
+        consumes += [(o, t) for (_, t), o in owners.items() if t is not None]
+        plans.append((c, state, owners, rows))
+    # NOTE: one by one: llguidance's consume_token_par measured slower, 2x for 40 matchers even from
+    # 8 lanes (a consume takes ~1.3 µs; the pool's dispatch costs more)
+    for o, t in consumes:
+        o.consume_token(t)  # a disallowed token puts the matcher in its (absorbing) error state
+    out = []
+    for c, state, owners, rows in plans:
+        keys = None
+        if state.keys is not None:  # (rows that share a matcher share its key state)
+            new: dict = {}
+            keys = []
+            for k, key in zip(rows, state.keys):
+                if k[1] is None:
+                    keys.append(key)
+                    continue
+                if k not in new:
+                    new[k] = c._keys.advance(key, k[1])
+                keys.append(new[k])
+        out.append(MatcherBatch([owners[k] for k in rows], keys, state.idle))
+    return out
+
+
 def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
     """``parts``: (llguidance constraint, its MatcherBatch, first row) — write every part's
     ``allowed_bits`` into rows first_row … first_row + B − 1 of ``out`` (int32 [≥ rows, ⌈V/32⌉],
@@ -355,7 +407,7 @@ def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
             or out.device.type != "cpu" or out.stride() != (W, 1):
         raise SMCDecodeError(f"the bitmask must be a contiguous int32 CPU tensor of shape ({rows}, {W}), "
                              f"got {out.dtype} {tuple(out.shape)} on {out.device}")
-    pairs, cached, fresh = [], [], []
+    pairs, cached, fresh, dead, stopped = [], [], [], [], []
     for c, state, r0 in parts:
         state.check()
         if c._words != W or r0 < 0 or r0 + len(state) > rows:
@@ -365,7 +417,15 @@ def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
             cached.append((state, r0))
         else:
             first, rest, src = state.distinct()  # one mask per distinct matcher, copied to the rows sharing it
-            pairs += [(state.matchers[i], r0 + i) for i in first]
+            eos = c.model.eos_token_id
+            for i in first:
+                m = state.matchers[i]
+                if m.is_error():  # a dead particle (llguidance would still allow EOS): no token
+                    dead.append(r0 + i)
+                elif m.is_stopped() and m.is_accepting():  # a complete document: EOS alone, as llguidance's mask
+                    stopped.append((r0 + i, eos))
+                else:
+                    pairs.append((m, r0 + i))
             fresh.append((c, state, r0, first, rest, src))
     if pairs:
         # NOTE: what llguidance.torch.fill_next_token_bitmask_par does, without importing that
@@ -374,10 +434,16 @@ def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
     for state, r0 in cached:
         out[r0: r0 + len(state)] = state.bits
     words = out.numpy()
+    # (computing a mask can find a dead end and put the matcher in its error state)
+    dead += [r for m, r in pairs if m.is_error()]
+    if dead:
+        words[dead] = 0
+    for r, eos in stopped:
+        words[r] = 0
+        words[r, eos >> 5] = np.int32(np.uint32(1 << (eos & 31)).view(np.int32))
     for c, state, r0, first, rest, src in fresh:
-        for i in first:
-            if state.matchers[i].is_error():  # a dead particle: llguidance would still allow EOS
-                words[r0 + i] = 0
+        if state.idle:
+            words[[r0 + i for i in state.idle]] = -1
         if state.keys is not None:
             c._keys.restrict_bits(out[r0: r0 + len(state)], state.keys, first)
         if rest:

@@ -305,7 +305,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--requests", default="1,8")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/structured_engine.json"))
     args = ap.parse_args()
     args.requests = [int(g) for g in args.requests.split(",")]

@@ -441,13 +441,17 @@ def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
     for r, eos in stopped:
         words[r] = 0
         words[r, eos >> 5] = np.int32(np.uint32(1 << (eos & 31)).view(np.int32))
+    to, of, idle = [], [], []
     for c, state, r0, first, rest, src in fresh:
-        if state.idle:
-            words[[r0 + i for i in state.idle]] = -1
+        idle += [r0 + i for i in state.idle]
         if state.keys is not None:
             c._keys.restrict_bits(out[r0: r0 + len(state)], state.keys, first)
-        if rest:
-            words[[r0 + i for i in rest]] = words[[r0 + i for i in src]]
+        to += [r0 + i for i in rest]
+        of += [r0 + i for i in src]
+    if idle:
+        words[idle] = -1
+    if to:  # (the rows sharing a matcher: its row's mask, its key rule applied)
+        words[to] = words[of]
 
 
 class Grammar(LLGuidanceConstraint):

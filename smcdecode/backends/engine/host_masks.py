@@ -49,18 +49,18 @@ class RequestMasks:
             return self.budget - self.position > self.K
         return i < self.k
 
-    def fill(self, out: Tensor, shared: list, row: int) -> None:
-        """Write the allowed tokens of the first constraint at the states as they stand into ``out``
-        (int32 [n, ⌈V/32⌉] on the CPU, packed as ``constraint.pack_bits``), or, for an llguidance
-        constraint, append (constraint, state, ``row``) to ``shared`` for ``fill_bits_together``; the
-        caller then calls ``restrict``."""
+    def fill(self, bits: Tensor, rows: slice, shared: list) -> None:
+        """Write the allowed tokens of the first constraint at the states as they stand into
+        ``bits[rows]`` (``bits`` int32 [R, ⌈V/32⌉] on the CPU, packed as ``constraint.pack_bits``), or,
+        for an llguidance constraint, append (constraint, state, first row) to ``shared`` for
+        ``fill_bits_together``; the caller then calls ``restrict``."""
         c, s = self.constraints[0], self.states[0]
         if getattr(c, "shares_fill", False):
-            shared.append((c, s, row))
+            shared.append((c, s, rows.start))
         elif hasattr(c, "fill_bits"):
-            c.fill_bits(s, out)  # straight into the upload buffer
+            c.fill_bits(s, bits[rows])  # straight into the upload buffer
         else:
-            out.copy_(c.allowed_bits(s))
+            bits[rows].copy_(c.allowed_bits(s))
 
     def restrict(self, out: Tensor) -> None:
         """``out`` &= the allowed tokens of every constraint after the first."""
@@ -87,18 +87,16 @@ class RequestMasks:
 
 
 def advance_requests(items: list) -> None:
-    """``items``: (RequestMasks, tokens [n] on the CPU) — every request's states advanced by its
-    tokens, the llguidance states of all of them in one ``advance_together``."""
+    """``items``: (RequestMasks, tokens: a list of one token id per row) — every request's states
+    advanced by its tokens, the llguidance states of all of them in one ``advance_together``."""
     parts, where = [], []
     for m, tokens in items:
-        ids = None
         for j, (c, s) in enumerate(zip(m.constraints, m.states)):
             if isinstance(c, LLGuidanceConstraint) and c.path != "automaton":
-                ids = tokens.tolist() if ids is None else ids
-                parts.append((c, s, ids))
+                parts.append((c, s, tokens))
                 where.append((m, j))
             else:
-                m.states[j] = c.advance(s, tokens)
+                m.states[j] = c.advance(s, torch.tensor(tokens, dtype=torch.long))
     for (m, j), s in zip(where, advance_together(parts) if parts else ()):
         m.states[j] = s
 
@@ -188,11 +186,12 @@ class HostMasks:
         self._catch_up(counted)
         shared = []
         for m, _, r in counted:
-            m.fill(bits[r], shared, r.start)
+            m.fill(bits, r, shared)
         if shared:  # the llguidance rows of every request: one call into its thread pool
             fill_bits_together(shared, bits, self.rows)
         for m, _, r in counted:
-            m.restrict(bits[r])
+            if len(m.constraints) > 1:
+                m.restrict(bits[r])
         out.copy_(bits, non_blocking=True)
         if self.pinned:
             self._uploaded[self._turn] = torch.cuda.Event()
@@ -218,7 +217,11 @@ class HostMasks:
             due = [(m, r) for m, step, r in todo if m.consumed < min(step, m.k)]
             if not due:
                 return
-            advance_requests([(m, self._column(m.consumed)[r]) for m, r in due])
+            columns: dict = {}  # (each column once, as a list)
+            for m, _ in due:
+                if m.consumed not in columns:
+                    columns[m.consumed] = self._column(m.consumed).tolist()
+            advance_requests([(m, columns[m.consumed][r]) for m, r in due])
             for m, _ in due:
                 m.consumed += 1
 
@@ -229,7 +232,7 @@ class HostMasks:
         self._catch_up(todo)
         due = [(m, r) for m, _, r in todo if m.budget - m.position > m.K]
         if due:
-            bonus = bonus[: self.rows].cpu()
+            bonus = bonus[: self.rows].tolist()
             advance_requests([(m, bonus[r]) for m, r in due])
         for m, _, _ in todo:
             m.position += m.K + 1

@@ -20,7 +20,7 @@ import signal
 import time
 
 _MODEL = None
-_LOCAL = ("model", "_template", "_executor", "_keys", "validator", "_fsm")
+_LOCAL = ("model", "_template", "_tok", "_lanes", "_executor", "_keys", "validator", "_fsm")
 
 
 class _Timeout(Exception):

@@ -185,6 +185,17 @@ def test_a_compiled_constraint_crosses_processes_and_masks_the_same():
     state = back.start(1)
     assert torch.equal(back.allowed_bits(state), c.allowed_bits(c.start(1)))
     assert qc.restore(None, model) is None
+    # on the llguidance path (its tokenizer and lanes stay in the process; restore compiles them again)
+    model = sd.FunctionModel(lambda ctx: None, vocab=["{", "}", '"', "a", ":", " ", "1", "<eos>"], eos="<eos>")
+    c, info = qc.compile_constraint({"type": "object", "minProperties": 1}, model, 30.0, None)
+    assert info["path"] == "llguidance"
+    back = qc.restore(pickle.loads(pickle.dumps(qc.portable(c))), model)
+    assert back.path == "llguidance"
+    state, ref = back.start(1), c.start(1)
+    for t in (0, 2, 3, 2, 4, 5, 6):  # {"a": 1
+        assert torch.equal(back.allowed_bits(state), c.allowed_bits(ref))
+        state, ref = back.advance(state, torch.tensor([t])), c.advance(ref, torch.tensor([t]))
+    assert torch.equal(back.allowed_bits(state), c.allowed_bits(ref)) and back.allowed(state)[0, 1]
 
 
 def test_the_plan_runs_every_method_on_a_group_before_the_next(sq, tmp_path):

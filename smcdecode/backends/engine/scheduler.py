@@ -280,8 +280,7 @@ class Scheduler:
         for c, s in enumerate(b["states"]):
             s[r] = self.combined.initial_of(own[c]) if c < len(own) else 0
         if self.hosted[id(prog)]:
-            self.host.add(g, RequestMasks(self.hosted[id(prog)], n, req.block_size, req.max_new_tokens,
-                                           lane=g))
+            self.host.add(g, RequestMasks(self.hosted[id(prog)], n, req.block_size, req.max_new_tokens, lane=g))
         for t, tracker, mine in self.rewards:
             mine[r] = t is prog
             if t is prog:  # the prefix rewards' scores of the empty text, as a fresh tracker starts
@@ -574,10 +573,8 @@ class Scheduler:
                 tracker.fork(idx_t)
             if self.host is not None:
                 self.host.fork(idx_t)
-        if self.host is not None:  # (finished particles: their host masks are no longer computed)
-            for g in groups:
-                if g not in gone:
-                    self.host.finished(g, np.flatnonzero(finished[g]))
+        for g in groups if self.host is not None else ():  # (finished particles: no more host masks)
+            self.host.finished(g, np.flatnonzero(finished[g]))
         parents = index[:R].reshape(bucket, N)
         for g in groups:
             hist = self.history[g]

@@ -23,8 +23,9 @@ _MODEL = None
 _LOCAL = ("model", "_template", "_tok", "_lanes", "_executor", "_keys", "validator", "_fsm")
 
 
-class _Timeout(Exception):
-    """A schema's compile ran past the timeout."""
+class _Timeout(BaseException):
+    """A schema's compile ran past the timeout (a BaseException: the library's handlers of its
+    dependencies' errors, ``except Exception``, must not turn it into a compile error)."""
 
 
 def _alarm(signum, frame):
@@ -47,8 +48,8 @@ def compile_constraint(schema, model, timeout: float, threads: int | None):
             c = JSONSchema(schema, extra_properties=False, threads=threads)
             info["path"], info["reason"] = c.path, c.path_reason
             c = c.bind(model)
-        except _Timeout:
-            if info["path"] != "automaton":
+        except _Timeout:  # (JSONSchema's constructor spends its time on the automaton; bind, on either path)
+            if info["path"] not in (None, "automaton"):
                 raise
             signal.setitimer(signal.ITIMER_REAL, timeout)
             info["reason"] = f"automaton compile over {timeout:g} s: llguidance"
@@ -58,14 +59,20 @@ def compile_constraint(schema, model, timeout: float, threads: int | None):
     except _Timeout:
         c, info["path"], info["reason"] = None, None, f"compile over {timeout:g} s"
     except SMCDecodeError as e:
-        c, info["path"], info["reason"] = None, None, str(e)[:400]
+        c, info["path"], info["reason"] = None, None, _short(str(e))
     except Exception as e:  # noqa: BLE001 - every failure is a row, never a crash
-        c, info["path"], info["reason"] = None, None, f"{type(e).__name__}: {e}"[:400]
+        c, info["path"], info["reason"] = None, None, _short(f"{type(e).__name__}: {e}")
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
     info["compile_s"] = time.perf_counter() - t0
     return c, info
+
+
+def _short(reason: str, most: int = 400) -> str:
+    """``reason`` in at most about ``most`` characters: its start and its end (where a message that
+    quotes a long regex says what went wrong)."""
+    return reason if len(reason) <= most else f"{reason[: most - 150]} … {reason[-140:]}"
 
 
 def portable(c) -> dict | None:

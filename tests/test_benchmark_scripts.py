@@ -170,6 +170,27 @@ def test_a_schema_that_does_not_compile_is_a_row_not_a_crash():
     assert c is None and info["reason"] == "compile over 1e-06 s"
 
 
+def test_an_automaton_compile_past_the_timeout_runs_on_llguidance(monkeypatch):
+    """The timeout fires inside the regex library the automaton path calls (the library turns that
+    library's errors into its own): the schema still compiles, on llguidance, and says why."""
+    import time
+
+    import interegular
+
+    qc = _script("quality_compile")
+    model = sd.FunctionModel(lambda ctx: None, vocab=["1", "2", "-", "<eos>"], eos="<eos>")
+    parse = interegular.parse_pattern
+
+    def slow(pattern):
+        time.sleep(5)
+        return parse(pattern)
+
+    monkeypatch.setattr(interegular, "parse_pattern", slow)
+    c, info = qc.compile_constraint({"type": "integer"}, model, 0.5, None)
+    assert info["compiled"] and info["path"] == "llguidance" and c.path == "llguidance"
+    assert info["reason"] == "automaton compile over 0.5 s: llguidance"
+
+
 def test_a_compiled_constraint_crosses_processes_and_masks_the_same():
     import pickle
 

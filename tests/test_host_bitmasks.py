@@ -245,10 +245,9 @@ def test_requests_of_one_constraint_take_lanes_whose_masks_agree(model):
 
 
 @pytest.mark.slow
-def test_complete_documents_and_finished_rows_on_the_host_masks(model):
+def test_complete_documents_and_dead_particles_on_the_host_masks(model):
     """A matcher whose document is complete (llguidance has stopped it) gets EOS alone without a mask
-    computed, as llguidance's own mask of it; a dead one no token. Rows marked finished (idle) keep
-    their matchers unadvanced and get every token, and the other rows are as before."""
+    computed, as llguidance's own mask of it; a dead one no token."""
     V, eos = model.vocab_size, model.eos_token_id
     c = JSONSchema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
                     "additionalProperties": False}, path="llguidance").bind(model)
@@ -262,24 +261,3 @@ def test_complete_documents_and_finished_rows_on_the_host_masks(model):
     assert torch.equal(unpack_bits(bits, V), ref)
     assert ref[0].nonzero().flatten().tolist() == [eos] and ref[1].nonzero().flatten().tolist() == [eos]
     assert not ref[2].any()
-    # finished rows: row 1 idle
-    state = c._replay([model.encode(t) for t in ['{"a": 1', '{"a": 2']])
-    host = HostMasks(2, V, "cpu")
-    req = RequestMasks([c], 2, 1, budget=100)
-    req.states = [state]
-    host.add(0, req)
-    host.finished(0, [1, 5])  # (row 5 is past the request's rows: left out)
-    assert state.idle == frozenset({1})
-    kept = state.matchers[1]
-    drafts = torch.zeros(2, 1, dtype=torch.long)
-    host.begin(2, 1, drafts)
-    out = torch.empty(2, host.W, dtype=torch.int32)
-    host.mask(0, out)
-    m = unpack_bits(out, V)
-    assert torch.equal(m[0], _reference_mask(c, c._replay([model.encode('{"a": 1')]))[0]) and m[1].all()
-    drafts[:, 0] = torch.tensor([model.encode("3")[0], model.encode("x")[0]])
-    host.drafted(0, drafts[:, 0])
-    host.mask(1, out)
-    s = host.requests[0].states[0]
-    assert s.matchers[1] is kept and not kept.is_error()
-    assert torch.equal(unpack_bits(out, V)[0], _reference_mask(c, c._replay([model.encode('{"a": 13')]))[0])

@@ -50,14 +50,11 @@ class MatcherBatch:
     """Constraint states of B particles: one llguidance matcher per particle, and for JSON with
     unique keys one key-scanner state per particle (``json_keys.py``)."""
 
-    __slots__ = ("matchers", "keys", "mask", "bits", "spent", "idle")
+    __slots__ = ("matchers", "keys", "mask", "bits", "spent")
 
-    def __init__(self, matchers: list, keys: list | None = None, idle: frozenset = frozenset()):
+    def __init__(self, matchers: list, keys: list | None = None):
         self.matchers = matchers
         self.keys = keys
-        # rows the engine no longer reads (finished particles): advance_together leaves them as they
-        # are and fill_bits_together gives them every token
-        self.idle = idle
         self.mask: Tensor | None = None  # cached allowed() of this batch, bool [B, V]
         self.bits: Tensor | None = None  # cached allowed_bits() of this batch, int32 [B, ⌈V/32⌉]
         self.spent = False
@@ -66,14 +63,10 @@ class MatcherBatch:
         return len(self.matchers)
 
     def distinct(self) -> tuple[list[int], list[int], list[int]]:
-        """(the first row of each distinct matcher; the other rows; the first row of each of those's
-        matcher), idle rows left out."""
+        """(the first row of each distinct matcher; the other rows; the first row of each of those's matcher)."""
         first: dict = {}
         rest, src = [], []
-        idle = self.idle
         for i, m in enumerate(self.matchers):
-            if idle and i in idle:
-                continue
             j = first.setdefault(id(m), i)
             if j != i:
                 rest.append(i)
@@ -357,15 +350,8 @@ def advance_together(parts: list) -> list[MatcherBatch]:
         if len(tokens) != len(matchers):
             raise SMCDecodeError(f"{len(tokens)} tokens for {len(matchers)} particles: give one token per particle")
         owners: dict = {}  # (id(matcher), token) -> the matcher that consumes it
-        idle = state.idle
-        # (an idle row's matcher stays as it is: a row that advances and shares it takes a copy)
-        claimed, rows = {id(matchers[i]) for i in idle}, []
-        for i, (m, t) in enumerate(zip(matchers, tokens)):
-            if idle and i in idle:
-                k = (id(m), None)
-                owners[k] = m
-                rows.append(k)
-                continue
+        claimed, rows = set(), []
+        for m, t in zip(matchers, tokens):
             k = (id(m), t)
             if k not in owners:
                 if id(m) in claimed:
@@ -374,7 +360,7 @@ def advance_together(parts: list) -> list[MatcherBatch]:
                     claimed.add(id(m))
                     owners[k] = m
             rows.append(k)
-        consumes += [(o, t) for (_, t), o in owners.items() if t is not None]
+        consumes += [(o, t) for (_, t), o in owners.items()]
         plans.append((c, state, owners, rows))
     # NOTE: one by one: llguidance's consume_token_par measured slower, 2x for 40 matchers even from
     # 8 lanes (a consume takes ~1.3 µs; the pool's dispatch costs more)
@@ -387,13 +373,10 @@ def advance_together(parts: list) -> list[MatcherBatch]:
             new: dict = {}
             keys = []
             for k, key in zip(rows, state.keys):
-                if k[1] is None:
-                    keys.append(key)
-                    continue
                 if k not in new:
                     new[k] = c._keys.advance(key, k[1])
                 keys.append(new[k])
-        out.append(MatcherBatch([owners[k] for k in rows], keys, state.idle))
+        out.append(MatcherBatch([owners[k] for k in rows], keys))
     return out
 
 
@@ -441,15 +424,12 @@ def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
     for r, eos in stopped:
         words[r] = 0
         words[r, eos >> 5] = np.int32(np.uint32(1 << (eos & 31)).view(np.int32))
-    to, of, idle = [], [], []
+    to, of = [], []
     for c, state, r0, first, rest, src in fresh:
-        idle += [r0 + i for i in state.idle]
         if state.keys is not None:
             c._keys.restrict_bits(out[r0: r0 + len(state)], state.keys, first)
         to += [r0 + i for i in rest]
         of += [r0 + i for i in src]
-    if idle:
-        words[idle] = -1
     if to:  # (the rows sharing a matcher: its row's mask, its key rule applied)
         words[to] = words[of]
 

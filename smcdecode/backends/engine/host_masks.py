@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...potentials.grammar import LLGuidanceConstraint, MatcherBatch, advance_together, fill_bits_together
+from ...potentials.grammar import LLGuidanceConstraint, advance_together, fill_bits_together
 
 
 class RequestMasks:
@@ -76,14 +76,6 @@ class RequestMasks:
 
     def fork(self, index: Tensor) -> None:
         self.states = [c.fork(s, index) for c, s in zip(self.constraints, self.states)]
-
-    def idle(self, rows) -> None:
-        """``rows`` (local row numbers) are finished particles: their llguidance states are no longer
-        advanced and their masks no longer computed (the round reads neither)."""
-        rows = frozenset(int(r) for r in rows if r < self.n)
-        for s in self.states:
-            if isinstance(s, MatcherBatch):
-                s.idle = rows
 
 
 def advance_requests(items: list) -> None:
@@ -237,12 +229,6 @@ class HostMasks:
         for m, _, _ in todo:
             m.position += m.K + 1
         self._columns = {}
-
-    def finished(self, slot: int, rows) -> None:
-        """The round read says these rows of the request in ``slot`` (local numbers) have finished."""
-        m = self.requests.get(slot)
-        if m is not None:
-            m.idle(rows)
 
     def rejects(self, rows: int) -> Tensor:
         """bool [rows]: rows whose request's constraints do not accept the prefix as it stands."""

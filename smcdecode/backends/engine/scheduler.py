@@ -573,8 +573,6 @@ class Scheduler:
                 tracker.fork(idx_t)
             if self.host is not None:
                 self.host.fork(idx_t)
-        for g in groups if self.host is not None else ():  # (finished particles: no more host masks)
-            self.host.finished(g, np.flatnonzero(finished[g]))
         parents = index[:R].reshape(bucket, N)
         for g in groups:
             hist = self.history[g]

@@ -369,11 +369,11 @@ def test_round_shape_follows_the_largest_block_size_present(device):
         sched.submit(Request(PROMPT, particles=2, block_size=1, max_new_tokens=12))
     left = [len(sched.step()) for _ in range(2)]
     assert left == [0, 1]  # the K = 3 request: 2 rounds of 4 tokens
-    assert set(sched._rounds.by_bucket) == {(4, 3)}
+    assert set(sched._rounds.by_bucket) == {(4, 3, False)}
     done = sched.run()
     assert len(done) == 3 and all(int(f.lengths.max()) == 12 for f in done)
     assert sched.round == 2 + (12 - 2 * 2) // 2  # the K = 1 requests: 2 tokens a round
-    assert set(sched._rounds.by_bucket) == {(4, 3), (4, 1)}
+    assert set(sched._rounds.by_bucket) == {(4, 3, False), (4, 1, False)}
 
 
 @pytest.mark.parametrize("device", DEVICES)

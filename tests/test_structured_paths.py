@@ -76,7 +76,10 @@ def test_unsupported_keywords_are_named(schema, keyword):
         auto = JSONSchema(schema)
     except sd.SMCDecodeError:  # llguidance refuses some of them too (not, oneOf): never unconstrained
         return
-    assert auto.path == "llguidance" and repr(keyword) in auto.path_reason
+    if auto.path == "superset":  # a keyword that only narrows the documents: the superset drops it
+        assert any(keyword in w for w in auto.superset_widens), auto.superset_widens
+    else:
+        assert auto.path == "llguidance" and repr(keyword) in auto.path_reason
 
 
 def test_pattern_is_a_search_unless_anchored():
@@ -258,13 +261,118 @@ def test_both_paths_take_the_same_string_characters(text, ok):
         assert JSONSchema(schema, path=path).bind(model).matches(text) is ok, path
 
 
-def test_auto_keeps_llguidance_where_the_device_path_would_take_a_subset():
+def test_auto_takes_the_superset_where_the_device_path_would_take_a_subset():
     """Formats and bounded numbers: the device regex is a strict subset of llguidance's documents, so
-    'auto' keeps llguidance (both paths must sample the same target) and says why; 'automaton' takes
-    the subset when asked."""
-    for schema, what in (({"type": "string", "format": "email"}, "format 'email'"),
+    'auto' does not take it (every path must sample the same target): it takes the superset path,
+    whose automaton widens them, and says where; 'automaton' takes the subset when asked."""
+    for schema, what in (({"type": "string", "format": "email"}, "format"),
                          ({"type": "number", "minimum": 0, "maximum": 5}, "bounded number")):
         auto = JSONSchema(schema)
-        assert auto.path == "llguidance" and what in auto.path_reason, auto.path_reason
+        assert auto.path == "superset" and any(what in w for w in auto.superset_widens), auto.superset_widens
         assert JSONSchema(schema, path="automaton").path == "automaton"
     assert JSONSchema({"type": "integer", "minimum": 0, "maximum": 5}).path == "automaton"  # (exact)
+
+
+# -- the superset path -------------------------------------------------------------------------------
+
+# bounded numbers: the exact regex would take a strict subset (no exponent), the superset any number
+S_BOUNDED = {"type": "array", "items": {"type": "number", "minimum": 0, "maximum": 1}, "minItems": 1, "maxItems": 2}
+
+
+def test_superset_masks_contain_llguidance_masks_on_every_short_sequence():
+    """After every prefix llguidance keeps, the superset automaton allows every token llguidance
+    allows (the proposal's support holds the target's), and somewhere more (it is wider)."""
+    model = _toy()
+    sup, llg = JSONSchema(S_BOUNDED).bind(model), JSONSchema(S_BOUNDED, path="llguidance").bind(model)
+    assert sup.path == "superset" and sup.token_automaton is None
+    a = sup.superset_automaton
+    text = [t for t in range(len(VOCAB)) if t not in (0, EOS)]
+    wider = checked = 0
+    for n in range(5):
+        for seq in itertools.product(text, repeat=n):
+            ok = torch.isfinite(llg.logw_next(list(seq)))
+            if not ok.any():
+                continue
+            state = torch.tensor([a.initial])
+            for t in seq:
+                state = a.advance(state, torch.tensor([t]))
+            mask = a.allowed(state)[0]
+            assert not (ok & ~mask).any(), [VOCAB[t] for t in seq]
+            wider += int((mask & ~ok).any())
+            checked += 1
+    assert checked >= 10 and wider > 0
+
+
+def test_superset_path_choice_and_errors():
+    open_keys = {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "boolean"}}
+    c = JSONSchema(open_keys)
+    assert c.path == "superset" and c.superset_widens == ["further keys (repeats too) at /"]
+    assert JSONSchema(open_keys, path="llguidance").path == "llguidance"
+    assert JSONSchema(SCHEMA, path="superset").path == "superset"  # (asked for: its superset is itself)
+    # any value (no type) has no regular superset that guides: auto keeps llguidance, asked for raises
+    assert JSONSchema({"type": "object"}).path == "llguidance"
+    with pytest.raises(UnsupportedSchema, match="'\\(any\\)'"):
+        JSONSchema({"type": "object"}, path="superset")
+    with pytest.raises(sd.SMCDecodeError, match="path must be one of"):
+        JSONSchema(SCHEMA, path="supersets")
+
+
+def test_engine_superset_round_is_exact_and_one_particle_takes_masks():
+    """The engine's superset path (device automaton of the superset, llguidance's check of each
+    round's tokens, weight 0 where they leave the documents) samples the exact target; a request of
+    one particle (locally-masked decoding) takes llguidance's masks instead, so it never dies."""
+    engine, model = _tiny_engine()
+    constraint = JSONSchema(S_BOUNDED).bind(model)
+    target = sd.LM(model) * constraint
+    assert constraint.path == "superset" and DeviceAutomaton.of(constraint, "cpu") is not None
+    exact = exact_target(target, PROMPT, 4)
+    kw = dict(block_size=2, max_new_tokens=4, draft_temperature=1.2, target_temperature=1.0, eos_token_id=EOS,
+              ess_threshold=0.5, resampler="systematic", target=EngineTarget.of(target))
+    out = engine.smc_sd([PROMPT] * 1200, particles=4, seed=11, **kw)
+    out = type("Out", (), dict(tokens=out.tokens.cpu(), lengths=out.lengths.cpu(),
+                               log_weights=out.log_weights.cpu(), log_evidence=out.log_evidence.cpu()))
+    for g in range(1200):
+        for x, w in zip(sequences(out, g), out.log_weights[g].tolist()):
+            if w > float("-inf"):  # (the superset ends "[2]"; llguidance's check gives it weight 0)
+                assert constraint.is_valid(model.decode([t for t in x if t != EOS])), x
+    check_distribution(out, exact, z_max=5.0)
+    check_evidence_unbiased(out, exact.log_Z, z_max=5.0)
+    one = engine.smc_sd([PROMPT] * 200, particles=1, seed=12, **{**kw, "max_new_tokens": 8})
+    for g in range(200):
+        x = one.tokens[g, 0, : one.lengths[g, 0]].tolist()
+        assert x[-1] == EOS and constraint.is_valid(model.decode(x[:-1])), x
+
+
+SUPERSET_SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 130}},
+     "required": ["name"], "additionalProperties": {"type": "integer"}},
+    {"type": "object", "properties": {"d": {"type": "string", "format": "date"},
+                                      "n": {"type": "number", "minimum": 0.5, "maximum": 2}},
+     "required": ["d", "n"], "additionalProperties": False, "patternProperties": {"^x[0-9]$": {"type": "boolean"}}},
+]
+SUPERSET_DOCUMENTS = [
+    ['{"name": "Ann", "age": 31, "x": 5}', '{"name": "Bo", "extra key": -2, "b": 0}', '{"name": "é"}'],
+    ['{"d": "2024-02-29", "n": 1.5, "x1": true}', '{"d": "1999-12-31", "n": 2}'],
+]
+
+
+@pytest.mark.slow
+def test_superset_masks_contain_llguidance_masks_on_the_default_model():
+    model = sd.load_model()
+    for schema, docs in zip(SUPERSET_SCHEMAS, SUPERSET_DOCUMENTS):
+        sup = JSONSchema(schema).bind(model)
+        llg = JSONSchema(schema, path="llguidance").bind(model)
+        assert sup.path == "superset"
+        a = sup.superset_automaton
+        assert a.nbytes < 16 * 2**20
+        for doc in docs:
+            assert sup.is_valid(doc), doc
+            ids = model.encode(doc) + [model.eos_token_id]
+            state, sl = torch.tensor([a.initial]), llg.start(1)
+            for i, t in enumerate(ids):
+                ml, ms = llg.allowed(sl)[0], a.allowed(state)[0]
+                missing = (ml & ~ms).nonzero().flatten().tolist()
+                assert not missing, (doc, model.decode(ids[:i]), [model.token_strings[d] for d in missing[:5]])
+                assert ml[t], (doc, i)
+                state, sl = a.advance(state, torch.tensor([t])), llg.advance(sl, torch.tensor([t]))

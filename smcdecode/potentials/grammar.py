@@ -41,7 +41,8 @@ from .json_keys import DEAD, START, KeyTracker
 from .token_bytes import _llguidance, llguidance_tokenizer, token_texts
 
 SYNTAXES = ("lark", "gbnf")
-PATHS = ("auto", "automaton", "llguidance")  # how a constraint's masks are computed (Grammar, JSONSchema)
+# how a constraint's masks are computed (Grammar, JSONSchema; JSONSchema also "superset")
+PATHS = ("auto", "automaton", "llguidance")
 
 # -- particle states ---------------------------------------------------------------------------
 
@@ -104,6 +105,11 @@ class LLGuidanceConstraint(TokenConstraint):
     path = "llguidance"
     path_reason = ""
     automaton = None
+    # the "superset" path (JSONSchema): llguidance's parser state as on the llguidance path, and a token
+    # automaton of a superset of the documents, which the engine steps on the device as its proposal's
+    # mask while the host checks each round's tokens with llguidance (backends/engine/host_masks.py)
+    _superset_fsm = None
+    superset_automaton = None
 
     def _validate(self) -> None:
         """Grammar errors that do not depend on the vocabulary, reported at construction (on either path)."""
@@ -167,6 +173,14 @@ class LLGuidanceConstraint(TokenConstraint):
         template = llg.LLMatcher(tok, self._grammar, log_level=0)
         if template.is_error():
             raise self._error(template.get_error())
+        if self._superset_fsm is not None:
+            from .automaton import TooLarge
+            from .regex import compile_fsm
+
+            try:
+                self.superset_automaton = compile_fsm(self._superset_fsm, model)
+            except TooLarge as e:
+                raise SMCDecodeError(f"{e}: use path='llguidance' here") from None
         self._template = template
         self._tok, self._lanes = tok, [template]
         self._executor = _executor(self.threads)

@@ -29,6 +29,8 @@ from ..errors import SMCDecodeError
 from .grammar import PATHS, LLGuidanceConstraint, _llguidance, lark_header
 
 WHITESPACE = ("compact", "flexible")
+SUPERSET = ("a superset of the documents forms a regular language (its automaton masks the proposal on the "
+            "engine's device, llguidance checks each round's tokens; elsewhere llguidance's masks)")
 
 
 def schema_dict(schema) -> tuple[dict, Any]:
@@ -232,9 +234,18 @@ class JSONSchema(LLGuidanceConstraint):
     which the engine steps on the device inside its captured round; a schema the translation cannot
     honour raises :class:`~smcdecode.potentials.schema_regex.UnsupportedSchema` naming the keyword.
     "llguidance": llguidance's parser masks (any schema it supports, recursive ones too).
-    "auto" (default): the automaton where the schema compiles to one, llguidance otherwise.
-    ``self.path`` says which was chosen and ``self.path_reason`` why.
+    "superset": for the engine's SMC-SD, a token automaton of a regular *superset* of the documents
+    (``schema_regex.superset_regex``: open objects' further keys, formats, bounded numbers, …)
+    masks the proposal on the device, and the host checks each round's tokens with llguidance: a
+    particle that left the documents gets weight 0. The target is the same (the weights are exact);
+    the proposal is masked less, so particles can die. Requests of one particle (locally-masked
+    decoding) and every other backend use llguidance's masks. ``self.superset_widens`` says where
+    the superset is wider.
+    "auto" (default): the automaton where the schema's documents are regular, else the superset path
+    where a superset is, else llguidance. ``self.path`` says which was chosen and ``self.path_reason`` why.
     """
+
+    superset_widens: list = []
 
     def __init__(
         self,
@@ -249,8 +260,8 @@ class JSONSchema(LLGuidanceConstraint):
         model=None,
         threads: int | None = None,
     ):
-        if path not in PATHS:
-            raise SMCDecodeError(f"path must be one of {PATHS}, got {path!r}")
+        if path not in PATHS + ("superset",):
+            raise SMCDecodeError(f"path must be one of {PATHS + ('superset',)}, got {path!r}")
         if whitespace not in WHITESPACE:
             raise SMCDecodeError(f"whitespace must be one of {WHITESPACE}, got {whitespace!r}")
         self.schema, self.pydantic_model = schema_dict(schema)
@@ -268,9 +279,11 @@ class JSONSchema(LLGuidanceConstraint):
             options.update(whitespace_flexible=True)
         self.force_canonical = bool(force_canonical)
         regex, fsm, self.path_reason = self._choose_path(path)
-        if regex is not None:
+        if regex is not None and self.path_reason != SUPERSET:
             self._use_automaton(regex, fsm, threads, model)
             return
+        if regex is not None:
+            self.path, self.superset_regex, self._superset_fsm = "superset", regex, fsm
         llg = _llguidance()
         # x-guidance carries the JSON options (ours override any in the schema); the Lark wrapper
         # carries the tokenisation option
@@ -284,25 +297,38 @@ class JSONSchema(LLGuidanceConstraint):
         """(the documents as a regex and its character automaton for the automaton path, or None, None
         for llguidance; why)."""
         from .regex import char_fsm
-        from .schema_regex import UnsupportedSchema, schema_regex_and_subsets
+        from .schema_regex import UnsupportedSchema, schema_regex_and_subsets, superset_regex
 
         if path == "llguidance":
             return None, None, "asked for (path='llguidance')"
+        why = "asked for (path='superset')"
+        if path != "superset":
+            try:
+                if self.force_canonical:
+                    raise UnsupportedSchema("(force_canonical)", "", "canonical tokenisation is llguidance's rule")
+                regex, subsets = schema_regex_and_subsets(self.compiled_schema, self.whitespace, self.coerce_one_of)
+                if subsets and path != "automaton":
+                    # NOTE: every path must sample the same target: where the device path would take a strict
+                    # subset of the documents (formats, bounded numbers), 'auto' does not take it
+                    raise UnsupportedSchema("(subset)", "", "the device path takes a strict subset of the documents "
+                                            "here (" + "; ".join(subsets) + "): path='automaton' accepts that subset")
+                return regex, char_fsm(regex), "the schema's documents form a regular language"
+            except UnsupportedSchema as e:
+                if path == "automaton":
+                    raise
+                why = str(e)
+        # the superset path: a device automaton of more documents, llguidance's check of each round
         try:
             if self.force_canonical:
                 raise UnsupportedSchema("(force_canonical)", "", "canonical tokenisation is llguidance's rule")
-            regex, subsets = schema_regex_and_subsets(self.compiled_schema, self.whitespace, self.coerce_one_of)
-            if subsets and path != "automaton":
-                # NOTE: both paths must sample the same target: where the device path would take a strict
-                # subset of the documents (formats, bounded numbers), 'auto' keeps llguidance
-                return None, None, ("the device path takes a strict subset of the documents here ("
-                              + "; ".join(subsets) + "): path='automaton' accepts that subset")
+            regex, wider = superset_regex(self.compiled_schema, self.whitespace, self.coerce_one_of)
             fsm = char_fsm(regex)
         except UnsupportedSchema as e:
-            if path == "automaton":
+            if path == "superset":
                 raise
-            return None, None, str(e)
-        return regex, fsm, "the schema's documents form a regular language"
+            return None, None, f"{why}; no superset automaton either: {e}"
+        self.superset_widens = wider
+        return regex, fsm, SUPERSET
 
     def __repr__(self) -> str:
         text = json.dumps(self.schema, separators=(",", ":"))

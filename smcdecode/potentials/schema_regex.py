@@ -14,6 +14,18 @@ the year 0000; ``email`` is ``local@domain.tld`` in ASCII. A keyword the transla
 raises :class:`UnsupportedSchema` naming it (the constraint then runs on llguidance, or the error
 reaches the user when the device path was asked for); keywords that are not JSON Schema's are
 ignored, as validators ignore them.
+
+``superset=True`` (:func:`superset_regex`) asks instead for a regex of a *superset* of the documents
+llguidance generates for a schema the exact translation refuses (the proposal of the engine's
+superset path: the device masks with it, llguidance checks each round's tokens). It follows
+llguidance's layout where it is exact and widens the rest: an object open to other keys gets, after
+its declared properties, any number of further ``"key": value`` pairs (a key a ``patternProperties``
+pattern matches with its value, or any key with the ``additionalProperties`` value; repeated and
+declared keys too); bounded numbers take any
+number; formats, unsupported patterns and long strings any string; keywords that only narrow the
+documents (``uniqueItems``, ``minProperties``, ``multipleOf``, ``propertyNames``, ``contains``, …)
+are dropped. Any JSON value (``{}``, no type) and recursion stay refused: a regular superset of them
+follows no structure (its automaton guides nothing, and a bounded one is no superset).
 """
 
 from __future__ import annotations
@@ -61,6 +73,17 @@ FORMATS = {
 }
 
 
+# any JSON string (every escape): the superset's keys and widened strings
+ANY_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+ANY_STRING = '"' + ANY_CHAR + '*"'
+# keywords that only narrow the documents (dropped by the superset translation)
+_NARROWING = {
+    "uniqueItems", "minProperties", "maxProperties", "multipleOf", "propertyNames", "contains", "minContains",
+    "maxContains", "dependentRequired", "unevaluatedProperties", "unevaluatedItems",
+}
+_COUNTS = ("minProperties", "maxProperties")
+
+
 class UnsupportedSchema(SMCDecodeError):
     """A schema keyword the regular translation cannot honour; ``keyword`` and ``where`` (a JSON
     pointer) say which."""
@@ -86,16 +109,29 @@ def schema_regex_and_subsets(schema: dict, whitespace: str = "compact", coerce_o
     """(the regex, where it is a strict subset of the llguidance path's documents: "keyword at
     pointer" for each ``format`` and each bounded ``number``)."""
     t = _Translator(schema, whitespace, coerce_one_of)
-    out = t.value(schema, "", ())
+    return _sized(t.value(schema, "", ())), t.subsets
+
+
+def superset_regex(schema: dict, whitespace: str = "compact", coerce_one_of: bool = False) -> tuple[str, list[str]]:
+    """(a regex of a superset of the documents llguidance generates for ``schema``, where it is wider:
+    "what at pointer" for each widening; see the module docstring); raises :class:`UnsupportedSchema`
+    where no superset is built (a conjunction it cannot merge, a keyword llguidance refuses too)."""
+    t = _Translator(schema, whitespace, coerce_one_of, superset=True)
+    return _sized(t.value(schema, "", ())), t.wider
+
+
+def _sized(out: str) -> str:
     if len(out) > MAX_REGEX:
         raise UnsupportedSchema("(size)", "", f"the regex has {len(out)} characters, more than {MAX_REGEX}")
-    return out, t.subsets
+    return out
 
 
 class _Translator:
-    def __init__(self, root: dict, whitespace: str, coerce_one_of: bool):
+    def __init__(self, root: dict, whitespace: str, coerce_one_of: bool, superset: bool = False):
         self.root = root
         self.coerce_one_of = coerce_one_of
+        # superset: widen what the exact translation refuses (listed in ``wider``), see superset_regex
+        self.superset, self.wider = superset, []
         if whitespace == "compact":
             self.ws, self.item_sep, self.key_sep = "", ", ", ": "
         else:
@@ -107,6 +143,11 @@ class _Translator:
     def sep(self, text: str) -> str:
         return text if self.flexible else literal(text)
 
+    def widen(self, what: str, where: str, regex: str) -> str:
+        """(superset translation) ``regex`` in place of what the exact one refuses, noted in ``wider``."""
+        self.wider.append(f"{what} at {where or '/'}")
+        return regex
+
     # -- dispatch ------------------------------------------------------------------------------
     def value(self, s, where: str, refs: tuple) -> str:
         if s is True or s == {}:
@@ -115,8 +156,13 @@ class _Translator:
             raise UnsupportedSchema("false", where, "the schema `false` accepts nothing")
         if not isinstance(s, dict):
             raise UnsupportedSchema("(schema)", where, f"a subschema must be an object, got {s!r}")
+        if self.superset:
+            narrowing = [k for k in s if k in _NARROWING]
+            if narrowing:  # (min/maxProperties stay for object(): they change llguidance's layout)
+                self.wider.append(f"{', '.join(narrowing)} dropped at {where or '/'}")
+                s = {k: v for k, v in s.items() if k not in _NARROWING or k in _COUNTS}
         for k in s:
-            if k in KEYWORDS and k not in _HANDLED:
+            if k in KEYWORDS and k not in _HANDLED and not (self.superset and k in _COUNTS):
                 raise UnsupportedSchema(k, where, "not expressible as a regular language here")
         if "$ref" in s:
             return self.ref(s, where, refs)
@@ -124,7 +170,8 @@ class _Translator:
             return self.value(self.merge_all_of(s, where), where, refs)
         for key in ("anyOf", "oneOf"):
             if key in s:
-                if key == "oneOf" and not self.coerce_one_of:
+                if key == "oneOf" and not self.coerce_one_of and not self.superset:
+                    # (llguidance takes a oneOf whose branches it proves disjoint: within their anyOf)
                     raise UnsupportedSchema("oneOf", where, "exactly one branch must match (coerce_one_of=True "
                                             "enforces it as anyOf)")
                 others = [k for k in s if k in KEYWORDS and k not in ANNOTATIONS and k != key]
@@ -132,6 +179,8 @@ class _Translator:
                     raise UnsupportedSchema(key, where, f"{key} beside {others[0]!r} (their conjunction)")
                 if not isinstance(s[key], list) or not s[key]:
                     raise UnsupportedSchema(key, where, "must be a non-empty list")
+                if key == "oneOf" and not self.coerce_one_of:
+                    self.wider.append(f"oneOf (as anyOf) at {where or '/'}")
                 return _alt([self.value(b, f"{where}/{key}/{i}", refs) for i, b in enumerate(s[key])])
         if "enum" in s or "const" in s:
             return self.literals(s, where)
@@ -248,9 +297,13 @@ class _Translator:
         return _alt([p for p in parts if p])
 
     def number(self, s: dict, where: str) -> str:
+        if self.superset and any(k in s for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
+            return self.widen("bounded number", where, NUMBER)
         lo, lo_open, hi, hi_open = self.bounds(s, where, integral=False)
         if lo is None and hi is None:
             return NUMBER
+        if self.superset:
+            return self.widen("bounded number", where, NUMBER)
         self.subsets.append(f"bounded number at {where or '/'} (no exponent)")
         parts = []
         if hi is None or hi > 0 or (hi == 0 and not hi_open):  # v >= 0
@@ -264,6 +317,13 @@ class _Translator:
         return _alt([p for p in parts if p])
 
     def string(self, s: dict, where: str) -> str:
+        if self.superset:  # the exact string where there is one, else any string
+            exact = _Translator(self.root, "compact", self.coerce_one_of)
+            try:
+                out = exact.string(s, where)
+            except UnsupportedSchema as e:
+                return self.widen(f"{e.keyword} (any string)", where, ANY_CHAR + "*")
+            return self.widen("format (any string)", where, ANY_CHAR + "*") if exact.subsets else out
         fmt, pattern = s.get("format"), s.get("pattern")
         counted = "minLength" in s or "maxLength" in s
         if fmt is not None:
@@ -324,6 +384,10 @@ class _Translator:
         prefix = s.get("prefixItems", s["items"] if listed else [])
         rest = s.get("additionalItems", True) if listed else s.get("items", True)
         lo, hi = s.get("minItems", 0), s.get("maxItems")
+        if self.superset and (not isinstance(lo, int) or lo > MAX_COUNT):
+            lo = self.widen("minItems", where, 0)
+        if self.superset and hi is not None and (not isinstance(hi, int) or hi > MAX_COUNT):
+            hi = self.widen("maxItems", where, None)
         for key, v in (("minItems", lo), ("maxItems", hi)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v > MAX_COUNT):
                 raise UnsupportedSchema(key, where, f"{v!r}: counts above {MAX_COUNT} are not spelled out")
@@ -357,22 +421,46 @@ class _Translator:
         props = s.get("properties", {})
         if not isinstance(props, dict):
             raise UnsupportedSchema("properties", where, "must be an object")
+        others = []  # (superset) the values of further keys: pattern and additional properties
         if s.get("additionalProperties", True) is not False:
-            raise UnsupportedSchema("additionalProperties", where, "an object open to other keys: which keys it "
-                                    "already holds (no key twice) is not a regular property")
+            if not self.superset:
+                raise UnsupportedSchema("additionalProperties", where, "an object open to other keys: which keys "
+                                        "it already holds (no key twice) is not a regular property")
+            others.append((ANY_STRING, self.value(s.get("additionalProperties", True), f"{where}/additionalProperties",
+                                                  refs)))
         for pat, sub in (s.get("patternProperties") or {}).items():
             if sub is not False:
-                raise UnsupportedSchema("patternProperties", where, "pattern properties with a schema")
-            props = {k: v for k, v in props.items() if not re.search(pat, k)}
+                if not self.superset:
+                    raise UnsupportedSchema("patternProperties", where, "pattern properties with a schema")
+                try:  # (a key the pattern matches, where the pattern has an exact translation)
+                    key = '"' + _Translator(self.root, "compact", False).pattern(pat, where) + '"'
+                except UnsupportedSchema:
+                    key = ANY_STRING
+                others.append((key, self.value(sub, f"{where}/patternProperties/{pat}", refs)))
+            elif not self.superset:
+                props = {k: v for k, v in props.items() if not re.search(pat, k)}
+            if self.superset and sub not in (True, {}) and any(_search(pat, k) for k in props):
+                # (llguidance merges the two schemas of such a key, in a layout not followed here)
+                raise UnsupportedSchema("patternProperties", where, f"a declared property matches {pat!r}")
         required = s.get("required", [])
         missing = [r for r in required if r not in props]
-        if missing:
+        if missing and not others:  # (with further keys, llguidance writes them among those: in the superset)
             raise UnsupportedSchema("required", where, f"{missing[0]!r} is required but not an allowed property")
         names = list(props)
         key_sep, sep = self.sep(self.key_sep), self.sep(self.item_sep)
         items = [literal(json.dumps(n, ensure_ascii=False)) + key_sep + self.value(props[n], f"{where}/properties/{n}",
                                                                                  refs) for n in names]
         req = [n in required for n in names]
+        if self.superset and any(k in s for k in _COUNTS):  # (llguidance's layouts for them: subsets of these)
+            req = [False] * len(names)
+        if others:
+            # llguidance's layout: the further pairs after the declared properties, any number of them
+            # (a key once, other than the declared ones: the superset takes any key, repeats too)
+            self.wider.append(f"further keys (repeats too) at {where or '/'}")
+            pair = _alt([k + key_sep + v for k, v in others])
+            names.append("(further keys)")
+            items.append(pair + "(?:" + sep + pair + ")*")
+            req.append(False)
         tails: dict[int, str] = {}
 
         def tail(i: int) -> str:  # properties i.. after at least one written
@@ -407,6 +495,13 @@ _TYPE_KEYWORDS = (
     ("string", ("minLength", "maxLength", "pattern", "format")),
     ("number", ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")),
 )
+
+
+def _search(pattern: str, text: str) -> bool:
+    try:
+        return re.search(pattern, text) is not None
+    except re.error:
+        return True  # (unknown: assume it matches)
 
 
 def _inferred_type(s: dict):

@@ -17,6 +17,13 @@ Host and device overlap: the round hands each draft column over as soon as it is
 (``drafted``: a non-blocking copy and an event), so the host waits for that sample only and
 computes the next step's masks while the device runs the draft's next forward (or, for the bonus,
 the target's pass).
+
+Checked requests (a JSONSchema on the superset path, a request of several particles): the round
+masks their proposal with the superset's automaton on the device and has no host point for them;
+after the proposal the host reads each row's new tokens once and advances its llguidance state by
+them (``check``), and a row whose tokens llguidance refused gets weight 0 before the resampling
+(``dead``). The same target: the proposal has every valid continuation in its support, and a
+particle outside the documents carries weight 0.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...potentials.grammar import LLGuidanceConstraint, advance_together, fill_bits_together
+from ...errors import SMCDecodeError
+from ...potentials.grammar import LLGuidanceConstraint, MatcherBatch, advance_together, fill_bits_together
 
 
 class RequestMasks:
@@ -32,6 +40,9 @@ class RequestMasks:
 
     def __init__(self, constraints: list, n: int, block_size: int, budget: int, lane: int = 0):
         self.constraints, self.n = constraints, n
+        # superset-path constraints of a request of several particles: checked after the round
+        # (one particle, locally-masked decoding, takes llguidance's masks: it would die otherwise)
+        self.checked = n > 1 and all(getattr(c, "path", None) == "superset" for c in constraints)
         # (llguidance constraints: each request its own lane, so their masks are filled in parallel)
         self.states = [c.start(n, lane=lane) if isinstance(c, LLGuidanceConstraint) else c.start(n)
                        for c in constraints]
@@ -76,6 +87,37 @@ class RequestMasks:
 
     def fork(self, index: Tensor) -> None:
         self.states = [c.fork(s, index) for c, s in zip(self.constraints, self.states)]
+
+
+def consume_rows(c: LLGuidanceConstraint, state: MatcherBatch, seqs: list) -> MatcherBatch:
+    """``state`` (spent) with row i advanced by the tokens ``seqs[i]`` (a list; None or empty: the row
+    stays as it is): one ``consume_tokens`` per distinct (matcher, tokens), where a shared matcher's
+    first sequence takes it unless a row keeps it, and a further one a copy, taken before any
+    matcher consumes (the engine's superset path: a round's tokens checked at once). A sequence
+    llguidance refuses leaves its matcher in the error state (``MatcherBatch.dead``)."""
+    matchers = state.take()
+    if len(seqs) != len(matchers):
+        raise SMCDecodeError(f"{len(seqs)} token sequences for {len(matchers)} particles: give one per particle")
+    keys = [tuple(q) if q else None for q in seqs]
+    kept = {id(m) for m, k in zip(matchers, keys) if k is None}
+    owners: dict = {}  # (id(matcher), tokens) -> the matcher that consumes them
+    for m, k in zip(matchers, keys):
+        if k is not None and (id(m), k) not in owners:
+            owners[(id(m), k)] = m.deep_copy() if id(m) in kept else m
+            kept.add(id(m))  # (taken: a further sequence of it takes a copy)
+    for (_, k), o in owners.items():
+        o.consume_tokens(list(k))
+    new_keys = None
+    if state.keys is not None:  # (rows that share a matcher share its key state)
+        done: dict = {}
+        new_keys = []
+        for m, k, key in zip(matchers, keys, state.keys):
+            if k is not None and (id(m), k) not in done:
+                for t in k:
+                    key = c._keys.advance(key, t)
+                done[(id(m), k)] = key
+            new_keys.append(key if k is None else done[(id(m), k)])
+    return MatcherBatch([m if k is None else owners[(id(m), k)] for m, k in zip(matchers, keys)], new_keys)
 
 
 def advance_requests(items: list) -> None:
@@ -160,7 +202,7 @@ class HostMasks:
         on the device; every token allowed on the rows no request constrains), without blocking."""
         counted = []
         for slot, m in self.requests.items():
-            if i >= m.K and i != self.k_max:  # past this request's block (its bonus comes at i = K_max)
+            if m.checked or (i >= m.K and i != self.k_max):  # past this request's block (its bonus comes at i = K_max)
                 continue
             step = min(i, m.K)
             if m.counts(step):
@@ -217,10 +259,12 @@ class HostMasks:
             for m, _ in due:
                 m.consumed += 1
 
-    def end(self, bonus: Tensor) -> None:
+    def end(self, bonus: Tensor, buffers: dict | None = None) -> None:
         """The round's end: every request's drafts consumed, then its bonus token where its budget
-        allowed one."""
-        todo = [(m, m.K, self._rows(slot, m.n)) for slot, m in self.requests.items()]
+        allowed one; with the round's ``buffers``, the checked requests' tokens (``check``)."""
+        if buffers is not None:
+            self.check(buffers, self.rows)
+        todo = [(m, m.K, self._rows(slot, m.n)) for slot, m in self.requests.items() if not m.checked]
         self._catch_up(todo)
         due = [(m, r) for m, _, r in todo if m.budget - m.position > m.K]
         if due:
@@ -229,6 +273,38 @@ class HostMasks:
         for m, _, _ in todo:
             m.position += m.K + 1
         self._columns = {}
+
+    @property
+    def masked(self) -> bool:
+        """Does a request ask the round for masks (a host point at each step)?"""
+        return any(not m.checked for m in self.requests.values())
+
+    def check(self, buffers: dict, rows: int) -> None:
+        """After a round's proposal: every checked request's rows advanced by their new tokens
+        (``tokens[row, position : n_gen[row]]`` of the rows active in the round)."""
+        todo = [(slot, m) for slot, m in self.requests.items() if m.checked]
+        if not todo:
+            return
+        n_gen = buffers["n_gen"][:rows].tolist()
+        active = buffers["active"][:rows].tolist()
+        lo = min(m.position for _, m in todo)
+        hi = max(n_gen) if n_gen else lo
+        window = buffers["tokens"][:rows, lo:max(hi, lo)].tolist()
+        for slot, m in todo:
+            r0 = slot * self.n_max
+            seqs = [window[r][m.position - lo : n_gen[r] - lo] if active[r] else None for r in range(r0, r0 + m.n)]
+            # (a checked request's constraints are all llguidance's: the scheduler checks only those)
+            m.states = [consume_rows(c, st, seqs) for c, st in zip(m.constraints, m.states)]
+            m.position = max([n_gen[r] for r in range(r0, r0 + m.n) if active[r]], default=m.position)
+
+    def dead(self, rows: int) -> Tensor:
+        """bool [rows]: the rows of checked requests whose tokens left the documents."""
+        out = torch.zeros(rows, dtype=torch.bool)
+        for slot, m in self.requests.items():
+            if m.checked:
+                for st in m.states:
+                    out[self._rows(slot, m.n)] |= torch.tensor([st.dead(i) for i in range(m.n)], dtype=torch.bool)
+        return out
 
     def rejects(self, rows: int) -> Tensor:
         """bool [rows]: rows whose request's constraints do not accept the prefix as it stands."""
@@ -244,3 +320,4 @@ class HostMasks:
             local = index[self._rows(slot, m.n)] - slot * self.n_max
             if not torch.equal(local, torch.arange(m.n)):
                 m.fork(local)
+

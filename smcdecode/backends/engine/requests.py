@@ -189,5 +189,8 @@ def program_constraints(programs: list, vocab_size: int, device) -> tuple[dict, 
                 raise SMCDecodeError(f"constraint {c!r} is over a vocabulary of {c.model.vocab_size} tokens, "
                                      f"the engine's model has {vocab_size}: bind it to the model the engine runs")
             a = None if t.host_masks else DeviceAutomaton.of(c, device)
-            (own[id(t)].append(a) if a is not None else hosted[id(t)].append(c))
+            if a is not None:
+                own[id(t)].append(a)
+            if a is None or c.path == "superset":  # (the superset path: llguidance checks on the host)
+                hosted[id(t)].append(c)
     return own, hosted

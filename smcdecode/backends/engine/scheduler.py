@@ -13,8 +13,7 @@ reused by later schedulers of the same shape.
     sched = Scheduler(engine, slots=8, max_particles=8, max_block_size=4, eos_token_id=eos)
     sched.submit(Request(prompt_ids, particles=8, block_size=4, max_new_tokens=64))
     while sched.busy:
-        for done in sched.step():   # one round; the requests that finished (in the round read)
-            ...
+        finished = sched.step()   # one round; the requests that finished (in the round read)
 
 Pipelined rounds: where a round allows it (one K for every request, no host work inside the round)
 the host sets pages aside before the launch, the round's graph forks the page table and places them
@@ -26,7 +25,8 @@ the host without waiting for that round (``_collect``).
 A scheduler runs a fixed set of target programs (``target=[...]``; a request names its own in
 ``Request.target``): their automata share one device table, α is per row, rewards are scored per
 program. Constraints whose masks come from the host (llguidance) cut the proposal into parts, the
-host computing masks between them (host_masks.py). ``Engine.smc_sd`` is this loop with every request
+host computing masks between them; on the superset path the host checks the proposal's tokens
+before the resampling instead (host_masks.py). ``Engine.smc_sd`` is this loop with every request
 submitted at once (``batch.run_batch``).
 """
 
@@ -355,30 +355,32 @@ class Scheduler:
 
     def _round(self, bucket: int, k: int):
         """The round over the first ``bucket`` slots with ``k`` draft steps (the largest block size
-        among the requests in them)."""
-        rnd = self._rounds.by_bucket.get((bucket, k))
+        among the requests in them); with host points where a request's masks come from the host."""
+        masked = self.host is not None and self.host.masked
+        rnd = self._rounds.by_bucket.get((bucket, k, masked))
         if rnd is not None:
             return rnd
         full = self.full.buffers
         view = bucket_views(full, bucket, k, self.Nmax)
         rnd = Round(view, None, None, keep=list(self.full.keep))
+        # (the host's work between the proposal and the resampling: rewards, checked requests' tokens)
+        split, host = bool(self.rewards) or self.host is not None, (self.host if masked else None)
         rnd.propose_code, rnd.finish_code = round_code(self.engine, view, self.automata, self.eos, self.pad,
-                                                         self.resampler, self.tau, self.host is not None, self.drafts,
+                                                         self.resampler, self.tau, masked, self.drafts,
                                                          self.exact_only)
+        # NOTE: capturing runs the round once (warm-up); save and restore every buffer around it, and
+        # the random stream (a run draws the same whether its rounds were captured now or before)
         if self.use_graphs:
-            # NOTE: capturing runs the round once (warm-up); save and restore every buffer around it, and
-            # the random stream (a run draws the same whether its rounds were captured now or before)
             saved = {name: [t.clone() for t in (v if isinstance(v, list) else [v])] for name, v in full.items()}
             cuda = self.engine.device.type == "cuda"
             rng = torch.cuda.get_rng_state(self.engine.device) if cuda else torch.get_rng_state()
-            capture_round(self.engine, rnd, True, split=bool(self.rewards), host=self.host)
+        capture_round(self.engine, rnd, self.use_graphs, split=split, host=host)
+        if self.use_graphs:
             torch.cuda.set_rng_state(rng, self.engine.device) if cuda else torch.set_rng_state(rng)
             for name, v in full.items():
                 for t, o in zip(v if isinstance(v, list) else [v], saved[name]):
                     t.copy_(o)
-        else:
-            capture_round(self.engine, rnd, False, split=bool(self.rewards), host=self.host)
-        self._rounds.by_bucket[(bucket, k)] = rnd
+        self._rounds.by_bucket[(bucket, k, masked)] = rnd
         return rnd
 
     def _shape(self, occupied: list[int]) -> tuple[int, int, dict]:
@@ -505,7 +507,7 @@ class Scheduler:
             self.host.begin(R, k, rnd.buffers["drafts"])
         rnd.propose()
         if self.host is not None:
-            self.host.end(rnd.buffers["bonus"])
+            self.host.end(rnd.buffers["bonus"], rnd.buffers)
         if self.rewards or self.host is not None:
             t1 = time.perf_counter()
             host_terms(rnd.buffers, [(tracker, mine[:R]) for _, tracker, mine in self.rewards], self.host, self.cap)

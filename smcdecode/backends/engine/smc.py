@@ -71,13 +71,15 @@ class Round:
 
 def host_terms(b: dict, rewards: list, hosted, longest_new: int) -> None:
     """Reward increments (``rewards``: (RewardTracker, its rows as a bool mask or None for all)) and
-    the host constraints' verdict on cut sequences -> b["host_incr"]."""
+    the host constraints' verdict on cut sequences and on checked rows' tokens -> b["host_incr"]."""
     active, ended, hit_eos = b["active"].cpu(), b["ended"].cpu(), b["hit_eos"].cpu()
     B = active.shape[0]
     incr = torch.zeros(B, dtype=torch.float64)
     if hosted is not None:
         if bool((ended & ~hit_eos).any()):
             incr = steps.reject_cut(incr, ended, hit_eos, ~hosted.rejects(B))
+        # (checked requests: a row whose new tokens left the documents gets weight 0)
+        incr = torch.where(active & hosted.dead(B), NEG_INF, incr)
     if rewards and bool(active.any()):
         tokens, lengths = b["tokens"][:, :longest_new].cpu(), b["n_gen"].cpu()
         for tracker, mine in rewards:

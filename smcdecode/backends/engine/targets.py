@@ -37,14 +37,16 @@ class DeviceAutomaton:
     @classmethod
     def of(cls, constraint, device) -> DeviceAutomaton | None:
         """The automaton of a constraint on the automaton path (a ``Regex``, or a ``JSONSchema`` whose
-        ``path`` is "automaton"); None for constraints whose masks come from llguidance. Cached per
-        constraint and device (captured graphs are keyed by the table they read)."""
-        if getattr(constraint, "path", None) != "automaton":
+        ``path`` is "automaton"), or of the superset of a ``JSONSchema`` on the superset path (its
+        documents are then checked on the host); None for constraints whose masks come from
+        llguidance. Cached per constraint and device (captured graphs are keyed by the table they read)."""
+        path = getattr(constraint, "path", None)
+        if path not in ("automaton", "superset"):
             return None
         cache = _AUTOMATA.setdefault(constraint, {})
         key = str(torch.device(device))
         if key not in cache:
-            a = constraint.token_automaton
+            a = constraint.token_automaton if path == "automaton" else constraint.superset_automaton
             cache[key] = cls(a.table.to(device=device, dtype=torch.int32).contiguous(),
                              a.classes.to(device=device, dtype=torch.long).contiguous(), a.accepting.to(device),
                              int(a.initial), int(a.dead))

@@ -1,5 +1,6 @@
 """Structured output on the engine: SMC-SD tok/s with a JSON Schema constraint, on the device-automaton
-path and on the llguidance (host-mask) path, against the same engine unconstrained.
+path, the superset path (device automaton of a superset, llguidance's check each round) and the
+llguidance (host-mask) path, against the same engine unconstrained.
 
     python benchmarks/structured_engine.py --smollm2-gguf PATH     # one NVIDIA GPU, ~5 minutes
     python benchmarks/structured_engine.py --tiny                  # CPU check of the script (tiny models)
@@ -66,7 +67,7 @@ DEFAULT_SCHEMA = {"type": "object", "additionalProperties": False, "required": [
 
 
 # an object open to other keys (no ``additionalProperties: false``): not regular once keys must be
-# unique, so ``path="auto"`` takes llguidance, as it does for most schemas that leave the automaton.
+# unique, so ``path="auto"`` takes the superset path (further keys any, repeats too, checked by llguidance).
 # Its strings are enums and its other keys' values bounded, so the random models' particles can end
 # (a particle that opens another key may write its name to the token budget)
 OPEN_SCHEMA = {"type": "object", "required": ["name", "age", "tags"],
@@ -78,7 +79,7 @@ OPEN_SCHEMA = {"type": "object", "required": ["name", "age", "tags"],
 
 
 # keys beyond the declared ones only as ``patternProperties`` allow (x0 … x9, integer values): the
-# automaton does not take pattern properties, so ``path="auto"`` takes llguidance; every document is
+# automaton does not take pattern properties, so ``path="auto"`` takes the superset path; every document is
 # bounded (unique keys), so the random models' particles end too
 PATTERN_SCHEMA = {"type": "object", "required": ["name", "age", "tags"], "additionalProperties": False,
                   "patternProperties": {"^x[0-9]$": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -192,6 +193,9 @@ def measure(name: str, label: str, c, engine: Engine, model, P: list, eos: int, 
            "ms_per_round_constrained": 1e3 * statistics.median(t / o.rounds for o, t in zip(outs, t_con)),
            "ms_per_round_plain_same_length": 1e3 * statistics.median(t_same) / o_same.rounds,
            "documents_ended": ended, "documents_valid": valid,
+           # (requests whose particles all carry weight 0: no sample, e.g. every particle left the documents)
+           "requests_without_sample": sum(int(not torch.isfinite(o.log_weights[g]).any()) for o in outs
+                                          for g in range(G)),
            "host_s": [o.host_s for o in outs], "compile_s": c.compile_s}
     print(f"{name} G={G} {label} {path}: plain {plain:.0f} tok/s, constrained {con:.0f} tok/s "
           f"({100 * con / plain:.0f} %; plain at its {sum(Lc)} tokens {same:.0f} tok/s: "
@@ -298,8 +302,8 @@ def main() -> None:
     ap.add_argument("--schema", type=Path, default=None,
                     help="a JSON Schema file, run on both paths (default: a small closed object schema)")
     ap.add_argument("--no-open", action="store_true",
-                    help="leave out the rows of the pattern-keys and open object schemas (the path the constraint "
-                         "chooses: llguidance)")
+                    help="leave out the rows of the pattern-keys and open object schemas (on the path the "
+                         "constraint chooses, the superset path, and on llguidance)")
     ap.add_argument("--particles", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -325,8 +329,10 @@ def main() -> None:
         device, dtype = "cuda", torch.bfloat16
     schema = json.loads(args.schema.read_text()) if args.schema else DEFAULT_SCHEMA
     label = args.schema.stem if args.schema else "small object"
+    # the pattern-keys and open object schemas: the path 'auto' chooses (the superset path), and llguidance's masks
     schemas = [(label, schema, "automaton"), (label, schema, "llguidance")] + \
-        ([] if args.no_open else [("pattern keys", PATTERN_SCHEMA, "auto"), ("open object", OPEN_SCHEMA, "auto")])
+        ([] if args.no_open else [(lab, sc, p) for lab, sc in (("pattern keys", PATTERN_SCHEMA), ("open object", OPEN_SCHEMA))
+                                  for p in ("auto", "llguidance")])
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "schema": schema,
            "schemas": {lab: sc for lab, sc, _ in schemas},
            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "rows": [],

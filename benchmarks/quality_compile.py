@@ -8,9 +8,9 @@ when its engine call comes up, so compiling overlaps the engine calls instead of
 A pool process loads the model once (for its vocabulary), compiles ``JSONSchema(schema,
 extra_properties=False)`` on path "auto" (an automaton compile past the timeout runs on llguidance)
 and returns the constraint's state without the parts that cannot cross processes (the model, the
-llguidance matcher and executor, the jsonschema validator); :func:`restore` binds that state to the
-GPU process's model again: an automaton is reused as compiled, an llguidance grammar is bound there
-(milliseconds).
+llguidance matcher and executor, the jsonschema validator, character automata); :func:`restore` binds
+that state to the GPU process's model again: an automaton (the superset path's too) is reused as
+compiled, an llguidance grammar is bound there (milliseconds).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import signal
 import time
 
 _MODEL = None
-_LOCAL = ("model", "_template", "_tok", "_lanes", "_executor", "_keys", "validator", "_fsm")
+# (a character automaton does not pickle: interegular's "anything else" symbol is compared by identity)
+_LOCAL = ("model", "_template", "_tok", "_lanes", "_executor", "_keys", "validator", "_fsm", "_superset_fsm")
 
 
 class _Timeout(BaseException):
@@ -49,7 +50,7 @@ def compile_constraint(schema, model, timeout: float, threads: int | None):
             info["path"], info["reason"] = c.path, c.path_reason
             c = c.bind(model)
         except _Timeout:  # (JSONSchema's constructor spends its time on the automaton; bind, on either path)
-            if info["path"] not in (None, "automaton"):
+            if info["path"] not in (None, "automaton", "superset"):
                 raise
             signal.setitimer(signal.ITIMER_REAL, timeout)
             info["reason"] = f"automaton compile over {timeout:g} s: llguidance"
@@ -91,7 +92,7 @@ def restore(state: dict | None, model):
     c = JSONSchema.__new__(JSONSchema)
     c.__dict__.update(state)
     c.validator = check_schema(c.schema)
-    c.model, c._fsm = None, None
+    c.model, c._fsm, c._superset_fsm = None, None, None
     if c.path == "automaton":
         c.model = model  # the token automaton was built for this model's vocabulary in the pool
         return c

@@ -206,6 +206,14 @@ def test_a_compiled_constraint_crosses_processes_and_masks_the_same():
     state = back.start(1)
     assert torch.equal(back.allowed_bits(state), c.allowed_bits(c.start(1)))
     assert qc.restore(None, model) is None
+    # on the superset path (its character automaton stays in the process, its token automaton crosses)
+    vocab = ["{", "}", '"', "a", ":", " ", "1", "<eos>"]
+    model = sd.FunctionModel(lambda ctx: None, vocab=vocab, eos="<eos>")
+    c, info = qc.compile_constraint({"type": "object", "additionalProperties": {"type": "integer"}}, model, 30.0, None)
+    assert info["path"] == "superset", info
+    back = qc.restore(pickle.loads(pickle.dumps(qc.portable(c))), model)
+    assert back.path == "superset" and torch.equal(back.superset_automaton.table, c.superset_automaton.table)
+    assert torch.equal(back.allowed_bits(back.start(1)), c.allowed_bits(c.start(1)))
     # on the llguidance path (its tokenizer and lanes stay in the process; restore compiles them again)
     model = sd.FunctionModel(lambda ctx: None, vocab=["{", "}", '"', "a", ":", " ", "1", "<eos>"], eos="<eos>")
     c, info = qc.compile_constraint({"type": "object", "minProperties": 1}, model, 30.0, None)

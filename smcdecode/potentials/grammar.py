@@ -173,7 +173,7 @@ class LLGuidanceConstraint(TokenConstraint):
         template = llg.LLMatcher(tok, self._grammar, log_level=0)
         if template.is_error():
             raise self._error(template.get_error())
-        if self._superset_fsm is not None:
+        if self._superset_fsm is not None:  # (None with superset_automaton set: compiled for this vocabulary)
             from .automaton import TooLarge
             from .regex import compile_fsm
 

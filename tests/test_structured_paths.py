@@ -16,7 +16,7 @@ import torch
 import smcdecode as sd
 from smcdecode.backends.engine.targets import CombinedAutomaton, DeviceAutomaton, EngineTarget
 from smcdecode.potentials.json_schema import JSONSchema
-from smcdecode.potentials.schema_regex import UnsupportedSchema, schema_regex
+from smcdecode.potentials.schema_regex import ANY_STRING, UnsupportedSchema, schema_regex, string_except
 from smcdecode.testing import check_distribution, check_evidence_unbiased, exact_target, sequences
 
 VOCAB = ["<bos>", "[", "]", "[1", "1", "2", ", ", "true", "<eos>"]
@@ -301,6 +301,22 @@ def test_superset_masks_contain_llguidance_masks_on_every_short_sequence():
             wider += int((mask & ~ok).any())
             checked += 1
     assert checked >= 10 and wider > 0
+
+
+def test_further_keys_exclude_exactly_the_declared_names():
+    """``string_except``: every JSON string of up to four characters from a small alphabet (escapes
+    too) matches unless it is one of the words; a word with a \\u escape falls back to any string."""
+    words = [json.dumps(w) for w in ["name", "age", "nam", 'a"b', "t\\x"]]
+    regex = string_except(words)
+    alphabet = ["n", "a", "m", "e", "g", '\\"', "b", "t", "\\\\", "x", "é", "\\u0041"]
+    checked = 0
+    for k in range(5):
+        for units in itertools.product(alphabet, repeat=k):
+            text = '"' + "".join(units) + '"'
+            assert bool(re.fullmatch(regex, text)) == (text not in words), text
+            checked += 1
+    assert checked > 20000
+    assert string_except(['"\\u00e9"']) == ANY_STRING
 
 
 def test_superset_path_choice_and_errors():

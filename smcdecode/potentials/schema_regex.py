@@ -426,8 +426,9 @@ class _Translator:
             if not self.superset:
                 raise UnsupportedSchema("additionalProperties", where, "an object open to other keys: which keys "
                                         "it already holds (no key twice) is not a regular property")
-            others.append((ANY_STRING, self.value(s.get("additionalProperties", True), f"{where}/additionalProperties",
-                                                  refs)))
+            # (llguidance's further keys are never a declared name, as that name's JSON text)
+            others.append((string_except([json.dumps(n, ensure_ascii=False) for n in props]),
+                           self.value(s.get("additionalProperties", True), f"{where}/additionalProperties", refs)))
         for pat, sub in (s.get("patternProperties") or {}).items():
             if sub is not False:
                 if not self.superset:
@@ -495,6 +496,40 @@ _TYPE_KEYWORDS = (
     ("string", ("minLength", "maxLength", "pattern", "format")),
     ("number", ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")),
 )
+
+
+_ESCAPES = '"\\/bfnrt'
+
+
+def string_except(words: list[str]) -> str:
+    """A regex of the JSON strings (quotes included, any escapes) other than the texts ``words``
+    (JSON string literals, e.g. ``json.dumps(name)``), written out over a trie of their characters;
+    any JSON string (a superset) where a word holds a \\u escape."""
+    trie: dict = {}
+    for w in dict.fromkeys(words):
+        units = re.findall(r'\\u[0-9a-fA-F]{4}|\\.|[^\\]', w[1:-1])
+        if any(u.startswith("\\u") for u in units):
+            return ANY_STRING
+        node = trie
+        for u in units:
+            node = node.setdefault(u, {})
+        node[None] = True  # (a word ends here)
+    return '"' + _not_in(trie)
+
+
+def _not_in(node: dict) -> str:
+    """The rest of a string (closing quote included) after a prefix that reached ``node``, keeping
+    out the words that continue from there."""
+    options = [] if node.get(None) else ['"']
+    raw = [u for u in node if u is not None and not u.startswith("\\")]
+    esc = [u[1] for u in node if u is not None and u.startswith("\\")]
+    other = ["[^\"\\\\\\x00-\\x1f" + "".join(re.escape(c) for c in raw) + "]"]
+    if set(_ESCAPES) - set(esc):
+        other.append("\\\\[" + "".join(re.escape(c) for c in _ESCAPES if c not in esc) + "]")
+    other.append("\\\\u[0-9a-fA-F]{4}")
+    options.append(_alt(other) + ANY_CHAR + '*"')
+    options += [literal(u) + _not_in(child) for u, child in node.items() if u is not None]
+    return _alt(options)
 
 
 def _search(pattern: str, text: str) -> bool:

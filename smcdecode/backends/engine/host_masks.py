@@ -23,7 +23,8 @@ masks their proposal with the superset's automaton on the device and has no host
 after the proposal the host reads each row's new tokens once and advances its llguidance state by
 them (``check``), and a row whose tokens llguidance refused gets weight 0 before the resampling
 (``dead``). The same target: the proposal has every valid continuation in its support, and a
-particle outside the documents carries weight 0.
+particle outside the documents carries weight 0. From the round after one of its particles left the
+documents, a request takes llguidance's masks (so it is not left without a sample when all die).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class RequestMasks:
         # superset-path constraints of a request of several particles: checked after the round
         # (one particle, locally-masked decoding, takes llguidance's masks: it would die otherwise)
         self.checked = n > 1 and all(getattr(c, "path", None) == "superset" for c in constraints)
+        self.switched = False  # checked until a particle left the documents (``HostMasks.check``)
         # (llguidance constraints: each request its own lane, so their masks are filled in parallel)
         self.states = [c.start(n, lane=lane) if isinstance(c, LLGuidanceConstraint) else c.start(n)
                        for c in constraints]
@@ -262,8 +264,6 @@ class HostMasks:
     def end(self, bonus: Tensor, buffers: dict | None = None) -> None:
         """The round's end: every request's drafts consumed, then its bonus token where its budget
         allowed one; with the round's ``buffers``, the checked requests' tokens (``check``)."""
-        if buffers is not None:
-            self.check(buffers, self.rows)
         todo = [(m, m.K, self._rows(slot, m.n)) for slot, m in self.requests.items() if not m.checked]
         self._catch_up(todo)
         due = [(m, r) for m, _, r in todo if m.budget - m.position > m.K]
@@ -273,6 +273,8 @@ class HostMasks:
         for m, _, _ in todo:
             m.position += m.K + 1
         self._columns = {}
+        if buffers is not None:  # (after the masked ones: a request it switches to masks is not caught up twice)
+            self.check(buffers, self.rows)
 
     @property
     def masked(self) -> bool:
@@ -296,12 +298,17 @@ class HostMasks:
             # (a checked request's constraints are all llguidance's: the scheduler checks only those)
             m.states = [consume_rows(c, st, seqs) for c, st in zip(m.constraints, m.states)]
             m.position = max([n_gen[r] for r in range(r0, r0 + m.n) if active[r]], default=m.position)
+            # a particle left the documents: the request takes llguidance's masks from the next round
+            # on (its particles all dying in one round would leave it no sample; the choice rests on
+            # past rounds only, so the weights stay those of the proposal each round used)
+            if any(seqs[i] is not None and any(st.dead(i) for st in m.states) for i in range(m.n)):
+                m.checked, m.switched = False, True
 
     def dead(self, rows: int) -> Tensor:
-        """bool [rows]: the rows of checked requests whose tokens left the documents."""
+        """bool [rows]: the rows of checked requests whose tokens left the documents (this round)."""
         out = torch.zeros(rows, dtype=torch.bool)
         for slot, m in self.requests.items():
-            if m.checked:
+            if m.checked or m.switched:
                 for st in m.states:
                     out[self._rows(slot, m.n)] |= torch.tensor([st.dead(i) for i in range(m.n)], dtype=torch.bool)
         return out

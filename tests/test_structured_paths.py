@@ -392,3 +392,19 @@ def test_superset_masks_contain_llguidance_masks_on_the_default_model():
                 assert not missing, (doc, model.decode(ids[:i]), [model.token_strings[d] for d in missing[:5]])
                 assert ml[t], (doc, i)
                 state, sl = a.advance(state, torch.tensor([t])), llg.advance(sl, torch.tensor([t]))
+
+
+def test_superset_check_of_a_round_takes_eos_after_a_finished_document():
+    """The host's check (``consume_rows``): rows sharing a matcher part ways, a token llguidance
+    refuses kills its row only, and an EOS that comes a round after the document closed is taken."""
+    from smcdecode.backends.engine.host_masks import consume_rows
+
+    model = _toy()
+    c = JSONSchema(S_BOUNDED).bind(model)
+    t = {v: i for i, v in enumerate(VOCAB)}
+    state = c.start(3)
+    state = consume_rows(c, state, [[t["[1"], t["]"]], [t["["], t["2"]], None])
+    assert [state.dead(i) for i in range(3)] == [False, True, False]  # (2 > maximum 1)
+    state = consume_rows(c, state, [[EOS], None, [t["[1"], t[", "], t["1"]]])
+    assert [state.dead(i) for i in range(3)] == [False, True, False]
+    assert c.accepting(state).tolist() == [True, False, False]

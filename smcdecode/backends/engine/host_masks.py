@@ -93,7 +93,7 @@ class RequestMasks:
 
 def consume_rows(c: LLGuidanceConstraint, state: MatcherBatch, seqs: list) -> MatcherBatch:
     """``state`` (spent) with row i advanced by the tokens ``seqs[i]`` (a list; None or empty: the row
-    stays as it is): one ``consume_tokens`` per distinct (matcher, tokens), where a shared matcher's
+    stays as it is): consumed once per distinct (matcher, tokens), where a shared matcher's
     first sequence takes it unless a row keeps it, and a further one a copy, taken before any
     matcher consumes (the engine's superset path: a round's tokens checked at once). A sequence
     llguidance refuses leaves its matcher in the error state (``MatcherBatch.dead``)."""
@@ -107,8 +107,11 @@ def consume_rows(c: LLGuidanceConstraint, state: MatcherBatch, seqs: list) -> Ma
         if k is not None and (id(m), k) not in owners:
             owners[(id(m), k)] = m.deep_copy() if id(m) in kept else m
             kept.add(id(m))  # (taken: a further sequence of it takes a copy)
+    # NOTE: token by token: llguidance's consume_tokens refuses an EOS after a document that stopped
+    # its parser (consume_token takes it)
     for (_, k), o in owners.items():
-        o.consume_tokens(list(k))
+        for t in k:
+            o.consume_token(t)
     new_keys = None
     if state.keys is not None:  # (rows that share a matcher share its key state)
         done: dict = {}

@@ -68,6 +68,7 @@ def summarise(rows: list[dict], totals: dict[str, int] | None = None) -> dict:
             per[m] = dict(
                 schemas=len(rs), compiled=len(compiled) if m != "unconstrained" else None,
                 automaton=sum(r.get("path") == "automaton" for r in rs),
+                superset=sum(r.get("path") == "superset" for r in rs),
                 llguidance=sum(r.get("path") == "llguidance" for r in rs),
                 valid=sum(bool(r["valid"]) for r in rs) / len(rs),
                 valid_of_compiled=(sum(bool(r["valid"]) for r in compiled) / len(compiled)) if compiled else None,
@@ -95,11 +96,11 @@ def table(summary: dict) -> str:
     def num(x, f="{:.2f}"):
         return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f.format(x)
 
-    lines = ["| subset | method | schemas | compiled (automaton + llguidance) | valid | valid of compiled | parses "
+    lines = ["| subset | method | schemas | compiled (automaton + superset + llguidance) | valid | valid of compiled | parses "
              "| log-lik / token | s / output mean (p50 / p99) |", "|---|---|---|---|---|---|---|---|---|"]
     for subset, per in summary["subsets"].items():
         for m, s in per.items():
-            comp = "—" if s["compiled"] is None else f"{s['compiled']} ({s['automaton']} + {s['llguidance']})"
+            comp = "—" if s["compiled"] is None else f"{s['compiled']} ({s['automaton']} + {s.get('superset', 0)} + {s['llguidance']})"
             lines.append(f"| {subset} | {m} | {s['schemas']} | {comp} | {pct(s['valid'])} | {pct(s['valid_of_compiled'])} "
                          f"| {pct(s['parses'])} | {num(s['loglik_per_token'], '{:.3f}')} | {num(s['seconds_mean'], '{:.3f}')} "
                          f"({num(s['seconds_p50'], '{:.3f}')} / {num(s['seconds_p99'], '{:.3f}')}) |")

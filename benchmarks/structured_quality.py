@@ -6,7 +6,7 @@ For each schema of the three subsets in ../shared/data/eval (4,094) and each met
 --max-new-tokens tokens for the prompt "Generate one realistic example object for this schema." with the
 schema in a system message (``structured.schema_prompt``, as ``generate_json`` sends it); the constraint is
 ``JSONSchema(schema, extra_properties=False)`` (``generate_json``'s), path chosen by "auto". Per schema and
-method one JSONL row: compiled or not (with the reason), the path (automaton / llguidance), the output text,
+method one JSONL row: compiled or not (with the reason), the path (automaton / superset / llguidance), the output text,
 whether it ended with EOS, parses, is valid (parses without a repeated key and validates under the schema,
 formats checked: ``JSONSchema.parse``'s rule, for every method), the mean target log-likelihood per token
 (log p_T(x | prompt) / |x| at the target temperature, EOS counted when the output ended with it), and the
@@ -40,7 +40,7 @@ model loading included).
         --block-size 2 --out /tmp/q.jsonl
 
 --summarise FILES prints the coverage (schemas with a row per method, of each subset's schemas in --data)
-and, over the schemas every method has a row for, per subset and method: schemas, compiled (automaton + llguidance), valid % (of
+and, over the schemas every method has a row for, per subset and method: schemas, compiled (automaton + superset + llguidance), valid % (of
 all schemas; of those compiled), parses %, mean log-likelihood per token, seconds per output (mean, p50,
 p99), and writes --summary-out (default benchmarks/results/structured_quality.json).
 """

@@ -35,6 +35,7 @@ import math
 import re
 
 from ..errors import SMCDecodeError
+from .regex_numbers import _alt, _magnitude, _naturals
 
 ANNOTATIONS = {
     "title", "description", "default", "examples", "$comment", "$schema", "$id", "id", "deprecated",
@@ -57,8 +58,6 @@ RAW = r'[^"\\\x00-\x1f\x7f]'
 _BAD_IN_PATTERN = r'[\s\S]*["\\\x00-\x1f\x7f][\s\S]*'
 INTEGER = r"-?(?:0|[1-9][0-9]*)"
 NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
-_FRAC_ANY, _FRAC_ZERO, _FRAC_NONZERO = r"(?:\.[0-9]+)?", r"(?:\.0+)?", r"\.[0-9]*[1-9][0-9]*"
-_D = "[0-9]"
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 _DATE = (r"(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|(?:0[13-9]|1[0-2])-(?:29|30)"
          r"|(?:0[13578]|1[02])-31)")
@@ -559,64 +558,7 @@ def _ops(tree) -> set:
     return out
 
 
-def _alt(options: list[str]) -> str:
-    options = list(dict.fromkeys(options))
-    if len(options) == 1:
-        return options[0]
-    return "(?:" + "|".join(options) + ")"
-
-
 def _count(lo: int, hi: int | None) -> str:
     if hi is None:
         return "*" if lo == 0 else ("+" if lo == 1 else f"{{{lo},}}")
     return "" if lo == hi == 1 else f"{{{lo}}}" if lo == hi else f"{{{lo},{hi}}}"
-
-
-def _same_length(x: str, y: str) -> str:
-    """Digit strings of len(x) from x to y (equal lengths, x <= y, leading zeros allowed)."""
-    if x == y:
-        return x
-    if len(x) == 1:
-        return f"[{x}-{y}]"
-    if x[0] == y[0]:
-        return x[0] + _same_length(x[1:], y[1:])
-    n = len(x) - 1
-    parts = [x[0] + _same_length(x[1:], "9" * n)]
-    if int(x[0]) + 1 <= int(y[0]) - 1:
-        parts.append(f"[{int(x[0]) + 1}-{int(y[0]) - 1}]" + _D + f"{{{n}}}")
-    parts.append(y[0] + _same_length("0" * n, y[1:]))
-    return _alt(parts)
-
-
-def _naturals(lo: int, hi: int | None) -> str:
-    """Decimal integers from lo to hi (None: unbounded), 0 <= lo, without leading zeros; "" if none."""
-    if hi is not None and lo > hi:
-        return ""
-    parts = []
-    if lo == 0:
-        parts.append("0")
-        if hi == 0:
-            return "0"
-        lo = 1
-    top = len(str(hi)) if hi is not None else len(str(lo))
-    for d in range(len(str(lo)), top + 1):
-        a = max(lo, 10 ** (d - 1))
-        b = 10**d - 1 if hi is None or d < top else hi
-        if a <= b:
-            parts.append(_same_length(str(a), str(b)))
-    if hi is None:
-        parts.append("[1-9]" + _D + f"{{{len(str(lo))},}}")
-    return _alt(parts)
-
-
-def _magnitude(lo: int, lo_open: bool, hi: int | None, hi_open: bool) -> str:
-    """Decimals M = I(.F)? (no exponent) with lo <(=) M <(=) hi, 0 <= lo, lo and hi integers; "" if none."""
-    if hi is not None and hi <= lo:
-        return str(lo) + _FRAC_ZERO if hi == lo and not (lo_open or hi_open) else ""
-    parts = [str(lo) + (_FRAC_NONZERO if lo_open else _FRAC_ANY)]
-    inner = _naturals(lo + 1, None if hi is None else hi - 1)
-    if inner:
-        parts.append("(?:" + inner + ")" + _FRAC_ANY)
-    if hi is not None and not hi_open:
-        parts.append(str(hi) + _FRAC_ZERO)
-    return _alt(parts)

@@ -338,20 +338,21 @@ def test_superset_path_choice_and_errors():
         JSONSchema(SCHEMA, path="supersets")
 
 
-@pytest.mark.parametrize("block_size", [3, 2])
-def test_engine_superset_round_is_exact_and_one_particle_takes_masks(block_size):
+@pytest.mark.parametrize("block_size, host_masks", [(3, False), (2, False), (2, True)])
+def test_engine_superset_round_is_exact_and_one_particle_takes_masks(block_size, host_masks):
     """The engine's superset path (device automaton of the superset, llguidance's check of each
     round's tokens, weight 0 where they leave the documents) samples the exact target; a request of
     one particle (locally-masked decoding) takes llguidance's masks instead, so it never dies.
     block_size 3: every document within one round (the check's verdict decides); 2: over two
-    rounds (a request whose particle died switches to masks for the second)."""
+    rounds (a request whose particle died switches to masks for the second); ``host_masks``: the
+    program's constraints all through the host (no device automaton): llguidance's masks."""
     engine, model = _tiny_engine()
     constraint = JSONSchema(S_BOUNDED).bind(model)
     target = sd.LM(model) * constraint
     assert constraint.path == "superset" and DeviceAutomaton.of(constraint, "cpu") is not None
     exact = exact_target(target, PROMPT, 4)
     kw = dict(block_size=block_size, max_new_tokens=4, draft_temperature=1.2, target_temperature=1.0, eos_token_id=EOS,
-              ess_threshold=0.5, resampler="systematic", target=EngineTarget.of(target))
+              ess_threshold=0.5, resampler="systematic", target=EngineTarget.of(target, host_masks=host_masks))
     out = engine.smc_sd([PROMPT] * 1200, particles=4, seed=11, **kw)
     out = type("Out", (), dict(tokens=out.tokens.cpu(), lengths=out.lengths.cpu(),
                                log_weights=out.log_weights.cpu(), log_evidence=out.log_evidence.cpu()))

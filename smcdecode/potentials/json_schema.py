@@ -246,7 +246,7 @@ class JSONSchema(LLGuidanceConstraint):
     outside them often, and particles die), else llguidance. ``self.path`` says which was chosen and ``self.path_reason`` why.
     """
 
-    superset_widens: list = []
+    superset_widens: tuple | list = ()
 
     def __init__(
         self,

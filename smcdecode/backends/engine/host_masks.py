@@ -39,11 +39,13 @@ from ...potentials.grammar import LLGuidanceConstraint, MatcherBatch, advance_to
 class RequestMasks:
     """One request's host constraints over its ``n`` rows, advanced in lockstep."""
 
-    def __init__(self, constraints: list, n: int, block_size: int, budget: int, lane: int = 0):
+    def __init__(self, constraints: list, n: int, block_size: int, budget: int, lane: int = 0,
+                 checks: bool = True):
         self.constraints, self.n = constraints, n
         # superset-path constraints of a request of several particles: checked after the round
-        # (one particle, locally-masked decoding, takes llguidance's masks: it would die otherwise)
-        self.checked = n > 1 and all(getattr(c, "path", None) == "superset" for c in constraints)
+        # (one particle, locally-masked decoding, takes llguidance's masks: it would die otherwise);
+        # ``checks`` False: masks (a program whose constraints all run through the host, for tests)
+        self.checked = checks and n > 1 and all(getattr(c, "path", None) == "superset" for c in constraints)
         self.switched = False  # checked until a particle left the documents (``HostMasks.check``)
         # (llguidance constraints: each request its own lane, so their masks are filled in parallel)
         self.states = [c.start(n, lane=lane) if isinstance(c, LLGuidanceConstraint) else c.start(n)

@@ -280,7 +280,8 @@ class Scheduler:
         for c, s in enumerate(b["states"]):
             s[r] = self.combined.initial_of(own[c]) if c < len(own) else 0
         if self.hosted[id(prog)]:
-            self.host.add(g, RequestMasks(self.hosted[id(prog)], n, req.block_size, req.max_new_tokens, lane=g))
+            self.host.add(g, RequestMasks(self.hosted[id(prog)], n, req.block_size, req.max_new_tokens, lane=g,
+                                          checks=not prog.host_masks))
         for t, tracker, mine in self.rewards:
             mine[r] = t is prog
             if t is prog:  # the prefix rewards' scores of the empty text, as a fresh tracker starts
@@ -294,8 +295,7 @@ class Scheduler:
     def _release(self, g: int, keep: bool = True) -> None:
         """Free slot g: its pages, its rows' settings; with ``keep`` its outputs start their way to
         the host (``_collect`` hands them out once there, without waiting for a round in flight)."""
-        b, N = self.full.buffers, self.Nmax
-        req = self.requests[g]
+        b, N, req = self.full.buffers, self.Nmax, self.requests[g]
         n, T = req.particles, req.max_new_tokens
         r = slice(g * N, g * N + n)
         if keep:  # one copy: tokens, lengths, drafted, log w, log Z

@@ -410,7 +410,7 @@ class Scheduler:
         the host has nothing to do inside the round, and every request drafts k tokens (so every
         row's pages for the next round are known before this one ends) or is exact."""
         return (self.pipeline and self.host is None and not self.rewards and self.plan is None
-                and (bucket, k) in self._rounds.by_bucket
+                and (bucket, k, False) in self._rounds.by_bucket
                 # (exact rows hold their pages from admission on: any K)
                 and all(v == k or self.requests[g].exact for g, v in K_now.items()))
 

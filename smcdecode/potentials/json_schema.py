@@ -279,11 +279,11 @@ class JSONSchema(LLGuidanceConstraint):
         else:
             options.update(whitespace_flexible=True)
         self.force_canonical = bool(force_canonical)
-        regex, fsm, self.path_reason = self._choose_path(path)
-        if regex is not None and self.path_reason != SUPERSET:
+        chosen, regex, fsm, self.path_reason = self._choose_path(path)
+        if chosen == "automaton":
             self._use_automaton(regex, fsm, threads, model)
             return
-        if regex is not None:
+        if chosen == "superset":
             self.path, self.superset_regex, self._superset_fsm = "superset", regex, fsm
         llg = _llguidance()
         # x-guidance carries the JSON options (ours override any in the schema); the Lark wrapper
@@ -294,14 +294,14 @@ class JSONSchema(LLGuidanceConstraint):
         self._what = f"JSON Schema not supported by the grammar engine (llguidance {llg.__version__})"
         self._setup(model, threads)
 
-    def _choose_path(self, path: str) -> tuple[str | None, object, str]:
-        """(the documents as a regex and its character automaton for the automaton path, or None, None
-        for llguidance; why)."""
+    def _choose_path(self, path: str) -> tuple[str, str | None, object, str]:
+        """(the path chosen; the regex and its character automaton: the documents' for "automaton", a
+        superset's for "superset", None, None for "llguidance"; why)."""
         from .regex import char_fsm
         from .schema_regex import UnsupportedSchema, schema_regex_and_subsets, superset_regex
 
         if path == "llguidance":
-            return None, None, "asked for (path='llguidance')"
+            return "llguidance", None, None, "asked for (path='llguidance')"
         why = "asked for (path='superset')"
         if path != "superset":
             try:
@@ -313,7 +313,7 @@ class JSONSchema(LLGuidanceConstraint):
                     # subset of the documents (formats, bounded numbers), 'auto' does not take it
                     raise UnsupportedSchema("(subset)", "", "the device path takes a strict subset of the documents "
                                             "here (" + "; ".join(subsets) + "): path='automaton' accepts that subset")
-                return regex, char_fsm(regex), "the schema's documents form a regular language"
+                return "automaton", regex, char_fsm(regex), "the schema's documents form a regular language"
             except UnsupportedSchema as e:
                 if path == "automaton":
                     raise
@@ -327,15 +327,15 @@ class JSONSchema(LLGuidanceConstraint):
         except UnsupportedSchema as e:
             if path == "superset":
                 raise
-            return None, None, f"{why}; no superset automaton either: {e}"
+            return "llguidance", None, None, f"{why}; no superset automaton either: {e}"
         strings = [w for w in wider if w.startswith(("format", "pattern"))]
         if strings and path != "superset":
             # NOTE: a string format or pattern widened to any string: the draft writes strings outside
             # them often, so particles die (JSONSchemaBench: 31 fewer valid of 273 such schemas)
-            return None, None, (f"{why}; the superset widens {strings[0]}, where particles leave the documents "
+            return "llguidance", None, None, (f"{why}; the superset widens {strings[0]}, where particles leave the documents "
                                 "often: llguidance's masks (path='superset' takes the superset)")
         self.superset_widens = wider
-        return regex, fsm, SUPERSET
+        return "superset", regex, fsm, SUPERSET
 
     def __repr__(self) -> str:
         text = json.dumps(self.schema, separators=(",", ":"))

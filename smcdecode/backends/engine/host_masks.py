@@ -209,7 +209,8 @@ class HostMasks:
         on the device; every token allowed on the rows no request constrains), without blocking."""
         counted = []
         for slot, m in self.requests.items():
-            if m.checked or (i >= m.K and i != self.k_max):  # past this request's block (its bonus comes at i = K_max)
+            # (checked requests take no masks; past a request's block its bonus comes at i = K_max)
+            if m.checked or (i >= m.K and i != self.k_max):
                 continue
             step = min(i, m.K)
             if m.counts(step):

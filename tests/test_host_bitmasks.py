@@ -246,8 +246,8 @@ def test_requests_of_one_constraint_take_lanes_whose_masks_agree(model):
 
 @pytest.mark.slow
 def test_complete_documents_and_dead_particles_on_the_host_masks(model):
-    """A matcher whose document is complete (llguidance has stopped it) gets EOS alone without a mask
-    computed, as llguidance's own mask of it; a dead one no token."""
+    """A matcher whose document is complete (llguidance has stopped it) gets EOS alone, as
+    llguidance's own mask of it; a dead one no token (where llguidance's mask would allow EOS)."""
     V, eos = model.vocab_size, model.eos_token_id
     c = JSONSchema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
                     "additionalProperties": False}, path="llguidance").bind(model)

@@ -31,7 +31,6 @@ import os
 import re
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -196,20 +195,23 @@ class LLGuidanceConstraint(TokenConstraint):
         return self.automaton
 
     def start(self, batch: int, lane: int = 0) -> MatcherBatch | Tensor:
-        """``lane``: which compile of the grammar the batch's matchers come from (``_lane``): batches
-        whose masks are filled together (the engine's requests) take different lanes."""
+        """``lane``: which compile of the grammar the batch's first matcher comes from (``_lane``), row
+        j's from lane + j: rows whose masks are filled together (the engine's requests: ``lane`` = slot
+        × rows) take different lanes."""
         self._require_model()
         if self.path == "automaton":
             return torch.full((batch,), self.automaton.initial, dtype=torch.long)
         keys = [START] * batch if self._keys is not None else None
-        template = self._lane(lane)
-        return MatcherBatch([template.deep_copy()] * batch, keys)  # (rows share it until they differ)
+        first = self._lane(lane)
+        return MatcherBatch([first.deep_copy()] + [self._lane(lane + j).deep_copy() for j in range(1, batch)], keys)
 
     def _lane(self, lane: int):
         """The template matcher of ``lane``. The matchers copied from one compiled grammar share its
         lexer, behind a lock, so llguidance's thread pool fills their masks one after the other; a
-        lane is a compile of its own (made when first asked for), and the pool fills the masks of
-        different lanes in parallel. One lane per thread of the pool: ``lane`` is taken modulo it."""
+        lane is a compile of its own (made when first asked for, about 0.2 ms), and the pool fills
+        the masks of different lanes in parallel (8 rows on a 16-core host: 2.2x faster than from
+        one lane). One lane per thread of the pool: ``lane`` is taken modulo it. (A matcher copied
+        at a resampling stays in its ancestor's lane.)"""
         if isinstance(lane, bool) or not isinstance(lane, int) or lane < 0:
             raise SMCDecodeError(f"lane must be an integer >= 0, got {lane!r}")
         i = lane % (self.threads or os.cpu_count() or 1)
@@ -358,11 +360,18 @@ def advance_together(parts: list) -> list[MatcherBatch]:
     each part's batch advanced by its tokens (the batches given are spent): one matcher per distinct
     (matcher, token), where a shared matcher's first token takes it and a further one a copy, taken
     before any matcher consumes (the engine's host catch-up: every request of a step at once)."""
-    plans, consumes = [], []
+    out = []
     for c, state, tokens in parts:
         matchers = state.take()
         if len(tokens) != len(matchers):
             raise SMCDecodeError(f"{len(tokens)} tokens for {len(matchers)} particles: give one token per particle")
+        if len({id(m) for m in matchers}) == len(matchers):  # (no row shares its matcher: each consumes)
+            # NOTE: one by one: llguidance's consume_token_par measured no faster for 64 matchers
+            for m, t in zip(matchers, tokens):
+                m.consume_token(t)  # a disallowed token puts the matcher in its (absorbing) error state
+            keys = None if state.keys is None else list(map(c._keys.advance, state.keys, tokens))
+            out.append(MatcherBatch(matchers, keys))
+            continue
         owners: dict = {}  # (id(matcher), token) -> the matcher that consumes it
         claimed, rows = set(), []
         for m, t in zip(matchers, tokens):
@@ -374,14 +383,8 @@ def advance_together(parts: list) -> list[MatcherBatch]:
                     claimed.add(id(m))
                     owners[k] = m
             rows.append(k)
-        consumes += [(o, t) for (_, t), o in owners.items()]
-        plans.append((c, state, owners, rows))
-    # NOTE: one by one: llguidance's consume_token_par measured slower, 2x for 40 matchers even from
-    # 8 lanes (a consume takes ~1.3 µs; the pool's dispatch costs more)
-    for o, t in consumes:
-        o.consume_token(t)  # a disallowed token puts the matcher in its (absorbing) error state
-    out = []
-    for c, state, owners, rows in plans:
+        for (_, t), o in owners.items():  # (every copy was taken above, before any consumes)
+            o.consume_token(t)
         keys = None
         if state.keys is not None:  # (rows that share a matcher share its key state)
             new: dict = {}
@@ -404,7 +407,7 @@ def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
             or out.device.type != "cpu" or out.stride() != (W, 1):
         raise SMCDecodeError(f"the bitmask must be a contiguous int32 CPU tensor of shape ({rows}, {W}), "
                              f"got {out.dtype} {tuple(out.shape)} on {out.device}")
-    pairs, cached, fresh, dead, stopped = [], [], [], [], []
+    pairs, cached, fresh = [], [], []
     for c, state, r0 in parts:
         state.check()
         if c._words != W or r0 < 0 or r0 + len(state) > rows:
@@ -412,18 +415,15 @@ def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
                                  f"of {W} words (its constraint has {c._words})")
         if state.bits is not None:
             cached.append((state, r0))
-        else:
-            first, rest, src = state.distinct()  # one mask per distinct matcher, copied to the rows sharing it
-            eos = c.model.eos_token_id
-            for i in first:
-                m = state.matchers[i]
-                if m.is_error():  # a dead particle (llguidance would still allow EOS): no token
-                    dead.append(r0 + i)
-                elif m.is_stopped() and m.is_accepting():  # a complete document: EOS alone, as llguidance's mask
-                    stopped.append((r0 + i, eos))
-                else:
-                    pairs.append((m, r0 + i))
-            fresh.append((c, state, r0, first, rest, src))
+            continue
+        matchers = state.matchers
+        if len({id(m) for m in matchers}) == len(matchers):
+            first, rest, src = range(len(matchers)), [], []
+        else:  # one mask per distinct matcher, copied to the rows sharing it
+            first, rest, src = state.distinct()
+        # (a complete document's stopped matcher: llguidance's mask is EOS alone)
+        pairs += [(matchers[i], r0 + i) for i in first]
+        fresh.append((c, state, r0, first, rest, src))
     if pairs:
         # NOTE: what llguidance.torch.fill_next_token_bitmask_par does, without importing that
         # module (it applies torch.compile at import, which costs seconds)
@@ -431,13 +431,11 @@ def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
     for state, r0 in cached:
         out[r0: r0 + len(state)] = state.bits
     words = out.numpy()
-    # (computing a mask can find a dead end and put the matcher in its error state)
-    dead += [r for m, r in pairs if m.is_error()]
+    # a dead particle (llguidance's error state; computing a mask can find a dead end and put the
+    # matcher there): no token, where llguidance's mask would still allow EOS
+    dead = [r for m, r in pairs if m.is_error()]
     if dead:
         words[dead] = 0
-    for r, eos in stopped:
-        words[r] = 0
-        words[r, eos >> 5] = np.int32(np.uint32(1 << (eos & 31)).view(np.int32))
     to, of = [], []
     for c, state, r0, first, rest, src in fresh:
         if state.keys is not None:

@@ -47,7 +47,8 @@ class RequestMasks:
         # ``checks`` False: masks (a program whose constraints all run through the host, for tests)
         self.checked = checks and n > 1 and all(getattr(c, "path", None) == "superset" for c in constraints)
         self.switched = False  # checked until a particle left the documents (``HostMasks.check``)
-        # (llguidance constraints: each request its own lane, so their masks are filled in parallel)
+        # (llguidance constraints: row j from lane ``lane`` + j, so the masks of a step's rows are filled
+        # in parallel; the scheduler gives slot g lane g·N_max)
         self.states = [c.start(n, lane=lane) if isinstance(c, LLGuidanceConstraint) else c.start(n)
                        for c in constraints]
         self.K, self.budget = block_size, budget
@@ -181,8 +182,9 @@ class HostMasks:
         return slice(slot * self.n_max, slot * self.n_max + n)
 
     def drafted(self, i: int, tokens: Tensor) -> None:
-        """The round sampled draft step i (``tokens`` [≥ rows] on the device): start its copy to the
-        host now, before the device's next forward is queued, so ``mask(i + 1)`` waits for this copy only."""
+        """The round sampled draft step i (``tokens`` [≥ rows] on the device; i = K_max: the bonus):
+        start its copy to the host now, before the device's next forward is queued, so ``mask(i + 1)``
+        waits for this copy only."""
         if tokens.device.type == "cuda":
             if self._pinned.shape[0] <= i or self._pinned.shape[1] < self.rows or self._pinned.dtype != tokens.dtype:
                 self._pinned = torch.empty(max(self.k_max, i + 1), self.rows, dtype=tokens.dtype, pin_memory=True)
@@ -273,14 +275,21 @@ class HostMasks:
         todo = [(m, m.K, self._rows(slot, m.n)) for slot, m in self.requests.items() if not m.checked]
         self._catch_up(todo)
         due = [(m, r) for m, _, r in todo if m.budget - m.position > m.K]
-        if due:
-            bonus = bonus[: self.rows].tolist()
+        if due:  # (the bonus handed over as a column K_max (``drafted``), or read now)
+            bonus = (self._column(self.k_max) if self.k_max in self._columns else bonus[: self.rows]).tolist()
             advance_requests([(m, bonus[r]) for m, r in due])
         for m, _, _ in todo:
             m.position += m.K + 1
         self._columns = {}
         if buffers is not None:  # (after the masked ones: a request it switches to masks is not caught up twice)
             self.check(buffers, self.rows)
+
+    def verdicts_due(self) -> bool:
+        """Does the coming round's resampling need the host's verdicts (``smc.host_terms``)? Where a
+        request is checked (its tokens), or may reach its budget (a row cut there keeps its weight
+        only where llguidance accepts its prefix). Otherwise not: a masked row ends early only with
+        EOS, which the masks allow in accepting states alone, and a row left no token dies on the device."""
+        return any(m.checked or m.budget - m.position <= m.K + 1 for m in self.requests.values())
 
     @property
     def masked(self) -> bool:

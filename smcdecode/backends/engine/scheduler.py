@@ -61,7 +61,7 @@ from .requests import (
     program_constraints,
     rows_of,
 )
-from .smc import NEG_INF, Round, build_round, capture_round, host_terms, round_code
+from .smc import NEG_INF, Round, build_round, capture_round, round_code, run_round
 from .targets import CombinedAutomaton, EngineTarget, Settings
 
 
@@ -280,8 +280,8 @@ class Scheduler:
         for c, s in enumerate(b["states"]):
             s[r] = self.combined.initial_of(own[c]) if c < len(own) else 0
         if self.hosted[id(prog)]:
-            self.host.add(g, RequestMasks(self.hosted[id(prog)], n, req.block_size, req.max_new_tokens, lane=g,
-                                          checks=not prog.host_masks))
+            self.host.add(g, RequestMasks(self.hosted[id(prog)], n, req.block_size, req.max_new_tokens,
+                                          lane=g * self.Nmax, checks=not prog.host_masks))
         for t, tracker, mine in self.rewards:
             mine[r] = t is prog
             if t is prog:  # the prefix rewards' scores of the empty text, as a fresh tracker starts
@@ -505,14 +505,8 @@ class Scheduler:
         b, R = self.full.buffers, bucket * self.Nmax
         if self.host is not None:
             self.host.begin(R, k, rnd.buffers["drafts"])
-        rnd.propose()
-        if self.host is not None:
-            self.host.end(rnd.buffers["bonus"], rnd.buffers)
-        if self.rewards or self.host is not None:
-            t1 = time.perf_counter()
-            host_terms(rnd.buffers, [(tracker, mine[:R]) for _, tracker, mine in self.rewards], self.host, self.cap)
-            self.host_s += time.perf_counter() - t1
-        rnd.finish()
+        self.host_s += run_round(rnd, self.host, [(tracker, mine[:R]) for _, tracker, mine in self.rewards], k,
+                                 self.cap)
         stats = None
         if self.plan is not None:
             stats = torch.stack([b["accept"], b["accept_n"], b["draft_lw"]]).cpu()

@@ -41,6 +41,7 @@ computed while the draft's forward runs). Each part is captured as its own CUDA 
 from __future__ import annotations
 
 import inspect
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -87,6 +88,29 @@ def host_terms(b: dict, rewards: list, hosted, longest_new: int) -> None:
             if bool(rows.any()):
                 incr = incr + tracker.increment(tokens, lengths, rows, ended)
     b["host_incr"].copy_(incr)
+
+
+def run_round(rnd: Round, host, rewards: list, k: int, longest_new: int) -> float:
+    """Run a round (draft steps ``k``): its proposal, the host's work, its resampling; returns the
+    seconds of the host's verdicts (``host_terms``: ``rewards`` and the host constraints ``host``).
+    With host masks alone, where no request is checked or may reach its budget
+    (``HostMasks.verdicts_due``), the resampling needs no verdict: it is launched before the host
+    catches up with the round's last tokens (``HostMasks.end``), which then overlaps it."""
+    late = host is not None and not rewards and not host.verdicts_due()
+    rnd.propose()
+    if late:
+        host.drafted(k, rnd.buffers["bonus"])  # (the bonus handed over as a column)
+        rnd.finish()
+    if host is not None:
+        host.end(rnd.buffers["bonus"], None if late else rnd.buffers)
+    if late:
+        return 0.0
+    t0 = time.perf_counter()
+    if rewards or host is not None:
+        host_terms(rnd.buffers, rewards, host, longest_new)
+    t1 = time.perf_counter()
+    rnd.finish()
+    return t1 - t0
 
 
 def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resampler, tau, host: bool,

@@ -365,7 +365,7 @@ def advance_together(parts: list) -> list[MatcherBatch]:
         matchers = state.take()
         if len(tokens) != len(matchers):
             raise SMCDecodeError(f"{len(tokens)} tokens for {len(matchers)} particles: give one token per particle")
-        if len({id(m) for m in matchers}) == len(matchers):  # (no row shares its matcher: each consumes)
+        if len(set(map(id, matchers))) == len(matchers):  # (no row shares its matcher: each consumes)
             # NOTE: one by one: llguidance's consume_token_par measured no faster for 64 matchers
             for m, t in zip(matchers, tokens):
                 m.consume_token(t)  # a disallowed token puts the matcher in its (absorbing) error state
@@ -417,7 +417,7 @@ def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
             cached.append((state, r0))
             continue
         matchers = state.matchers
-        if len({id(m) for m in matchers}) == len(matchers):
+        if len(set(map(id, matchers))) == len(matchers):
             first, rest, src = range(len(matchers)), [], []
         else:  # one mask per distinct matcher, copied to the rows sharing it
             first, rest, src = state.distinct()

@@ -100,6 +100,9 @@ def step(state, data: bytes):
     return (stack, in_string, escaped, key)
 
 
+_MISSING = object()
+
+
 class KeyTracker:
     """The unique-key rule for one vocabulary: ``token_bytes[i]`` is token i's text (None for special
     tokens, which are no text)."""
@@ -108,7 +111,7 @@ class KeyTracker:
         self.token_bytes = token_bytes
         self.quote_ids = [i for i, b in enumerate(token_bytes) if b is not None and b'"' in b]
         self._blocked: OrderedDict = OrderedDict()
-        self._words: OrderedDict = OrderedDict()  # state -> _cleared(state)
+        self._words: dict = {}  # state -> _cleared(state)
         self._cache_size = cache_size
         # tokens that change the scanner only by extending the key being written: no byte of _PLAIN_NOT
         self.plain = [bool(b) and _PLAIN_NOT.isdisjoint(b) for b in token_bytes]
@@ -193,11 +196,9 @@ class KeyTracker:
 
     def _cleared(self, state) -> tuple | None:
         """``blocked(state)`` as (word indices, each word's mask of the bits kept), or None if none."""
-        try:
-            self._words.move_to_end(state)
-            return self._words[state]
-        except KeyError:
-            pass
+        hit = self._words.get(state, _MISSING)
+        if hit is not _MISSING:  # (the engine's host masks look up every row at every step)
+            return hit
         blocked = self.blocked(state)
         out = None
         if blocked:
@@ -206,9 +207,9 @@ class KeyTracker:
             clear = np.zeros(len(words), dtype=np.int64)
             np.bitwise_or.at(clear, where, np.left_shift(np.int64(1), t & 31))
             out = (words, (~clear & 0xFFFFFFFF).astype(np.uint32).view(np.int32))
+        if len(self._words) >= self._cache_size:  # (the oldest entry out: first in, first out)
+            del self._words[next(iter(self._words))]
         self._words[state] = out
-        if len(self._words) > self._cache_size:
-            self._words.popitem(last=False)
         return out
 
     def restrict_bits(self, bits: Tensor, states: list, rows=None) -> Tensor:
@@ -216,15 +217,13 @@ class KeyTracker:
         tokens that repeat a key cleared (rows of dead states zeroed); in place. ``rows``: only these
         rows (default: all)."""
         words = bits.numpy()
+        cleared = self._cleared
         for i in range(len(states)) if rows is None else rows:
             s = states[i]
             if s == DEAD:
                 words[i] = 0
-            else:
-                cleared = self._cleared(s)
-                if cleared is not None:
-                    w, keep = cleared
-                    words[i, w] &= keep
+            elif (c := cleared(s)) is not None:
+                words[i, c[0]] &= c[1]
         return bits
 
     def restrict(self, mask: Tensor, states: list) -> Tensor:

@@ -113,11 +113,14 @@ for schema in schemas:
     host = HostMasks(N, V, "cpu")
     admitted = [0]
 
-    # (a tree whose requests take lanes, as Scheduler._launch gives them: each slot its own)
+    # (a tree whose requests take lanes, as its Scheduler gives them: each slot its own, or, where a
+    # request's rows start from lanes lane … lane + N − 1, lane = slot · N)
     lanes = "lane" in inspect.signature(RequestMasks).parameters
+    from smcdecode.backends.engine.scheduler import Scheduler
+    per_row = "lane=g * self.Nmax" in inspect.getsource(Scheduler._settings)
 
     def admit(slot):
-        host.add(slot, RequestMasks([c], N, K, budget, **({"lane": slot} if lanes else {})))
+        host.add(slot, RequestMasks([c], N, K, budget, **({"lane": slot * N if per_row else slot} if lanes else {})))
         admitted[0] += 1
 
     for slot in range(G):

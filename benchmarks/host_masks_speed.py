@@ -114,10 +114,9 @@ for schema in schemas:
     admitted = [0]
 
     # (a tree whose requests take lanes, as its Scheduler gives them: each slot its own, or, where a
-    # request's rows start from lanes lane … lane + N − 1, lane = slot · N)
+    # request's rows start from lanes lane … lane + N − 1 (distinct matchers), lane = slot · N)
     lanes = "lane" in inspect.signature(RequestMasks).parameters
-    from smcdecode.backends.engine.scheduler import Scheduler
-    per_row = "lane=g * self.Nmax" in inspect.getsource(Scheduler._settings)
+    per_row = lanes and len(set(map(id, c.start(2).matchers))) == 2
 
     def admit(slot):
         host.add(slot, RequestMasks([c], N, K, budget, **({"lane": slot * N if per_row else slot} if lanes else {})))

@@ -361,15 +361,14 @@ def advance_together(parts: list) -> list[MatcherBatch]:
     (matcher, token), where a shared matcher's first token takes it and a further one a copy, taken
     before any matcher consumes (the engine's host catch-up: every request of a step at once)."""
     out = []
+    flat_m, flat_t = [], []  # the rows of every part whose rows share no matcher: consumed in one loop
     for c, state, tokens in parts:
         matchers = state.take()
         if len(tokens) != len(matchers):
             raise SMCDecodeError(f"{len(tokens)} tokens for {len(matchers)} particles: give one token per particle")
         if len(set(map(id, matchers))) == len(matchers):  # (no row shares its matcher: each consumes)
-            # NOTE: one by one: llguidance's consume_token_par measured slower for 8 matchers, and for 64
-            # on a 2-core host (0.12 vs 0.17 ms for 64 on a 16-core one: a small share of a step)
-            for m, t in zip(matchers, tokens):
-                m.consume_token(t)  # a disallowed token puts the matcher in its (absorbing) error state
+            flat_m += matchers
+            flat_t += tokens
             keys = None if state.keys is None else list(map(c._keys.advance, state.keys, tokens))
             out.append(MatcherBatch(matchers, keys))
             continue
@@ -395,6 +394,11 @@ def advance_together(parts: list) -> list[MatcherBatch]:
                     new[k] = c._keys.advance(key, k[1])
                 keys.append(new[k])
         out.append(MatcherBatch([owners[k] for k in rows], keys))
+    # NOTE: one by one: llguidance's consume_token_par measured no faster, on a 2-core host and on a
+    # 16-core one (the host work of recorded SmolLM2 rounds replayed: within the noise of either).
+    # A disallowed token puts its matcher in its (absorbing) error state.
+    for m, t in zip(flat_m, flat_t):
+        m.consume_token(t)
     return out
 
 
@@ -408,23 +412,28 @@ def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
             or out.device.type != "cpu" or out.stride() != (W, 1):
         raise SMCDecodeError(f"the bitmask must be a contiguous int32 CPU tensor of shape ({rows}, {W}), "
                              f"got {out.dtype} {tuple(out.shape)} on {out.device}")
-    pairs, cached, fresh = [], [], []
+    pairs, cached, shared, keyed = [], [], [], {}
     for c, state, r0 in parts:
         state.check()
-        if c._words != W or r0 < 0 or r0 + len(state) > rows:
-            raise SMCDecodeError(f"a part of {len(state)} rows at row {r0} does not fit a bitmask of {rows} rows "
+        n = len(state)
+        if c._words != W or r0 < 0 or r0 + n > rows:
+            raise SMCDecodeError(f"a part of {n} rows at row {r0} does not fit a bitmask of {rows} rows "
                                  f"of {W} words (its constraint has {c._words})")
         if state.bits is not None:
             cached.append((state, r0))
             continue
         matchers = state.matchers
-        if len(set(map(id, matchers))) == len(matchers):
-            first, rest, src = range(len(matchers)), [], []
-        else:  # one mask per distinct matcher, copied to the rows sharing it
+        if len(set(map(id, matchers))) == n:
+            pairs += zip(matchers, range(r0, r0 + n))
+            if state.keys is not None:  # (the key rule of every part of one tracker at once)
+                ks = keyed.setdefault(id(c._keys), (c._keys, [], []))
+                ks[1].extend(range(r0, r0 + n))
+                ks[2].extend(state.keys)
+        else:  # one mask per distinct matcher, copied to the rows sharing it (its key rule applied)
             first, rest, src = state.distinct()
-        # (a complete document's stopped matcher: llguidance's mask is EOS alone)
-        pairs += [(matchers[i], r0 + i) for i in first]
-        fresh.append((c, state, r0, first, rest, src))
+            # (a complete document's stopped matcher: llguidance's mask is EOS alone)
+            pairs += [(matchers[i], r0 + i) for i in first]
+            shared.append((c, state, r0, first, rest, src))
     if pairs:
         # NOTE: what llguidance.torch.fill_next_token_bitmask_par does, without importing that
         # module (it applies torch.compile at import, which costs seconds)
@@ -437,10 +446,12 @@ def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
     dead = [r for m, r in pairs if m.is_error()]
     if dead:
         words[dead] = 0
+    for tracker, at, keys in keyed.values():
+        tracker.restrict_rows(words, at, keys)
     to, of = [], []
-    for c, state, r0, first, rest, src in fresh:
+    for c, state, r0, first, rest, src in shared:
         if state.keys is not None:
-            c._keys.restrict_bits(out[r0: r0 + len(state)], state.keys, first)
+            c._keys.restrict_rows(words, [r0 + i for i in first], [state.keys[i] for i in first])
         to += [r0 + i for i in rest]
         of += [r0 + i for i in src]
     if to:  # (the rows sharing a matcher: its row's mask, its key rule applied)

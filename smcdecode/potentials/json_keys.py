@@ -216,15 +216,31 @@ class KeyTracker:
         """``bits`` (int32 [B, ⌈V/32⌉] on the CPU, packed as ``constraint.pack_bits``) with the bits of
         tokens that repeat a key cleared (rows of dead states zeroed); in place. ``rows``: only these
         rows (default: all)."""
-        words = bits.numpy()
-        cleared = self._cleared
-        for i in range(len(states)) if rows is None else rows:
-            s = states[i]
-            if s == DEAD:
-                words[i] = 0
-            elif (c := cleared(s)) is not None:
-                words[i, c[0]] &= c[1]
+        at = range(len(states)) if rows is None else list(rows)
+        self.restrict_rows(bits.numpy(), at, [states[i] for i in at])
         return bits
+
+    def restrict_rows(self, words: np.ndarray, at, states: list) -> None:
+        """``words[at[j]]`` (int32 rows of packed bits) restricted by the key rule at ``states[j]``,
+        in place: the cleared words of every row gathered, then cleared in one array operation."""
+        cleared, get = self._cleared, self._words.get
+        rows, cols, keep, dead = [], [], [], []
+        for r, s in zip(at, states):
+            if s == DEAD:
+                dead.append(r)
+                continue
+            c = get(s, _MISSING)
+            if c is _MISSING:
+                c = cleared(s)
+            if c is not None:
+                rows.append(np.full(len(c[0]), r))
+                cols.append(c[0])
+                keep.append(c[1])
+        if rows:
+            rows, cols = np.concatenate(rows), np.concatenate(cols)
+            words[rows, cols] &= np.concatenate(keep)  # (a row's words are distinct: no index repeats)
+        if dead:
+            words[dead] = 0
 
     def restrict(self, mask: Tensor, states: list) -> Tensor:
         """``mask`` [B, V] with the tokens that repeat a key removed (rows of dead states emptied); in

@@ -14,9 +14,9 @@ uploaded without blocking into the round's ``host_bits`` buffer and unpacked the
 bit a token instead of a byte: 8× fewer bytes). The round's parts between these host points are
 CUDA graphs (``smc.capture_round``).
 Host and device overlap: the round hands each draft column over as soon as it is sampled
-(``drafted``: a non-blocking copy and an event), so the host waits for that sample only and
-computes the next step's masks while the device runs the draft's next forward (or, for the bonus,
-the target's pass).
+(``hand_over``, inside the round's graph: a copy into a pinned buffer and an event), so the host
+waits for that sample only and computes the next step's masks while the device runs the draft's
+next forward (or, for the bonus, the target's pass).
 
 Checked requests (a JSONSchema on the superset path, a request of several particles): the round
 masks their proposal with the superset's automaton on the device and has no host point for them;
@@ -146,10 +146,15 @@ def advance_requests(items: list) -> None:
 class HostMasks:
     """The host constraints of every request in a round (slot g: rows g·N_max … g·N_max + n_g − 1)."""
 
-    def __init__(self, n_max: int, vocab_size: int, device):
+    def __init__(self, n_max: int, vocab_size: int, device, rows: int = 0, k_max: int = 0):
         self.n_max, self.V, self.device = n_max, vocab_size, torch.device(device)
         self.W = (vocab_size + 31) // 32
         self.pinned = self.device.type == "cuda"
+        # the draft columns the round hands over (``hand_over``; ``rows``, ``k_max``: the largest round),
+        # at fixed addresses, which the captured rounds write: on a GPU pinned, with an event per step
+        self._handed = torch.zeros(k_max, rows, dtype=torch.long, pin_memory=self.pinned)
+        self._handed_events = [torch.cuda.Event(external=True) for _ in range(k_max)] if self.pinned else None
+        self.handed = False  # does the round in progress hand its columns over (``begin``)?
         self.requests: dict[int, RequestMasks] = {}
         self.drafts: Tensor | None = None  # the round's drafts (device buffer, filled step by step)
         self.rows = 0
@@ -170,8 +175,13 @@ class HostMasks:
     def remove(self, slot: int) -> None:
         self.requests.pop(slot, None)
 
-    def begin(self, rows: int, k_max: int, drafts: Tensor) -> None:
-        self.rows, self.k_max, self.drafts = rows, k_max, drafts
+    def begin(self, rows: int, k_max: int, drafts: Tensor, handed: bool = False) -> None:
+        """A round over ``rows`` rows with ``k_max`` draft steps: its drafts buffer, and whether it hands
+        each column over (``hand_over``; otherwise ``drafted`` or, failing that, the drafts buffer)."""
+        if handed and (k_max > self._handed.shape[0] or rows > self._handed.shape[1]):
+            raise SMCDecodeError(f"a round of {rows} rows and {k_max} draft steps hands over more than the "
+                                 f"{self._handed.shape[1]} rows and {self._handed.shape[0]} steps this HostMasks holds")
+        self.rows, self.k_max, self.drafts, self.handed = rows, k_max, drafts, handed
         if self._bits[0].shape[0] < rows:
             self._bits = [torch.empty(rows, self.W, dtype=torch.int32, pin_memory=self.pinned) for _ in range(2)]
         self._columns = {}
@@ -197,9 +207,20 @@ class HostMasks:
         else:
             self._columns[i] = (tokens[: self.rows].clone(), None)
 
+    def hand_over(self, i: int, tokens: Tensor) -> None:
+        """The round's code (captured into its graph): draft step i's column ``tokens`` [rows] copied to
+        the host's buffer without blocking, and step i's event recorded after the copy."""
+        self._handed[i, : tokens.shape[0]].copy_(tokens, non_blocking=True)
+        if self._handed_events is not None:
+            self._handed_events[i].record()
+
     def _column(self, j: int) -> Tensor:
-        if j not in self._columns:  # (not handed over by the round: read it now)
-            self._columns[j] = (self.drafts[: self.rows, j].cpu(), None)
+        if j not in self._columns:
+            if self.handed and j < self.k_max:  # (handed over by the round: wait for its copy)
+                if self._handed_events is not None:
+                    self._handed_events[j].synchronize()
+                return self._handed[j, : self.rows]
+            self._columns[j] = (self.drafts[: self.rows, j].cpu(), None)  # (read it now)
         column, done = self._columns[j]
         if done is not None:
             done.synchronize()
@@ -226,7 +247,7 @@ class HostMasks:
             self._uploaded[self._turn].synchronize()
         bits = self._bits[self._turn][: self.rows]
         if sum(m.n for m, _, _ in counted) < self.rows:  # (rows no request constrains: every token)
-            bits.fill_(-1)
+            bits.numpy().fill(-1)  # (numpy's: one thread, where torch's fill would wake its pool)
         self._catch_up(counted)
         shared = []
         for m, _, r in counted:

@@ -143,7 +143,8 @@ class Scheduler:
             rounds = Rounds(build_round(engine, slots, max_particles, max_block_size, self.cap, pt, self.automata,
                                          self.eos, self.pad, resampler, ess_threshold, hosted, self.speculative,
                                          self.drafts, exact_only),
-                            host=HostMasks(max_particles, V, dev) if hosted else None)
+                            host=HostMasks(max_particles, V, dev, rows=slots * max_particles,
+                                           k_max=max_block_size) if hosted else None)
             engine.graphs.put(key, rounds)
         self._rounds = rounds
         self.host = rounds.host
@@ -366,7 +367,7 @@ class Scheduler:
         # (the host's work between the proposal and the resampling: rewards, checked requests' tokens)
         split, host = bool(self.rewards) or self.host is not None, (self.host if masked else None)
         rnd.propose_code, rnd.finish_code = round_code(self.engine, view, self.automata, self.eos, self.pad,
-                                                         self.resampler, self.tau, masked, self.drafts,
+                                                         self.resampler, self.tau, host, self.drafts,
                                                          self.exact_only)
         # NOTE: capturing runs the round once (warm-up); save and restore every buffer around it, and
         # the random stream (a run draws the same whether its rounds were captured now or before)
@@ -504,7 +505,7 @@ class Scheduler:
     def _launch(self, rnd, bucket: int, k: int, occupied: list[int], K_now: dict, held) -> None:
         b, R = self.full.buffers, bucket * self.Nmax
         if self.host is not None:
-            self.host.begin(R, k, rnd.buffers["drafts"])
+            self.host.begin(R, k, rnd.buffers["drafts"], handed=True)
         self.host_s += run_round(rnd, self.host, [(tracker, mine[:R]) for _, tracker, mine in self.rewards], k,
                                  self.cap)
         stats = None

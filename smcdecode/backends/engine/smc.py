@@ -33,9 +33,9 @@ re-feeds [last, bonus] at positions T−1, T.
 Steps 1–4 and 6 are device tensor code. Without rewards or host-mask constraints they are captured
 as one CUDA graph; with rewards as two (1–4, and 6), the host scores texts in between. Constraints
 whose masks come from the host (host_masks.py) cut steps 1–3 into parts at the points where the host
-works: before each draft step and the bonus (it writes that step's packed masks into ``host_bits``)
-and after each draft (it starts copying the drafted tokens to itself, so the next step's masks are
-computed while the draft's forward runs). Each part is captured as its own CUDA graph.
+works: before each draft step and the bonus (it writes that step's packed masks into ``host_bits``).
+Each part is captured as its own CUDA graph, and a draft step's part copies its drafted tokens to the
+host (``HostMasks.hand_over``), so the next step's masks are computed while the draft's forward runs.
 """
 
 from __future__ import annotations
@@ -148,17 +148,19 @@ def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resamp
     if speculative and Kmax > 0:  # rows of exact speculative decoding need the draft's logits at the first rejection
         b["draft_logits"] = torch.zeros(B, Kmax, engine.draft.cfg.vocab_size, dtype=engine.dtype, device=dev)
     rnd = Round(b, None, None, keep=[t for a in automata for t in (a.table, a.classes, a.accepting, a.live)])
-    rnd.propose_code, rnd.finish_code = round_code(engine, b, automata, eos, pad, resampler, tau, host, drafts,
+    # (the scheduler builds each round's code over views of these buffers: ``round_code``)
+    rnd.propose_code, rnd.finish_code = round_code(engine, b, automata, eos, pad, resampler, tau, None, drafts,
                                                    exact_only)
     return rnd
 
 
-def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, tau: float, host: bool = False,
+def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, tau: float, host=None,
                drafts: bool = True, exact_only: bool = False):
     """(propose, finish) over the static buffers ``b``. ``propose()`` is a generator: with ``host``
-    (host-mask constraints) it yields ``("mask", i)`` where the host must write the packed masks of
-    draft step i (i = K_max: the bonus) into ``b["host_bits"]``, and ``("drafted", i)`` after draft
-    step i was sampled; without, it yields nothing. ``drafts`` False leaves the draft model out (a
+    (a ``host_masks.HostMasks``: host-mask constraints) it yields ``("mask", i)`` where the host must
+    write the packed masks of draft step i (i = K_max: the bonus) into ``b["host_bits"]``, and hands
+    each draft column over to the host as soon as it is sampled (``HostMasks.hand_over``: a copy and
+    an event, inside the round's graph); without, it yields nothing. ``drafts`` False leaves the draft model out (a
     loop that never drafts: autoregressive sampling); ``exact_only``: every row is one of exact
     speculative decoding or, without drafts, of autoregressive sampling: the round of exact.py."""
     if exact_only:
@@ -172,6 +174,7 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
     tokens, n_gen, finished, log_w = b["tokens"], b["n_gen"], b["finished"], b["log_w"]
     drafts, log_q, K_row, alpha, T = b["drafts"], b["log_q"], b["K_row"], b["alpha"], b["seq"]
     exact = b["exact"] if "draft_logits" in b else None  # rows of exact speculative decoding
+    hosted = host is not None
 
     V = engine.target.cfg.vocab_size
 
@@ -183,7 +186,7 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
             m = mi if m is None else m & mi
         # (one automaton: a state's row allows some token or none, known without reducing the mask)
         dead = ~automata[0].live[states[0]] if len(automata) == 1 else None
-        if host:  # the host's masks of this step (written between the round's parts)
+        if hosted:  # the host's masks of this step (written between the round's parts)
             hm = unpack_bits(b["host_bits"], V)
             m, dead = (hm if m is None else m & hm), None
         return m, dead
@@ -200,7 +203,7 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
             batch = PagedBatch.build((T - 1)[:, None] + pair, b["pt"], PS)
             logits = draft(b["pending"], engine.kv_d, batch, last_only=True)[:, 0]  # [B, V]
         for i in range(Kmax):
-            if host:
+            if hosted:
                 yield "mask", i
             m, dead = masks(states)
             d, log_q[:, i], log_mass, _ = sample_and_score(logits, b["T_draft"], seeds[i], mask=m, dead=dead,
@@ -208,8 +211,8 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
             drafts[:, i] = d
             if exact is not None:
                 b["draft_logits"][:, i] = logits
-            if host:
-                yield "drafted", i
+            if hosted:  # (the host computes the next step's masks while the draft's next forward runs)
+                host.hand_over(i, d)
             # a schedule's statistic, log q(d) of the unmasked draft:
             # log q'(d) + log Σ_v q(v)·1[valid] (0 on a row the mask leaves no token)
             b["log_q_all"][:, i] = log_q[:, i] if m is None else torch.where(
@@ -231,7 +234,7 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
             log_p = sample_and_score(logits_t.view(B * (Kmax + 1), V), b["T_target"][:, None].expand(B, Kmax + 1).reshape(-1),
                                      seeds[Kmax], gather, draw=False, triton=fused).gathered.view(B, Kmax + 1)[:, :Kmax]
         # 3. the bonus after the row's K drafts, from π_loc ∝ p^α·1[valid], and its normaliser
-        if host:
+        if hosted:
             yield "mask", Kmax
         m, dead = masks(kept)
         bonus, _, log_norm, _ = sample_and_score(logits_t[rows, K_row], b["T_target"], seeds[Kmax + 1],

@@ -95,3 +95,79 @@ def test_blocked_tokens_equal_the_full_scan_on_the_default_vocabulary():
             assert tracker._scan(s) == brute(tracker, s)
             checked += 1
     assert checked > 500
+
+
+def test_keys_can_repeat_answers_by_the_schema_shape():
+    from smcdecode.potentials.json_keys import keys_can_repeat
+
+    closed = {"type": "object", "additionalProperties": False, "properties": {"a": {"type": "integer"}}}
+    for schema in (closed, {"type": "string"}, {"enum": [{"a": 1}]}, {"type": "array", "items": closed},
+                   {"anyOf": [closed, {"type": "null"}]}, {"type": "array", "prefixItems": [closed], "items": False},
+                   {"$ref": "#/$defs/t", "$defs": {"t": {**closed, "properties": {"a": {"$ref": "#/$defs/t"}}}}}):
+        assert not keys_can_repeat(schema), schema
+    for schema in ({}, True, {"type": "object"}, {"type": "array"}, {"minimum": 1},
+                   {"type": "object", "additionalProperties": {"type": "integer"}},
+                   {**closed, "patternProperties": {"^x": {"type": "integer"}}},
+                   {**closed, "properties": {"a": {}}}, {"type": "array", "items": True},
+                   {"anyOf": [closed, {"type": "object"}]}, {"type": "array", "prefixItems": [closed]},
+                   {"$ref": "#/$defs/t", "$defs": {"t": {"type": "object"}}}):
+        assert keys_can_repeat(schema), schema
+
+
+@pytest.mark.slow
+def test_closed_schemas_need_no_key_rule_on_the_default_vocabulary():
+    """Where ``keys_can_repeat`` says no object can repeat a key (every JSONSchemaBench schema of two
+    subsets it says so of, up to 12), the constraint skips the unique-key rule; along random valid
+    token paths of SmolLM2's vocabulary (uniform over llguidance's allowed tokens, 4 paths a schema,
+    each to its end or 60 tokens), the rule, applied anyway, removes no token llguidance's mask allows."""
+    import json
+    from pathlib import Path
+
+    import numpy as np
+
+    import smcdecode as sd
+    from smcdecode.potentials.json_keys import keys_can_repeat
+    from smcdecode.potentials.json_schema import JSONSchema
+
+    model = sd.load_model()
+    eos, V = model.eos_token_id, model.vocab_size
+    tracker = JSONSchema({"type": "object"}, path="llguidance").bind(model)._keys
+    eval_dir = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
+    schemas = []
+    for name in ("jsonschemabench_Github_easy.jsonl", "jsonschemabench_Github_trivial.jsonl"):
+        with open(eval_dir / name) as f:
+            schemas += [s for s in (json.loads(line)["schema"] for line in f) if not keys_can_repeat(s)][:6]
+
+    def allowed_ids(m):
+        raw = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
+        return set(np.flatnonzero(np.unpackbits(raw, bitorder="little")[:V]).tolist())
+
+    # (the check has teeth: where an object is open, the rule does remove tokens llguidance allows)
+    m = JSONSchema({"type": "object", "additionalProperties": {"type": "integer"}}, path="llguidance",
+                   unique_keys=False).bind(model)._template.deep_copy()
+    prefix = model.encode('{"a": 1, "a')
+    assert m.consume_tokens(prefix)
+    assert tracker.blocked(tracker.replay(prefix)) and set(tracker.blocked(tracker.replay(prefix))) & allowed_ids(m)
+    rnd = random.Random(1)
+    steps = bound = 0
+    for schema in schemas:
+        try:
+            c = JSONSchema(schema, path="llguidance").bind(model)
+        except sd.SMCDecodeError:
+            continue
+        assert c._keys is None  # (the rule skipped)
+        bound += 1
+        for _ in range(4):
+            m, key = c._template.deep_copy(), START
+            for _ in range(60):
+                allowed = allowed_ids(m)
+                if key != DEAD:
+                    assert not set(tracker.blocked(key)) & allowed, (schema, key)
+                choices = sorted(t for t in allowed if t != eos)
+                if not choices:
+                    break
+                t = rnd.choice(choices)
+                assert m.consume_token(t)
+                key = tracker.advance(key, t)
+                steps += 1
+    assert bound >= 8 and steps > 1000, (bound, steps)

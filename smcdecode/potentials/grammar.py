@@ -99,6 +99,7 @@ class LLGuidanceConstraint(TokenConstraint):
     _grammar: str
     _what: str
     unique_keys = False  # JSONSchema: forbid repeated object keys (json_keys.py)
+    key_rule = False  # does the mask apply that rule (where the grammar itself lets a key repeat)?
     # how masks are computed: "llguidance" (parser masks on the host) or "automaton" (a token automaton
     # over token classes, stepped on the device by the engine: a regular language, see _use_automaton)
     path = "llguidance"
@@ -183,7 +184,7 @@ class LLGuidanceConstraint(TokenConstraint):
         self._template = template
         self._tok, self._lanes = tok, [template]
         self._executor = _executor(self.threads)
-        self._keys = KeyTracker(token_texts(model, tok)) if self.unique_keys else None
+        self._keys = KeyTracker(token_texts(model, tok)) if self.key_rule else None
         self.model = model
         self._words = (model.vocab_size + 31) // 32
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from ..errors import SMCDecodeError
 from .grammar import PATHS, LLGuidanceConstraint, _llguidance, lark_header
+from .json_keys import keys_can_repeat
 
 WHITESPACE = ("compact", "flexible")
 SUPERSET = ("a superset of the documents forms a regular language (its automaton masks the proposal on the "
@@ -227,7 +228,9 @@ class JSONSchema(LLGuidanceConstraint):
     ``unique_keys``: no object may name a key twice (default True). JSON Schema itself allows
     ``{"a": 1, "a": 2}`` wherever additional properties are allowed, and llguidance's grammar cannot
     exclude it; with ``unique_keys`` the mask also forbids every token that would close a key its
-    object already has (``json_keys.py``), and :meth:`parse` rejects such documents.
+    object already has (``json_keys.py``), and :meth:`parse` rejects such documents. Where every
+    object the schema allows is closed, llguidance already writes each property at most once and
+    the mask skips that work (``self.key_rule`` False: ``json_keys.keys_can_repeat``).
     ``force_canonical``: see :class:`~smcdecode.potentials.grammar.Grammar`.
     ``path``: how masks are computed. "automaton": the schema is translated to a regular expression
     (``schema_regex.py``) and compiled to a token automaton with token classes (``automaton.py``),
@@ -273,6 +276,8 @@ class JSONSchema(LLGuidanceConstraint):
         self.whitespace = whitespace
         self.coerce_one_of = bool(coerce_one_of)
         self.unique_keys = bool(unique_keys)
+        # (where every object is closed, llguidance writes each property at most once: no rule to apply)
+        self.key_rule = self.unique_keys and keys_can_repeat(self.compiled_schema)
         options = {"lenient": False, "coerce_one_of": self.coerce_one_of}
         if whitespace == "compact":
             options.update(whitespace_flexible=False, item_separator=", ", key_separator=": ")

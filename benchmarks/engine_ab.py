@@ -95,6 +95,13 @@ print("RESULT " + json.dumps({"smcdecode": smcdecode.__file__, "rows": rows}))
 """
 
 
+def save_ab(out: Path, table: list, raw: list) -> None:
+    """Write an A/B's table and raw results to ``out`` (JSON, with the date and the CPU count)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                               "cpu_count": os.cpu_count(), "table": table, "raw": raw}, indent=1))
+
+
 def run_tree(tree: Path, cfg: dict, worker: str = WORKER, **env_extra: str) -> dict:
     """Run ``worker`` (Python source printing one ``RESULT {json}`` line) in a process that imports
     smcdecode from ``tree``; ``env_extra``: more environment variables."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import sys
 import time
@@ -191,7 +190,7 @@ def _in_round_order(log: list) -> list:
 
 
 def replay(args) -> None:
-    from engine_ab import run_tree  # (benchmarks/ is on sys.path when run as a script)
+    from engine_ab import run_tree, save_ab  # (benchmarks/ is on sys.path when run as a script)
 
     traces = [Path(t) for t in args.trace] if args.trace else sorted(RESULTS.glob("host_masks_trace_*.json"))
     if not traces:
@@ -217,9 +216,7 @@ def replay(args) -> None:
             row["rounds"] = runs[0]["rounds"]
         row["same_masks"] = len({r["masks_md5"] for r in raw if (r["schema_name"], r["requests"]) == key}) == 1
         table.append(row)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                                    "cpu_count": os.cpu_count(), "table": table, "raw": raw}, indent=1))
+    save_ab(args.out, table, raw)
     names = sorted(trees)
     print("host calls, ms per round (wall; the calling thread's CPU), medians over passes:")
     print("| schema | requests × 8 | rounds | " + " | ".join(f"{n} wall | {n} CPU" for n in names) + " | same masks |")

@@ -32,9 +32,6 @@ table gives medians over passes.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import statistics
 from pathlib import Path
 
@@ -197,6 +194,8 @@ def main() -> None:
     ap.add_argument("--profile-lines", type=int, default=25)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/host_masks_speed.json"))
     args = ap.parse_args()
+    from engine_ab import save_ab  # (benchmarks/ is on sys.path when run as a script)
+
     data = Path(__file__).resolve().parents[2] / "shared/data/eval"
     sources = [str(data / f"jsonschemabench_{s}.jsonl") for s in ("Glaiveai2K", "Github_easy")] if args.eval else []
     trees = {"B": args.b} if args.a is None else {"A": args.a, "B": args.b}
@@ -226,9 +225,7 @@ def main() -> None:
                 row[f"{name}_{part}_ms"] = statistics.median(
                     statistics.median(s[f"median_{part}_ms"] for s in r["schemas"]) for r in runs)
         table.append(row)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                                    "cpu_count": os.cpu_count(), "table": table, "raw": raw}, indent=1))
+    save_ab(args.out, table, raw)
     names = sorted(trees)
     print("ms per round (K + 1 steps); of it, llguidance's mask fill and the rest; CPU ms per round (all threads):")
     print("| requests × N | " + " | ".join(f"{n} round | {n} step | {n} fill | {n} rest | {n} CPU" for n in names) + " |")

@@ -49,7 +49,7 @@ W = (V + 31) // 32
 lanes = "lane" in inspect.signature(RequestMasks).parameters
 out = []
 for part in trace["parts"]:
-    c = JSONSchema(part["schema"], path="llguidance").bind(model)
+    c = JSONSchema(part["schema"], path="llguidance", threads=cfg["threads"]).bind(model)
     per_round, cpu_round, digest = [], [], None
     for rep in range(cfg["repeats"]):
         host = HostMasks(part["particles"], V, "cpu")
@@ -198,7 +198,7 @@ def replay(args) -> None:
     trees = {"B": args.b} if args.a is None else {"A": args.a, "B": args.b}
     raw = []
     for trace in traces:
-        cfg = {"trace": str(trace.resolve()), "repeats": args.repeats}
+        cfg = {"trace": str(trace.resolve()), "repeats": args.repeats, "threads": args.threads}
         for p in range(args.passes):
             for name in (sorted(trees) if p % 2 == 0 else sorted(trees, reverse=True)):
                 r = run_tree(trees[name], cfg, WORKER, OMP_NUM_THREADS="1")
@@ -245,6 +245,8 @@ def main() -> None:
     rep.add_argument("--trace", action="append", help="a recorded trace (default: every one in benchmarks/results)")
     rep.add_argument("--passes", type=int, default=3)
     rep.add_argument("--repeats", type=int, default=3, help="replays of a trace per process")
+    rep.add_argument("--threads", type=int, default=None,
+                     help="llguidance's threads and the constraint's lanes (default: its own, 80 %% of the cores)")
     rep.add_argument("--out", type=Path, default=RESULTS / "host_masks_replay.json")
     args = ap.parse_args()
     t0 = time.perf_counter()

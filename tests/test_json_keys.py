@@ -98,7 +98,7 @@ def test_blocked_tokens_equal_the_full_scan_on_the_default_vocabulary():
 
 
 def test_keys_can_repeat_answers_by_the_schema_shape():
-    from smcdecode.potentials.json_keys import keys_can_repeat
+    from smcdecode.potentials.json_schema import keys_can_repeat
 
     closed = {"type": "object", "additionalProperties": False, "properties": {"a": {"type": "integer"}}}
     for schema in (closed, {"type": "string"}, {"enum": [{"a": 1}]}, {"type": "array", "items": closed},
@@ -110,7 +110,8 @@ def test_keys_can_repeat_answers_by_the_schema_shape():
                    {**closed, "patternProperties": {"^x": {"type": "integer"}}},
                    {**closed, "properties": {"a": {}}}, {"type": "array", "items": True},
                    {"anyOf": [closed, {"type": "object"}]}, {"type": "array", "prefixItems": [closed]},
-                   {"$ref": "#/$defs/t", "$defs": {"t": {"type": "object"}}}):
+                   {"$ref": "#/$defs/t", "$defs": {"t": {"type": "object"}}},
+                   {**closed, "dependencies": {"a": {"type": "object"}}}):  # (a keyword it does not know of)
         assert keys_can_repeat(schema), schema
 
 
@@ -126,8 +127,7 @@ def test_closed_schemas_need_no_key_rule_on_the_default_vocabulary():
     import numpy as np
 
     import smcdecode as sd
-    from smcdecode.potentials.json_keys import keys_can_repeat
-    from smcdecode.potentials.json_schema import JSONSchema
+    from smcdecode.potentials.json_schema import JSONSchema, keys_can_repeat
 
     model = sd.load_model()
     eos, V = model.eos_token_id, model.vocab_size

@@ -100,50 +100,6 @@ def step(state, data: bytes):
     return (stack, in_string, escaped, key)
 
 
-# where a JSON Schema holds further schemas: maps of them, lists of them, one
-_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")  # (draft-04 "items" may be a list)
-_ONE = ("items", "additionalItems", "additionalProperties", "unevaluatedProperties", "contains", "not",
-        "if", "then", "else", "propertyNames")
-_COMBINED = ("anyOf", "oneOf", "allOf", "$ref")  # a node of these alone is what its members allow
-_OBJECT_WORDS = ("properties", "required", "additionalProperties", "patternProperties", "unevaluatedProperties",
-                 "minProperties", "maxProperties", "propertyNames", "dependentSchemas", "dependencies")
-
-
-def keys_can_repeat(schema) -> bool:
-    """Can a document of the grammar llguidance compiles from ``schema`` name a key twice in one
-    object? False only where every object the schema allows is closed (``additionalProperties``
-    false, no ``patternProperties``) and no value is left unconstrained (``{}``, ``true``, an array
-    without ``items``): llguidance then writes each declared property at most once, in order, and
-    the unique-key rule has nothing to remove. Conservative: any keyword it does not know of here
-    answers True."""
-    if schema is True:
-        return True
-    if not isinstance(schema, dict):
-        return False  # (false: no value)
-    if "enum" in schema or "const" in schema:
-        return False  # (constants: parsed JSON, no repeated key)
-    t = schema.get("type")
-    types = set(t) if isinstance(t, list) else {t} if isinstance(t, str) else None
-    if types is None or "object" in types:
-        if types is not None or any(k in schema for k in _OBJECT_WORDS):
-            if schema.get("additionalProperties", True) is not False or schema.get("patternProperties") \
-                    or schema.get("unevaluatedProperties", False) is not False:
-                return True
-        elif not any(k in schema for k in _COMBINED):
-            return True  # (any value)
-    if types is not None and "array" in types and "items" not in schema \
-            and not ("prefixItems" in schema and schema.get("additionalItems", True) is False):
-        return True  # (items of any value)
-    for key in _MAPS:
-        if isinstance(schema.get(key), dict) and any(keys_can_repeat(v) for v in schema[key].values()):
-            return True
-    for key in _LISTS:
-        if isinstance(schema.get(key), list) and any(keys_can_repeat(v) for v in schema[key]):
-            return True
-    return any(keys_can_repeat(schema[key]) for key in _ONE if key in schema and not isinstance(schema[key], list))
-
-
 _MISSING = object()
 
 
@@ -267,16 +223,12 @@ class KeyTracker:
     def restrict_rows(self, words: np.ndarray, at, states: list) -> None:
         """``words[at[j]]`` (int32 rows of packed bits) restricted by the key rule at ``states[j]``,
         in place: the cleared words of every row gathered, then cleared in one array operation."""
-        cleared, get = self._cleared, self._words.get
+        cleared = self._cleared
         rows, cols, keep, dead = [], [], [], []
         for r, s in zip(at, states):
             if s == DEAD:
                 dead.append(r)
-                continue
-            c = get(s, _MISSING)
-            if c is _MISSING:
-                c = cleared(s)
-            if c is not None:
+            elif (c := cleared(s)) is not None:
                 rows.append(np.full(len(c[0]), r))
                 cols.append(c[0])
                 keep.append(c[1])

@@ -27,7 +27,6 @@ from typing import Any
 
 from ..errors import SMCDecodeError
 from .grammar import PATHS, LLGuidanceConstraint, _llguidance, lark_header
-from .json_keys import keys_can_repeat
 
 WHITESPACE = ("compact", "flexible")
 SUPERSET = ("a superset of the documents forms a regular language (its automaton masks the proposal on the "
@@ -76,6 +75,59 @@ _OPEN_KEYS = {
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 _SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "items")  # draft-04 "items" may be a list
 _SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+# keys_can_repeat: the further subschemas it walks (beyond the ones above), the keywords of a node that
+# only combine its members, those that make a node an object's, and those that add no value of their own
+_MORE_SUBSCHEMAS = ("additionalItems", "unevaluatedProperties", "propertyNames")
+_COMBINED = ("anyOf", "oneOf", "allOf", "$ref")
+_OBJECT_WORDS = ("properties", "required", "additionalProperties", "patternProperties", "unevaluatedProperties",
+                 "minProperties", "maxProperties", "propertyNames", "dependentSchemas")
+_PLAIN_WORDS = frozenset((
+    "type", "enum", "const", "$defs", "definitions", "$schema", "$id", "id", "$anchor", "$comment", "title",
+    "description", "default", "examples", "example", "deprecated", "readOnly", "writeOnly", "x-guidance", "format",
+    "minLength", "maxLength", "pattern", "contentEncoding", "contentMediaType", "minimum", "maximum",
+    "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minItems", "maxItems", "uniqueItems",
+    "minContains", "maxContains", "prefixItems", "contains", "not", "if", "then", "else",
+    *_COMBINED, *_OBJECT_WORDS, *_SUBSCHEMAS, *_MORE_SUBSCHEMAS,
+))
+
+
+def keys_can_repeat(schema) -> bool:
+    """Can a document of the grammar llguidance compiles from ``schema`` name a key twice in one
+    object? False only where every object the schema allows is closed (``additionalProperties``
+    false, no ``patternProperties``) and no value is left unconstrained (``{}``, ``true``, an array
+    without ``items``): llguidance then writes each declared property at most once, in order, and
+    the unique-key rule has nothing to remove. Conservative: a keyword it does not know of
+    (``_PLAIN_WORDS``) answers True."""
+    if schema is True:
+        return True
+    if not isinstance(schema, dict):
+        return False  # (false: no value)
+    if not _PLAIN_WORDS.issuperset(schema):
+        return True
+    if "enum" in schema or "const" in schema:
+        return False  # (constants: parsed JSON, no repeated key)
+    t = schema.get("type")
+    types = set(t) if isinstance(t, list) else {t} if isinstance(t, str) else None
+    if types is None or "object" in types:
+        if types is not None or any(k in schema for k in _OBJECT_WORDS):
+            if schema.get("additionalProperties", True) is not False or schema.get("patternProperties") \
+                    or schema.get("unevaluatedProperties", False) is not False:
+                return True
+        elif not any(k in schema for k in _COMBINED):
+            return True  # (any value)
+    if types is not None and "array" in types and "items" not in schema \
+            and not ("prefixItems" in schema and schema.get("additionalItems", True) is False):
+        return True  # (items of any value)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict) and any(keys_can_repeat(v) for v in schema[key].values()):
+            return True
+    for key in (*_SUBSCHEMA_LISTS, "allOf"):
+        if isinstance(schema.get(key), list) and any(keys_can_repeat(v) for v in schema[key]):
+            return True
+    return any(keys_can_repeat(schema[key]) for key in (*_SUBSCHEMAS, *_MORE_SUBSCHEMAS)
+               if key in schema and not isinstance(schema[key], list))
+
+
 # JSON Schema's own keywords: a key named so in a document is almost always the schema copied
 SCHEMA_KEYWORDS = (
     "$schema", "$id", "$ref", "$defs", "$comment", "definitions", "type", "properties", "required",
@@ -230,7 +282,7 @@ class JSONSchema(LLGuidanceConstraint):
     exclude it; with ``unique_keys`` the mask also forbids every token that would close a key its
     object already has (``json_keys.py``), and :meth:`parse` rejects such documents. Where every
     object the schema allows is closed, llguidance already writes each property at most once and
-    the mask skips that work (``self.key_rule`` False: ``json_keys.keys_can_repeat``).
+    the mask skips that work (``self.key_rule`` False: :func:`keys_can_repeat`).
     ``force_canonical``: see :class:`~smcdecode.potentials.grammar.Grammar`.
     ``path``: how masks are computed. "automaton": the schema is translated to a regular expression
     (``schema_regex.py``) and compiled to a token automaton with token classes (``automaton.py``),

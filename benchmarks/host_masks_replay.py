@@ -47,13 +47,22 @@ model = sd.load_model()
 V = model.vocab_size
 W = (V + 31) // 32
 lanes = "lane" in inspect.signature(RequestMasks).parameters
+workers = "workers" in inspect.signature(HostMasks).parameters
+if cfg["workers"] and not workers:
+    raise SystemExit("this tree's HostMasks has no mask workers")
 out = []
 for part in trace["parts"]:
     c = JSONSchema(part["schema"], path="llguidance", threads=cfg["threads"]).bind(model)
     per_round, cpu_round, digest = [], [], None
-    for rep in range(cfg["repeats"]):
-        host = HostMasks(part["particles"], V, "cpu")
-        bits = torch.empty(part["particles"] * part["requests"], W, dtype=torch.int32)
+    rows = part["particles"] * part["requests"]
+    kw = {"rows": rows, "k_max": 64, "workers": cfg["workers"]} if workers else {}
+    host = HostMasks(part["particles"], V, "cpu", **kw)
+    for rep in range(cfg["repeats"] + 1):  # (the first: a warm-up, untimed; workers start, lanes compile)
+        if workers:
+            host.clear()
+        else:
+            host = HostMasks(part["particles"], V, "cpu")
+        bits = torch.empty(rows, W, dtype=torch.int32)
         h = hashlib.md5()
         wall = cpu = 0.0
         rounds = 0
@@ -83,10 +92,13 @@ for part in trace["parts"]:
             cpu += time.thread_time() - c0
             if name == "mask" and rep == 0:
                 h.update(bits[: host.rows].numpy().tobytes())
-        per_round.append(1e3 * wall / rounds)
-        cpu_round.append(1e3 * cpu / rounds)
         if rep == 0:
             digest = h.hexdigest()
+        else:
+            per_round.append(1e3 * wall / rounds)
+            cpu_round.append(1e3 * cpu / rounds)
+    if workers:
+        host.close()
     out.append({"schema_name": part["schema_name"], "requests": part["requests"], "rounds": rounds,
                 "median_round_ms": statistics.median(per_round), "median_cpu_ms": statistics.median(cpu_round),
                 "masks_md5": digest})
@@ -196,14 +208,19 @@ def replay(args) -> None:
     if not traces:
         raise SystemExit("no trace: run `python benchmarks/host_masks_replay.py record` first")
     trees = {"B": args.b} if args.a is None else {"A": args.a, "B": args.b}
+    counts = [int(w) for w in args.workers.split(",")]
+    # the variants: each tree with each number of mask workers (named "B", or "B 8w" with several)
+    variants = {(t if len(counts) == 1 else f"{t} {w}w"): (trees[t], w) for t in sorted(trees) for w in counts}
+    trees = {name: tree for name, (tree, _) in variants.items()}
     raw = []
     for trace in traces:
-        cfg = {"trace": str(trace.resolve()), "repeats": args.repeats, "threads": args.threads}
         for p in range(args.passes):
-            for name in (sorted(trees) if p % 2 == 0 else sorted(trees, reverse=True)):
-                r = run_tree(trees[name], cfg, WORKER, OMP_NUM_THREADS="1")
+            for name in (sorted(variants) if p % 2 == 0 else sorted(variants, reverse=True)):
+                tree, w = variants[name]
+                cfg = {"trace": str(trace.resolve()), "repeats": args.repeats, "threads": args.threads, "workers": w}
+                r = run_tree(tree, cfg, WORKER, OMP_NUM_THREADS="1")
                 for part in r["parts"]:
-                    raw.append({"tree": name, "path": str(trees[name]), "pass": p, "trace": trace.name, **part})
+                    raw.append({"tree": name, "path": str(tree), "workers": w, "pass": p, "trace": trace.name, **part})
                     print(f"{trace.name} G={part['requests']} pass {p} {name}: {part['median_round_ms']:.2f} ms per round",
                           flush=True)
     table = []
@@ -247,6 +264,8 @@ def main() -> None:
     rep.add_argument("--repeats", type=int, default=3, help="replays of a trace per process")
     rep.add_argument("--threads", type=int, default=None,
                      help="llguidance's threads and the constraint's lanes (default: its own, 80 %% of the cores)")
+    rep.add_argument("--workers", default="0",
+                     help="mask worker processes (HostMasks' workers), comma-separated: each tree with each")
     rep.add_argument("--out", type=Path, default=RESULTS / "host_masks_replay.json")
     args = ap.parse_args()
     t0 = time.perf_counter()

@@ -55,6 +55,7 @@ import torch
 
 import smcdecode as sd
 from smcdecode.backends.engine import PRESETS, Engine, Llama, LlamaConfig
+from smcdecode.backends.engine.config import EngineConfig
 from smcdecode.backends.engine.targets import EngineTarget
 from smcdecode.potentials.json_schema import JSONSchema
 
@@ -312,6 +313,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--requests", default="1,8")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--host-workers", type=int, default=None,
+                    help="the engine's mask worker processes (EngineConfig.host_workers; default: the engine's)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/structured_engine.json"))
     args = ap.parse_args()
     args.requests = [int(g) for g in args.requests.split(",")]
@@ -347,7 +350,9 @@ def main() -> None:
             name, target, draft, model, prompts, eos = load(args, device, dtype)
             max_ctx = max(len(p) for p in prompts) + args.max_new_tokens + 16
             pages = max(args.requests) * (args.particles + 4) * (-(-max_ctx // 16) + 1) + 64
-            engine = Engine(target, draft, num_pages=pages, page_size=16, max_context=max_ctx)
+            engine = Engine(target, draft, EngineConfig(num_pages=pages, page_size=16, max_context=max_ctx,
+                                                        host_workers=args.host_workers))
+            res["host_workers"] = engine.config.host_workers
             res["rows"] += run_model(name, engine, model, prompts, eos, schemas, args, device)
             del engine, target, draft
         except Exception:  # noqa: BLE001 - record and go on to the next model

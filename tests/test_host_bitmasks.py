@@ -118,22 +118,24 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
 
 @pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("handed", [True, False])
-def test_host_masks_pack_every_request_into_one_bitmask(model, device, handed):
+@pytest.mark.parametrize("handed, workers", [(True, 0), (False, 0), (True, 2)])
+def test_host_masks_pack_every_request_into_one_bitmask(model, device, handed, workers):
     """Two requests (N = 3 and N = 2 of N_max = 4, different schemas, K = 2; the second also under a
     regex, whose token automaton ANDs its packed mask in): HostMasks' mask of each step (llguidance's
     rows of both requests filled in one call) equals each request's own boolean masks on its rows and
     every token elsewhere. ``handed``: the round hands each drafted column over (``drafted``: on a GPU a
-pinned copy and an event); else the host reads it from the drafts buffer."""
+pinned copy and an event); else the host reads it from the drafts buffer. ``workers``: the first
+    request's llguidance states held by two mask worker processes, the second's (a regex too) here."""
     V = model.vocab_size
     schemas = _schemas("jsonschemabench_Glaiveai2K.jsonl", 2)
     cs = [JSONSchema(s, path="llguidance").bind(model) for s in schemas]
     regex = sd.Regex(r'[{}\[\]":, a-z0-9_.-]*').bind(model)
     refs = [c.start(n) for c, n in zip(cs, (3, 2))]
     ref_regex = regex.start(2)
-    host = HostMasks(4, V, device)
+    host = HostMasks(4, V, device, rows=8, k_max=2, workers=workers, local=0)
     host.add(0, RequestMasks([cs[0]], 3, block_size=2, budget=100))
     host.add(1, RequestMasks([cs[1], regex], 2, block_size=2, budget=100))
+    assert [m.remote for m in host.requests.values()] == [bool(workers), False]
     g = torch.Generator().manual_seed(2)
     rows = 8
     for _round in range(3):
@@ -160,20 +162,24 @@ pinned copy and an event); else the host reads it from the drafts buffer."""
                     host.drafted(i, d_dev)
             else:
                 host.end(d_dev)
+    host.close()
 
 
 @pytest.mark.slow
-def test_host_masks_of_rows_sharing_matchers_equal_their_replayed_histories(model):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_host_masks_of_rows_sharing_matchers_equal_their_replayed_histories(model, workers):
     """Resampled rows share their ancestor's matcher (copy on write) and, drawing from one logit vector,
     often take the same token: every step's HostMasks mask (one mask per distinct matcher, the
     unique-key rule applied) equals, row by row, the reference mask of that row's own token history
-    replayed into a fresh matcher."""
+    replayed into a fresh matcher; where the states are held by mask workers (``workers``), the
+    rows that end a round accepting are those of the histories too."""
     V, eos = model.vocab_size, model.eos_token_id
     c = JSONSchema({"type": "object", "additionalProperties": {"type": "integer"}}, path="llguidance").bind(model)
     closing = torch.tensor([b is not None and b"}" in b for b in c._keys.token_bytes])  # (documents stay open)
     N, K = 4, 2
-    host = HostMasks(N, V, "cpu")
+    host = HostMasks(N, V, "cpu", rows=N, k_max=K, workers=workers, local=0)
     host.add(0, RequestMasks([c], N, K, budget=1000))
+    assert host.requests[0].remote == bool(workers)
     hist = [[] for _ in range(N)]
     g = torch.Generator().manual_seed(3)
     out = torch.empty(N, host.W, dtype=torch.int32)
@@ -185,8 +191,9 @@ def test_host_masks_of_rows_sharing_matchers_equal_their_replayed_histories(mode
             host.mask(i, out)
             ref = _reference_mask(c, c._replay(hist))
             assert torch.equal(unpack_bits(out, V), ref), (rnd, i)
-            matchers = host.requests[0].states[0].matchers
-            shared_steps += len({id(m) for m in matchers}) < N
+            if not workers:
+                matchers = host.requests[0].states[0].matchers
+                shared_steps += len({id(m) for m in matchers}) < N
             choice = ref & ~closing
             choice[:, eos] = False
             logits = torch.rand(V, generator=g).expand(N, V).clone()
@@ -199,10 +206,13 @@ def test_host_masks_of_rows_sharing_matchers_equal_their_replayed_histories(mode
                 host.drafted(i, d)
             else:
                 host.end(d)
+        accepting = [bool(c.accepting(c._replay([h]))[0]) for h in hist]
+        assert (~host.rejects(N)).tolist() == accepting
         index = torch.tensor([0, 0, 1, 0] if rnd % 2 == 0 else [2, 2, 3, 3])
         host.fork(index)
         hist = [list(hist[a]) for a in index]
-    assert shared_steps > 8  # the rows did share matchers for much of the walk
+    assert workers or shared_steps > 8  # the rows did share matchers for much of the walk
+    host.close()
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import smcdecode as sd
+from smcdecode.backends.engine.config import EngineConfig
 from smcdecode.backends.engine.targets import CombinedAutomaton, DeviceAutomaton, EngineTarget
 from smcdecode.potentials.json_schema import JSONSchema
 from smcdecode.potentials.schema_regex import ANY_STRING, UnsupportedSchema, schema_regex, string_except
@@ -154,7 +155,7 @@ def test_reference_backend_automaton_and_llguidance_paths_are_exact():
         check_distribution(out, exact, z_max=5.0)
 
 
-def _tiny_engine():
+def _tiny_engine(host_workers: int = 0):
     transformers = pytest.importorskip("transformers")
     from smcdecode.backends.engine import Engine, Llama
 
@@ -176,8 +177,8 @@ def _tiny_engine():
 
     model = sd.FunctionModel(fn, vocab=VOCAB, eos="<eos>", name="tiny-llama")
     engine = Engine(Llama.from_hf(target_hf, dtype=torch.float32, device="cpu"),
-                    Llama.from_hf(draft_hf, dtype=torch.float32, device="cpu"), num_pages=30000, page_size=4,
-                    max_context=32)
+                    Llama.from_hf(draft_hf, dtype=torch.float32, device="cpu"),
+                    config=EngineConfig(num_pages=30000, page_size=4, max_context=32, host_workers=host_workers))
     return engine, model
 
 
@@ -338,15 +339,16 @@ def test_superset_path_choice_and_errors():
         JSONSchema(SCHEMA, path="supersets")
 
 
-@pytest.mark.parametrize("block_size, host_masks", [(3, False), (2, False), (2, True)])
-def test_engine_superset_round_is_exact_and_one_particle_takes_masks(block_size, host_masks):
+@pytest.mark.parametrize("block_size, host_masks, workers", [(3, False, 0), (2, False, 0), (2, True, 0), (2, True, 2)])
+def test_engine_superset_round_is_exact_and_one_particle_takes_masks(block_size, host_masks, workers):
     """The engine's superset path (device automaton of the superset, llguidance's check of each
     round's tokens, weight 0 where they leave the documents) samples the exact target; a request of
     one particle (locally-masked decoding) takes llguidance's masks instead, so it never dies.
     block_size 3: every document within one round (the check's verdict decides); 2: over two
     rounds (a request whose particle died switches to masks for the second); ``host_masks``: the
-    program's constraints all through the host (no device automaton): llguidance's masks."""
-    engine, model = _tiny_engine()
+    program's constraints all through the host (no device automaton): llguidance's masks, computed
+    in the engine's process or (``workers``) in two mask worker processes."""
+    engine, model = _tiny_engine(workers)
     constraint = JSONSchema(S_BOUNDED).bind(model)
     target = sd.LM(model) * constraint
     assert constraint.path == "superset" and DeviceAutomaton.of(constraint, "cpu") is not None
@@ -362,6 +364,8 @@ def test_engine_superset_round_is_exact_and_one_particle_takes_masks(block_size,
                 assert constraint.is_valid(model.decode([t for t in x if t != EOS])), x
     check_distribution(out, exact, z_max=5.0)
     check_evidence_unbiased(out, exact.log_Z, z_max=5.0)
+    hosts = [engine.graphs[k].host for k in engine.graphs.keys() if getattr(engine.graphs[k], "host", None) is not None]
+    assert hosts and [h._pool is not None for h in hosts] == [bool(workers)] * len(hosts)  # (workers: they held it)
     one = engine.smc_sd([PROMPT] * 200, particles=1, seed=12, **{**kw, "max_new_tokens": 8})
     for g in range(200):
         x = one.tokens[g, 0, : one.lengths[g, 0]].tolist()

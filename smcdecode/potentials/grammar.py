@@ -188,6 +188,11 @@ class LLGuidanceConstraint(TokenConstraint):
         self.model = model
         self._words = (model.vocab_size + 31) // 32
 
+    def worker_spec(self) -> tuple:
+        """What a mask worker process needs to rebuild this constraint's llguidance path
+        (backends/engine/mask_workers.py): picklable and hashable."""
+        return type(self), self._grammar, bool(self.key_rule)
+
     # -- tensor path -----------------------------------------------------------------------
     @property
     def token_automaton(self):

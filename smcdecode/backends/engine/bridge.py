@@ -22,14 +22,15 @@ _LLAMAS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Model -> {(d
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target Model -> {key: Engine}
 
 SUPPORTED = ("llama",)
-OPTIONS = ("dtype", "device", "page_size", "num_pages", "use_graphs")
 
 
-def check_options(options: dict | None, allowed: tuple[str, ...] = OPTIONS, backend: str = "engine") -> dict:
-    """``engine_options`` checked (names and values; see ``config.check_options``)."""
+def check_options(options: dict | None, allowed: tuple[str, ...] | None = None, backend: str = "engine") -> dict:
+    """``engine_options`` checked (names and values; see ``config.check_options``; ``allowed``: its
+    ``OPTIONS`` unless given)."""
+    from .config import OPTIONS
     from .config import check_options as check
 
-    return check(options, allowed, backend)
+    return check(options, OPTIONS if allowed is None else allowed, backend)
 
 
 def to_llama(model, role: str, dtype=None, device=None):

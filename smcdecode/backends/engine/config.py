@@ -5,7 +5,7 @@ choices between measured variants are module constants of ``kernels/`` and ``ops
 part of the key of every captured CUDA graph, so a graph never replays under other settings.
 
 ``backend="engine"`` takes the same settings as ``engine_options`` (``dtype``, ``device``,
-``page_size``, ``num_pages``, ``use_graphs``; see :func:`check_options`). The one environment
+``page_size``, ``num_pages``, ``use_graphs``, ``host_workers``; see :func:`check_options`). The one environment
 variable is ``SMCDECODE_TRITON=0``, which makes ``triton=None`` (the default) mean the torch
 references everywhere; it is read when a config is resolved, never by the kernels.
 """
@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import SMCDecodeError
+from .mask_workers import check_workers, default_workers
 
-OPTIONS = ("dtype", "device", "page_size", "num_pages", "use_graphs")
+OPTIONS = ("dtype", "device", "page_size", "num_pages", "use_graphs", "host_workers")
 
 
 @functools.cache
@@ -55,6 +56,9 @@ class EngineConfig:
                  interpreter, TRITON_INTERPRET=1); None: ``default_triton(device)``.
     dtype        the models' dtype; None: the target model's.
     device       the models' device; None: the target model's.
+    host_workers processes that compute the masks of constraints on llguidance's path beside the
+                 engine's own (mask_workers.py); 0: in the engine's process. None: one per two
+                 cores, at most 8, on a GPU host of 4 or more cores; 0 on a CPU.
 
     ``resolved(...)`` fills every None from the models, so an Engine's config states what it runs."""
 
@@ -65,6 +69,7 @@ class EngineConfig:
     triton: bool | None = None
     dtype: torch.dtype | None = None
     device: torch.device | None = None
+    host_workers: int | None = None
 
     def __post_init__(self):
         _check_int("page_size", self.page_size, 1, "tokens per KV page, e.g. 16")
@@ -79,6 +84,7 @@ class EngineConfig:
             object.__setattr__(self, "dtype", parse_dtype(self.dtype))
         if self.device is not None:
             object.__setattr__(self, "device", parse_device(self.device))
+        check_workers(self.host_workers)
 
     def resolved(self, dtype: torch.dtype, device: torch.device) -> EngineConfig:
         """This config with dtype, device, use_graphs and triton filled in for models of ``dtype`` on
@@ -93,6 +99,7 @@ class EngineConfig:
         return dataclasses.replace(
             self, dtype=dtype, device=device,
             use_graphs=device.type == "cuda" if self.use_graphs is None else self.use_graphs,
+            host_workers=default_workers(device) if self.host_workers is None else self.host_workers,
             triton=default_triton(device) if self.triton is None else self.triton)
 
     @classmethod
@@ -104,7 +111,7 @@ class EngineConfig:
         context = max(64, 1 << (context - 1).bit_length())
         pages = options.get("num_pages", rows * (context // page_size + 2) + 16)
         return cls(num_pages=pages, page_size=page_size, max_context=context, use_graphs=options.get("use_graphs"),
-                   dtype=options.get("dtype"), device=options.get("device"))
+                   dtype=options.get("dtype"), device=options.get("device"), host_workers=options.get("host_workers"))
 
 
 def check_options(options: dict | None, allowed: tuple[str, ...] = OPTIONS, backend: str = "engine") -> dict:
@@ -120,6 +127,7 @@ def check_options(options: dict | None, allowed: tuple[str, ...] = OPTIONS, back
         _check_int("num_pages", options["num_pages"], 2, "KV pages of each pool, the null page included")
     if options.get("use_graphs") is not None and not isinstance(options["use_graphs"], bool):
         raise SMCDecodeError(f"engine option use_graphs must be True, False or None, got {options['use_graphs']!r}")
+    check_workers(options.get("host_workers"))
     if options.get("dtype") is not None:
         parse_dtype(options["dtype"])
     if options.get("device") is not None:

@@ -144,12 +144,12 @@ class Scheduler:
                                          self.eos, self.pad, resampler, ess_threshold, hosted, self.speculative,
                                          self.drafts, exact_only),
                             host=HostMasks(max_particles, V, dev, rows=slots * max_particles,
-                                           k_max=max_block_size) if hosted else None)
+                                           k_max=max_block_size, workers=engine.config.host_workers) if hosted else None)
             engine.graphs.put(key, rounds)
         self._rounds = rounds
         self.host = rounds.host
         if self.host is not None:
-            self.host.requests.clear()
+            self.host.clear()
         self.full = rounds.full
         b = self.full.buffers
         b["finished"].fill_(True)

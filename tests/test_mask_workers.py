@@ -1,0 +1,84 @@
+"""Mask worker processes (backends/engine/mask_workers.py): the engine's llguidance states held in
+forked processes give the samples of the engine's own process, bit for bit; a worker that dies or a
+bad setting is a clear error."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+import smcdecode as sd
+from smcdecode.backends.engine.bridge import _ENGINES
+from smcdecode.backends.engine.config import EngineConfig, check_options
+from smcdecode.backends.engine.host_masks import HostMasks, RequestMasks
+from smcdecode.backends.engine.mask_workers import default_workers
+from smcdecode.potentials.json_schema import JSONSchema
+
+OPEN = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+        "required": ["name"], "additionalProperties": {"type": "integer"}}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return sd.load_model()
+
+
+@pytest.mark.slow
+def test_engine_samples_the_same_with_mask_workers(model):
+    """Three requests of four particles on llguidance's path (an open object: the unique-key rule
+    applies), SmolLM2 proposing to itself on the CPU engine, the same seed: with two mask workers (which
+    hold two of the requests; the engine's process keeps the first) the tokens, lengths and weights equal those computed in the engine's process, and every finished
+    document validates."""
+    c = JSONSchema(OPEN, path="llguidance")
+    assert c.bind(model).key_rule
+    prompt = "Describe a cat as JSON with a name, tags and integer fields:"
+    outs = []
+    for workers in (0, 2):
+        smc = sd.SMC(sd.LM(model) * c, sd.Draft(model), particles=4, block_size=3, backend="engine",
+                     engine_options={"host_workers": workers})
+        outs.append(smc.run_groups(prompt, 3, max_new_tokens=40, seed=5))
+        (engine,) = _ENGINES[model].values()
+        hosts = [engine.graphs[k].host for k in engine.graphs.keys() if getattr(engine.graphs[k], "host", None) is not None]
+        assert hosts and all((h._pool is not None) == bool(workers) for h in hosts)  # (two requests went there)
+    a, b = outs
+    assert torch.equal(a.lengths, b.lengths) and torch.equal(a.tokens, b.tokens)
+    assert torch.equal(a.log_weights, b.log_weights)
+    finished = 0
+    for g in range(3):
+        for i in range(4):
+            x = b.tokens[g, i, : b.lengths[g, i]].tolist()
+            if x and x[-1] == model.eos_token_id and b.log_weights[g, i] > float("-inf"):
+                assert c.bind(model).is_valid(model.decode(x[:-1])), model.decode(x)
+                finished += 1
+    assert b.lengths.min() > 5 and finished  # (several rounds each; documents finished)
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_is_a_clear_error(model):
+    c = JSONSchema(OPEN, path="llguidance").bind(model)
+    host = HostMasks(2, model.vocab_size, "cpu", rows=4, k_max=2, workers=1, local=0)
+    host.add(0, RequestMasks([c], 2, block_size=2, budget=100))
+    out = torch.empty(4, host.W, dtype=torch.int32)
+    host.begin(4, 2, torch.zeros(4, 2, dtype=torch.long))
+    host.mask(0, out)  # (the worker runs)
+    assert out[:2].any() and (out[2:] == -1).all()
+    os.kill(host._pool._procs[0].pid, signal.SIGKILL)
+    host._pool._procs[0].join(5)
+    with pytest.raises(sd.SMCDecodeError, match="worker process .* ended .*host_workers=0"):
+        host.rejects(4)
+    host.close()
+
+
+def test_host_workers_setting():
+    assert EngineConfig(num_pages=4).resolved(torch.float32, torch.device("cpu")).host_workers == 0
+    assert default_workers("cpu") == 0
+    assert EngineConfig(num_pages=4, host_workers=3).resolved(torch.float32, torch.device("cpu")).host_workers == 3
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(sd.SMCDecodeError, match="host_workers must be an integer >= 0"):
+            EngineConfig(num_pages=4, host_workers=bad)
+        with pytest.raises(sd.SMCDecodeError, match="host_workers must be an integer >= 0"):
+            check_options({"host_workers": bad})
+    assert check_options({"host_workers": 2}) == {"host_workers": 2}

@@ -27,21 +27,40 @@ from __future__ import annotations
 import mmap
 import multiprocessing
 import os
+import pickle
+import platform
+import time
 import traceback
 import warnings
 import weakref
 
+import numpy as np
 import torch
 
 from ...errors import SMCDecodeError
 
+# a process's mailbox: its control words (one 64-byte line each, so no two processes write one line)
+POSTED, TAKEN, DONE, LENGTH, ANSWER = range(5)  # messages posted, taken, done; their byte lengths
+LINE = 8  # int64 words a process's control line
+IN_CAP, OUT_CAP = 1 << 20, 1 << 16  # mailbox bytes (in, answers); a longer message goes through the pipe
+
+
+def _supported() -> str | None:
+    """Why this host cannot run mask workers, or None."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return "needs processes forked from this one, which this platform does not offer"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        # (the mailboxes are plain shared memory, read in order without fences: x86-64 keeps stores in order)
+        return f"passes messages through shared memory without fences, which is sound on x86-64 only (this is {platform.machine()})"
+    return None
+
 
 def default_workers(device) -> int:
-    """How many mask processes the engine starts by default: on a GPU with four or more cores, one per
-    two cores, at most 8 (a round's requests seldom number more); none on a CPU (its cores run the
-    models) or where processes cannot be forked."""
+    """How many mask processes the engine starts by default: on a GPU host of four or more cores, one
+    per two cores, at most 8 (a round's requests seldom number more); none on a CPU (its cores run
+    the models) or where they cannot run (``_supported``)."""
     cores = os.cpu_count() or 1
-    if torch.device(device).type != "cuda" or cores < 4 or "fork" not in multiprocessing.get_all_start_methods():
+    if torch.device(device).type != "cuda" or cores < 4 or _supported() is not None:
         return 0
     return min(8, cores // 2)
 
@@ -52,19 +71,29 @@ def check_workers(value) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise SMCDecodeError(f"engine option host_workers must be an integer >= 0 (0: masks in this process) "
                              f"or None (the default for the device), got {value!r}")
-    if value and "fork" not in multiprocessing.get_all_start_methods():
-        raise SMCDecodeError(f"host_workers={value} needs processes forked from this one, which this platform "
-                             "does not offer: pass host_workers=0")
+    why = _supported() if value else None
+    if why:
+        raise SMCDecodeError(f"host_workers={value}: mask worker processes {why}; pass host_workers=0")
     return value
 
 
 class MaskWorkers:
     """``processes`` forked processes that hold requests' llguidance states (see the module docstring),
-    and the two shared step buffers ``bits`` (int32 [rows, words] each)."""
+    and the two shared step buffers ``bits`` (int32 [rows, words] each).
+
+    Messages travel through shared memory: each process has a mailbox (a control line and a byte
+    area) where this process writes a pickled batch of operations and then raises POSTED; the
+    worker, spinning on POSTED, copies the batch out, raises TAKEN, runs it, writes its answer and
+    raises DONE. A round's steps thus cost no system call and no wake-up (between rounds a worker
+    that found nothing for a while sleeps in growing steps, up to 5 ms). A batch longer than the
+    mailbox goes through the process's pipe."""
 
     def __init__(self, processes: int, rows: int, words: int, tok, texts: list, pin: bool):
         if processes < 1 or rows < 1:
             raise SMCDecodeError(f"mask workers need at least one process and one row, got {processes} and {rows}")
+        why = _supported()
+        if why:
+            raise SMCDecodeError(f"mask worker processes {why}: pass host_workers=0")
         self.tok, self.rows, self.words = tok, rows, words
         size = rows * words * 4
         self._mem = mmap.mmap(-1, 2 * size)  # anonymous and shared: the forked processes write the same pages
@@ -77,13 +106,15 @@ class MaskWorkers:
                 raise SMCDecodeError(f"CUDA refused to pin the mask workers' shared buffers (error {int(err)}): "
                                      "pass host_workers=0")
             self._pinned = whole.data_ptr()
+        self._box = mmap.mmap(-1, processes * (LINE * 8 + IN_CAP + OUT_CAP))
+        self._ctrl = np.frombuffer(self._box, dtype=np.int64, count=processes * LINE).reshape(processes, LINE)
         threads = max(1, (os.cpu_count() or 1) // (2 * processes))  # (each process's llguidance pool)
         ctx = multiprocessing.get_context("fork")
         self._conns, self._procs = [], []
-        for _ in range(processes):
+        for w in range(processes):
             here, there = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(there, self._mem, rows, words, tok, texts, threads),
-                            daemon=True, name="smcdecode-masks")
+            p = ctx.Process(target=_serve, args=(w, there, self._box, processes, self._mem, rows, words, tok, texts,
+                                                 threads, os.getpid()), daemon=True, name="smcdecode-masks")
             with warnings.catch_warnings():  # (Python warns of forking a process with threads; the child
                 warnings.simplefilter("ignore", DeprecationWarning)  # runs llguidance and numpy only)
                 p.start()
@@ -91,10 +122,12 @@ class MaskWorkers:
             self._conns.append(here)
             self._procs.append(p)
         self._queued: list[list] = [[] for _ in range(processes)]
-        self._owed = [0] * processes  # answers each process owes
+        self._posted = [0] * processes
+        self._owed = [0] * processes  # the message whose answer each process owes (0: none)
         self.where: dict[int, int] = {}  # slot -> its process
         self._rows: dict[int, int] = {}  # slot -> its rows (to place requests where fewest rows are)
-        self._finalizer = weakref.finalize(self, _close, self._conns, self._procs, self._pinned, self._mem)
+        self._finalizer = weakref.finalize(self, _close, self._box, self._ctrl, self._conns, self._procs,
+                                           self._pinned)
 
     def close(self) -> None:
         self._finalizer()
@@ -132,25 +165,22 @@ class MaskWorkers:
         for s in slots:
             self._queued[self.where[s]].append(("accepting", s))
         answers = self.wait(self.send())
-        out = {}
-        for s in slots:
-            out[s] = answers[self.where[s]].pop(0)
-        return out
+        return {s: answers[self.where[s]].pop(0) for s in slots}
 
     def send(self) -> list[int]:
-        """Send every process its queued operations (without waiting); the processes that will answer."""
+        """Post every process its queued operations (without waiting for them to run); the processes
+        that will answer."""
         asked = []
         for w, ops in enumerate(self._queued):
             if not ops:
                 continue
             answer = any(op[0] in ("fill", "accepting") for op in ops)
-            try:
-                self._conns[w].send((ops, answer))
-            except (BrokenPipeError, OSError):
-                raise self._ended(w) from None
+            if answer and self._owed[w]:  # (one answer at a time: its area holds one)
+                raise SMCDecodeError("a mask worker was asked again before its answer was collected")
+            self._post(w, (ops, answer))
             self._queued[w] = []
             if answer:
-                self._owed[w] += 1
+                self._owed[w] = self._posted[w]
                 asked.append(w)
         return asked
 
@@ -158,16 +188,43 @@ class MaskWorkers:
         """Collect the answers owed (by ``asked``, or by every process): process -> its answers."""
         out = {}
         for w in range(len(self._procs)) if asked is None else asked:
-            while self._owed[w]:
-                try:
-                    error, answers = self._conns[w].recv()
-                except (EOFError, OSError):
-                    raise self._ended(w) from None
-                self._owed[w] -= 1
-                if error is not None:
-                    raise SMCDecodeError(f"a host-mask worker process failed: {error}")
-                out.setdefault(w, []).extend(answers)
+            if not self._owed[w]:
+                continue
+            self._spin(w, DONE, self._owed[w])
+            self._owed[w] = 0
+            n = int(self._ctrl[w, ANSWER])
+            error, answers = pickle.loads(self._conns[w].recv_bytes() if n < 0 else self._area(w, True)[:n])
+            if error is not None:
+                raise SMCDecodeError(f"a host-mask worker process failed: {error}")
+            out[w] = answers
         return out
+
+    def _area(self, w: int, answer: bool) -> memoryview:
+        start = len(self._procs) * LINE * 8 + w * (IN_CAP + OUT_CAP) + (IN_CAP if answer else 0)
+        return memoryview(self._box)[start: start + (OUT_CAP if answer else IN_CAP)]
+
+    def _post(self, w: int, message) -> None:
+        self._spin(w, TAKEN, self._posted[w])  # (the mailbox is free once the last message was taken)
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        self._posted[w] += 1
+        if len(data) <= IN_CAP:
+            self._area(w, False)[: len(data)] = data
+            self._ctrl[w, LENGTH] = len(data)
+            self._ctrl[w, POSTED] = self._posted[w]
+        else:  # (posted first: the worker reads the pipe while this process writes it)
+            self._ctrl[w, LENGTH] = -1
+            self._ctrl[w, POSTED] = self._posted[w]
+            self._conns[w].send_bytes(data)
+
+    def _spin(self, w: int, word: int, target: int) -> None:
+        """Wait until process w's control word reaches ``target`` (spinning: the wait is short)."""
+        ctrl, i = self._ctrl, 0
+        while ctrl[w, word] < target:
+            i += 1
+            if i % 20000 == 0:
+                if not self._procs[w].is_alive():
+                    raise self._ended(w)
+                time.sleep(0)  # (a long wait: let this process's other threads run)
 
     def _ended(self, w: int) -> SMCDecodeError:
         p = self._procs[w]
@@ -203,17 +260,16 @@ def _rebuilt(spec: tuple, tok, words: int, keys, executor, threads: int):
     return c
 
 
-def _close(conns, procs, pinned, mem) -> None:
-    for c in conns:
-        try:
-            c.send(None)
-            c.close()
-        except OSError:
-            pass
+def _close(box, ctrl, conns, procs, pinned) -> None:
+    for w, p in enumerate(procs):
+        if p.is_alive():  # (a stop message: POSTED set to -1)
+            ctrl[w, POSTED] = -1
     for p in procs:
         p.join(2)
         if p.is_alive():
             p.terminate()
+    for c in conns:
+        c.close()
     if pinned is not None:
         try:
             torch.cuda.cudart().cudaHostUnregister(pinned)
@@ -221,15 +277,17 @@ def _close(conns, procs, pinned, mem) -> None:
             pass
 
 
-def _serve(conn, mem, rows: int, words: int, tok, texts: list, threads: int) -> None:
-    """A worker process: run the batches of operations it is sent until told to stop."""
+def _serve(w: int, conn, box, processes: int, mem, rows: int, words: int, tok, texts: list, threads: int,
+           parent: int) -> None:
+    """A worker process: run the batches of operations posted to its mailbox until told to stop."""
     try:
-        _loop(conn, mem, rows, words, tok, texts, threads)
+        _loop(w, conn, box, processes, mem, rows, words, tok, texts, threads, parent)
     finally:
         os._exit(0)  # (no atexit handlers, no CUDA teardown: this process shares the parent's state)
 
 
-def _loop(conn, mem, rows: int, words: int, tok, texts: list, threads: int) -> None:
+def _loop(w: int, conn, box, processes: int, mem, rows: int, words: int, tok, texts: list, threads: int,
+          parent: int) -> None:
     from ...potentials.grammar import fill_bits_together
     from ...potentials.json_keys import KeyTracker
     from ...potentials.token_bytes import _llguidance
@@ -239,10 +297,14 @@ def _loop(conn, mem, rows: int, words: int, tok, texts: list, threads: int) -> N
     executor = _llguidance().LLExecutor(threads)
     whole = torch.frombuffer(mem, dtype=torch.int32)
     bits = [whole[t * rows * words: (t + 1) * rows * words].view(rows, words) for t in (0, 1)]
+    ctrl = np.frombuffer(box, dtype=np.int64, count=processes * LINE).reshape(processes, LINE)
+    start = processes * LINE * 8 + w * (IN_CAP + OUT_CAP)
+    inbox = memoryview(box)[start: start + IN_CAP]
+    outbox = memoryview(box)[start + IN_CAP: start + IN_CAP + OUT_CAP]
     keys = []  # the vocabulary's KeyTracker, built when a constraint first needs it
     built: dict = {}  # worker_spec -> the rebuilt constraint
     held: dict[int, RequestMasks] = {}
-    error = None
+    error, seen = None, 0
 
     def constraint(spec):
         if spec not in built:
@@ -252,13 +314,23 @@ def _loop(conn, mem, rows: int, words: int, tok, texts: list, threads: int) -> N
         return built[spec]
 
     while True:
-        try:
-            message = conn.recv()
-        except EOFError:
+        i, idle = 0, None
+        while ctrl[w, POSTED] == seen:  # spin; after 5 ms of nothing, sleep in growing steps
+            i += 1
+            if i % 2000 == 0:
+                now = time.perf_counter()
+                idle = idle or now
+                if now - idle > 0.005:
+                    if os.getppid() != parent:
+                        return
+                    time.sleep(min(0.005, (now - idle) / 100))
+        if ctrl[w, POSTED] < 0:
             return
-        if message is None:
-            return
-        ops, answer = message
+        seen += 1
+        n = int(ctrl[w, LENGTH])
+        data = conn.recv_bytes() if n < 0 else bytes(inbox[:n])
+        ctrl[w, TAKEN] = seen
+        ops, answer = pickle.loads(data)
         answers = []
         if error is None:
             try:
@@ -292,5 +364,13 @@ def _loop(conn, mem, rows: int, words: int, tok, texts: list, threads: int) -> N
             except Exception as e:  # noqa: BLE001 - reported to the main process with the next answer
                 error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
         if answer:
-            conn.send((error, answers))
+            reply = pickle.dumps((error, answers), protocol=pickle.HIGHEST_PROTOCOL)
+            if len(reply) <= OUT_CAP:
+                outbox[: len(reply)] = reply
+                ctrl[w, ANSWER] = len(reply)
+            else:
+                ctrl[w, ANSWER] = -1
             error = None
+        ctrl[w, DONE] = seen
+        if answer and ctrl[w, ANSWER] < 0:  # (after DONE: this process reads the pipe once it sees it)
+            conn.send_bytes(reply)

@@ -132,7 +132,7 @@ pinned copy and an event); else the host reads it from the drafts buffer. ``work
     regex = sd.Regex(r'[{}\[\]":, a-z0-9_.-]*').bind(model)
     refs = [c.start(n) for c, n in zip(cs, (3, 2))]
     ref_regex = regex.start(2)
-    host = HostMasks(4, V, device, rows=8, k_max=2, workers=workers, local=0)
+    host = HostMasks(4, V, device, rows=8, k_max=2, workers=workers)
     host.add(0, RequestMasks([cs[0]], 3, block_size=2, budget=100))
     host.add(1, RequestMasks([cs[1], regex], 2, block_size=2, budget=100))
     assert [m.remote for m in host.requests.values()] == [bool(workers), False]
@@ -177,7 +177,7 @@ def test_host_masks_of_rows_sharing_matchers_equal_their_replayed_histories(mode
     c = JSONSchema({"type": "object", "additionalProperties": {"type": "integer"}}, path="llguidance").bind(model)
     closing = torch.tensor([b is not None and b"}" in b for b in c._keys.token_bytes])  # (documents stay open)
     N, K = 4, 2
-    host = HostMasks(N, V, "cpu", rows=N, k_max=K, workers=workers, local=0)
+    host = HostMasks(N, V, "cpu", rows=N, k_max=K, workers=workers)
     host.add(0, RequestMasks([c], N, K, budget=1000))
     assert host.requests[0].remote == bool(workers)
     hist = [[] for _ in range(N)]

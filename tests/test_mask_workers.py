@@ -59,7 +59,7 @@ def test_engine_samples_the_same_with_mask_workers(model):
 @pytest.mark.slow
 def test_a_worker_that_dies_is_a_clear_error(model):
     c = JSONSchema(OPEN, path="llguidance").bind(model)
-    host = HostMasks(2, model.vocab_size, "cpu", rows=4, k_max=2, workers=1, local=0)
+    host = HostMasks(2, model.vocab_size, "cpu", rows=4, k_max=2, workers=1)
     host.add(0, RequestMasks([c], 2, block_size=2, budget=100))
     out = torch.empty(4, host.W, dtype=torch.int32)
     host.begin(4, 2, torch.zeros(4, 2, dtype=torch.long))

@@ -78,13 +78,12 @@ def consume_rows(c: LLGuidanceConstraint, state: MatcherBatch, seqs: list) -> Ma
 class HostMasks:
     """The host constraints of every request in a round (slot g: rows g·N_max … g·N_max + n_g − 1)."""
 
-    def __init__(self, n_max: int, vocab_size: int, device, rows: int = 0, k_max: int = 0, workers: int = 0,
-                 local: int = 1):
+    def __init__(self, n_max: int, vocab_size: int, device, rows: int = 0, k_max: int = 0, workers: int = 0):
         self.n_max, self.V, self.device = n_max, vocab_size, torch.device(device)
-        # ``workers`` > 0 (and ``rows``): the llguidance requests' states beyond the first ``local`` ones
-        # in that many worker processes (mask_workers.py), started when first needed; this process
-        # computes the masks of the ``local`` ones meanwhile (one request alone has no messages to wait for)
-        self.workers, self.local, self._pool = workers if rows else 0, local, None
+        # ``workers`` > 0 (and ``rows``): the llguidance requests' states in that many worker processes
+        # (mask_workers.py), started with the first such request. (A first request kept in this
+        # process while the others went there measured slower: this process's fill took the cores.)
+        self.workers, self._pool = workers if rows else 0, None
         self.W = (vocab_size + 31) // 32
         self.pinned = self.device.type == "cuda"
         # the draft columns the round hands over (``hand_over``; ``rows``, ``k_max``: the largest round),
@@ -118,12 +117,8 @@ class HostMasks:
     def _pool_for(self, masks: RequestMasks) -> MaskWorkers | None:
         """The mask workers that can hold ``masks`` (started now if none are yet), or None: no workers
         here, a checked request, or a constraint that is not on llguidance's path of this vocabulary."""
-        def remotable(m):
-            return not m.checked and all(isinstance(c, LLGuidanceConstraint) and c.path != "automaton"
-                                         for c in m.constraints)
-
-        if not self.workers or not remotable(masks) or sum(
-                not m.remote and remotable(m) for m in self.requests.values() if m is not masks) < self.local:
+        if not self.workers or masks.checked or not all(
+                isinstance(c, LLGuidanceConstraint) and c.path != "automaton" for c in masks.constraints):
             return None
         if self._pool is None:
             c = masks.constraints[0]

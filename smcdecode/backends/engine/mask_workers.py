@@ -57,9 +57,9 @@ def _supported() -> str | None:
 
 def default_workers(device) -> int:
     """How many mask processes the engine starts by default: on a GPU host of eight or more cores, one
-    per four cores, at most 8 (each with a thread pool of about three: on a 16-core host 4 processes
-    of 3 threads took 40 % less time than 7 of 2 or 2 of 4 over replayed rounds); none on a CPU (its
-    cores run the models) or where they cannot run (``_supported``)."""
+    per four cores, at most 8, each with an llguidance pool of the cores left over (a step's masks
+    are most of its host work: a process needs threads to fill its rows' masks in parallel); none on
+    a CPU (its cores run the models) or where they cannot run (``_supported``)."""
     cores = os.cpu_count() or 1
     if torch.device(device).type != "cuda" or cores < 8 or _supported() is not None:
         return 0

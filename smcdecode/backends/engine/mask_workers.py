@@ -177,8 +177,8 @@ class MaskWorkers:
             if not ops:
                 continue
             answer = any(op[0] in ("fill", "accepting") for op in ops)
-            if answer and self._owed[w]:  # (one answer at a time: its area holds one)
-                raise SMCDecodeError("a mask worker was asked again before its answer was collected")
+            if answer and self._owed[w]:  # (one answer at a time, its area holds one: an answer left
+                self.wait([w])             # uncollected by a step that raised is collected and dropped)
             self._post(w, (ops, answer))
             self._queued[w] = []
             if answer:

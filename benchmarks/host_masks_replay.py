@@ -5,6 +5,7 @@ path, then replay them against one source tree or two (A/B) and time them.
     python benchmarks/host_masks_replay.py record --schema open          # CPU, ~1 minute a schema
     python benchmarks/host_masks_replay.py replay --b .                  # this tree
     python benchmarks/host_masks_replay.py replay --a /path/to/old --b . # A/B, alternating order
+    python benchmarks/host_masks_replay.py replay --b . --workers 0,4    # mask worker processes
 
 ``record`` runs the default model with the shipped draft on the CPU engine (N = 8, K = 8, 1 and 8
 requests, two seeded calls each, up to 256 new tokens, the structured_engine.py prompts) and writes
@@ -16,9 +17,11 @@ real model drew, with its resamplings: the particles share states as they do in 
 ``replay`` runs, for each pass and tree (alternating order: A B, then B A, …), a process that imports
 smcdecode from that tree, binds the trace's schema to the default model's vocabulary, and makes the
 same calls on a CPU ``HostMasks`` (the drafted columns handed over with ``drafted``), timing them
-(wall clock and the calling thread's CPU time, per round). Each process also digests every step's
-masks: the two trees must give the same digest (the same masks), or the table says they differ.
-Raw results go to --out; the table gives medians over passes.
+(wall clock and the calling thread's CPU time, per round; the first replay of a trace warms up and is
+not timed: lanes compile, mask workers start). ``--workers`` replays each tree with each number of
+mask worker processes (``HostMasks(workers=...)``; a tree from before them takes 0 only). Each
+process also digests every step's masks: every variant must give the same digest (the same masks),
+or the table says they differ. Raw results go to --out; the table gives medians over passes.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ def model():
 def test_engine_samples_the_same_with_mask_workers(model):
     """Three requests of four particles on llguidance's path (an open object: the unique-key rule
     applies), SmolLM2 proposing to itself on the CPU engine, the same seed: with two mask workers (which
-    hold two of the requests; the engine's process keeps the first) the tokens, lengths and weights equal those computed in the engine's process, and every finished
+    hold the requests' matchers) the tokens, lengths and weights equal those computed in the engine's process, and every finished
     document validates."""
     c = JSONSchema(OPEN, path="llguidance")
     assert c.bind(model).key_rule
@@ -42,7 +43,7 @@ def test_engine_samples_the_same_with_mask_workers(model):
         outs.append(smc.run_groups(prompt, 3, max_new_tokens=40, seed=5))
         (engine,) = _ENGINES[model].values()
         hosts = [engine.graphs[k].host for k in engine.graphs.keys() if getattr(engine.graphs[k], "host", None) is not None]
-        assert hosts and all((h._pool is not None) == bool(workers) for h in hosts)  # (two requests went there)
+        assert hosts and all((h._pool is not None) == bool(workers) for h in hosts)  # (the requests went there)
     a, b = outs
     assert torch.equal(a.lengths, b.lengths) and torch.equal(a.tokens, b.tokens)
     assert torch.equal(a.log_weights, b.log_weights)
@@ -56,19 +57,50 @@ def test_engine_samples_the_same_with_mask_workers(model):
     assert b.lengths.min() > 5 and finished  # (several rounds each; documents finished)
 
 
-@pytest.mark.slow
-def test_a_worker_that_dies_is_a_clear_error(model):
-    c = JSONSchema(OPEN, path="llguidance").bind(model)
-    host = HostMasks(2, model.vocab_size, "cpu", rows=4, k_max=2, workers=1)
-    host.add(0, RequestMasks([c], 2, block_size=2, budget=100))
+def _first_step(host, c, slot=0):
+    """Request ``slot`` (2 rows of ``c``) added, a round begun and its first masks: (masks, the rows
+    that do not accept)."""
+    host.add(slot, RequestMasks([c], 2, block_size=2, budget=100))
     out = torch.empty(4, host.W, dtype=torch.int32)
     host.begin(4, 2, torch.zeros(4, 2, dtype=torch.long))
-    host.mask(0, out)  # (the worker runs)
-    assert out[:2].any() and (out[2:] == -1).all()
+    host.mask(0, out)
+    return out, host.rejects(4)
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_is_a_clear_error_and_the_next_call_starts_new_ones(model):
+    c = JSONSchema(OPEN, path="llguidance").bind(model)
+    ref_out, ref_rejects = _first_step(HostMasks(2, model.vocab_size, "cpu"), c)  # (in this process)
+    host = HostMasks(2, model.vocab_size, "cpu", rows=4, k_max=2, workers=1)
+    out, rejects = _first_step(host, c)
+    assert torch.equal(out, ref_out) and torch.equal(rejects, ref_rejects) and (out[2:] == -1).all()
+    os.kill(host._pool._procs[0].pid, signal.SIGINT)  # (Ctrl-C is the main process's: ignored)
+    time.sleep(0.2)
+    assert host._pool.usable
     os.kill(host._pool._procs[0].pid, signal.SIGKILL)
     host._pool._procs[0].join(5)
     with pytest.raises(sd.SMCDecodeError, match="worker process .* ended .*host_workers=0"):
         host.rejects(4)
+    host.clear()  # (a new call: the dead workers are replaced)
+    out, rejects = _first_step(host, c)
+    assert host._pool.usable and torch.equal(out, ref_out) and torch.equal(rejects, ref_rejects)
+    host.close()
+
+
+@pytest.mark.slow
+def test_operations_left_by_a_failed_call_do_not_reach_the_next(model):
+    """A call that raised between queueing and sending (here: an accepting question for slot 0 and an
+    advance by an EOS that would kill its rows, never sent) leaves nothing behind once the next call's
+    scheduler clears the host: its first step's masks and verdicts are those of a fresh request."""
+    c = JSONSchema(OPEN, path="llguidance").bind(model)
+    ref_out, ref_rejects = _first_step(HostMasks(2, model.vocab_size, "cpu"), c)
+    host = HostMasks(2, model.vocab_size, "cpu", rows=4, k_max=2, workers=1)
+    _first_step(host, c)
+    host._pool.advance(0, [model.eos_token_id] * 2)
+    host._pool._queued[0].append(("accepting", 0))
+    host.clear()
+    out, rejects = _first_step(host, c)
+    assert torch.equal(out, ref_out) and torch.equal(rejects, ref_rejects)
     host.close()
 
 

@@ -56,9 +56,9 @@ class EngineConfig:
                  interpreter, TRITON_INTERPRET=1); None: ``default_triton(device)``.
     dtype        the models' dtype; None: the target model's.
     device       the models' device; None: the target model's.
-    host_workers processes that compute the masks of constraints on llguidance's path beside the
-                 engine's own (mask_workers.py); 0: in the engine's process. None: one per two
-                 cores, at most 8, on a GPU host of 4 or more cores; 0 on a CPU.
+    host_workers processes that hold the matchers of constraints on llguidance's path and compute
+                 their masks (mask_workers.py); 0: in the engine's process. None: one per four
+                 cores, at most 8, on a GPU host of 8 or more cores; 0 on a CPU.
 
     ``resolved(...)`` fills every None from the models, so an Engine's config states what it runs."""
 

@@ -120,6 +120,8 @@ class HostMasks:
         if not self.workers or masks.checked or not all(
                 isinstance(c, LLGuidanceConstraint) and c.path != "automaton" for c in masks.constraints):
             return None
+        if self._pool is not None and not self._pool.usable:  # (stopped, or a process died: new ones)
+            self._drop_pool()
         if self._pool is None:
             c = masks.constraints[0]
             self._pool = MaskWorkers(self.workers, self._handed.shape[1], self.W, c._tok,
@@ -136,11 +138,17 @@ class HostMasks:
         """Every request removed (a new scheduler over this round's shape)."""
         self.requests.clear()
         if self._pool is not None:
-            self._pool.clear()
+            if self._pool.usable:
+                self._pool.clear()
+            else:
+                self._drop_pool()
 
     def close(self) -> None:
         """Stop the mask workers, if any (a later request starts them again)."""
-        self.clear()
+        self.requests.clear()
+        self._drop_pool()
+
+    def _drop_pool(self) -> None:
         if self._pool is not None:
             self._pool.close()
             self._pool, self._bits = None, [torch.empty(0, self.W, dtype=torch.int32) for _ in range(2)]
@@ -163,6 +171,12 @@ class HostMasks:
             raise SMCDecodeError(f"a round of {rows} rows and {k_max} draft steps hands over more than the "
                                  f"{self._handed.shape[1]} rows and {self._handed.shape[0]} steps this HostMasks holds")
         self.rows, self.k_max, self.drafts, self.handed = rows, k_max, drafts, handed
+        if self._pool is not None and self._pool.closed:  # (stopped for another round shape's workers)
+            if any(m.remote for m in self.requests.values()):
+                raise SMCDecodeError("the mask workers holding this round's requests were stopped")
+            self._drop_pool()
+        if self._pool is not None and rows > self._pool.rows:
+            raise SMCDecodeError(f"a round of {rows} rows on mask workers sized for {self._pool.rows} rows")
         if self._bits[0].shape[0] < rows:
             self._bits = [torch.empty(rows, self.W, dtype=torch.int32, pin_memory=self.pinned) for _ in range(2)]
         self._columns = {}

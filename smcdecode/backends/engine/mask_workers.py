@@ -29,6 +29,7 @@ import multiprocessing
 import os
 import pickle
 import platform
+import signal
 import time
 import traceback
 import warnings
@@ -43,6 +44,8 @@ from ...errors import SMCDecodeError
 POSTED, TAKEN, DONE, LENGTH, ANSWER = range(5)  # messages posted, taken, done; their byte lengths
 LINE = 8  # int64 words a process's control line
 IN_CAP, OUT_CAP = 1 << 20, 1 << 16  # mailbox bytes (in, answers); a longer message goes through the pipe
+TIMEOUT = 300.0  # seconds a worker may take over one batch (a batch that adds a request compiles its grammar)
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # this process's MaskWorkers
 
 
 def _supported() -> str | None:
@@ -55,12 +58,20 @@ def _supported() -> str | None:
     return None
 
 
+def _cores() -> int:
+    """The cores this process may run on (its affinity: a container's share, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def default_workers(device) -> int:
     """How many mask processes the engine starts by default: on a GPU host of eight or more cores, one
     per four cores, at most 8, each with an llguidance pool of the cores left over (a step's masks
     are most of its host work: a process needs threads to fill its rows' masks in parallel); none on
     a CPU (its cores run the models) or where they cannot run (``_supported``)."""
-    cores = os.cpu_count() or 1
+    cores = _cores()
     if torch.device(device).type != "cuda" or cores < 8 or _supported() is not None:
         return 0
     return min(8, cores // 4)
@@ -95,6 +106,9 @@ class MaskWorkers:
         why = _supported()
         if why:
             raise SMCDecodeError(f"mask worker processes {why}: pass host_workers=0")
+        for other in list(_LIVE):  # (another round shape's workers, holding no request: stopped)
+            if not other.where:
+                other.close()
         self.tok, self.rows, self.words = tok, rows, words
         size = rows * words * 4
         self._mem = mmap.mmap(-1, 2 * size)  # anonymous and shared: the forked processes write the same pages
@@ -110,29 +124,43 @@ class MaskWorkers:
         self._box = mmap.mmap(-1, processes * (LINE * 8 + IN_CAP + OUT_CAP))
         self._ctrl = np.frombuffer(self._box, dtype=np.int64, count=processes * LINE).reshape(processes, LINE)
         # each process's llguidance pool: the cores left after one for each process's own thread
-        threads = max(1, ((os.cpu_count() or 1) - processes) // processes)
+        threads = max(1, (_cores() - processes) // processes)
         ctx = multiprocessing.get_context("fork")
         self._conns, self._procs = [], []
-        for w in range(processes):
-            here, there = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(w, here.fileno(), there, self._box, processes, self._mem, rows, words,
-                                                 tok, texts, threads), daemon=True, name="smcdecode-masks")
-            with warnings.catch_warnings():  # (Python warns of forking a process with threads; the child
-                warnings.simplefilter("ignore", DeprecationWarning)  # runs llguidance and numpy only)
-                p.start()
-            there.close()
-            self._conns.append(here)
-            self._procs.append(p)
+        self._finalizer = weakref.finalize(self, _close, self._box, self._ctrl, self._conns, self._procs,
+                                           self._pinned)
+        try:
+            for w in range(processes):
+                here, there = ctx.Pipe()
+                self._conns.append(here)
+                p = ctx.Process(target=_serve, args=(w, here.fileno(), there, self._box, processes, self._mem, rows,
+                                                     words, tok, texts, threads), daemon=True, name="smcdecode-masks")
+                with warnings.catch_warnings():  # (Python warns of forking a process with threads; the child
+                    warnings.simplefilter("ignore", DeprecationWarning)  # runs llguidance and numpy only)
+                    p.start()
+                there.close()
+                self._procs.append(p)
+        except BaseException:
+            self.close()
+            raise
         self._queued: list[list] = [[] for _ in range(processes)]
         self._posted = [0] * processes
         self._owed = [0] * processes  # the message whose answer each process owes (0: none)
         self.where: dict[int, int] = {}  # slot -> its process
         self._rows: dict[int, int] = {}  # slot -> its rows (to place requests where fewest rows are)
-        self._finalizer = weakref.finalize(self, _close, self._box, self._ctrl, self._conns, self._procs,
-                                           self._pinned)
+        _LIVE.add(self)
 
     def close(self) -> None:
         self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    @property
+    def usable(self) -> bool:
+        """Not closed, and every process alive (after a Ctrl-C or a crash: start new ones)."""
+        return self._finalizer.alive and all(p.is_alive() for p in self._procs)
 
     # -- operations (queued; ``send`` sends them, ``wait`` collects the answers) --
     def add(self, slot: int, constraints: list, n: int, lane: int) -> None:
@@ -150,8 +178,15 @@ class MaskWorkers:
             del self._rows[slot]
 
     def clear(self) -> None:
-        for slot in list(self.where):
-            self.remove(slot)
+        """Every request dropped: operations not yet sent are dropped too, the processes forget every
+        request (and an error left from a failed call), and an answer not yet collected is dropped."""
+        self.where.clear()
+        self._rows.clear()
+        self._queued = [[("reset", None)] for _ in self._procs]
+        try:
+            self.wait(self.send())
+        except SMCDecodeError:  # (an error of a call that is over; a dead process: ``usable`` says so)
+            pass
 
     def advance(self, slot: int, tokens: list) -> None:
         self._queued[self.where[slot]].append(("advance", slot, tokens))
@@ -166,8 +201,10 @@ class MaskWorkers:
         """slot -> list of bool: does each row of the request accept (every constraint)?"""
         for s in slots:
             self._queued[self.where[s]].append(("accepting", s))
-        answers = self.wait(self.send())
-        return {s: answers[self.where[s]].pop(0) for s in slots}
+        out = {}
+        for answers in self.wait(self.send()).values():
+            out.update(answers)
+        return {s: out[s] for s in slots}
 
     def send(self) -> list[int]:
         """Post every process its queued operations (without waiting for them to run); the processes
@@ -176,11 +213,11 @@ class MaskWorkers:
         for w, ops in enumerate(self._queued):
             if not ops:
                 continue
-            answer = any(op[0] in ("fill", "accepting") for op in ops)
+            self._queued[w] = []  # (taken now: a failure below leaves no stale operation queued)
+            answer = any(op[0] in ("fill", "accepting", "reset") for op in ops)
             if answer and self._owed[w]:  # (one answer at a time, its area holds one: an answer left
                 self.wait([w])             # uncollected by a step that raised is collected and dropped)
             self._post(w, (ops, answer))
-            self._queued[w] = []
             if answer:
                 self._owed[w] = self._posted[w]
                 asked.append(w)
@@ -227,13 +264,19 @@ class MaskWorkers:
             raise self._ended(w) from None
 
     def _spin(self, w: int, word: int, target: int) -> None:
-        """Wait until process w's control word reaches ``target`` (spinning: the wait is short)."""
-        ctrl, i = self._ctrl, 0
+        """Wait until process w's control word reaches ``target`` (spinning: the wait is short; a
+        process that died, or that has not answered in ``TIMEOUT`` seconds, is an error)."""
+        ctrl, i, start = self._ctrl, 0, None
         while ctrl[w, word] < target:
             i += 1
             if i % 20000 == 0:
                 if not self._procs[w].is_alive():
                     raise self._ended(w)
+                start = start or time.monotonic()
+                if time.monotonic() - start > TIMEOUT:
+                    raise SMCDecodeError(f"host-mask worker process {self._procs[w].pid} has not answered in "
+                                         f"{TIMEOUT:.0f} s; pass host_workers=0 in engine_options to compute the "
+                                         "masks in this process")
                 time.sleep(0)  # (a long wait: let this process's other threads run)
 
     def _ended(self, w: int) -> SMCDecodeError:
@@ -286,6 +329,7 @@ def _close(box, ctrl, conns, procs, pinned) -> None:
         c.close()
     if pinned is not None:
         try:
+            torch.cuda.synchronize()  # (no upload from the buffers still in flight)
             torch.cuda.cudart().cudaHostUnregister(pinned)
         except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone already
             pass
@@ -295,11 +339,16 @@ def _serve(w: int, ours: int, conn, box, processes: int, mem, rows: int, words: 
            threads: int) -> None:
     """A worker process: run the batches of operations posted to its mailbox until told to stop (or
     until its pipe ends: the main process is gone). ``ours``: the main process's end, closed here."""
+    code = 0
     try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C is the main process's to handle)
         os.close(ours)
         _loop(w, conn, box, processes, mem, rows, words, tok, texts, threads)
+    except BaseException:  # noqa: BLE001 - reported on stderr; the main process sees the exit code
+        traceback.print_exc()
+        code = 1
     finally:
-        os._exit(0)  # (no atexit handlers, no CUDA teardown: this process shares the parent's state)
+        os._exit(code)  # (no atexit handlers, no CUDA teardown: this process shares the parent's state)
 
 
 def _loop(w: int, conn, box, processes: int, mem, rows: int, words: int, tok, texts: list, threads: int) -> None:
@@ -338,6 +387,9 @@ def _loop(w: int, conn, box, processes: int, mem, rows: int, words: int, tok, te
         ctrl[w, TAKEN] = seen
         ops, answer = pickle.loads(data)
         answers = []
+        if ops and ops[0][0] == "reset":  # (a new scheduler: every request and a past error forgotten)
+            held.clear()
+            error = None
         if error is None:
             try:
                 fills = []
@@ -355,7 +407,7 @@ def _loop(w: int, conn, box, processes: int, mem, rows: int, words: int, tok, te
                     elif kind == "fork":
                         held[slot].fork(torch.tensor(op[2], dtype=torch.long))
                     elif kind == "accepting":
-                        answers.append(held[slot].accepting().tolist())
+                        answers.append((slot, held[slot].accepting().tolist()))
                 # (a batch's fills come after its advances: every request's rows in one call)
                 for out in {id(b): b for _, b, _ in fills}.values():
                     shared = []

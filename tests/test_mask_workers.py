@@ -114,3 +114,27 @@ def test_host_workers_setting():
         with pytest.raises(sd.SMCDecodeError, match="host_workers must be an integer >= 0"):
             check_options({"host_workers": bad})
     assert check_options({"host_workers": 2}) == {"host_workers": 2}
+
+
+@pytest.mark.slow
+def test_idle_workers_of_another_round_shape_make_way(model, monkeypatch):
+    """Beyond ``MAX_LIVE`` sets of workers, a new set stops an idle one; its HostMasks starts a new
+    set at its next request, with the same masks."""
+    from smcdecode.backends.engine import mask_workers
+
+    monkeypatch.setattr(mask_workers, "MAX_LIVE", 1)
+    c = JSONSchema(OPEN, path="llguidance").bind(model)
+    ref_out, _ = _first_step(HostMasks(2, model.vocab_size, "cpu"), c)
+    a = HostMasks(2, model.vocab_size, "cpu", rows=4, k_max=2, workers=1)
+    b = HostMasks(2, model.vocab_size, "cpu", rows=4, k_max=2, workers=1)
+    _first_step(a, c)
+    a.remove(0)  # (a holds no request: idle)
+    first = a._pool
+    out, _ = _first_step(b, c)
+    assert first.closed and b._pool.usable and torch.equal(out, ref_out)
+    b.remove(0)
+    a.clear()
+    out, _ = _first_step(a, c)
+    assert a._pool is not first and a._pool.usable and torch.equal(out, ref_out) and b._pool.closed
+    a.close()
+    b.close()

@@ -46,6 +46,7 @@ LINE = 8  # int64 words a process's control line
 IN_CAP, OUT_CAP = 1 << 20, 1 << 16  # mailbox bytes (in, answers); a longer message goes through the pipe
 TIMEOUT = 300.0  # seconds a worker may take over one batch (a batch that adds a request compiles its grammar)
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # this process's MaskWorkers
+MAX_LIVE = 8  # sets of workers kept at once (a set per round shape; beyond: idle ones are stopped)
 
 
 def _supported() -> str | None:
@@ -106,9 +107,10 @@ class MaskWorkers:
         why = _supported()
         if why:
             raise SMCDecodeError(f"mask worker processes {why}: pass host_workers=0")
-        for other in list(_LIVE):  # (another round shape's workers, holding no request: stopped)
-            if not other.where:
-                other.close()
+        live = [other for other in list(_LIVE) if not other.closed]
+        idle = [other for other in live if not other.where]
+        for other in idle[: max(0, len(live) - MAX_LIVE + 1)]:  # (other round shapes' idle workers)
+            other.close()
         self.tok, self.rows, self.words = tok, rows, words
         size = rows * words * 4
         self._mem = mmap.mmap(-1, 2 * size)  # anonymous and shared: the forked processes write the same pages

@@ -3,9 +3,9 @@ one of a few processes forked from this one, which advance them by the drafted t
 rows of each step's bitmask into shared memory, side by side and outside this process's GIL.
 
 Why: with several requests on llguidance's path, a round is bound by the host. Each draft step consumes
-a token per row and fills a mask per row, and the consuming, the unique-key rule and the Python around
-them ran on the engine's one thread, while the device waited for the masks. Spread over processes,
-a step costs about one request's share of that work, plus a message to each process and its answer.
+a token per row and fills a mask per row; in the engine's process the consuming, the unique-key rule
+and the Python around them run on its one thread while the device waits for the masks. Spread over
+processes, a step costs a process's share of that work, plus a message to each process and its answer.
 
 ``HostMasks`` keeps every request's bookkeeping (its position, how many drafts count this round) and
 sends the process that holds a request its operations, in one batch per process and point of the
@@ -13,8 +13,8 @@ round: advance the request's rows by a token each, fill its rows of shared buffe
 (resampling), say whether its rows accept. A batch that fills or asks is answered when its operations
 ran; the others are not (an error in them comes back with the next answer). A process keeps the
 request in the same ``RequestMasks`` the main process would, over constraints rebuilt from their
-grammars (``LLGuidanceConstraint.rebuilt``), so a step's masks are those of the main process (the
-tests compare them bit for bit).
+grammars (``LLGuidanceConstraint.worker_spec``, ``_rebuilt``), so a step's masks are those of the main
+process (the tests compare them bit for bit).
 
 The processes are forked when the first request arrives: they inherit the compiled llguidance
 tokenizer and the token texts, which cannot be pickled. They never touch CUDA; their llguidance thread

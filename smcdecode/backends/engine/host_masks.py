@@ -33,10 +33,10 @@ import torch
 from torch import Tensor
 
 from ...errors import SMCDecodeError
-from ...potentials.grammar import LLGuidanceConstraint, MatcherBatch, fill_bits_together
+from ...potentials.grammar import LLGuidanceConstraint, MatcherBatch
 from ...potentials.token_bytes import token_texts
 from .mask_workers import MaskWorkers
-from .request_masks import RequestMasks, advance_requests
+from .request_masks import RequestMasks, advance_requests, fill_requests
 
 __all__ = ["HostMasks", "RequestMasks", "consume_rows"]
 
@@ -81,8 +81,8 @@ class HostMasks:
     def __init__(self, n_max: int, vocab_size: int, device, rows: int = 0, k_max: int = 0, workers: int = 0):
         self.n_max, self.V, self.device = n_max, vocab_size, torch.device(device)
         # ``workers`` > 0 (and ``rows``): the llguidance requests' states in that many worker processes
-        # (mask_workers.py), started with the first such request. (A first request kept in this
-        # process while the others went there measured slower: this process's fill took the cores.)
+        # (mask_workers.py), started with the first such request; every such request goes there (one
+        # kept here would have this process's fill compete with the workers for the cores)
         self.workers, self._pool = workers if rows else 0, None
         self.W = (vocab_size + 31) // 32
         self.pinned = self.device.type == "cuda"
@@ -244,19 +244,13 @@ class HostMasks:
         if sum(m.n for m, _, _ in counted) < self.rows:  # (rows no request constrains: every token)
             bits.numpy().fill(-1)  # (numpy's: one thread, where torch's fill would wake its pool)
         self._catch_up(counted)
-        shared, asked = [], None
+        asked = None
         for m, _, r in counted:
             if m.remote:
                 self._pool.fill(m.slot, self._turn, r.start)
-            else:
-                m.fill(bits, r, shared)
         if self._pool is not None:  # (the workers fill their rows while this process fills its own)
             asked = self._pool.send()
-        if shared:  # the llguidance rows of every request: one call into its thread pool
-            fill_bits_together(shared, bits, self.rows)
-        for m, _, r in counted:
-            if len(m.constraints) > 1 and not m.remote:
-                m.restrict(bits[r])
+        fill_requests([(m, r) for m, _, r in counted if not m.remote], bits, self.rows)
         if asked:
             self._pool.wait(asked)
         out.copy_(bits, non_blocking=True)

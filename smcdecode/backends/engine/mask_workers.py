@@ -24,6 +24,7 @@ pinned memory on a GPU, so the round uploads the masks from there without blocki
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import multiprocessing
 import os
@@ -98,8 +99,8 @@ class MaskWorkers:
     area) where this process writes a pickled batch of operations, raises POSTED and writes one byte
     to the process's pipe; the worker, blocked reading that byte, copies the batch out, raises
     TAKEN, runs it, writes its answer and raises DONE, which this process spins on (a step's wait
-    is short). A batch longer than the mailbox goes through the pipe after its byte. (Workers that
-    spin on POSTED instead took their cores from the llguidance pools: slower.)"""
+    is short). A batch longer than the mailbox goes through the pipe after its byte. (Workers do not
+    spin on POSTED: between steps they would hold cores the llguidance pools need.)"""
 
     def __init__(self, processes: int, rows: int, words: int, tok, texts: list, pin: bool):
         if processes < 1 or rows < 1:
@@ -185,10 +186,9 @@ class MaskWorkers:
         self.where.clear()
         self._rows.clear()
         self._queued = [[("reset", None)] for _ in self._procs]
-        try:
+        # (an error of a call that is over is dropped; a dead process: ``usable`` says so)
+        with contextlib.suppress(SMCDecodeError):
             self.wait(self.send())
-        except SMCDecodeError:  # (an error of a call that is over; a dead process: ``usable`` says so)
-            pass
 
     def advance(self, slot: int, tokens: list) -> None:
         self._queued[self.where[slot]].append(("advance", slot, tokens))
@@ -319,10 +319,8 @@ def _close(box, ctrl, conns, procs, pinned) -> None:
     for w, p in enumerate(procs):
         if p.is_alive():  # (a stop message: POSTED set to -1)
             ctrl[w, POSTED] = -1
-            try:
+            with contextlib.suppress(OSError):  # (it may have ended since: nothing to wake)
                 os.write(conns[w].fileno(), b"!")
-            except OSError:
-                pass
     for p in procs:
         p.join(2)
         if p.is_alive():
@@ -330,11 +328,9 @@ def _close(box, ctrl, conns, procs, pinned) -> None:
     for c in conns:
         c.close()
     if pinned is not None:
-        try:
+        with contextlib.suppress(Exception):  # (at interpreter exit CUDA may be gone already)
             torch.cuda.synchronize()  # (no upload from the buffers still in flight)
             torch.cuda.cudart().cudaHostUnregister(pinned)
-        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone already
-            pass
 
 
 def _serve(w: int, ours: int, conn, box, processes: int, mem, rows: int, words: int, tok, texts: list,
@@ -354,10 +350,9 @@ def _serve(w: int, ours: int, conn, box, processes: int, mem, rows: int, words: 
 
 
 def _loop(w: int, conn, box, processes: int, mem, rows: int, words: int, tok, texts: list, threads: int) -> None:
-    from ...potentials.grammar import fill_bits_together
     from ...potentials.json_keys import KeyTracker
     from ...potentials.token_bytes import _llguidance
-    from .request_masks import RequestMasks, advance_requests
+    from .request_masks import RequestMasks, advance_requests, fill_requests
 
     torch.set_num_threads(1)
     executor = _llguidance().LLExecutor(threads)
@@ -405,22 +400,15 @@ def _loop(w: int, conn, box, processes: int, mem, rows: int, words: int, tok, te
                     elif kind == "advance":
                         advance_requests([(held[slot], op[2])])
                     elif kind == "fill":
-                        fills.append((held[slot], bits[op[2]], op[3]))
+                        turn = op[2]
+                        fills.append((held[slot], op[3]))
                     elif kind == "fork":
                         held[slot].fork(torch.tensor(op[2], dtype=torch.long))
                     elif kind == "accepting":
                         answers.append((slot, held[slot].accepting().tolist()))
                 # (a batch's fills come after its advances: every request's rows in one call)
-                for out in {id(b): b for _, b, _ in fills}.values():
-                    shared = []
-                    mine = [(m, slice(r, r + m.n)) for m, b, r in fills if b is out]
-                    for m, r in mine:
-                        m.fill(out, r, shared)
-                    if shared:
-                        fill_bits_together(shared, out, rows)
-                    for m, r in mine:
-                        if len(m.constraints) > 1:
-                            m.restrict(out[r])
+                if fills:  # (one step's: every one into the same buffer)
+                    fill_requests([(m, slice(r, r + m.n)) for m, r in fills], bits[turn], rows)
             except Exception as e:  # noqa: BLE001 - reported to the main process with the next answer
                 error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
         if answer:

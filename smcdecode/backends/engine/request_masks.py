@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...potentials.grammar import LLGuidanceConstraint, advance_together
+from ...potentials.grammar import LLGuidanceConstraint, advance_together, fill_bits_together
 
 
 class RequestMasks:
@@ -82,3 +82,18 @@ def advance_requests(items: list) -> None:
                 m.states[j] = c.advance(s, torch.tensor(tokens, dtype=torch.long))
     for (m, j), s in zip(where, advance_together(parts) if parts else ()):
         m.states[j] = s
+
+
+def fill_requests(items: list, bits: Tensor, rows: int) -> None:
+    """``items``: (RequestMasks, its rows: a slice) — each request's masks of its states as they
+    stand written into ``bits[rows]`` (int32 [≥ rows, ⌈V/32⌉] on the CPU): the llguidance rows of
+    every request in one call into llguidance's thread pool, then each request's further
+    constraints ANDed in (``HostMasks.mask``, and a mask worker's fill)."""
+    shared = []
+    for m, r in items:
+        m.fill(bits, r, shared)
+    if shared:
+        fill_bits_together(shared, bits, rows)
+    for m, r in items:
+        if len(m.constraints) > 1:
+            m.restrict(bits[r])

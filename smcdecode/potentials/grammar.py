@@ -441,9 +441,15 @@ def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
             pairs += [(matchers[i], r0 + i) for i in first]
             shared.append((c, state, r0, first, rest, src))
     if pairs:
-        # NOTE: what llguidance.torch.fill_next_token_bitmask_par does, without importing that
-        # module (it applies torch.compile at import, which costs seconds)
-        parts[0][0]._executor.unsafe_compute_mask_ptr(pairs, out.data_ptr(), W * 4, rows)
+        executor = parts[0][0]._executor
+        if executor is None:  # (in this thread, one matcher after another)
+            at = out.data_ptr()
+            for m, r in pairs:
+                m.unsafe_compute_mask_ptr(at + r * W * 4, W * 4)
+        else:
+            # NOTE: what llguidance.torch.fill_next_token_bitmask_par does, without importing that
+            # module (it applies torch.compile at import, which costs seconds)
+            executor.unsafe_compute_mask_ptr(pairs, out.data_ptr(), W * 4, rows)
     for state, r0 in cached:
         out[r0: r0 + len(state)] = state.bits
     words = out.numpy()

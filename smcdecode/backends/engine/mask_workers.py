@@ -48,6 +48,8 @@ IN_CAP, OUT_CAP = 1 << 20, 1 << 16  # mailbox bytes (in, answers); a longer mess
 TIMEOUT = 300.0  # seconds a worker may take over one batch (a batch that adds a request compiles its grammar)
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # this process's MaskWorkers
 MAX_LIVE = 8  # sets of workers kept at once (a set per round shape; beyond: idle ones are stopped)
+THREADS = None  # A/B: a worker's llguidance pool (None: the cores split; 0: masks in the worker's thread)
+SPIN = 0.0  # A/B: seconds a worker spins on its mailbox before it blocks on its pipe
 
 
 def _supported() -> str | None:
@@ -127,7 +129,7 @@ class MaskWorkers:
         self._box = mmap.mmap(-1, processes * (LINE * 8 + IN_CAP + OUT_CAP))
         self._ctrl = np.frombuffer(self._box, dtype=np.int64, count=processes * LINE).reshape(processes, LINE)
         # each process's llguidance pool: the cores left after one for each process's own thread
-        threads = max(1, (_cores() - processes) // processes)
+        threads = max(1, (_cores() - processes) // processes) if THREADS is None else THREADS
         ctx = multiprocessing.get_context("fork")
         self._conns, self._procs = [], []
         self._finalizer = weakref.finalize(self, _close, self._box, self._ctrl, self._conns, self._procs,
@@ -137,7 +139,7 @@ class MaskWorkers:
                 here, there = ctx.Pipe()
                 self._conns.append(here)
                 p = ctx.Process(target=_serve, args=(w, here.fileno(), there, self._box, processes, self._mem, rows,
-                                                     words, tok, texts, threads), daemon=True, name="smcdecode-masks")
+                                                     words, tok, texts, threads, SPIN), daemon=True, name="smcdecode-masks")
                 with warnings.catch_warnings():  # (Python warns of forking a process with threads; the child
                     warnings.simplefilter("ignore", DeprecationWarning)  # runs llguidance and numpy only)
                     p.start()
@@ -304,7 +306,7 @@ def _rebuilt(spec: tuple, tok, words: int, keys, executor, threads: int):
 
     cls, grammar, key_rule = spec
     c = cls.__new__(cls)
-    c._grammar, c.key_rule, c.threads, c.path = grammar, key_rule, threads, "llguidance"
+    c._grammar, c.key_rule, c.threads, c.path = grammar, key_rule, threads or 1, "llguidance"
     c._what, c._header_lines = f"{cls.__name__} (in a mask worker)", 0
     template = _llguidance().LLMatcher(tok, grammar, log_level=0)
     if template.is_error():
@@ -334,14 +336,14 @@ def _close(box, ctrl, conns, procs, pinned) -> None:
 
 
 def _serve(w: int, ours: int, conn, box, processes: int, mem, rows: int, words: int, tok, texts: list,
-           threads: int) -> None:
+           threads: int, spin: float) -> None:
     """A worker process: run the batches of operations posted to its mailbox until told to stop (or
     until its pipe ends: the main process is gone). ``ours``: the main process's end, closed here."""
     code = 0
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C is the main process's to handle)
         os.close(ours)
-        _loop(w, conn, box, processes, mem, rows, words, tok, texts, threads)
+        _loop(w, conn, box, processes, mem, rows, words, tok, texts, threads, spin)
     except BaseException:  # noqa: BLE001 - reported on stderr; the main process sees the exit code
         traceback.print_exc()
         code = 1
@@ -349,13 +351,14 @@ def _serve(w: int, ours: int, conn, box, processes: int, mem, rows: int, words: 
         os._exit(code)  # (no atexit handlers, no CUDA teardown: this process shares the parent's state)
 
 
-def _loop(w: int, conn, box, processes: int, mem, rows: int, words: int, tok, texts: list, threads: int) -> None:
+def _loop(w: int, conn, box, processes: int, mem, rows: int, words: int, tok, texts: list, threads: int,
+          spin: float) -> None:
     from ...potentials.json_keys import KeyTracker
     from ...potentials.token_bytes import _llguidance
     from .request_masks import RequestMasks, advance_requests, fill_requests
 
     torch.set_num_threads(1)
-    executor = _llguidance().LLExecutor(threads)
+    executor = _llguidance().LLExecutor(threads) if threads else None
     whole = torch.frombuffer(mem, dtype=torch.int32)
     bits = [whole[t * rows * words: (t + 1) * rows * words].view(rows, words) for t in (0, 1)]
     ctrl = np.frombuffer(box, dtype=np.int64, count=processes * LINE).reshape(processes, LINE)
@@ -376,6 +379,10 @@ def _loop(w: int, conn, box, processes: int, mem, rows: int, words: int, tok, te
 
     fd = conn.fileno()
     while True:
+        if spin:  # (then the message's byte is there, or on its way: the read below does not sleep)
+            until = time.perf_counter() + spin
+            while ctrl[w, POSTED] == seen and time.perf_counter() < until:
+                pass
         if not os.read(fd, 1) or ctrl[w, POSTED] < 0:  # (a message's byte; b"": the main process is gone)
             return
         seen += 1

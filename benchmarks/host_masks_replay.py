@@ -53,11 +53,6 @@ lanes = "lane" in inspect.signature(RequestMasks).parameters
 workers = "workers" in inspect.signature(HostMasks).parameters
 if cfg["workers"] and not workers:
     raise SystemExit("this tree's HostMasks has no mask workers")
-if cfg["worker_threads"] is not None or cfg["spin"]:
-    from smcdecode.backends.engine import mask_workers
-    if not hasattr(mask_workers, "SPIN"):
-        raise SystemExit("this tree's mask workers take no thread or spin setting")
-    mask_workers.THREADS, mask_workers.SPIN = cfg["worker_threads"], cfg["spin"]
 out = []
 for part in trace["parts"]:
     c = JSONSchema(part["schema"], path="llguidance", threads=cfg["threads"]).bind(model)
@@ -209,17 +204,6 @@ def _in_round_order(log: list) -> list:
     return out
 
 
-def _worker_setting(text: str) -> tuple:
-    """"4": 4 workers; "4t0": their masks in each worker's thread ("4t3": a pool of 3 threads each);
-    "s": workers spin 2 ms on their mailbox before they block -> (workers, threads or None, spin)."""
-    import re
-
-    m = re.fullmatch(r"(\d+)(?:t(\d+))?(s?)", text.strip())
-    if not m:
-        raise SystemExit(f"--workers: {text!r} is not N, NtT, Ns or NtTs (e.g. 4, 8t0s)")
-    return int(m[1]), None if m[2] is None else int(m[2]), 0.002 if m[3] else 0.0
-
-
 def replay(args) -> None:
     from engine_ab import run_tree, save_ab  # (benchmarks/ is on sys.path when run as a script)
 
@@ -227,21 +211,19 @@ def replay(args) -> None:
     if not traces:
         raise SystemExit("no trace: run `python benchmarks/host_masks_replay.py record` first")
     trees = {"B": args.b} if args.a is None else {"A": args.a, "B": args.b}
-    counts = args.workers.split(",")
-    # the variants: each tree with each mask-worker setting (named "B", or "B 8w" with several)
-    variants = {(t if len(counts) == 1 else f"{t} {w}w"): (trees[t], _worker_setting(w)) for t in sorted(trees)
-                for w in counts}
+    counts = [int(w) for w in args.workers.split(",")]
+    # the variants: each tree with each number of mask workers (named "B", or "B 8w" with several)
+    variants = {(t if len(counts) == 1 else f"{t} {w}w"): (trees[t], w) for t in sorted(trees) for w in counts}
     trees = {name: tree for name, (tree, _) in variants.items()}
     raw = []
     for trace in traces:
         for p in range(args.passes):
             for name in (sorted(variants) if p % 2 == 0 else sorted(variants, reverse=True)):
-                tree, (w, threads, spin) = variants[name]
-                cfg = {"trace": str(trace.resolve()), "repeats": args.repeats, "threads": args.threads, "workers": w,
-                       "worker_threads": threads, "spin": spin}
+                tree, w = variants[name]
+                cfg = {"trace": str(trace.resolve()), "repeats": args.repeats, "threads": args.threads, "workers": w}
                 r = run_tree(tree, cfg, WORKER, OMP_NUM_THREADS="1")
                 for part in r["parts"]:
-                    raw.append({"tree": name, "path": str(tree), "workers": w, "worker_threads": threads, "spin": spin, "pass": p, "trace": trace.name, **part})
+                    raw.append({"tree": name, "path": str(tree), "workers": w, "pass": p, "trace": trace.name, **part})
                     print(f"{trace.name} G={part['requests']} pass {p} {name}: {part['median_round_ms']:.2f} ms per round",
                           flush=True)
     table = []

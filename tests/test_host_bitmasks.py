@@ -14,6 +14,7 @@ import torch
 import smcdecode as sd
 from smcdecode.backends.engine.host_masks import HostMasks, RequestMasks
 from smcdecode.potentials.constraint import pack_bits, unpack_bits
+from smcdecode.potentials.grammar import MatcherBatch, fill_bits_together
 from smcdecode.potentials.json_keys import DEAD
 from smcdecode.potentials.json_schema import JSONSchema
 
@@ -82,6 +83,14 @@ def test_bitmask_fill_equals_single_matcher_masks_on_real_schemas(model, source)
             assert torch.equal(c.allowed(state), ref)
             out = torch.full_like(bits, 7)
             c.fill_bits(state, out)
+            assert torch.equal(out, bits)
+            # without an executor (a mask worker's constraints): row by row in this thread, the same
+            executor, c._executor = c._executor, None
+            try:
+                out = torch.full_like(bits, 7)
+                fill_bits_together([(c, MatcherBatch(state.matchers, state.keys), 0)], out, 8)
+            finally:
+                c._executor = executor
             assert torch.equal(out, bits)
             choice = ref.clone()
             choice[:, eos] = False

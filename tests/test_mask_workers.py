@@ -116,6 +116,15 @@ def test_host_workers_setting():
     assert check_options({"host_workers": 2}) == {"host_workers": 2}
 
 
+def test_default_workers_on_a_gpu_host(monkeypatch):
+    """One process per two cores, at most 8, on a GPU host of 8 or more cores (a process fills in one thread)."""
+    from smcdecode.backends.engine import mask_workers
+
+    for cores, expected in ((4, 0), (7, 0), (8, 4), (16, 8), (64, 8)):
+        monkeypatch.setattr(mask_workers, "_cores", lambda cores=cores: cores)
+        assert default_workers("cuda") == expected, cores
+
+
 @pytest.mark.slow
 def test_idle_workers_of_another_round_shape_make_way(model, monkeypatch):
     """Beyond ``MAX_LIVE`` sets of workers, a new set stops an idle one; its HostMasks starts a new

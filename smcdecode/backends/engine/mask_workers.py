@@ -17,8 +17,10 @@ grammars (``LLGuidanceConstraint.worker_spec``, ``_rebuilt``), so a step's masks
 process (the tests compare them bit for bit).
 
 The processes are forked when the first request arrives: they inherit the compiled llguidance
-tokenizer and the token texts, which cannot be pickled. They never touch CUDA; their llguidance thread
-pools are their own. The two step buffers are one anonymous shared mapping, registered with CUDA as
+tokenizer and the token texts, which cannot be pickled. They never touch CUDA, and each fills its rows'
+masks in its own thread, one row after another (through llguidance's thread pool a row cost about
+three times as much on the hosts measured, for the cheap masks that are most of a document: the
+processes are the parallelism). The two step buffers are one anonymous shared mapping, registered with CUDA as
 pinned memory on a GPU, so the round uploads the masks from there without blocking.
 """
 
@@ -48,8 +50,7 @@ IN_CAP, OUT_CAP = 1 << 20, 1 << 16  # mailbox bytes (in, answers); a longer mess
 TIMEOUT = 300.0  # seconds a worker may take over one batch (a batch that adds a request compiles its grammar)
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # this process's MaskWorkers
 MAX_LIVE = 8  # sets of workers kept at once (a set per round shape; beyond: idle ones are stopped)
-THREADS = None  # A/B: a worker's llguidance pool (None: the cores split; 0: masks in the worker's thread)
-SPIN = 0.0  # A/B: seconds a worker spins on its mailbox before it blocks on its pipe
+SPIN = 0.002  # seconds a worker watches its mailbox after a batch before it blocks on its pipe
 
 
 def _supported() -> str | None:
@@ -72,13 +73,13 @@ def _cores() -> int:
 
 def default_workers(device) -> int:
     """How many mask processes the engine starts by default: on a GPU host of eight or more cores, one
-    per four cores, at most 8, each with an llguidance pool of the cores left over (a step's masks
-    are most of its host work: a process needs threads to fill its rows' masks in parallel); none on
-    a CPU (its cores run the models) or where they cannot run (``_supported``)."""
+    per two cores, at most 8 (each uses one core; the others are left to this process and the
+    device's driver); none on a CPU (its cores run the models) or where they cannot run
+    (``_supported``)."""
     cores = _cores()
     if torch.device(device).type != "cuda" or cores < 8 or _supported() is not None:
         return 0
-    return min(8, cores // 4)
+    return min(8, cores // 2)
 
 
 def check_workers(value) -> int | None:
@@ -99,10 +100,11 @@ class MaskWorkers:
 
     Messages travel through shared memory: each process has a mailbox (a control line and a byte
     area) where this process writes a pickled batch of operations, raises POSTED and writes one byte
-    to the process's pipe; the worker, blocked reading that byte, copies the batch out, raises
-    TAKEN, runs it, writes its answer and raises DONE, which this process spins on (a step's wait
-    is short). A batch longer than the mailbox goes through the pipe after its byte. (Workers do not
-    spin on POSTED: between steps they would hold cores the llguidance pools need.)"""
+    to the process's pipe; the worker, watching POSTED for ``SPIN`` seconds after its last batch
+    and then blocked reading that byte, copies the batch out, raises TAKEN, runs it, writes its
+    answer and raises DONE, which this process spins on (a step's wait is short). A batch longer
+    than the mailbox goes through the pipe after its byte. (Within a round the next step's batch
+    comes before a worker stops watching, so it does not wait to be woken; between rounds it sleeps.)"""
 
     def __init__(self, processes: int, rows: int, words: int, tok, texts: list, pin: bool):
         if processes < 1 or rows < 1:
@@ -128,8 +130,6 @@ class MaskWorkers:
             self._pinned = whole.data_ptr()
         self._box = mmap.mmap(-1, processes * (LINE * 8 + IN_CAP + OUT_CAP))
         self._ctrl = np.frombuffer(self._box, dtype=np.int64, count=processes * LINE).reshape(processes, LINE)
-        # each process's llguidance pool: the cores left after one for each process's own thread
-        threads = max(1, (_cores() - processes) // processes) if THREADS is None else THREADS
         ctx = multiprocessing.get_context("fork")
         self._conns, self._procs = [], []
         self._finalizer = weakref.finalize(self, _close, self._box, self._ctrl, self._conns, self._procs,
@@ -139,7 +139,7 @@ class MaskWorkers:
                 here, there = ctx.Pipe()
                 self._conns.append(here)
                 p = ctx.Process(target=_serve, args=(w, here.fileno(), there, self._box, processes, self._mem, rows,
-                                                     words, tok, texts, threads, SPIN), daemon=True, name="smcdecode-masks")
+                                                     words, tok, texts), daemon=True, name="smcdecode-masks")
                 with warnings.catch_warnings():  # (Python warns of forking a process with threads; the child
                     warnings.simplefilter("ignore", DeprecationWarning)  # runs llguidance and numpy only)
                     p.start()
@@ -298,21 +298,22 @@ class _NoModel:
         return "no model (a mask worker's copy)"
 
 
-def _rebuilt(spec: tuple, tok, words: int, keys, executor, threads: int):
+def _rebuilt(spec: tuple, tok, words: int, keys):
     """The llguidance path of a constraint (``LLGuidanceConstraint.worker_spec``: its class, grammar and
     key rule) compiled for the llguidance tokenizer ``tok`` in a worker: its states, masks and key
-    rule are those of the bound constraint it came from."""
+    rule are those of the bound constraint it came from. It has no executor: its masks are filled in
+    the worker's thread, one row after another, and its rows all come from one lane."""
     from ...potentials.token_bytes import _llguidance
 
     cls, grammar, key_rule = spec
     c = cls.__new__(cls)
-    c._grammar, c.key_rule, c.threads, c.path = grammar, key_rule, threads or 1, "llguidance"
+    c._grammar, c.key_rule, c.threads, c.path = grammar, key_rule, 1, "llguidance"
     c._what, c._header_lines = f"{cls.__name__} (in a mask worker)", 0
     template = _llguidance().LLMatcher(tok, grammar, log_level=0)
     if template.is_error():
         raise c._error(template.get_error())
     c._tok, c._template, c._lanes = tok, template, [template]
-    c._executor, c._keys, c._words = executor, keys if key_rule else None, words
+    c._executor, c._keys, c._words = None, keys if key_rule else None, words
     c.model = _NoModel()
     return c
 
@@ -335,15 +336,14 @@ def _close(box, ctrl, conns, procs, pinned) -> None:
             torch.cuda.cudart().cudaHostUnregister(pinned)
 
 
-def _serve(w: int, ours: int, conn, box, processes: int, mem, rows: int, words: int, tok, texts: list,
-           threads: int, spin: float) -> None:
+def _serve(w: int, ours: int, conn, box, processes: int, mem, rows: int, words: int, tok, texts: list) -> None:
     """A worker process: run the batches of operations posted to its mailbox until told to stop (or
     until its pipe ends: the main process is gone). ``ours``: the main process's end, closed here."""
     code = 0
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C is the main process's to handle)
         os.close(ours)
-        _loop(w, conn, box, processes, mem, rows, words, tok, texts, threads, spin)
+        _loop(w, conn, box, processes, mem, rows, words, tok, texts)
     except BaseException:  # noqa: BLE001 - reported on stderr; the main process sees the exit code
         traceback.print_exc()
         code = 1
@@ -351,14 +351,11 @@ def _serve(w: int, ours: int, conn, box, processes: int, mem, rows: int, words: 
         os._exit(code)  # (no atexit handlers, no CUDA teardown: this process shares the parent's state)
 
 
-def _loop(w: int, conn, box, processes: int, mem, rows: int, words: int, tok, texts: list, threads: int,
-          spin: float) -> None:
+def _loop(w: int, conn, box, processes: int, mem, rows: int, words: int, tok, texts: list) -> None:
     from ...potentials.json_keys import KeyTracker
-    from ...potentials.token_bytes import _llguidance
     from .request_masks import RequestMasks, advance_requests, fill_requests
 
     torch.set_num_threads(1)
-    executor = _llguidance().LLExecutor(threads) if threads else None
     whole = torch.frombuffer(mem, dtype=torch.int32)
     bits = [whole[t * rows * words: (t + 1) * rows * words].view(rows, words) for t in (0, 1)]
     ctrl = np.frombuffer(box, dtype=np.int64, count=processes * LINE).reshape(processes, LINE)
@@ -374,15 +371,16 @@ def _loop(w: int, conn, box, processes: int, mem, rows: int, words: int, tok, te
         if spec not in built:
             if spec[2] and not keys:
                 keys.append(KeyTracker(texts))
-            built[spec] = _rebuilt(spec, tok, words, keys[0] if keys else None, executor, threads)
+            built[spec] = _rebuilt(spec, tok, words, keys[0] if keys else None)
         return built[spec]
 
     fd = conn.fileno()
     while True:
-        if spin:  # (then the message's byte is there, or on its way: the read below does not sleep)
-            until = time.perf_counter() + spin
-            while ctrl[w, POSTED] == seen and time.perf_counter() < until:
-                pass
+        # the next step's batch comes within a draft forward: watch the mailbox a while before sleeping
+        # (a batch seen there has its byte in the pipe, or on its way: the read below does not sleep)
+        until = time.perf_counter() + SPIN
+        while ctrl[w, POSTED] == seen and time.perf_counter() < until:
+            pass
         if not os.read(fd, 1) or ctrl[w, POSTED] < 0:  # (a message's byte; b"": the main process is gone)
             return
         seen += 1

@@ -28,13 +28,15 @@ def model():
 
 
 @pytest.mark.slow
-def test_engine_samples_the_same_with_mask_workers(model):
-    """Three requests of four particles on llguidance's path (an open object: the unique-key rule
-    applies), SmolLM2 proposing to itself on the CPU engine, the same seed: with two mask workers (which
-    hold the requests' matchers) the tokens, lengths and weights equal those computed in the engine's process, and every finished
-    document validates."""
-    c = JSONSchema(OPEN, path="llguidance")
-    assert c.bind(model).key_rule
+@pytest.mark.parametrize("path", ["llguidance", "superset"])
+def test_engine_samples_the_same_with_mask_workers(model, path):
+    """Three requests of four particles, SmolLM2 proposing to itself on the CPU engine, the same seed,
+    an open object (the unique-key rule applies) on llguidance's path (masks) or the superset path
+    (the device automaton's proposal, llguidance's check of each round's tokens): with two mask
+    workers (which hold the requests' matchers) the tokens, lengths and weights equal those computed
+    in the engine's process, and every finished document validates."""
+    c = JSONSchema(OPEN, path=path)
+    assert c.bind(model).key_rule and c.path == path
     prompt = "Describe a cat as JSON with a name, tags and integer fields:"
     outs = []
     for workers in (0, 2):

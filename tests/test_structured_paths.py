@@ -339,7 +339,8 @@ def test_superset_path_choice_and_errors():
         JSONSchema(SCHEMA, path="supersets")
 
 
-@pytest.mark.parametrize("block_size, host_masks, workers", [(3, False, 0), (2, False, 0), (2, True, 0), (2, True, 2)])
+@pytest.mark.parametrize("block_size, host_masks, workers",
+                         [(3, False, 0), (2, False, 0), (2, True, 0), (2, True, 2), (3, False, 2), (2, False, 2)])
 def test_engine_superset_round_is_exact_and_one_particle_takes_masks(block_size, host_masks, workers):
     """The engine's superset path (device automaton of the superset, llguidance's check of each
     round's tokens, weight 0 where they leave the documents) samples the exact target; a request of
@@ -347,7 +348,8 @@ def test_engine_superset_round_is_exact_and_one_particle_takes_masks(block_size,
     block_size 3: every document within one round (the check's verdict decides); 2: over two
     rounds (a request whose particle died switches to masks for the second); ``host_masks``: the
     program's constraints all through the host (no device automaton): llguidance's masks, computed
-    in the engine's process or (``workers``) in two mask worker processes."""
+    in the engine's process or (``workers``) in two mask worker processes, which also check the
+    superset path's tokens."""
     engine, model = _tiny_engine(workers)
     constraint = JSONSchema(S_BOUNDED).bind(model)
     target = sd.LM(model) * constraint

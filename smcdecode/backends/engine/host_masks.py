@@ -33,46 +33,12 @@ import torch
 from torch import Tensor
 
 from ...errors import SMCDecodeError
-from ...potentials.grammar import LLGuidanceConstraint, MatcherBatch
+from ...potentials.grammar import LLGuidanceConstraint
 from ...potentials.token_bytes import token_texts
 from .mask_workers import MaskWorkers
-from .request_masks import RequestMasks, advance_requests, fill_requests
+from .request_masks import RequestMasks, advance_requests, consume_rows, fill_requests
 
 __all__ = ["HostMasks", "RequestMasks", "consume_rows"]
-
-
-def consume_rows(c: LLGuidanceConstraint, state: MatcherBatch, seqs: list) -> MatcherBatch:
-    """``state`` (spent) with row i advanced by the tokens ``seqs[i]`` (a list; None or empty: the row
-    stays as it is): consumed once per distinct (matcher, tokens), where a shared matcher's
-    first sequence takes it unless a row keeps it, and a further one a copy, taken before any
-    matcher consumes (the engine's superset path: a round's tokens checked at once). A sequence
-    llguidance refuses leaves its matcher in the error state (``MatcherBatch.dead``)."""
-    matchers = state.take()
-    if len(seqs) != len(matchers):
-        raise SMCDecodeError(f"{len(seqs)} token sequences for {len(matchers)} particles: give one per particle")
-    keys = [tuple(q) if q else None for q in seqs]
-    kept = {id(m) for m, k in zip(matchers, keys) if k is None}
-    owners: dict = {}  # (id(matcher), tokens) -> the matcher that consumes them
-    for m, k in zip(matchers, keys):
-        if k is not None and (id(m), k) not in owners:
-            owners[(id(m), k)] = m.deep_copy() if id(m) in kept else m
-            kept.add(id(m))  # (taken: a further sequence of it takes a copy)
-    # NOTE: token by token: llguidance's consume_tokens refuses an EOS after a document that stopped
-    # its parser (consume_token takes it)
-    for (_, k), o in owners.items():
-        for t in k:
-            o.consume_token(t)
-    new_keys = None
-    if state.keys is not None:  # (rows that share a matcher share its key state)
-        done: dict = {}
-        new_keys = []
-        for m, k, key in zip(matchers, keys, state.keys):
-            if k is not None and (id(m), k) not in done:
-                for t in k:
-                    key = c._keys.advance(key, t)
-                done[(id(m), k)] = key
-            new_keys.append(key if k is None else done[(id(m), k)])
-    return MatcherBatch([m if k is None else owners[(id(m), k)] for m, k in zip(matchers, keys)], new_keys)
 
 
 class HostMasks:
@@ -116,8 +82,9 @@ class HostMasks:
 
     def _pool_for(self, masks: RequestMasks) -> MaskWorkers | None:
         """The mask workers that can hold ``masks`` (started now if none are yet), or None: no workers
-        here, a checked request, or a constraint that is not on llguidance's path of this vocabulary."""
-        if not self.workers or masks.checked or not all(
+        here, or a constraint that is not on llguidance's path of this vocabulary (a checked request's
+        superset constraints hold llguidance states too: the workers check its tokens)."""
+        if not self.workers or not all(
                 isinstance(c, LLGuidanceConstraint) and c.path != "automaton" for c in masks.constraints):
             return None
         if self._pool is not None and not self._pool.usable:  # (stopped, or a process died: new ones)
@@ -182,6 +149,7 @@ class HostMasks:
         self._columns = {}
         for m in self.requests.values():
             m.begin()
+            m.left = None
 
     def _rows(self, slot: int, n: int) -> slice:
         return slice(slot * self.n_max, slot * self.n_max + n)
@@ -326,25 +294,32 @@ class HostMasks:
         lo = min(m.position for _, m in todo)
         hi = max(n_gen) if n_gen else lo
         window = buffers["tokens"][:rows, lo:max(hi, lo)].tolist()
+        seqs = {}
         for slot, m in todo:
             r0 = slot * self.n_max
-            seqs = [window[r][m.position - lo : n_gen[r] - lo] if active[r] else None for r in range(r0, r0 + m.n)]
+            seqs[slot] = [window[r][m.position - lo : n_gen[r] - lo] if active[r] else None for r in range(r0, r0 + m.n)]
             # (a checked request's constraints are all llguidance's: the scheduler checks only those)
-            m.states = [consume_rows(c, st, seqs) for c, st in zip(m.constraints, m.states)]
+            if m.remote:
+                self._pool.check(slot, seqs[slot])
+            else:
+                m.left = m.check(seqs[slot])
             m.position = max([n_gen[r] for r in range(r0, r0 + m.n) if active[r]], default=m.position)
+        if any(m.remote for _, m in todo):  # (the workers check their requests side by side)
+            for slot, left in self._pool.checked().items():
+                self.requests[slot].left = left
+        for slot, m in todo:
             # a particle left the documents: the request takes llguidance's masks from the next round
             # on (its particles all dying in one round would leave it no sample; the choice rests on
             # past rounds only, so the weights stay those of the proposal each round used)
-            if any(seqs[i] is not None and any(st.dead(i) for st in m.states) for i in range(m.n)):
+            if any(s is not None and gone for s, gone in zip(seqs[slot], m.left)):
                 m.checked, m.switched = False, True
 
     def dead(self, rows: int) -> Tensor:
         """bool [rows]: the rows of checked requests whose tokens left the documents (this round)."""
         out = torch.zeros(rows, dtype=torch.bool)
         for slot, m in self.requests.items():
-            if m.checked or m.switched:
-                for st in m.states:
-                    out[self._rows(slot, m.n)] |= torch.tensor([st.dead(i) for i in range(m.n)], dtype=torch.bool)
+            if m.left is not None:
+                out[self._rows(slot, m.n)] = torch.tensor(m.left, dtype=torch.bool)
         return out
 
     def rejects(self, rows: int) -> Tensor:

@@ -10,7 +10,8 @@ processes, a step costs a process's share of that work, plus a message to each p
 ``HostMasks`` keeps every request's bookkeeping (its position, how many drafts count this round) and
 sends the process that holds a request its operations, in one batch per process and point of the
 round: advance the request's rows by a token each, fill its rows of shared buffer t, fork its rows
-(resampling), say whether its rows accept. A batch that fills or asks is answered when its operations
+(resampling), say whether its rows accept; for a checked request (the superset path), advance its
+rows by the round's tokens and say which left the documents. A batch that fills or asks is answered when its operations
 ran; the others are not (an error in them comes back with the next answer). A process keeps the
 request in the same ``RequestMasks`` the main process would, over constraints rebuilt from their
 grammars (``LLGuidanceConstraint.worker_spec``, ``_rebuilt``), so a step's masks are those of the main
@@ -201,6 +202,18 @@ class MaskWorkers:
     def fork(self, slot: int, index: list) -> None:
         self._queued[self.where[slot]].append(("fork", slot, index))
 
+    def check(self, slot: int, seqs: list) -> None:
+        """A checked request's round: row i advanced by the tokens ``seqs[i]`` (None: not in the round);
+        ``checked`` collects which rows left the documents."""
+        self._queued[self.where[slot]].append(("check", slot, seqs))
+
+    def checked(self) -> dict:
+        """slot -> list of bool: the rows each checked request's ``check`` found outside the documents."""
+        out = {}
+        for answers in self.wait(self.send()).values():
+            out.update(answers)
+        return out
+
     def accepting(self, slots: list) -> dict:
         """slot -> list of bool: does each row of the request accept (every constraint)?"""
         for s in slots:
@@ -218,7 +231,7 @@ class MaskWorkers:
             if not ops:
                 continue
             self._queued[w] = []  # (taken now: a failure below leaves no stale operation queued)
-            answer = any(op[0] in ("fill", "accepting", "reset") for op in ops)
+            answer = any(op[0] in ("fill", "accepting", "check", "reset") for op in ops)
             if answer and self._owed[w]:  # (one answer at a time, its area holds one: an answer left
                 self.wait([w])             # uncollected by a step that raised is collected and dropped)
             self._post(w, (ops, answer))
@@ -411,6 +424,8 @@ def _loop(w: int, conn, box, processes: int, mem, rows: int, words: int, tok, te
                         held[slot].fork(torch.tensor(op[2], dtype=torch.long))
                     elif kind == "accepting":
                         answers.append((slot, held[slot].accepting().tolist()))
+                    elif kind == "check":
+                        answers.append((slot, held[slot].check(op[2])))
                 # (a batch's fills come after its advances: every request's rows in one call)
                 if fills:  # (one step's: every one into the same buffer)
                     fill_requests([(m, slice(r, r + m.n)) for m, r in fills], bits[turn], rows)

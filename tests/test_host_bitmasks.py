@@ -59,6 +59,13 @@ def _reference_mask(c, state) -> torch.Tensor:
     return mask
 
 
+@pytest.mark.parametrize("threads", [0, -2, 1.5, True, "4"])
+def test_threads_must_be_a_count(threads):
+    for path in ("llguidance", "automaton"):
+        with pytest.raises(sd.SMCDecodeError, match=r"threads must be an integer >= 1 .* got"):
+            JSONSchema({"type": "string", "maxLength": 3}, path=path, threads=threads)
+
+
 @pytest.fixture(scope="module")
 def model():
     return sd.load_model()
@@ -73,6 +80,7 @@ def test_bitmask_fill_equals_single_matcher_masks_on_real_schemas(model, source)
     V, eos = model.vocab_size, model.eos_token_id
     g = torch.Generator().manual_seed(0)
     checked = 0
+    assert JSONSchema({"type": "object"}, threads=1).bind(model)._executor is None
     for schema in _schemas(source, 3):
         c = JSONSchema(schema, path="llguidance").bind(model)
         state = c.start(8)
@@ -84,7 +92,7 @@ def test_bitmask_fill_equals_single_matcher_masks_on_real_schemas(model, source)
             out = torch.full_like(bits, 7)
             c.fill_bits(state, out)
             assert torch.equal(out, bits)
-            # without an executor (a mask worker's constraints): row by row in this thread, the same
+            # without an executor (threads=1, a mask worker's constraints): row by row in this thread, the same
             executor, c._executor = c._executor, None
             try:
                 out = torch.full_like(bits, 7)

@@ -118,6 +118,7 @@ class LLGuidanceConstraint(TokenConstraint):
             raise self._error(messages[0] if messages else "llguidance rejected it")
 
     def _setup(self, model, threads: int | None) -> None:
+        _check_threads(threads)
         self.threads = threads
         self._keys: KeyTracker | None = None
         self._validate()
@@ -149,6 +150,7 @@ class LLGuidanceConstraint(TokenConstraint):
     def _use_automaton(self, regex: str, fsm, threads: int | None, model) -> None:
         """Take the automaton path: ``regex`` is the language as a Python regex, ``fsm`` its character
         automaton (``regex.char_fsm``); the token automaton is built when bound to a model."""
+        _check_threads(threads)
         self.regex, self._fsm, self.path = regex, fsm, "automaton"
         self.threads, self.model = threads, None
         if model is not None:
@@ -353,8 +355,18 @@ class LLGuidanceConstraint(TokenConstraint):
 _EXECUTORS: dict = {}  # llguidance thread pools by thread count (None: its default), one per process
 
 
+def _check_threads(threads) -> None:
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise SMCDecodeError(f"threads must be an integer >= 1 (1: masks filled in the calling thread) or None "
+                             f"(llguidance's thread pool of its default size), got {threads!r}")
+
+
 def _executor(threads: int | None):
-    """The process's llguidance executor of ``threads`` threads (every bound constraint shares it)."""
+    """The process's llguidance executor of ``threads`` threads (every bound constraint shares it), or
+    None for 1 thread: the masks are then filled in the calling thread, one after another (through a
+    pool of one thread a cheap mask cost about four times as much: its hand-over dominates)."""
+    if threads == 1:
+        return None
     if threads not in _EXECUTORS:
         llg = _llguidance()
         _EXECUTORS[threads] = llg.LLExecutor(threads) if threads else llg.LLExecutor()
@@ -485,7 +497,7 @@ class Grammar(LLGuidanceConstraint):
         ''')
 
     An invalid grammar raises :class:`SMCDecodeError` quoting llguidance's message (line, column,
-    the offending rule). ``threads``: llguidance mask threads (None: its default).
+    the offending rule). ``threads``: llguidance mask threads (None: its default; 1: in the calling thread).
 
     ``force_canonical=False`` (default): every tokenisation of a text in the language is allowed,
     so Ψ depends on the text alone (as for :class:`~smcdecode.potentials.regex.Regex`) and SMC

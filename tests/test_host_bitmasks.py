@@ -62,7 +62,7 @@ def _reference_mask(c, state) -> torch.Tensor:
 @pytest.mark.parametrize("threads", [0, -2, 1.5, True, "4"])
 def test_threads_must_be_a_count(threads):
     for path in ("llguidance", "automaton"):
-        with pytest.raises(sd.SMCDecodeError, match=r"threads must be an integer >= 1 .* got"):
+        with pytest.raises(sd.SMCDecodeError, match=r"threads must be None or 1 .* got"):
             JSONSchema({"type": "string", "maxLength": 3}, path=path, threads=threads)
 
 
@@ -246,6 +246,9 @@ def test_requests_of_one_constraint_take_lanes_whose_masks_agree(model):
         host.add(slot, RequestMasks([c], N, K, budget=100, lane=slot))
     assert len(c._lanes) == 3 and len({id(m) for m in c._lanes}) == 3
     assert c._lane(4) is c._lanes[1]
+    one = JSONSchema(_schemas("jsonschemabench_Glaiveai2K.jsonl", 1)[0], path="llguidance").bind(model)
+    one.start(2, lane=5)  # (no pool by default: every row from lane 0)
+    assert one._executor is None and len(one._lanes) == 1
     for bad in (-1, 1.5, True):
         with pytest.raises(sd.SMCDecodeError, match="lane"):
             c.start(2, lane=bad)

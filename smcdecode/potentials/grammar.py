@@ -27,7 +27,6 @@ spent batch again raises. Every strategy in ``samplers/`` threads states that wa
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Sequence
 
@@ -218,11 +217,12 @@ class LLGuidanceConstraint(TokenConstraint):
         lexer, behind a lock, so llguidance's thread pool fills their masks one after the other; a
         lane is a compile of its own (made when first asked for, about 0.2 ms), and the pool fills
         the masks of different lanes in parallel (8 rows on a 16-core host: 2.2x faster than from
-        one lane). One lane per thread of the pool: ``lane`` is taken modulo it. (A matcher copied
-        at a resampling stays in its ancestor's lane.)"""
+        one lane). One lane per thread of the pool: ``lane`` is taken modulo it; without a pool
+        (``threads`` None or 1) every row takes lane 0. (A matcher copied at a resampling stays in
+        its ancestor's lane.)"""
         if isinstance(lane, bool) or not isinstance(lane, int) or lane < 0:
             raise SMCDecodeError(f"lane must be an integer >= 0, got {lane!r}")
-        i = lane % (self.threads or os.cpu_count() or 1)
+        i = lane % (self.threads or 1)
         while len(self._lanes) <= i:
             m = _llguidance().LLMatcher(self._tok, self._grammar, log_level=0)
             if m.is_error():  # (the same grammar compiled once already: not expected)
@@ -357,15 +357,16 @@ _EXECUTORS: dict = {}  # llguidance thread pools by thread count (None: its defa
 
 def _check_threads(threads) -> None:
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise SMCDecodeError(f"threads must be an integer >= 1 (1: masks filled in the calling thread) or None "
-                             f"(llguidance's thread pool of its default size), got {threads!r}")
+        raise SMCDecodeError(f"threads must be None or 1 (masks filled in the calling thread, the default) or an "
+                             f"integer >= 2 (llguidance's thread pool of that many threads), got {threads!r}")
 
 
 def _executor(threads: int | None):
-    """The process's llguidance executor of ``threads`` threads (every bound constraint shares it), or
-    None for 1 thread: the masks are then filled in the calling thread, one after another (through a
-    pool of one thread a cheap mask cost about four times as much: its hand-over dominates)."""
-    if threads == 1:
+    """The process's llguidance executor of ``threads`` (>= 2) threads (every bound constraint shares
+    it), or None (``threads`` None or 1): the masks are then filled in the calling thread, one after
+    another. The pool costs a hand-over per mask, several times a cheap mask's own cost, so it pays
+    only where masks are dear (short bounded strings, patterns) and there are many particles."""
+    if not threads or threads == 1:
         return None
     if threads not in _EXECUTORS:
         llg = _llguidance()
@@ -497,7 +498,8 @@ class Grammar(LLGuidanceConstraint):
         ''')
 
     An invalid grammar raises :class:`SMCDecodeError` quoting llguidance's message (line, column,
-    the offending rule). ``threads``: llguidance mask threads (None: its default; 1: in the calling thread).
+    the offending rule). ``threads``: None or 1 (the default): masks filled in the calling thread; n >= 2:
+    llguidance's thread pool of n threads, the particles spread over n lanes.
 
     ``force_canonical=False`` (default): every tokenisation of a text in the language is allowed,
     so Ψ depends on the text alone (as for :class:`~smcdecode.potentials.regex.Regex`) and SMC

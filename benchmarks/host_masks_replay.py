@@ -266,7 +266,7 @@ def main() -> None:
     rep.add_argument("--passes", type=int, default=3)
     rep.add_argument("--repeats", type=int, default=3, help="replays of a trace per process")
     rep.add_argument("--threads", type=int, default=None,
-                     help="llguidance's threads and the constraint's lanes (default: its own, 80 %% of the cores)")
+                     help="the constraint's threads: None or 1 fill masks in the calling thread (the default), n >= 2 in llguidance's pool of n threads and n lanes")
     rep.add_argument("--workers", default="0",
                      help="mask worker processes (HostMasks' workers), comma-separated: each tree with each")
     rep.add_argument("--out", type=Path, default=RESULTS / "host_masks_replay.json")

@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from structured_engine import DEFAULT_SCHEMA  # noqa: E402
 
 import smcdecode as sd  # noqa: E402
-from smcdecode.potentials.grammar import MatcherBatch, fill_bits_together  # noqa: E402
 from smcdecode.potentials.json_schema import JSONSchema  # noqa: E402
+from smcdecode.potentials.matchers import MatcherBatch, fill_bits_together  # noqa: E402
 
 # (the schema's whitespace: ", " between items, ": " after keys)
 PREFIXES = {"inside the name string": '{"name": "Alice Sm', "in the age number": '{"name": "Alice", "age": 4',

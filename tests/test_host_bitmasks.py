@@ -14,9 +14,9 @@ import torch
 import smcdecode as sd
 from smcdecode.backends.engine.host_masks import HostMasks, RequestMasks
 from smcdecode.potentials.constraint import pack_bits, unpack_bits
-from smcdecode.potentials.grammar import MatcherBatch, fill_bits_together
 from smcdecode.potentials.json_keys import DEAD
 from smcdecode.potentials.json_schema import JSONSchema
+from smcdecode.potentials.matchers import MatcherBatch, fill_bits_together
 
 EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
 if not EVAL.exists():

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 
 import smcdecode as sd
-from smcdecode.potentials.grammar import MatcherBatch
 from smcdecode.potentials.json_schema import JSONSchema, closed_schema
+from smcdecode.potentials.matchers import MatcherBatch
 from smcdecode.testing import (
     check_distribution,
     check_logw_next_consistency,

@@ -8,8 +8,8 @@ over xgrammar and outlines-core after measuring all three (docs/constraints.md).
 A particle's constraint state is an ``LLMatcher`` (a parser state held in Rust). A batch of particle
 states is a :class:`MatcherBatch`; the tensor path of :class:`TokenConstraint` maps onto it as
 
-    allowed_bits(state)   one call into llguidance's thread pool fills a [B, ⌈V/32⌉] int32 bitmask
-                          for all B particles (what the engine uploads and unpacks on the device)
+    allowed_bits(state)   a [B, ⌈V/32⌉] int32 bitmask for all B particles, filled in the calling
+                          thread or (threads >= 2) llguidance's pool (what the engine uploads)
     allowed(state)        that bitmask unpacked to bool [B, V] on the CPU
     advance(state, v [B]) each distinct matcher consumes its token in place; the old batch is spent
     fork(state, A [B])    a gather of references: children of one ancestor share its matcher
@@ -35,60 +35,13 @@ from torch import Tensor
 
 from ..errors import SMCDecodeError
 from .constraint import TokenConstraint, unpack_bits
-from .json_keys import DEAD, START, KeyTracker
+from .json_keys import START, KeyTracker
+from .matchers import MatcherBatch, _check_threads, _executor, advance_together, fill_bits_together
 from .token_bytes import _llguidance, llguidance_tokenizer, token_texts
 
 SYNTAXES = ("lark", "gbnf")
 # how a constraint's masks are computed (Grammar, JSONSchema; JSONSchema also "superset")
 PATHS = ("auto", "automaton", "llguidance")
-
-# -- particle states ---------------------------------------------------------------------------
-
-
-class MatcherBatch:
-    """Constraint states of B particles: one llguidance matcher per particle, and for JSON with
-    unique keys one key-scanner state per particle (``json_keys.py``)."""
-
-    __slots__ = ("matchers", "keys", "mask", "bits", "spent")
-
-    def __init__(self, matchers: list, keys: list | None = None):
-        self.matchers = matchers
-        self.keys = keys
-        self.mask: Tensor | None = None  # cached allowed() of this batch, bool [B, V]
-        self.bits: Tensor | None = None  # cached allowed_bits() of this batch, int32 [B, ⌈V/32⌉]
-        self.spent = False
-
-    def __len__(self) -> int:
-        return len(self.matchers)
-
-    def distinct(self) -> tuple[list[int], list[int], list[int]]:
-        """(the first row of each distinct matcher; the other rows; the first row of each of those's matcher)."""
-        first: dict = {}
-        rest, src = [], []
-        for i, m in enumerate(self.matchers):
-            j = first.setdefault(id(m), i)
-            if j != i:
-                rest.append(i)
-                src.append(j)
-        return list(first.values()), rest, src
-
-    def take(self) -> list:
-        """The matchers, marking this batch spent (its states are about to change)."""
-        self.check()
-        self.spent = True
-        return self.matchers
-
-    def dead(self, i: int) -> bool:
-        """Is particle i out of the language (llguidance's error state, or a repeated key)?"""
-        return self.matchers[i].is_error() or (self.keys is not None and self.keys[i] == DEAD)
-
-    def check(self) -> None:
-        if self.spent:
-            raise SMCDecodeError(
-                "a grammar constraint state was used after it was advanced or forked: constraint states "
-                "are consumed by advance()/fork(); keep the returned state instead"
-            )
-
 
 class LLGuidanceConstraint(TokenConstraint):
     """Ψ(x) = 1[text(x) ∈ L(grammar)] for an llguidance grammar; the base of :class:`Grammar` and
@@ -350,137 +303,6 @@ class LLGuidanceConstraint(TokenConstraint):
                 return False
             state = self.advance(state, torch.tensor([t]))
         return bool(self.accepting(state)[0])
-
-
-_EXECUTORS: dict = {}  # llguidance thread pools by thread count (None: its default), one per process
-
-
-def _check_threads(threads) -> None:
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise SMCDecodeError(f"threads must be None or 1 (masks filled in the calling thread, the default) or an "
-                             f"integer >= 2 (llguidance's thread pool of that many threads), got {threads!r}")
-
-
-def _executor(threads: int | None):
-    """The process's llguidance executor of ``threads`` (>= 2) threads (every bound constraint shares
-    it), or None (``threads`` None or 1): the masks are then filled in the calling thread, one after
-    another. The pool costs a hand-over per mask, several times a cheap mask's own cost, so it pays
-    only where masks are dear (short bounded strings, patterns) and there are many particles."""
-    if not threads or threads == 1:
-        return None
-    if threads not in _EXECUTORS:
-        llg = _llguidance()
-        _EXECUTORS[threads] = llg.LLExecutor(threads) if threads else llg.LLExecutor()
-    return _EXECUTORS[threads]
-
-
-def advance_together(parts: list) -> list[MatcherBatch]:
-    """``parts``: (llguidance constraint, its MatcherBatch, tokens: a list of one token id per row) ->
-    each part's batch advanced by its tokens (the batches given are spent): one matcher per distinct
-    (matcher, token), where a shared matcher's first token takes it and a further one a copy, taken
-    before any matcher consumes (the engine's host catch-up: every request of a step at once)."""
-    out = []
-    flat_m, flat_t = [], []  # the rows of every part whose rows share no matcher: consumed in one loop
-    for c, state, tokens in parts:
-        matchers = state.take()
-        if len(tokens) != len(matchers):
-            raise SMCDecodeError(f"{len(tokens)} tokens for {len(matchers)} particles: give one token per particle")
-        if len(set(map(id, matchers))) == len(matchers):  # (no row shares its matcher: each consumes)
-            flat_m += matchers
-            flat_t += tokens
-            keys = None if state.keys is None else list(map(c._keys.advance, state.keys, tokens))
-            out.append(MatcherBatch(matchers, keys))
-            continue
-        owners: dict = {}  # (id(matcher), token) -> the matcher that consumes it
-        claimed, rows = set(), []
-        for m, t in zip(matchers, tokens):
-            k = (id(m), t)
-            if k not in owners:
-                if id(m) in claimed:
-                    owners[k] = m.deep_copy()
-                else:
-                    claimed.add(id(m))
-                    owners[k] = m
-            rows.append(k)
-        for (_, t), o in owners.items():  # (every copy was taken above, before any consumes)
-            o.consume_token(t)
-        keys = None
-        if state.keys is not None:  # (rows that share a matcher share its key state)
-            new: dict = {}
-            keys = []
-            for k, key in zip(rows, state.keys):
-                if k not in new:
-                    new[k] = c._keys.advance(key, k[1])
-                keys.append(new[k])
-        out.append(MatcherBatch([owners[k] for k in rows], keys))
-    # NOTE: one by one: llguidance's consume_token_par measured no faster, on a 2-core host and on a
-    # 16-core one (the host work of recorded SmolLM2 rounds replayed: within the noise of either).
-    # A disallowed token puts its matcher in its (absorbing) error state.
-    for m, t in zip(flat_m, flat_t):
-        m.consume_token(t)
-    return out
-
-
-def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
-    """``parts``: (llguidance constraint, its MatcherBatch, first row) — write every part's
-    ``allowed_bits`` into rows first_row … first_row + B − 1 of ``out`` (int32 [≥ rows, ⌈V/32⌉],
-    contiguous, on the CPU) in one call into llguidance's thread pool (the engine's host masks: the
-    particles of every request of a step at once). Rows of no part are left as they are."""
-    W = parts[0][0]._words
-    if out.dim() != 2 or out.shape[0] < rows or out.shape[1] != W or out.dtype != torch.int32 \
-            or out.device.type != "cpu" or out.stride() != (W, 1):
-        raise SMCDecodeError(f"the bitmask must be a contiguous int32 CPU tensor of shape ({rows}, {W}), "
-                             f"got {out.dtype} {tuple(out.shape)} on {out.device}")
-    pairs, cached, shared, keyed = [], [], [], {}
-    for c, state, r0 in parts:
-        state.check()
-        n = len(state)
-        if c._words != W or r0 < 0 or r0 + n > rows:
-            raise SMCDecodeError(f"a part of {n} rows at row {r0} does not fit a bitmask of {rows} rows "
-                                 f"of {W} words (its constraint has {c._words})")
-        if state.bits is not None:
-            cached.append((state, r0))
-            continue
-        matchers = state.matchers
-        if len(set(map(id, matchers))) == n:
-            pairs += zip(matchers, range(r0, r0 + n))
-            if state.keys is not None:  # (the key rule of every part of one tracker at once)
-                ks = keyed.setdefault(id(c._keys), (c._keys, [], []))
-                ks[1].extend(range(r0, r0 + n))
-                ks[2].extend(state.keys)
-        else:  # one mask per distinct matcher, copied to the rows sharing it (its key rule applied)
-            first, rest, src = state.distinct()
-            # (a complete document's stopped matcher: llguidance's mask is EOS alone)
-            pairs += [(matchers[i], r0 + i) for i in first]
-            shared.append((c, state, r0, first, rest, src))
-    if pairs:
-        executor = parts[0][0]._executor
-        if executor is None:  # (in this thread, one matcher after another)
-            at = out.data_ptr()
-            for m, r in pairs:
-                m.unsafe_compute_mask_ptr(at + r * W * 4, W * 4)
-        else:
-            # NOTE: what llguidance.torch.fill_next_token_bitmask_par does, without importing that
-            # module (it applies torch.compile at import, which costs seconds)
-            executor.unsafe_compute_mask_ptr(pairs, out.data_ptr(), W * 4, rows)
-    for state, r0 in cached:
-        out[r0: r0 + len(state)] = state.bits
-    words = out.numpy()
-    # a dead particle (llguidance's error state; computing a mask can find a dead end and put the
-    # matcher there): no token, where llguidance's mask would still allow EOS
-    dead = [r for m, r in pairs if m.is_error()]
-    if dead:
-        words[dead] = 0
-    for tracker, at, keys in keyed.values():
-        tracker.restrict_rows(words, at, keys)
-    to, of = [], []
-    for c, state, r0, first, rest, src in shared:
-        if state.keys is not None:
-            c._keys.restrict_rows(words, [r0 + i for i in first], [state.keys[i] for i in first])
-        to += [r0 + i for i in rest]
-        of += [r0 + i for i in src]
-    if to:  # (the rows sharing a matcher: its row's mask, its key rule applied)
-        words[to] = words[of]
 
 
 class Grammar(LLGuidanceConstraint):

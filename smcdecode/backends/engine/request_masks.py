@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from ...errors import SMCDecodeError
-from ...potentials.grammar import LLGuidanceConstraint, MatcherBatch, advance_together, fill_bits_together
+from ...potentials.grammar import LLGuidanceConstraint
+from ...potentials.matchers import MatcherBatch, advance_together, fill_bits_together
 
 
 class RequestMasks:

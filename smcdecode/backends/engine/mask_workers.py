@@ -131,9 +131,6 @@ class MaskWorkers:
             self._pinned = whole.data_ptr()
         self._box = mmap.mmap(-1, processes * (LINE * 8 + IN_CAP + OUT_CAP))
         self._ctrl = np.frombuffer(self._box, dtype=np.int64, count=processes * LINE).reshape(processes, LINE)
-        at = [processes * LINE * 8 + w * (IN_CAP + OUT_CAP) for w in range(processes)]  # each one's byte areas
-        self._areas = [(memoryview(self._box)[a: a + IN_CAP], memoryview(self._box)[a + IN_CAP: a + IN_CAP + OUT_CAP])
-                       for a in at]
         ctx = multiprocessing.get_context("fork")
         self._conns, self._procs = [], []
         self._finalizer = weakref.finalize(self, _close, self._box, self._ctrl, self._conns, self._procs,
@@ -252,22 +249,22 @@ class MaskWorkers:
             self._spin(w, DONE, self._owed[w])
             self._owed[w] = 0
             n = int(self._ctrl[w, ANSWER])
-            if n == 0:  # (no error, no answers: a step's fills)
-                out[w] = []
-                continue
-            error, answers = pickle.loads(self._conns[w].recv_bytes() if n < 0 else self._areas[w][1][:n])
+            error, answers = pickle.loads(self._conns[w].recv_bytes() if n < 0 else self._area(w, True)[:n])
             if error is not None:
                 raise SMCDecodeError(f"a host-mask worker process failed: {error}")
             out[w] = answers
         return out
 
+    def _area(self, w: int, answer: bool) -> memoryview:
+        start = len(self._procs) * LINE * 8 + w * (IN_CAP + OUT_CAP) + (IN_CAP if answer else 0)
+        return memoryview(self._box)[start: start + (OUT_CAP if answer else IN_CAP)]
 
     def _post(self, w: int, message) -> None:
         self._spin(w, TAKEN, self._posted[w])  # (the mailbox is free once the last message was taken)
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         self._posted[w] += 1
         if len(data) <= IN_CAP:
-            self._areas[w][0][: len(data)] = data
+            self._area(w, False)[: len(data)] = data
             self._ctrl[w, LENGTH] = len(data)
             self._ctrl[w, POSTED] = self._posted[w]
             self._wake(w)
@@ -434,9 +431,7 @@ def _loop(w: int, conn, box, processes: int, mem, rows: int, words: int, tok, te
                     fill_requests([(m, slice(r, r + m.n)) for m, r in fills], bits[turn], rows)
             except Exception as e:  # noqa: BLE001 - reported to the main process with the next answer
                 error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
-        if answer and error is None and not answers:
-            ctrl[w, ANSWER] = 0  # (nothing to say: a step's fills)
-        elif answer:
+        if answer:
             reply = pickle.dumps((error, answers), protocol=pickle.HIGHEST_PROTOCOL)
             if len(reply) <= OUT_CAP:
                 outbox[: len(reply)] = reply

@@ -30,6 +30,13 @@ if not torch.cuda.is_available():
 # the CI machines have 2 cores shared by several jobs; the tensors here are tiny
 torch.set_num_threads(1)
 
+@pytest.fixture(scope="session")
+def model():
+    """The default model (SmolLM2-135M-Instruct), loaded once for the tests that take it (a test
+    module may define its own ``model``)."""
+    return sd.load_model()
+
+
 PROMPT = [0]  # the "<bos>" token
 LETTERS = ["a", "b", "c", "d"]
 REGEX_VOCAB = ["<bos>", "a", "b", "ab", "<eos>"]  # "ab" and "a"·"b" spell the same text

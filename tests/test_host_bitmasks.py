@@ -66,11 +66,6 @@ def test_threads_must_be_a_count(threads):
             JSONSchema({"type": "string", "maxLength": 3}, path=path, threads=threads)
 
 
-@pytest.fixture(scope="module")
-def model():
-    return sd.load_model()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("source", ["jsonschemabench_Glaiveai2K.jsonl", "jsonschemabench_Github_easy.jsonl"])
 def test_bitmask_fill_equals_single_matcher_masks_on_real_schemas(model, source):

@@ -22,11 +22,6 @@ OPEN = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"t
         "required": ["name"], "additionalProperties": {"type": "integer"}}
 
 
-@pytest.fixture(scope="module")
-def model():
-    return sd.load_model()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["llguidance", "superset"])
 def test_engine_samples_the_same_with_mask_workers(model, path):

@@ -412,7 +412,7 @@ def test_superset_masks_contain_llguidance_masks_on_the_default_model():
 def test_superset_check_of_a_round_takes_eos_after_a_finished_document():
     """The host's check (``consume_rows``): rows sharing a matcher part ways, a token llguidance
     refuses kills its row only, and an EOS that comes a round after the document closed is taken."""
-    from smcdecode.backends.engine.host_masks import consume_rows
+    from smcdecode.potentials.matchers import consume_rows
 
     model = _toy()
     c = JSONSchema(S_BOUNDED).bind(model)

@@ -1,7 +1,8 @@
 """Batches of llguidance particle states (``MatcherBatch``) and the batched operations on them that
-the engine's host path uses: every request's rows advanced together (``advance_together``), every
-request's masks filled into one packed bitmask (``fill_bits_together``), in the calling thread or
-llguidance's thread pool (``_executor``)."""
+the engine's host path uses: every request's rows advanced by a token together
+(``advance_together``), rows advanced by several tokens each (``consume_rows``: the superset path's
+check), every request's masks filled into one packed bitmask (``fill_bits_together``), in the
+calling thread or llguidance's thread pool (``_executor``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from ..errors import SMCDecodeError
 from .json_keys import DEAD
 from .token_bytes import _llguidance
 
-__all__ = ["MatcherBatch", "advance_together", "fill_bits_together"]
+__all__ = ["MatcherBatch", "advance_together", "consume_rows", "fill_bits_together"]
 
 
 class MatcherBatch:
@@ -127,6 +128,41 @@ def advance_together(parts: list) -> list[MatcherBatch]:
     for m, t in zip(flat_m, flat_t):
         m.consume_token(t)
     return out
+
+
+
+def consume_rows(c, state: MatcherBatch, seqs: list) -> MatcherBatch:
+    """``state`` of the llguidance constraint ``c`` (spent) with row i advanced by the tokens ``seqs[i]`` (a list; None or empty: the row
+    stays as it is): consumed once per distinct (matcher, tokens), where a shared matcher's
+    first sequence takes it unless a row keeps it, and a further one a copy, taken before any
+    matcher consumes (the engine's superset path: a round's tokens checked at once). A sequence
+    llguidance refuses leaves its matcher in the error state (``MatcherBatch.dead``)."""
+    matchers = state.take()
+    if len(seqs) != len(matchers):
+        raise SMCDecodeError(f"{len(seqs)} token sequences for {len(matchers)} particles: give one per particle")
+    keys = [tuple(q) if q else None for q in seqs]
+    kept = {id(m) for m, k in zip(matchers, keys) if k is None}
+    owners: dict = {}  # (id(matcher), tokens) -> the matcher that consumes them
+    for m, k in zip(matchers, keys):
+        if k is not None and (id(m), k) not in owners:
+            owners[(id(m), k)] = m.deep_copy() if id(m) in kept else m
+            kept.add(id(m))  # (taken: a further sequence of it takes a copy)
+    # NOTE: token by token: llguidance's consume_tokens refuses an EOS after a document that stopped
+    # its parser (consume_token takes it)
+    for (_, k), o in owners.items():
+        for t in k:
+            o.consume_token(t)
+    new_keys = None
+    if state.keys is not None:  # (rows that share a matcher share its key state)
+        done: dict = {}
+        new_keys = []
+        for m, k, key in zip(matchers, keys, state.keys):
+            if k is not None and (id(m), k) not in done:
+                for t in k:
+                    key = c._keys.advance(key, t)
+                done[(id(m), k)] = key
+            new_keys.append(key if k is None else done[(id(m), k)])
+    return MatcherBatch([m if k is None else owners[(id(m), k)] for m, k in zip(matchers, keys)], new_keys)
 
 
 def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:

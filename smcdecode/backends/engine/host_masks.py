@@ -36,9 +36,9 @@ from ...errors import SMCDecodeError
 from ...potentials.grammar import LLGuidanceConstraint
 from ...potentials.token_bytes import token_texts
 from .mask_workers import MaskWorkers
-from .request_masks import RequestMasks, advance_requests, consume_rows, fill_requests
+from .request_masks import RequestMasks, advance_requests, fill_requests
 
-__all__ = ["HostMasks", "RequestMasks", "consume_rows"]
+__all__ = ["HostMasks", "RequestMasks"]
 
 
 class HostMasks:

@@ -11,18 +11,18 @@ processes, a step costs a process's share of that work, plus a message to each p
 sends the process that holds a request its operations, in one batch per process and point of the
 round: advance the request's rows by a token each, fill its rows of shared buffer t, fork its rows
 (resampling), say whether its rows accept; for a checked request (the superset path), advance its
-rows by the round's tokens and say which left the documents. A batch that fills or asks is answered when its operations
-ran; the others are not (an error in them comes back with the next answer). A process keeps the
+rows by the round's tokens and say which left the documents. A batch that fills or asks is answered
+when its operations ran; the others are not (an error in them comes back with the next answer). A process keeps the
 request in the same ``RequestMasks`` the main process would, over constraints rebuilt from their
 grammars (``LLGuidanceConstraint.worker_spec``, ``_rebuilt``), so a step's masks are those of the main
 process (the tests compare them bit for bit).
 
 The processes are forked when the first request arrives: they inherit the compiled llguidance
 tokenizer and the token texts, which cannot be pickled. They never touch CUDA, and each fills its rows'
-masks in its own thread, one row after another (through llguidance's thread pool a row cost about
-three times as much on the hosts measured, for the cheap masks that are most of a document: the
-processes are the parallelism). The two step buffers are one anonymous shared mapping, registered with CUDA as
-pinned memory on a GPU, so the round uploads the masks from there without blocking.
+masks in its own thread, one row after another (through llguidance's thread pool a cheap mask, most
+of a document's, costs several times as much: the processes are the parallelism). The two step
+buffers are one anonymous shared mapping, registered with CUDA as pinned memory on a GPU, so the
+round uploads the masks from there without blocking.
 """
 
 from __future__ import annotations
@@ -393,7 +393,7 @@ def _loop(w: int, conn, box, processes: int, mem, rows: int, words: int, tok, te
         # (a batch seen there has its byte in the pipe, or on its way: the read below does not sleep)
         until = time.perf_counter() + SPIN
         while ctrl[w, POSTED] == seen and time.perf_counter() < until:
-            pass
+            pass  # (a busy wait, on purpose: a sleeping process would wake later than the batch comes)
         if not os.read(fd, 1) or ctrl[w, POSTED] < 0:  # (a message's byte; b"": the main process is gone)
             return
         seen += 1

@@ -16,7 +16,8 @@ real model drew, with its resamplings: the particles share states as they do in 
 
 ``replay`` runs, for each pass and tree (alternating order: A B, then B A, …), a process that imports
 smcdecode from that tree, binds the trace's schema to the default model's vocabulary, and makes the
-same calls on a CPU ``HostMasks`` (the drafted columns handed over with ``drafted``), timing them
+same calls on a CPU ``HostMasks`` (the drafted columns handed over with ``hand_over``, as the
+engine's round does, where the tree has it; else with ``drafted``; the bonus with ``drafted``), timing them
 (wall clock and the calling thread's CPU time, per round; the first replay of a trace warms up and is
 not timed: lanes compile, mask workers start). ``--workers`` replays each tree with each number of
 mask worker processes (``HostMasks(workers=...)``; a tree from before them takes 0 only). Each
@@ -51,6 +52,7 @@ V = model.vocab_size
 W = (V + 31) // 32
 lanes = "lane" in inspect.signature(RequestMasks).parameters
 workers = "workers" in inspect.signature(HostMasks).parameters
+handed = {"handed": True} if "handed" in inspect.signature(HostMasks.begin).parameters else {}
 if cfg["workers"] and not workers:
     raise SystemExit("this tree's HostMasks has no mask workers")
 out = []
@@ -79,10 +81,12 @@ for part in trace["parts"]:
             if name == "remove":
                 host.remove(a)
             elif name == "begin":
-                host.begin(a[0], a[1], torch.zeros(a[0], max(a[1], 1), dtype=torch.long))
+                host.begin(a[0], a[1], torch.zeros(a[0], max(a[1], 1), dtype=torch.long), **handed)
                 rounds += 1
             elif name == "mask":
                 host.mask(a, bits[: host.rows])
+            elif name == "drafted" and handed and a[0] < host.k_max:  # (as the engine's round hands them over)
+                host.hand_over(a[0], torch.tensor(a[1], dtype=torch.long))
             elif name == "drafted":
                 host.drafted(a[0], torch.tensor(a[1], dtype=torch.long))
             elif name == "end":

@@ -86,14 +86,14 @@ def test_a_worker_that_dies_is_a_clear_error_and_the_next_call_starts_new_ones(m
 
 @pytest.mark.slow
 def test_operations_left_by_a_failed_call_do_not_reach_the_next(model):
-    """A call that raised between queueing and sending (here: an accepting question for slot 0 and an
-    advance by an EOS that would kill its rows, never sent) leaves nothing behind once the next call's
+    """A call that raised between queueing and sending (here: a check of slot 0's rows by an EOS that
+    would kill them and an accepting question, never sent) leaves nothing behind once the next call's
     scheduler clears the host: its first step's masks and verdicts are those of a fresh request."""
     c = JSONSchema(OPEN, path="llguidance").bind(model)
     ref_out, ref_rejects = _first_step(HostMasks(2, model.vocab_size, "cpu"), c)
     host = HostMasks(2, model.vocab_size, "cpu", rows=4, k_max=2, workers=1)
     _first_step(host, c)
-    host._pool.advance(0, [model.eos_token_id] * 2)
+    host._pool.check(0, [[model.eos_token_id]] * 2)
     host._pool._queued[0].append(("accepting", 0))
     host.clear()
     out, rejects = _first_step(host, c)

@@ -35,7 +35,7 @@ from torch import Tensor
 from ...errors import SMCDecodeError
 from ...potentials.grammar import LLGuidanceConstraint
 from ...potentials.token_bytes import token_texts
-from .mask_workers import MaskWorkers
+from .mask_workers import MaskWorkers, shared_buffer
 from .request_masks import RequestMasks, advance_requests, fill_requests
 
 __all__ = ["HostMasks", "RequestMasks"]
@@ -52,9 +52,16 @@ class HostMasks:
         self.workers, self._pool = workers if rows else 0, None
         self.W = (vocab_size + 31) // 32
         self.pinned = self.device.type == "cuda"
-        # the draft columns the round hands over (``hand_over``; ``rows``, ``k_max``: the largest round),
-        # at fixed addresses, which the captured rounds write: on a GPU pinned, with an event per step
-        self._handed = torch.zeros(k_max, rows, dtype=torch.long, pin_memory=self.pinned)
+        # the draft columns the round hands over (``hand_over``; ``rows``, ``k_max``: the largest round)
+        # and a row for the bonus, at fixed addresses, which the captured rounds write: on a GPU pinned,
+        # with an event per step; with workers in shared memory, where they read them (``_share``)
+        self._shared = None
+        if self.workers:
+            self._shared, _ = shared_buffer(8 * (k_max + 1) * rows, self.pinned)
+            self._handed = torch.frombuffer(self._shared, dtype=torch.long).view(k_max + 1, rows)
+        else:
+            self._handed = torch.zeros(k_max + 1, rows, dtype=torch.long, pin_memory=self.pinned)
+        self._in_shared: set = set()  # the columns of the round in progress in ``_handed`` (``_share``)
         self._handed_events = [torch.cuda.Event(external=True) for _ in range(k_max)] if self.pinned else None
         self.handed = False  # does the round in progress hand its columns over (``begin``)?
         self.requests: dict[int, RequestMasks] = {}
@@ -92,7 +99,7 @@ class HostMasks:
         if self._pool is None:
             c = masks.constraints[0]
             self._pool = MaskWorkers(self.workers, self._handed.shape[1], self.W, c._tok,
-                                     token_texts(c.model, c._tok), self.pinned)
+                                     token_texts(c.model, c._tok), self.pinned, self._shared)
             self._bits = self._pool.bits
         return self._pool if all(c._tok is self._pool.tok for c in masks.constraints) else None
 
@@ -120,23 +127,12 @@ class HostMasks:
             self._pool.close()
             self._pool, self._bits = None, [torch.empty(0, self.W, dtype=torch.int32) for _ in range(2)]
 
-    def _advance(self, items: list) -> None:
-        """``advance_requests``, with the remote requests' tokens queued for their workers."""
-        local = []
-        for m, tokens in items:
-            if m.remote:
-                self._pool.advance(m.slot, tokens)
-            else:
-                local.append((m, tokens))
-        if local:
-            advance_requests(local)
-
     def begin(self, rows: int, k_max: int, drafts: Tensor, handed: bool = False) -> None:
         """A round over ``rows`` rows with ``k_max`` draft steps: its drafts buffer, and whether it hands
         each column over (``hand_over``; otherwise ``drafted`` or, failing that, the drafts buffer)."""
-        if handed and (k_max > self._handed.shape[0] or rows > self._handed.shape[1]):
+        if (handed or self._pool is not None) and (k_max >= self._handed.shape[0] or rows > self._handed.shape[1]):
             raise SMCDecodeError(f"a round of {rows} rows and {k_max} draft steps hands over more than the "
-                                 f"{self._handed.shape[1]} rows and {self._handed.shape[0]} steps this HostMasks holds")
+                                 f"{self._handed.shape[1]} rows and {self._handed.shape[0] - 1} steps this HostMasks holds")
         self.rows, self.k_max, self.drafts, self.handed = rows, k_max, drafts, handed
         if self._pool is not None and self._pool.closed:  # (stopped for another round shape's workers)
             if any(m.remote for m in self.requests.values()):
@@ -146,7 +142,7 @@ class HostMasks:
             raise SMCDecodeError(f"a round of {rows} rows on mask workers sized for {self._pool.rows} rows")
         if self._bits[0].shape[0] < rows:
             self._bits = [torch.empty(rows, self.W, dtype=torch.int32, pin_memory=self.pinned) for _ in range(2)]
-        self._columns = {}
+        self._columns, self._in_shared = {}, set()
         for m in self.requests.values():
             m.begin()
             m.left = None
@@ -211,16 +207,14 @@ class HostMasks:
         bits = self._bits[self._turn][: self.rows]
         if sum(m.n for m, _, _ in counted) < self.rows:  # (rows no request constrains: every token)
             bits.numpy().fill(-1)  # (numpy's: one thread, where torch's fill would wake its pool)
-        self._catch_up(counted)
-        asked = None
-        for m, _, r in counted:
-            if m.remote:
-                self._pool.fill(m.slot, self._turn, r.start)
-        if self._pool is not None:  # (the workers fill their rows while this process fills its own)
-            asked = self._pool.send()
-        fill_requests([(m, r) for m, _, r in counted if not m.remote], bits, self.rows)
-        if asked:
-            self._pool.wait(asked)
+        remote = [t for t in counted if t[0].remote]
+        if remote:  # (the workers fill their rows while this process fills its own)
+            self._pool.step(self._turn, 0, self._items(remote, fill=True))
+        local = [t for t in counted if not t[0].remote]
+        self._catch_up(local)
+        fill_requests([(m, r) for m, _, r in local], bits, self.rows)
+        if remote:
+            self._pool.step_wait()
         out.copy_(bits, non_blocking=True)
         if self.pinned:
             self._uploaded[self._turn] = torch.cuda.Event()
@@ -250,24 +244,55 @@ class HostMasks:
             for m, _ in due:
                 if m.consumed not in columns:
                     columns[m.consumed] = self._column(m.consumed).tolist()
-            self._advance([(m, columns[m.consumed][r]) for m, r in due])
+            advance_requests([(m, columns[m.consumed][r]) for m, r in due])
             for m, _ in due:
                 m.consumed += 1
+
+    def _items(self, todo: list, fill: bool, bonus: set = frozenset()) -> list:
+        """The step-record items (``MaskWorkers.step``) of the remote requests of ``todo`` ((RequestMasks,
+        step i, its rows)): each request consumes the drafted columns up to draft step i (each column
+        shared first: ``_share``), then the bonus where its slot is in ``bonus``, then fills if ``fill``."""
+        items = []
+        for m, step, r in todo:
+            last = max(m.consumed, min(step, m.k))
+            for j in range(m.consumed, last):
+                self._share(j)
+            if last > m.consumed or fill or m.slot in bonus:
+                items.append((m.slot, m.consumed, last, r.start, int(m.slot in bonus), int(fill)))
+            m.consumed = last
+        return items
+
+    def _share(self, j: int) -> None:
+        """Column j of the round (j = K_max: the bonus) in the shared ``_handed`` for the mask workers (the
+        round hands its draft columns over there; another column is copied there)."""
+        if j not in self._in_shared:
+            column = self._column(j)
+            if not (self.handed and j < self.k_max):
+                self._handed[j, : self.rows] = column
+            self._in_shared.add(j)
 
     def end(self, bonus: Tensor, buffers: dict | None = None) -> None:
         """The round's end: every request's drafts consumed, then its bonus token where its budget
         allowed one; with the round's ``buffers``, the checked requests' tokens (``check``)."""
         todo = [(m, m.K, self._rows(slot, m.n)) for slot, m in self.requests.items() if not m.checked]
-        self._catch_up(todo)
-        due = [(m, r) for m, _, r in todo if m.budget - m.position > m.K]
+        local = [t for t in todo if not t[0].remote]
+        self._catch_up(local)
+        due = {m.slot for m, _, _ in todo if m.budget - m.position > m.K}
         if due:  # (the bonus handed over as a column K_max (``drafted``), or read now)
-            bonus = (self._column(self.k_max) if self.k_max in self._columns else bonus[: self.rows]).tolist()
-            self._advance([(m, bonus[r]) for m, r in due])
+            if self.k_max not in self._columns:
+                self._columns[self.k_max] = (bonus[: self.rows].cpu(), None)
+            tokens = self._column(self.k_max).tolist()
+            advance_requests([(m, tokens[r]) for m, _, r in local if m.slot in due])
+        remote = [t for t in todo if t[0].remote]
+        if remote:  # (the workers catch up while the device resamples)
+            if due:
+                self._share(self.k_max)
+            items = self._items(remote, fill=False, bonus=due)
+            if items:
+                self._pool.step(0, self.k_max, items)
         for m, _, _ in todo:
             m.position += m.K + 1
-        self._columns = {}
-        if self._pool is not None:  # (the workers catch up while the device resamples)
-            self._pool.send()
+        self._columns, self._in_shared = {}, set()
         if buffers is not None:  # (after the masked ones: a request it switches to masks is not caught up twice)
             self.check(buffers, self.rows)
 

@@ -5,35 +5,40 @@ rows of each step's bitmask into shared memory, side by side and outside this pr
 Why: with several requests on llguidance's path, a round is bound by the host. Each draft step consumes
 a token per row and fills a mask per row; in the engine's process the consuming, the unique-key rule
 and the Python around them run on its one thread while the device waits for the masks. Spread over
-processes, a step costs a process's share of that work, plus a message to each process and its answer.
+processes, a step costs a process's share of that work, plus one shared record and the answers.
 
-``HostMasks`` keeps every request's bookkeeping (its position, how many drafts count this round) and
-sends the process that holds a request its operations, in one batch per process and point of the
-round: advance the request's rows by a token each, fill its rows of shared buffer t, fork its rows
-(resampling), say whether its rows accept; for a checked request (the superset path), advance its
-rows by the round's tokens and say which left the documents. A batch that fills or asks is answered
-when its operations ran; the others are not (an error in them comes back with the next answer). A process keeps the
-request in the same ``RequestMasks`` the main process would, over constraints rebuilt from their
-grammars (``LLGuidanceConstraint.worker_spec``, ``_rebuilt``), so a step's masks are those of the main
-process (the tests compare them bit for bit).
+``HostMasks`` keeps every request's bookkeeping (its position, how many drafts count this round). A
+round's steps travel as **step records**: one record in shared memory for every process at once,
+which says, for each request the step concerns, which drafted columns its rows consume (read by the
+processes from the shared buffer the round hands its columns over to), whether they then consume the
+bonus column, and whether they fill their rows of shared step buffer t. Nothing is pickled and one
+word wakes every process. The other operations (add or remove a request, fork its rows when
+resampling, say whether its rows accept, check a checked request's round on the superset path) are
+pickled batches, one per process, in that process's mailbox. A batch that asks is answered when it
+ran, a record when its processes are done; an error comes back with the next answer or wait. A
+process keeps the request in the same ``RequestMasks`` the main process would, over constraints
+rebuilt from their grammars (``LLGuidanceConstraint.worker_spec``, ``_rebuilt``), so a step's masks
+are those of the main process (the tests compare them bit for bit).
 
 The processes are forked when the first request arrives: they inherit the compiled llguidance
 tokenizer and the token texts, which cannot be pickled. They never touch CUDA, and each fills its rows'
 masks in its own thread, one row after another (through llguidance's thread pool a cheap mask, most
 of a document's, costs several times as much: the processes are the parallelism). The two step
-buffers are one anonymous shared mapping, registered with CUDA as pinned memory on a GPU, so the
-round uploads the masks from there without blocking.
+buffers and the columns are anonymous shared mappings, registered with CUDA as pinned memory on a
+GPU, so the round uploads the masks from there and copies its columns there without blocking.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import multiprocessing
 import os
 import pickle
 import platform
 import signal
+import sys
 import time
 import traceback
 import warnings
@@ -44,24 +49,70 @@ import torch
 
 from ...errors import SMCDecodeError
 
-# a process's mailbox: its control words (one 64-byte line each, so no two processes write one line)
-POSTED, TAKEN, DONE, LENGTH, ANSWER = range(5)  # messages posted, taken, done; their byte lengths
+# a process's mailbox: its control words (one 64-byte line each, so no two processes write one line):
+# batches posted, taken, done, a batch's byte length, its answer's; the last step record done, failed
+POSTED, TAKEN, DONE, LENGTH, ANSWER, STEP_DONE, STEP_FAIL = range(7)
 LINE = 8  # int64 words a process's control line
+# the step record (int64 words, after the control lines and the bell's line): its sequence number (odd
+# while written), the step buffer it fills, the bonus column, its items, then each process's batches
+# before it; then per item: slot, first and last column consumed, first row, bonus consumed, rows filled
+SEQ, TURN, BONUS, ITEMS, PRE = range(5)
+ITEM = 6
 IN_CAP, OUT_CAP = 1 << 20, 1 << 16  # mailbox bytes (in, answers); a longer message goes through the pipe
 TIMEOUT = 300.0  # seconds a worker may take over one batch (a batch that adds a request compiles its grammar)
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # this process's MaskWorkers
 MAX_LIVE = 8  # sets of workers kept at once (a set per round shape; beyond: idle ones are stopped)
-SPIN = 0.002  # seconds a worker watches its mailbox after a batch before it blocks on its pipe
+SPIN = 0.002  # seconds a worker watches for work after a batch or step before it sleeps on the bell
+_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1  # (x86-64 Linux)
 
 
 def _supported() -> str | None:
     """Why this host cannot run mask workers, or None."""
-    if "fork" not in multiprocessing.get_all_start_methods():
-        return "needs processes forked from this one, which this platform does not offer"
+    if not sys.platform.startswith("linux") or "fork" not in multiprocessing.get_all_start_methods():
+        return "need Linux (processes forked from this one, woken through a futex)"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         # (the mailboxes are plain shared memory, read in order without fences: x86-64 keeps stores in order)
-        return f"passes messages through shared memory without fences, which is sound on x86-64 only (this is {platform.machine()})"
+        return f"pass messages through shared memory without fences, which is sound on x86-64 only (this is {platform.machine()})"
     return None
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("seconds", ctypes.c_long), ("nanoseconds", ctypes.c_long)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def _sleep_on(address: int, value: int, seconds: float) -> None:
+    """Sleep until the int32 at ``address`` is woken (``_wake_all``), at most ``seconds``; at once if
+    it no longer holds ``value`` (checked by the kernel as the sleep begins: no wake-up is lost)."""
+    ts = _Timespec(int(seconds), int(seconds % 1 * 1e9))
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAIT, ctypes.c_int(value), ctypes.byref(ts), None, 0)
+
+
+def _wake_all(address: int) -> None:
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, ctypes.c_int(0x7FFFFFFF), None, None, 0)
+
+
+def shared_buffer(nbytes: int, pin: bool) -> tuple[mmap.mmap, weakref.finalize | None]:
+    """An anonymous shared mapping of ``nbytes`` (processes forked later write the same pages) and,
+    with ``pin``, registered with CUDA as pinned memory (copies to and from it do not block) with
+    the finalizer that unregisters it (else None)."""
+    mem = mmap.mmap(-1, max(nbytes, 1))
+    if not pin:
+        return mem, None
+    address = torch.frombuffer(mem, dtype=torch.uint8).data_ptr()
+    err = torch.cuda.cudart().cudaHostRegister(address, len(mem), 0)
+    if int(err) != 0:
+        raise SMCDecodeError(f"CUDA refused to pin the mask workers' shared buffers (error {int(err)}): "
+                             "pass host_workers=0")
+    return mem, weakref.finalize(mem, _unpin, address)
+
+
+def _unpin(address: int) -> None:
+    with contextlib.suppress(Exception):  # (at interpreter exit CUDA may be gone already)
+        torch.cuda.synchronize()  # (no copy to or from the buffer still in flight)
+        torch.cuda.cudart().cudaHostUnregister(address)
 
 
 def _cores() -> int:
@@ -97,17 +148,20 @@ def check_workers(value) -> int | None:
 
 class MaskWorkers:
     """``processes`` forked processes that hold requests' llguidance states (see the module docstring),
-    and the two shared step buffers ``bits`` (int32 [rows, words] each).
+    the two shared step buffers ``bits`` (int32 [rows, words] each), and ``columns``: a shared mapping
+    (``shared_buffer``) of int64 [K + 1, rows], where the round's drafted columns and bonus are.
 
-    Messages travel through shared memory: each process has a mailbox (a control line and a byte
-    area) where this process writes a pickled batch of operations, raises POSTED and writes one byte
-    to the process's pipe; the worker, watching POSTED for ``SPIN`` seconds after its last batch
-    and then blocked reading that byte, copies the batch out, raises TAKEN, runs it, writes its
-    answer and raises DONE, which this process spins on (a step's wait is short). A batch longer
-    than the mailbox goes through the pipe after its byte. (Within a round the next step's batch
-    comes before a worker stops watching, so it does not wait to be woken; between rounds it sleeps.)"""
+    Batches travel through shared memory: each process has a mailbox (a control line and a byte area)
+    where this process writes a pickled batch of operations and raises POSTED; step records have one
+    area for all. After either, this process bumps the bell, a shared word the processes sleep on (a
+    futex), and wakes them. A process, watching its mailbox and the record for ``SPIN`` seconds after
+    its last work and then asleep on the bell, runs a batch or its part of a record, writes its answer
+    and raises DONE (STEP_DONE), which this process spins on (a step's wait is short). A batch longer
+    than the mailbox goes through the pipe. The order holds both ways: a record names each process's
+    batches before it, which run first, and a batch goes to a process only once the process finished
+    the record before it."""
 
-    def __init__(self, processes: int, rows: int, words: int, tok, texts: list, pin: bool):
+    def __init__(self, processes: int, rows: int, words: int, tok, texts: list, pin: bool, columns: mmap.mmap):
         if processes < 1 or rows < 1:
             raise SMCDecodeError(f"mask workers need at least one process and one row, got {processes} and {rows}")
         why = _supported()
@@ -118,29 +172,21 @@ class MaskWorkers:
         for other in idle[: max(0, len(live) - MAX_LIVE + 1)]:  # (other round shapes' idle workers)
             other.close()
         self.tok, self.rows, self.words = tok, rows, words
-        size = rows * words * 4
-        self._mem = mmap.mmap(-1, 2 * size)  # anonymous and shared: the forked processes write the same pages
+        self._mem, unpin = shared_buffer(2 * rows * words * 4, pin)
         whole = torch.frombuffer(self._mem, dtype=torch.int32)
         self.bits = [whole[t * rows * words: (t + 1) * rows * words].view(rows, words) for t in (0, 1)]
-        self._pinned = None
-        if pin:  # (so the masks upload without blocking, as from a pinned tensor)
-            err = torch.cuda.cudart().cudaHostRegister(whole.data_ptr(), 2 * size, 0)
-            if int(err) != 0:
-                raise SMCDecodeError(f"CUDA refused to pin the mask workers' shared buffers (error {int(err)}): "
-                                     "pass host_workers=0")
-            self._pinned = whole.data_ptr()
-        self._box = mmap.mmap(-1, processes * (LINE * 8 + IN_CAP + OUT_CAP))
-        self._ctrl = np.frombuffer(self._box, dtype=np.int64, count=processes * LINE).reshape(processes, LINE)
+        self._box = mmap.mmap(-1, _area_start(processes, rows) + processes * (IN_CAP + OUT_CAP))
+        self._ctrl, self._bell, self._record = _views(self._box, processes, rows)
         ctx = multiprocessing.get_context("fork")
         self._conns, self._procs = [], []
-        self._finalizer = weakref.finalize(self, _close, self._box, self._ctrl, self._conns, self._procs,
-                                           self._pinned)
+        self._finalizer = weakref.finalize(self, _close, self._ctrl, self._bell, self._conns, self._procs, unpin)
         try:
             for w in range(processes):
                 here, there = ctx.Pipe()
                 self._conns.append(here)
                 p = ctx.Process(target=_serve, args=(w, here.fileno(), there, self._box, processes, self._mem, rows,
-                                                     words, tok, texts), daemon=True, name="smcdecode-masks")
+                                                     words, tok, texts, columns, os.getpid()),
+                                daemon=True, name="smcdecode-masks")
                 with warnings.catch_warnings():  # (Python warns of forking a process with threads; the child
                     warnings.simplefilter("ignore", DeprecationWarning)  # runs llguidance and numpy only)
                     p.start()
@@ -152,6 +198,7 @@ class MaskWorkers:
         self._queued: list[list] = [[] for _ in range(processes)]
         self._posted = [0] * processes
         self._owed = [0] * processes  # the message whose answer each process owes (0: none)
+        self._steps, self._stepping = 0, []  # records written; the processes the last one asks, until done
         self.where: dict[int, int] = {}  # slot -> its process
         self._rows: dict[int, int] = {}  # slot -> its rows (to place requests where fewest rows are)
         _LIVE.add(self)
@@ -188,16 +235,13 @@ class MaskWorkers:
         request (and an error left from a failed call), and an answer not yet collected is dropped."""
         self.where.clear()
         self._rows.clear()
-        self._queued = [[("reset", None)] for _ in self._procs]
+        self._queued = [[] for _ in self._procs]
         # (an error of a call that is over is dropped; a dead process: ``usable`` says so)
         with contextlib.suppress(SMCDecodeError):
+            self.step_wait()  # (a record still running goes before the reset)
+        self._queued = [[("reset", None)] for _ in self._procs]
+        with contextlib.suppress(SMCDecodeError):
             self.wait(self.send())
-
-    def advance(self, slot: int, tokens: list) -> None:
-        self._queued[self.where[slot]].append(("advance", slot, tokens))
-
-    def fill(self, slot: int, turn: int, row: int) -> None:
-        self._queued[self.where[slot]].append(("fill", slot, turn, row))
 
     def fork(self, slot: int, index: list) -> None:
         self._queued[self.where[slot]].append(("fork", slot, index))
@@ -223,15 +267,45 @@ class MaskWorkers:
             out.update(answers)
         return {s: out[s] for s in slots}
 
+    def step(self, turn: int, bonus: int, items: list) -> None:
+        """Write a step record: for each of ``items`` (slot, first, last, row, bonus?, fill?) the
+        request's rows (from ``row``) consume columns first … last − 1 of ``columns`` one by one, then,
+        where ``bonus?`` is 1, column ``bonus``, then, where ``fill?`` is 1, write their masks into step
+        buffer ``turn``. Returns at once; ``step_wait`` waits for it."""
+        self.send()  # (the batches queued before it go first)
+        self.step_wait()  # (the record's area is rewritten: the last record done)
+        rec, P = self._record, len(self._procs)
+        self._steps += 1
+        rec[SEQ] = 2 * self._steps - 1  # (odd: being written)
+        rec[TURN], rec[BONUS], rec[ITEMS] = turn, bonus, len(items)
+        rec[PRE: PRE + P] = self._posted
+        rec[PRE + P: PRE + P + ITEM * len(items)] = np.asarray(items, dtype=np.int64).reshape(-1)
+        rec[SEQ] = 2 * self._steps
+        self._stepping = sorted({self.where[item[0]] for item in items})
+        self._ring()
+
+    def step_wait(self) -> None:
+        """Wait for the processes of the last step record; an error one of them met is raised here."""
+        asked, self._stepping = self._stepping, []
+        for w in asked:
+            self._spin(w, STEP_DONE, 2 * self._steps)
+        failed = [w for w in asked if self._ctrl[w, STEP_FAIL] == 2 * self._steps]
+        if failed:  # (the error itself comes with an answer)
+            for w in failed:
+                self._queued[w].append(("report", None))
+            self.wait(self.send())
+
     def send(self) -> list[int]:
         """Post every process its queued operations (without waiting for them to run); the processes
         that will answer."""
+        if self._stepping and any(self._queued[w] for w in self._stepping):
+            self.step_wait()  # (a batch after a record runs after it)
         asked = []
         for w, ops in enumerate(self._queued):
             if not ops:
                 continue
             self._queued[w] = []  # (taken now: a failure below leaves no stale operation queued)
-            answer = any(op[0] in ("fill", "accepting", "check", "reset") for op in ops)
+            answer = any(op[0] in ("accepting", "check", "reset", "report") for op in ops)
             if answer and self._owed[w]:  # (one answer at a time, its area holds one: an answer left
                 self.wait([w])             # uncollected by a step that raised is collected and dropped)
             self._post(w, (ops, answer))
@@ -256,29 +330,29 @@ class MaskWorkers:
         return out
 
     def _area(self, w: int, answer: bool) -> memoryview:
-        start = len(self._procs) * LINE * 8 + w * (IN_CAP + OUT_CAP) + (IN_CAP if answer else 0)
+        start = _area_start(len(self._procs), self.rows) + w * (IN_CAP + OUT_CAP) + (IN_CAP if answer else 0)
         return memoryview(self._box)[start: start + (OUT_CAP if answer else IN_CAP)]
 
     def _post(self, w: int, message) -> None:
         self._spin(w, TAKEN, self._posted[w])  # (the mailbox is free once the last message was taken)
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         self._posted[w] += 1
-        if len(data) <= IN_CAP:
+        large = len(data) > IN_CAP
+        if not large:
             self._area(w, False)[: len(data)] = data
-            self._ctrl[w, LENGTH] = len(data)
-            self._ctrl[w, POSTED] = self._posted[w]
-            self._wake(w)
-        else:  # (posted first: the worker reads the pipe while this process writes it)
-            self._ctrl[w, LENGTH] = -1
-            self._ctrl[w, POSTED] = self._posted[w]
-            self._wake(w)
-            self._conns[w].send_bytes(data)
+        self._ctrl[w, LENGTH] = -1 if large else len(data)
+        self._ctrl[w, POSTED] = self._posted[w]
+        self._ring()
+        if large:  # (posted first: the worker reads the pipe while this process writes it)
+            try:
+                self._conns[w].send_bytes(data)
+            except OSError:
+                raise self._ended(w) from None
 
-    def _wake(self, w: int) -> None:
-        try:
-            os.write(self._conns[w].fileno(), b"!")
-        except OSError:
-            raise self._ended(w) from None
+    def _ring(self) -> None:
+        """Bump the bell and wake the processes asleep on it (after a batch or a record is posted)."""
+        self._bell[0] = (int(self._bell[0]) + 1) & 0x7FFFFFFF
+        _wake_all(self._bell.ctypes.data)
 
     def _spin(self, w: int, word: int, target: int) -> None:
         """Wait until process w's control word reaches ``target`` (spinning: the wait is short; a
@@ -301,6 +375,19 @@ class MaskWorkers:
         p.join(1)
         return SMCDecodeError(f"host-mask worker process {p.pid} ended (exit code {p.exitcode}); pass "
                               "host_workers=0 in engine_options to compute the masks in this process")
+
+
+def _area_start(processes: int, rows: int) -> int:
+    """Where the mailboxes' byte areas begin: after the control lines, the bell's line and the record."""
+    return (processes + 1) * LINE * 8 + (PRE + processes + ITEM * rows) * 8
+
+
+def _views(box, processes: int, rows: int) -> tuple:
+    """The control lines [processes, LINE], the bell [1] (int32) and the step record of ``box``."""
+    ctrl = np.frombuffer(box, dtype=np.int64, count=processes * LINE).reshape(processes, LINE)
+    bell = np.frombuffer(box, dtype=np.int32, count=1, offset=processes * LINE * 8)
+    record = np.frombuffer(box, dtype=np.int64, count=PRE + processes + ITEM * rows, offset=(processes + 1) * LINE * 8)
+    return ctrl, bell, record
 
 
 class _NoModel:
@@ -331,32 +418,32 @@ def _rebuilt(spec: tuple, tok, words: int, keys):
     return c
 
 
-def _close(box, ctrl, conns, procs, pinned) -> None:
+def _close(ctrl, bell, conns, procs, unpin) -> None:
     for w, p in enumerate(procs):
         if p.is_alive():  # (a stop message: POSTED set to -1)
             ctrl[w, POSTED] = -1
-            with contextlib.suppress(OSError):  # (it may have ended since: nothing to wake)
-                os.write(conns[w].fileno(), b"!")
+    bell[0] = (int(bell[0]) + 1) & 0x7FFFFFFF
+    _wake_all(bell.ctypes.data)
     for p in procs:
         p.join(2)
         if p.is_alive():
             p.terminate()
     for c in conns:
         c.close()
-    if pinned is not None:
-        with contextlib.suppress(Exception):  # (at interpreter exit CUDA may be gone already)
-            torch.cuda.synchronize()  # (no upload from the buffers still in flight)
-            torch.cuda.cudart().cudaHostUnregister(pinned)
+    if unpin is not None:
+        unpin()
 
 
-def _serve(w: int, ours: int, conn, box, processes: int, mem, rows: int, words: int, tok, texts: list) -> None:
-    """A worker process: run the batches of operations posted to its mailbox until told to stop (or
-    until its pipe ends: the main process is gone). ``ours``: the main process's end, closed here."""
+def _serve(w: int, ours: int, conn, box, processes: int, mem, rows: int, words: int, tok, texts: list, columns,
+           parent: int) -> None:
+    """A worker process: run the batches posted to its mailbox and its part of each step record until
+    told to stop (or until the main process ``parent`` is gone). ``ours``: the main process's end of
+    the pipe, closed here."""
     code = 0
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C is the main process's to handle)
         os.close(ours)
-        _loop(w, conn, box, processes, mem, rows, words, tok, texts)
+        _Worker(w, conn, box, processes, mem, rows, words, tok, texts, columns).run(parent)
     except BaseException:  # noqa: BLE001 - reported on stderr; the main process sees the exit code
         traceback.print_exc()
         code = 1
@@ -364,81 +451,130 @@ def _serve(w: int, ours: int, conn, box, processes: int, mem, rows: int, words: 
         os._exit(code)  # (no atexit handlers, no CUDA teardown: this process shares the parent's state)
 
 
-def _loop(w: int, conn, box, processes: int, mem, rows: int, words: int, tok, texts: list) -> None:
-    from ...potentials.json_keys import KeyTracker
-    from .request_masks import RequestMasks, advance_requests, fill_requests
+class _Worker:
+    """A worker process: its requests (``RequestMasks`` over rebuilt constraints) and its views of the
+    shared memory."""
 
-    torch.set_num_threads(1)
-    whole = torch.frombuffer(mem, dtype=torch.int32)
-    bits = [whole[t * rows * words: (t + 1) * rows * words].view(rows, words) for t in (0, 1)]
-    ctrl = np.frombuffer(box, dtype=np.int64, count=processes * LINE).reshape(processes, LINE)
-    start = processes * LINE * 8 + w * (IN_CAP + OUT_CAP)
-    inbox = memoryview(box)[start: start + IN_CAP]
-    outbox = memoryview(box)[start + IN_CAP: start + IN_CAP + OUT_CAP]
-    keys = []  # the vocabulary's KeyTracker, built when a constraint first needs it
-    built: dict = {}  # worker_spec -> the rebuilt constraint
-    held: dict[int, RequestMasks] = {}
-    error, seen = None, 0
+    def __init__(self, w: int, conn, box, processes: int, mem, rows: int, words: int, tok, texts: list, columns):
+        torch.set_num_threads(1)
+        self.w, self.conn, self.P, self.rows = w, conn, processes, rows
+        self.tok, self.texts, self.words = tok, texts, words
+        whole = torch.frombuffer(mem, dtype=torch.int32)
+        self.bits = [whole[t * rows * words: (t + 1) * rows * words].view(rows, words) for t in (0, 1)]
+        self.ctrl, self.bell, self.record = _views(box, processes, rows)
+        self.columns = np.frombuffer(columns, dtype=np.int64).reshape(-1, rows)
+        start = _area_start(processes, rows) + w * (IN_CAP + OUT_CAP)
+        self.inbox = memoryview(box)[start: start + IN_CAP]
+        self.outbox = memoryview(box)[start + IN_CAP: start + IN_CAP + OUT_CAP]
+        self.keys = []  # the vocabulary's KeyTracker, built when a constraint first needs it
+        self.built: dict = {}  # worker_spec -> the rebuilt constraint
+        self.held: dict = {}  # slot -> RequestMasks
+        self.error = None  # an error not yet reported
+        self.seen = self.steps = 0  # batches taken; the last record looked at (its SEQ)
 
-    def constraint(spec):
-        if spec not in built:
-            if spec[2] and not keys:
-                keys.append(KeyTracker(texts))
-            built[spec] = _rebuilt(spec, tok, words, keys[0] if keys else None)
-        return built[spec]
+    def run(self, parent: int) -> None:
+        ctrl, w, record, P = self.ctrl, self.w, self.record, self.P
+        idle = time.perf_counter()
+        while True:
+            ring = int(self.bell[0])  # (read before looking for work: a ring after it wakes the sleep below)
+            posted = int(ctrl[w, POSTED])
+            if posted < 0:
+                return
+            if posted > self.seen:
+                self.batch()
+                idle = time.perf_counter()
+                continue
+            seq = int(record[SEQ])
+            if seq > self.steps and seq % 2 == 0:
+                n, before = int(record[ITEMS]), int(record[PRE + w])
+                turn, bonus = int(record[TURN]), int(record[BONUS])
+                items = record[PRE + P: PRE + P + ITEM * n].tolist()
+                if int(record[SEQ]) != seq or before > self.seen:  # (rewritten meanwhile; batches first)
+                    continue
+                self.steps = seq
+                mine = [(self.held.get(items[i]), *items[i + 1: i + ITEM]) for i in range(0, len(items), ITEM)
+                        if items[i] in self.held]
+                if mine:
+                    self.step(mine, turn, bonus, seq)
+                    idle = time.perf_counter()
+                continue
+            # the next step comes within a draft forward: watch a while before sleeping (a busy wait, on
+            # purpose: a sleeping process would wake later than the step comes)
+            if time.perf_counter() - idle > SPIN:
+                _sleep_on(self.bell.ctypes.data, ring, 1.0)
+                if os.getppid() != parent:
+                    return
 
-    fd = conn.fileno()
-    while True:
-        # the next step's batch comes within a draft forward: watch the mailbox a while before sleeping
-        # (a batch seen there has its byte in the pipe, or on its way: the read below does not sleep)
-        until = time.perf_counter() + SPIN
-        while ctrl[w, POSTED] == seen and time.perf_counter() < until:
-            pass  # (a busy wait, on purpose: a sleeping process would wake later than the batch comes)
-        if not os.read(fd, 1) or ctrl[w, POSTED] < 0:  # (a message's byte; b"": the main process is gone)
-            return
-        seen += 1
+    def constraint(self, spec):
+        from ...potentials.json_keys import KeyTracker
+
+        if spec not in self.built:
+            if spec[2] and not self.keys:
+                self.keys.append(KeyTracker(self.texts))
+            self.built[spec] = _rebuilt(spec, self.tok, self.words, self.keys[0] if self.keys else None)
+        return self.built[spec]
+
+    def step(self, mine: list, turn: int, bonus: int, seq: int) -> None:
+        """This process's part of a step record: (RequestMasks, first, last, row, bonus?, fill?) each."""
+        from .request_masks import advance_requests, fill_requests
+
+        if self.error is None:
+            try:
+                cols = self.columns
+                for j in range(min(m[1] for m in mine), max(m[2] for m in mine)):
+                    advance_requests([(m, cols[j, row: row + m.n].tolist())
+                                      for m, first, last, row, _, _ in mine if first <= j < last])
+                due = [(m, cols[bonus, row: row + m.n].tolist()) for m, _, _, row, b, _ in mine if b]
+                if due:
+                    advance_requests(due)
+                fills = [(m, slice(row, row + m.n)) for m, _, _, row, _, fill in mine if fill]
+                if fills:
+                    fill_requests(fills, self.bits[turn], self.rows)
+            except Exception as e:  # noqa: BLE001 - reported to the main process with the next answer
+                self.error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
+        if self.error is not None:
+            self.ctrl[self.w, STEP_FAIL] = seq
+        self.ctrl[self.w, STEP_DONE] = seq
+
+    def batch(self) -> None:
+        """Take the next batch from the mailbox (or the pipe), run it, answer it if it asks."""
+        from .request_masks import RequestMasks
+
+        ctrl, w = self.ctrl, self.w
+        self.seen += 1
         n = int(ctrl[w, LENGTH])
-        data = conn.recv_bytes() if n < 0 else bytes(inbox[:n])
-        ctrl[w, TAKEN] = seen
+        data = self.conn.recv_bytes() if n < 0 else bytes(self.inbox[:n])
+        ctrl[w, TAKEN] = self.seen
         ops, answer = pickle.loads(data)
         answers = []
         if ops and ops[0][0] == "reset":  # (a new scheduler: every request and a past error forgotten)
-            held.clear()
-            error = None
-        if error is None:
+            self.held.clear()
+            self.error = None
+        if self.error is None:
             try:
-                fills = []
                 for op in ops:
                     kind, slot = op[0], op[1]
                     if kind == "add":
-                        held[slot] = RequestMasks([constraint(s) for s in op[2]], op[3], 0, 0, lane=op[4],
-                                                  checks=False)
+                        self.held[slot] = RequestMasks([self.constraint(s) for s in op[2]], op[3], 0, 0, lane=op[4],
+                                                       checks=False)
                     elif kind == "remove":
-                        held.pop(slot, None)
-                    elif kind == "advance":
-                        advance_requests([(held[slot], op[2])])
-                    elif kind == "fill":
-                        turn = op[2]
-                        fills.append((held[slot], op[3]))
+                        self.held.pop(slot, None)
                     elif kind == "fork":
-                        held[slot].fork(torch.tensor(op[2], dtype=torch.long))
+                        self.held[slot].fork(torch.tensor(op[2], dtype=torch.long))
                     elif kind == "accepting":
-                        answers.append((slot, held[slot].accepting().tolist()))
+                        answers.append((slot, self.held[slot].accepting().tolist()))
                     elif kind == "check":
-                        answers.append((slot, held[slot].check(op[2])))
-                # (a batch's fills come after its advances: every request's rows in one call)
-                if fills:  # (one step's: every one into the same buffer)
-                    fill_requests([(m, slice(r, r + m.n)) for m, r in fills], bits[turn], rows)
+                        answers.append((slot, self.held[slot].check(op[2])))
             except Exception as e:  # noqa: BLE001 - reported to the main process with the next answer
-                error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
+                self.error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
         if answer:
-            reply = pickle.dumps((error, answers), protocol=pickle.HIGHEST_PROTOCOL)
+            reply = pickle.dumps((self.error, answers), protocol=pickle.HIGHEST_PROTOCOL)
             if len(reply) <= OUT_CAP:
-                outbox[: len(reply)] = reply
+                self.outbox[: len(reply)] = reply
                 ctrl[w, ANSWER] = len(reply)
             else:
                 ctrl[w, ANSWER] = -1
-            error = None
-        ctrl[w, DONE] = seen
+            self.error = None
+        ctrl[w, DONE] = self.seen
         if answer and ctrl[w, ANSWER] < 0:  # (after DONE: this process reads the pipe once it sees it)
-            conn.send_bytes(reply)
+            self.conn.send_bytes(reply)

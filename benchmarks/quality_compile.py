@@ -21,7 +21,7 @@ import time
 
 _MODEL = None
 # (a character automaton does not pickle: interegular's "anything else" symbol is compared by identity)
-_LOCAL = ("model", "_template", "_tok", "_lanes", "_executor", "_keys", "validator", "_fsm", "_superset_fsm")
+_LOCAL = ("model", "_template", "_tok", "_base_tok", "_lanes", "_executor", "_keys", "validator", "_fsm", "_superset_fsm")
 
 
 class _Timeout(BaseException):

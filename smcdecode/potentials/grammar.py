@@ -37,7 +37,7 @@ from ..errors import SMCDecodeError
 from .constraint import TokenConstraint, unpack_bits
 from .json_keys import START, KeyTracker
 from .matchers import MatcherBatch, _check_threads, _executor, advance_together, fill_bits_together
-from .token_bytes import _llguidance, llguidance_tokenizer, token_texts
+from .token_bytes import _llguidance, llguidance_tokenizer, sliced_tokenizer, token_texts
 
 SYNTAXES = ("lark", "gbnf")
 # how a constraint's masks are computed (Grammar, JSONSchema; JSONSchema also "superset")
@@ -62,6 +62,9 @@ class LLGuidanceConstraint(TokenConstraint):
     # mask while the host checks each round's tokens with llguidance (backends/engine/host_masks.py)
     _superset_fsm = None
     superset_automaton = None
+    # the character classes the grammar's patterns repeat: slices of llguidance's mask computation
+    # (token_bytes.mask_slices; JSONSchema sets them from its patterns)
+    _classes: tuple = ()
 
     def _validate(self) -> None:
         """Grammar errors that do not depend on the vocabulary, reported at construction (on either path)."""
@@ -120,7 +123,7 @@ class LLGuidanceConstraint(TokenConstraint):
             self.model = model
             return
         llg = _llguidance()
-        tok = llguidance_tokenizer(model)
+        tok = sliced_tokenizer(model, self._classes)
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(self._grammar, tok)
         if is_error:
             raise self._error(messages[0] if messages else "llguidance rejected it")
@@ -137,6 +140,7 @@ class LLGuidanceConstraint(TokenConstraint):
                 raise SMCDecodeError(f"{e}: use path='llguidance' here") from None
         self._template = template
         self._tok, self._lanes = tok, [template]
+        self._base_tok = llguidance_tokenizer(model)  # (without the slices: what mask workers inherit)
         self._executor = _executor(self.threads)
         self._keys = KeyTracker(token_texts(model, tok)) if self.key_rule else None
         self.model = model
@@ -145,7 +149,7 @@ class LLGuidanceConstraint(TokenConstraint):
     def worker_spec(self) -> tuple:
         """What a mask worker process needs to rebuild this constraint's llguidance path
         (backends/engine/mask_workers.py): picklable and hashable."""
-        return type(self), self._grammar, bool(self.key_rule)
+        return type(self), self._grammar, bool(self.key_rule), self._classes
 
     # -- tensor path -----------------------------------------------------------------------
     @property

@@ -256,6 +256,54 @@ class RepeatedKey(Exception):
     """A JSON object names a key twice (``unique_pairs``)."""
 
 
+# a character class a pattern repeats: [...] or \d, \w, then +, * or {m}, {m,}, {m,n}
+_REPEATED_CLASS = re.compile(r"(\[(?:\\.|[^\]\\])+\]|\\[dw])(?:[+*]|\{\d+(?:,\d*)?\})")
+_SHORTHANDS = {"\\d": "[0-9]", "\\w": "[A-Za-z0-9_]"}
+# the runs of characters the string formats llguidance checks are mostly made of
+_FORMAT_CLASSES = {"email": "[A-Za-z0-9]", "hostname": "[A-Za-z0-9]", "uri": "[A-Za-z0-9]",
+                   "uri-reference": "[A-Za-z0-9]", "iri": "[A-Za-z0-9]", "uuid": "[0-9a-fA-F]",
+                   "date": "[0-9]", "time": "[0-9]", "date-time": "[0-9]", "duration": "[0-9]", "ipv4": "[0-9]"}
+MAX_CLASSES = 3  # classes given slices of their own (each adds 11 slices to llguidance's tokenizer)
+
+
+def repeated_classes(schema) -> tuple[str, ...]:
+    """The character classes the ``pattern`` keywords and ``patternProperties`` keys of ``schema`` repeat
+    (``[a-z ]+``, ``\\d{3}``) and those its string formats are mostly made of, in order, at most
+    ``MAX_CLASSES``: llguidance's mask computation takes the tokens of such runs whole
+    (``token_bytes.mask_slices``). A negated class leaves out the characters a JSON string escapes,
+    so that the runs it matches can be inside a string."""
+    found: list[str] = []
+
+    def add(c: str) -> None:
+        if c not in found:
+            found.append(c)
+
+    def scan(pattern: str) -> None:
+        for m in _REPEATED_CLASS.finditer(pattern):
+            c = _SHORTHANDS.get(m.group(1), m.group(1))
+            add(c[:-1] + '"\\\\\\x00-\\x1F\\x7F]' if c.startswith("[^") else c)
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k == "pattern" and isinstance(v, str):
+                    scan(v)
+                    continue
+                if k == "format" and isinstance(v, str) and v in _FORMAT_CLASSES:
+                    add(_FORMAT_CLASSES[v])
+                    continue
+                if k == "patternProperties" and isinstance(v, dict):
+                    for key in v:
+                        scan(key)
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(schema)
+    return tuple(found[:MAX_CLASSES])
+
+
 def unique_pairs(pairs: list) -> dict:
     """``json.loads``'s object_pairs_hook that refuses a repeated key (RepeatedKey)."""
     out = {}
@@ -348,6 +396,7 @@ class JSONSchema(LLGuidanceConstraint):
         source = self.compiled_schema
         compiled = {**source, "x-guidance": {**source.get("x-guidance", {}), **options}}
         self._grammar = lark_header(self.force_canonical) + "start: %json " + json.dumps(compiled)
+        self._classes = repeated_classes(source)
         self._what = f"JSON Schema not supported by the grammar engine (llguidance {llg.__version__})"
         self._setup(model, threads)
 

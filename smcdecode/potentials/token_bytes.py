@@ -236,6 +236,50 @@ def llguidance_tokenizer(model):
     return tok
 
 
+# llguidance computes a mask by walking the vocabulary's token trie; a slice of the vocabulary (the
+# tokens a regex matches, each token in the first slice that matches it) that the lexer's state
+# allows whole is taken without the walk. Its default slices are the JSON string characters in runs
+# of 1–10, 11–30 and more bytes. Inside a string whose maxLength leaves fewer than 10 characters, or
+# inside a pattern, none of them applies, and a mask costs 20–50 times one inside a plain string.
+# These slices add finer lengths and, per constraint, the character classes its patterns repeat.
+# Slices change what a mask costs, never the mask (tests/test_json_schema.py compares them).
+_STRING_CHAR = r'[^"\\\x00-\x1F\x7F]'
+SLICE_LENGTHS = (1, 2, 3, 4, 6, 8, 10, 14, 20, 30)
+_SLICED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {classes: tokenizer}
+
+
+def mask_slices(classes: tuple = ()) -> list[str]:
+    """llguidance's slices for a constraint whose patterns repeat the character ``classes``: runs of
+    whitespace, then runs of each class and of JSON string characters by length."""
+    out = [r"[\x20\x0A\x0D\x09]+"]
+    for c in (*classes, _STRING_CHAR):
+        out += [f"{c}{{1,{k}}}" for k in SLICE_LENGTHS] + [c + "+"]
+    return out
+
+
+def with_slices(tok, classes: tuple = ()):
+    """``tok`` (an llguidance tokenizer) with ``mask_slices(classes)``; with the string slices alone
+    where llguidance's regex syntax refuses one of the classes (a slice only saves time)."""
+    try:
+        return tok.with_slices(mask_slices(classes))
+    except Exception:  # noqa: BLE001 - llguidance raises several types for a regex it refuses
+        if not classes:
+            raise
+        return tok.with_slices(mask_slices())
+
+
+def sliced_tokenizer(model, classes: tuple = ()):
+    """``llguidance_tokenizer(model)`` with the slices of ``classes`` (``with_slices``), cached."""
+    base = llguidance_tokenizer(model)
+    try:
+        per_model = _SLICED.setdefault(model, {})
+    except TypeError:  # pragma: no cover - a model that cannot be weakly referenced
+        per_model = {}
+    if classes not in per_model:
+        per_model[classes] = with_slices(base, classes)
+    return per_model[classes]
+
+
 def token_texts(model, lltok=None) -> list[bytes | None]:
     """Each token's bytes as llguidance sees them (None for special tokens); cached per model."""
     try:

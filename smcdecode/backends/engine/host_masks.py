@@ -98,10 +98,10 @@ class HostMasks:
             self._drop_pool()
         if self._pool is None:
             c = masks.constraints[0]
-            self._pool = MaskWorkers(self.workers, self._handed.shape[1], self.W, c._tok,
-                                     token_texts(c.model, c._tok), self.pinned, self._shared)
+            self._pool = MaskWorkers(self.workers, self._handed.shape[1], self.W, c._base_tok,
+                                     token_texts(c.model, c._base_tok), self.pinned, self._shared)
             self._bits = self._pool.bits
-        return self._pool if all(c._tok is self._pool.tok for c in masks.constraints) else None
+        return self._pool if all(c._base_tok is self._pool.tok for c in masks.constraints) else None
 
     def remove(self, slot: int) -> None:
         m = self.requests.pop(slot, None)

@@ -399,14 +399,16 @@ class _NoModel:
 
 
 def _rebuilt(spec: tuple, tok, words: int, keys):
-    """The llguidance path of a constraint (``LLGuidanceConstraint.worker_spec``: its class, grammar and
-    key rule) compiled for the llguidance tokenizer ``tok`` in a worker: its states, masks and key
-    rule are those of the bound constraint it came from. It has no executor: its masks are filled in
-    the worker's thread, one row after another, and its rows all come from one lane."""
+    """The llguidance path of a constraint (``LLGuidanceConstraint.worker_spec``: its class, grammar, key
+    rule and slices' classes) compiled for the llguidance tokenizer ``tok`` (with those slices) in a
+    worker: its states, masks and key rule are those of the bound constraint it came from. It has no
+    executor: its masks are filled in the worker's thread, one row after another, and its rows all
+    come from one lane."""
     from ...potentials.token_bytes import _llguidance
 
-    cls, grammar, key_rule = spec
+    cls, grammar, key_rule, classes = spec
     c = cls.__new__(cls)
+    c._classes = classes
     c._grammar, c.key_rule, c.threads, c.path = grammar, key_rule, 1, "llguidance"
     c._what, c._header_lines = f"{cls.__name__} (in a mask worker)", 0
     template = _llguidance().LLMatcher(tok, grammar, log_level=0)
@@ -468,6 +470,7 @@ class _Worker:
         self.outbox = memoryview(box)[start + IN_CAP: start + IN_CAP + OUT_CAP]
         self.keys = []  # the vocabulary's KeyTracker, built when a constraint first needs it
         self.built: dict = {}  # worker_spec -> the rebuilt constraint
+        self.sliced: dict = {}  # the slices' classes -> the tokenizer with those slices
         self.held: dict = {}  # slot -> RequestMasks
         self.error = None  # an error not yet reported
         self.seen = self.steps = 0  # batches taken; the last record looked at (its SEQ)
@@ -507,11 +510,14 @@ class _Worker:
 
     def constraint(self, spec):
         from ...potentials.json_keys import KeyTracker
+        from ...potentials.token_bytes import with_slices
 
         if spec not in self.built:
             if spec[2] and not self.keys:
                 self.keys.append(KeyTracker(self.texts))
-            self.built[spec] = _rebuilt(spec, self.tok, self.words, self.keys[0] if self.keys else None)
+            if spec[3] not in self.sliced:
+                self.sliced[spec[3]] = with_slices(self.tok, spec[3])
+            self.built[spec] = _rebuilt(spec, self.sliced[spec[3]], self.words, self.keys[0] if self.keys else None)
         return self.built[spec]
 
     def step(self, mine: list, turn: int, bonus: int, seq: int) -> None:

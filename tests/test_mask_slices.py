@@ -50,7 +50,7 @@ def test_slices_leave_the_masks_as_they_are(model, name):
     shifts = torch.arange(32, dtype=torch.int32)
     rng = random.Random(0)
     steps = 0
-    for walk in range(4):
+    for _walk in range(4):
         state, ref, text = c.start(1), llg.LLMatcher(plain, c._grammar, log_level=0), []
         for _ in range(40):
             ours = c.allowed_bits(state)[0]

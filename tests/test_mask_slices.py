@@ -30,9 +30,10 @@ def _object(value: dict) -> dict:
 
 def test_repeated_classes():
     assert repeated_classes(_object(SCHEMAS["pattern"])) == ("[a-z ]",)
-    assert repeated_classes(_object(SCHEMAS["negated class and digits"])) == ('[^@"\\\\\\x00-\\x1F\\x7F]', "[0-9]")
+    assert repeated_classes(_object(SCHEMAS["negated class and digits"])) == ('[^"\\\\\\x00-\\x1F\\x7F@]', "[0-9]")
     assert repeated_classes({"patternProperties": {"^x[0-9]$": {}, "^[a-f]{2,}$": {}}}) == ("[a-f]",)
     assert repeated_classes({"properties": {"pattern": {"type": "string"}}}) == ()  # (a property named so)
+    assert repeated_classes({"const": {"pattern": "[a]+"}, "enum": [{"format": "email"}]}) == ()  # (values)
     assert repeated_classes(_object(SCHEMAS["format"])) == ("[A-Za-z0-9]",)
     assert len(repeated_classes({"anyOf": [{"pattern": f"^[{c}]+$"} for c in "abcde"]})) == 3
     assert mask_slices(("[a-z ]",))[1:3] == ["[a-z ]{1,1}", "[a-z ]{1,2}"]

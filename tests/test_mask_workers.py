@@ -101,6 +101,31 @@ def test_operations_left_by_a_failed_call_do_not_reach_the_next(model):
     host.close()
 
 
+@pytest.mark.slow
+def test_a_request_a_worker_cannot_build_is_a_prompt_error(model, monkeypatch):
+    """A request whose constraint fails to build in its worker (compiled there from its grammar): the
+    first step of its round raises that failure, at once, and the next call starts afresh."""
+    from smcdecode.backends.engine import mask_workers
+
+    c = JSONSchema(OPEN, path="llguidance").bind(model)
+    ref_out, _ = _first_step(HostMasks(2, model.vocab_size, "cpu"), c)
+    host = HostMasks(2, model.vocab_size, "cpu", rows=4, k_max=2, workers=1)
+
+    def refused(spec, *args):
+        raise RuntimeError("no grammar here")
+
+    monkeypatch.setattr(mask_workers, "_rebuilt", refused)  # (the worker, forked after this, inherits it)
+    t0 = time.perf_counter()
+    with pytest.raises(sd.SMCDecodeError, match="worker process failed: RuntimeError: no grammar here"):
+        _first_step(host, c)
+    assert time.perf_counter() - t0 < 30  # (not the workers' 300 s timeout)
+    monkeypatch.undo()
+    host.close()  # (its workers run the refusing build: new ones)
+    out, _ = _first_step(host, c)
+    assert torch.equal(out, ref_out)
+    host.close()
+
+
 def test_host_workers_setting():
     assert EngineConfig(num_pages=4).resolved(torch.float32, torch.device("cpu")).host_workers == 0
     assert default_workers("cpu") == 0

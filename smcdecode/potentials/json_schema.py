@@ -263,6 +263,7 @@ _SHORTHANDS = {"\\d": "[0-9]", "\\w": "[A-Za-z0-9_]"}
 _FORMAT_CLASSES = {"email": "[A-Za-z0-9]", "hostname": "[A-Za-z0-9]", "uri": "[A-Za-z0-9]",
                    "uri-reference": "[A-Za-z0-9]", "iri": "[A-Za-z0-9]", "uuid": "[0-9a-fA-F]",
                    "date": "[0-9]", "time": "[0-9]", "date-time": "[0-9]", "duration": "[0-9]", "ipv4": "[0-9]"}
+_VALUES = ("const", "enum", "default", "examples")
 MAX_CLASSES = 3  # classes given slices of their own (each adds 11 slices to llguidance's tokenizer)
 
 
@@ -281,11 +282,13 @@ def repeated_classes(schema) -> tuple[str, ...]:
     def scan(pattern: str) -> None:
         for m in _REPEATED_CLASS.finditer(pattern):
             c = _SHORTHANDS.get(m.group(1), m.group(1))
-            add(c[:-1] + '"\\\\\\x00-\\x1F\\x7F]' if c.startswith("[^") else c)
+            add("[^" + '"\\\\\\x00-\\x1F\\x7F' + c[2:] if c.startswith("[^") else c)
 
     def walk(node) -> None:
         if isinstance(node, dict):
             for k, v in node.items():
+                if k in _VALUES:  # (documents' values, not subschemas)
+                    continue
                 if k == "pattern" and isinstance(v, str):
                     scan(v)
                     continue

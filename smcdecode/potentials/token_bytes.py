@@ -268,6 +268,18 @@ def with_slices(tok, classes: tuple = ()):
         return tok.with_slices(mask_slices())
 
 
+SLICED_KEPT = 16  # sliced tokenizers kept per model (each set of classes builds one, in about 0.2 s)
+
+
+def remembered(cache: dict, key, make):
+    """``cache[key]``, made by ``make()`` where missing; beyond ``SLICED_KEPT`` entries the oldest goes."""
+    if key not in cache:
+        if len(cache) >= SLICED_KEPT:
+            del cache[next(iter(cache))]
+        cache[key] = make()
+    return cache[key]
+
+
 def sliced_tokenizer(model, classes: tuple = ()):
     """``llguidance_tokenizer(model)`` with the slices of ``classes`` (``with_slices``), cached."""
     base = llguidance_tokenizer(model)
@@ -275,9 +287,7 @@ def sliced_tokenizer(model, classes: tuple = ()):
         per_model = _SLICED.setdefault(model, {})
     except TypeError:  # pragma: no cover - a model that cannot be weakly referenced
         per_model = {}
-    if classes not in per_model:
-        per_model[classes] = with_slices(base, classes)
-    return per_model[classes]
+    return remembered(per_model, classes, lambda: with_slices(base, classes))
 
 
 def token_texts(model, lltok=None) -> list[bytes | None]:

@@ -138,6 +138,8 @@ class HostMasks:
             if any(m.remote for m in self.requests.values()):
                 raise SMCDecodeError("the mask workers holding this round's requests were stopped")
             self._drop_pool()
+        if self._pool is not None:  # (the last round's end record read its columns: they are rewritten now)
+            self._pool.step_wait()
         if self._pool is not None and rows > self._pool.rows:
             raise SMCDecodeError(f"a round of {rows} rows on mask workers sized for {self._pool.rows} rows")
         if self._bits[0].shape[0] < rows:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import mmap
 import multiprocessing
 import os
@@ -55,15 +56,17 @@ POSTED, TAKEN, DONE, LENGTH, ANSWER, STEP_DONE, STEP_FAIL = range(7)
 LINE = 8  # int64 words a process's control line
 # the step record (int64 words, after the control lines and the bell's line): its sequence number (odd
 # while written), the step buffer it fills, the bonus column, its items, then each process's batches
-# before it; then per item: slot, first and last column consumed, first row, bonus consumed, rows filled
+# before it; then per item: the process that holds the request, its slot, first and last column
+# consumed, first row, bonus consumed, rows filled
 SEQ, TURN, BONUS, ITEMS, PRE = range(5)
-ITEM = 6
+ITEM = 7
 IN_CAP, OUT_CAP = 1 << 20, 1 << 16  # mailbox bytes (in, answers); a longer message goes through the pipe
 TIMEOUT = 300.0  # seconds a worker may take over one batch (a batch that adds a request compiles its grammar)
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # this process's MaskWorkers
 MAX_LIVE = 8  # sets of workers kept at once (a set per round shape; beyond: idle ones are stopped)
 SPIN = 0.002  # seconds a worker watches for work after a batch or step before it sleeps on the bell
 _SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1  # (x86-64 Linux)
+_WOKEN = (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR)  # (a futex wait's ordinary ends besides a wake-up)
 
 
 def _supported() -> str | None:
@@ -87,7 +90,9 @@ def _sleep_on(address: int, value: int, seconds: float) -> None:
     """Sleep until the int32 at ``address`` is woken (``_wake_all``), at most ``seconds``; at once if
     it no longer holds ``value`` (checked by the kernel as the sleep begins: no wake-up is lost)."""
     ts = _Timespec(int(seconds), int(seconds % 1 * 1e9))
-    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAIT, ctypes.c_int(value), ctypes.byref(ts), None, 0)
+    if _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAIT, ctypes.c_int(value), ctypes.byref(ts),
+                     None, 0) == -1 and ctypes.get_errno() not in _WOKEN:
+        time.sleep(0.001)  # (futexes refused here, by a sandbox say: poll instead of spinning)
 
 
 def _wake_all(address: int) -> None:
@@ -272,6 +277,7 @@ class MaskWorkers:
         request's rows (from ``row``) consume columns first … last − 1 of ``columns`` one by one, then,
         where ``bonus?`` is 1, column ``bonus``, then, where ``fill?`` is 1, write their masks into step
         buffer ``turn``. Returns at once; ``step_wait`` waits for it."""
+        held = [(self.where[item[0]], *item) for item in items]  # (each with its process)
         self.send()  # (the batches queued before it go first)
         self.step_wait()  # (the record's area is rewritten: the last record done)
         rec, P = self._record, len(self._procs)
@@ -279,9 +285,9 @@ class MaskWorkers:
         rec[SEQ] = 2 * self._steps - 1  # (odd: being written)
         rec[TURN], rec[BONUS], rec[ITEMS] = turn, bonus, len(items)
         rec[PRE: PRE + P] = self._posted
-        rec[PRE + P: PRE + P + ITEM * len(items)] = np.asarray(items, dtype=np.int64).reshape(-1)
+        rec[PRE + P: PRE + P + ITEM * len(items)] = np.asarray(held, dtype=np.int64).reshape(-1)
         rec[SEQ] = 2 * self._steps
-        self._stepping = sorted({self.where[item[0]] for item in items})
+        self._stepping = sorted({item[0] for item in held})
         self._ring()
 
     def step_wait(self) -> None:
@@ -495,9 +501,8 @@ class _Worker:
                 if int(record[SEQ]) != seq or before > self.seen:  # (rewritten meanwhile; batches first)
                     continue
                 self.steps = seq
-                mine = [(self.held.get(items[i]), *items[i + 1: i + ITEM]) for i in range(0, len(items), ITEM)
-                        if items[i] in self.held]
-                if mine:
+                mine = [items[i + 1: i + ITEM] for i in range(0, len(items), ITEM) if items[i] == w]
+                if mine:  # (a record names this process only where it has taken every batch before it)
                     self.step(mine, turn, bonus, seq)
                     idle = time.perf_counter()
                 continue
@@ -510,22 +515,22 @@ class _Worker:
 
     def constraint(self, spec):
         from ...potentials.json_keys import KeyTracker
-        from ...potentials.token_bytes import with_slices
+        from ...potentials.token_bytes import remembered, with_slices
 
         if spec not in self.built:
             if spec[2] and not self.keys:
                 self.keys.append(KeyTracker(self.texts))
-            if spec[3] not in self.sliced:
-                self.sliced[spec[3]] = with_slices(self.tok, spec[3])
-            self.built[spec] = _rebuilt(spec, self.sliced[spec[3]], self.words, self.keys[0] if self.keys else None)
+            tok = remembered(self.sliced, spec[3], lambda: with_slices(self.tok, spec[3]))
+            self.built[spec] = _rebuilt(spec, tok, self.words, self.keys[0] if self.keys else None)
         return self.built[spec]
 
     def step(self, mine: list, turn: int, bonus: int, seq: int) -> None:
-        """This process's part of a step record: (RequestMasks, first, last, row, bonus?, fill?) each."""
+        """This process's part of a step record: (slot, first, last, row, bonus?, fill?) each."""
         from .request_masks import advance_requests, fill_requests
 
         if self.error is None:
             try:
+                mine = [(self.held[slot], *rest) for slot, *rest in mine]
                 cols = self.columns
                 for j in range(min(m[1] for m in mine), max(m[2] for m in mine)):
                     advance_requests([(m, cols[j, row: row + m.n].tolist())

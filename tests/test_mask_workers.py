@@ -105,7 +105,7 @@ def test_operations_left_by_a_failed_call_do_not_reach_the_next(model):
 def test_a_request_a_worker_cannot_build_is_a_prompt_error(model, monkeypatch):
     """A request whose constraint fails to build in its worker (compiled there from its grammar): the
     first step of its round raises that failure, at once, and the next call starts afresh."""
-    from smcdecode.backends.engine import mask_workers
+    from smcdecode.backends.engine import mask_process
 
     c = JSONSchema(OPEN, path="llguidance").bind(model)
     ref_out, _ = _first_step(HostMasks(2, model.vocab_size, "cpu"), c)
@@ -114,7 +114,7 @@ def test_a_request_a_worker_cannot_build_is_a_prompt_error(model, monkeypatch):
     def refused(spec, *args):
         raise RuntimeError("no grammar here")
 
-    monkeypatch.setattr(mask_workers, "_rebuilt", refused)  # (the worker, forked after this, inherits it)
+    monkeypatch.setattr(mask_process, "_rebuilt", refused)  # (the worker, forked after this, inherits it)
     t0 = time.perf_counter()
     with pytest.raises(sd.SMCDecodeError, match="worker process failed: RuntimeError: no grammar here"):
         _first_step(host, c)

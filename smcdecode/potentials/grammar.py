@@ -148,7 +148,7 @@ class LLGuidanceConstraint(TokenConstraint):
 
     def worker_spec(self) -> tuple:
         """What a mask worker process needs to rebuild this constraint's llguidance path
-        (backends/engine/mask_workers.py): picklable and hashable."""
+        (backends/engine/mask_process.py): picklable and hashable."""
         return type(self), self._grammar, bool(self.key_rule), self._classes
 
     # -- tensor path -----------------------------------------------------------------------

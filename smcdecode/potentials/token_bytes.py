@@ -240,9 +240,10 @@ def llguidance_tokenizer(model):
 # tokens a regex matches, each token in the first slice that matches it) that the lexer's state
 # allows whole is taken without the walk. Its default slices are the JSON string characters in runs
 # of 1–10, 11–30 and more bytes. Inside a string whose maxLength leaves fewer than 10 characters, or
-# inside a pattern, none of them applies, and a mask costs 20–50 times one inside a plain string.
-# These slices add finer lengths and, per constraint, the character classes its patterns repeat.
-# Slices change what a mask costs, never the mask (tests/test_json_schema.py compares them).
+# inside a pattern or a format, none of them applies, and a mask costs 15–50 times one inside a plain
+# string. These slices add finer lengths and, per constraint, the character classes its patterns
+# repeat and its formats are made of. Slices change what a mask costs, never the mask
+# (tests/test_mask_slices.py compares them with llguidance's plain trie walk).
 _STRING_CHAR = r'[^"\\\x00-\x1F\x7F]'
 SLICE_LENGTHS = (1, 2, 3, 4, 6, 8, 10, 14, 20, 30)
 _SLICED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {classes: tokenizer}

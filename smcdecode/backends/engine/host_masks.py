@@ -280,11 +280,12 @@ class HostMasks:
         local = [t for t in todo if not t[0].remote]
         self._catch_up(local)
         due = {m.slot for m, _, _ in todo if m.budget - m.position > m.K}
-        if due:  # (the bonus handed over as a column K_max (``drafted``), or read now)
-            if self.k_max not in self._columns:
-                self._columns[self.k_max] = (bonus[: self.rows].cpu(), None)
+        if due and self.k_max not in self._columns:  # (the bonus handed over as a column K_max
+            self._columns[self.k_max] = (bonus[: self.rows].cpu(), None)  # (``drafted``), or read now)
+        local_due = [(m, r) for m, _, r in local if m.slot in due]
+        if local_due:
             tokens = self._column(self.k_max).tolist()
-            advance_requests([(m, tokens[r]) for m, _, r in local if m.slot in due])
+            advance_requests([(m, tokens[r]) for m, r in local_due])
         remote = [t for t in todo if t[0].remote]
         if remote:  # (the workers catch up while the device resamples)
             if due:

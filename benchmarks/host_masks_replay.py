@@ -141,13 +141,19 @@ def record(args) -> None:
     log: list | None = None
     H = hm.HostMasks
 
+    depth = [0]  # (calls inside a recorded call, as add's own remove, are not the engine's: not recorded)
+
     def recorded(name, args_of):
         method = getattr(H, name)
 
         def call(self, *a, **k):
-            if log is not None:
+            if log is not None and not depth[0]:
                 log.append([name, args_of(self, *a)])
-            return method(self, *a, **k)
+            depth[0] += 1
+            try:
+                return method(self, *a, **k)
+            finally:
+                depth[0] -= 1
 
         return call
 
@@ -175,7 +181,8 @@ def record(args) -> None:
     H.end = recorded("end", lambda s, bonus, buffers=None: bonus[: s.rows].tolist())
     H.fork = recorded("fork", lambda s, index: torch.as_tensor(index).tolist())
     H.rejects = recorded("rejects", lambda s, rows: rows)
-    schema = {"small": se.DEFAULT_SCHEMA, "pattern": se.PATTERN_SCHEMA, "open": se.OPEN_SCHEMA}[args.schema]
+    schema = {"small": se.DEFAULT_SCHEMA, "pattern": se.PATTERN_SCHEMA, "open": se.OPEN_SCHEMA,
+              "contact": se.CONTACT_SCHEMA}[args.schema]
     c = JSONSchema(schema, path="llguidance").bind(model)
     program = EngineTarget.of(sd.LM(model) * c)
     parts = []
@@ -255,8 +262,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     rec = sub.add_parser("record", help="record real rounds' host calls (CPU, the default model)")
-    rec.add_argument("--schema", choices=("small", "pattern", "open"), default="open",
-                     help="structured_engine.py's schema (small closed object, pattern keys, open object)")
+    rec.add_argument("--schema", choices=("small", "pattern", "open", "contact"), default="open",
+                     help="structured_engine.py's schema (small closed object, pattern keys, open object, contact record)")
     rec.add_argument("--requests", default="1,8")
     rec.add_argument("--particles", type=int, default=8)
     rec.add_argument("--block-size", type=int, default=8)

@@ -23,35 +23,77 @@ OPEN = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", ["llguidance", "superset"])
-def test_engine_samples_the_same_with_mask_workers(model, path):
-    """Three requests of four particles, SmolLM2 proposing to itself on the CPU engine, the same seed,
-    an open object (the unique-key rule applies) on llguidance's path (masks) or the superset path
-    (the device automaton's proposal, llguidance's check of each round's tokens): with two mask
-    workers (which hold the requests' matchers) the tokens, lengths and weights equal those computed
-    in the engine's process, and every finished document validates."""
+@pytest.mark.parametrize("path, groups, workers", [("llguidance", 3, 2), ("superset", 3, 2), ("llguidance", 1, 3),
+                                                   ("superset", 1, 3)])
+def test_engine_samples_the_same_with_mask_workers(model, path, groups, workers):
+    """``groups`` requests of four particles, SmolLM2 proposing to itself on the CPU engine, the same
+    seed, an open object (the unique-key rule applies) on llguidance's path (masks) or the superset
+    path (the device automaton's proposal, llguidance's check of each round's tokens): with mask
+    workers (which hold the requests' matchers; one request is held by all three, each filling a
+    block of its rows) the tokens, lengths and weights equal those computed in the engine's process,
+    and every finished document validates."""
     c = JSONSchema(OPEN, path=path)
     assert c.bind(model).key_rule and c.path == path
     prompt = "Describe a cat as JSON with a name, tags and integer fields:"
     outs = []
-    for workers in (0, 2):
+    for w in (0, workers):
         smc = sd.SMC(sd.LM(model) * c, sd.Draft(model), particles=4, block_size=3, backend="engine",
-                     engine_options={"host_workers": workers})
-        outs.append(smc.run_groups(prompt, 3, max_new_tokens=40, seed=5))
+                     engine_options={"host_workers": w})
+        outs.append(smc.run_groups(prompt, groups, max_new_tokens=40, seed=5))
         (engine,) = _ENGINES[model].values()
         hosts = [engine.graphs[k].host for k in engine.graphs.keys() if getattr(engine.graphs[k], "host", None) is not None]
-        assert hosts and all((h._pool is not None) == bool(workers) for h in hosts)  # (the requests went there)
+        assert hosts and all((h._pool is not None) == bool(w) for h in hosts)  # (the requests went there)
     a, b = outs
     assert torch.equal(a.lengths, b.lengths) and torch.equal(a.tokens, b.tokens)
     assert torch.equal(a.log_weights, b.log_weights)
     finished = 0
-    for g in range(3):
+    for g in range(groups):
         for i in range(4):
             x = b.tokens[g, i, : b.lengths[g, i]].tolist()
             if x and x[-1] == model.eos_token_id and b.log_weights[g, i] > float("-inf"):
                 assert c.bind(model).is_valid(model.decode(x[:-1])), model.decode(x)
                 finished += 1
-    assert b.lengths.min() > 5 and finished  # (several rounds each; documents finished)
+    # (several rounds each; documents finished: of three requests, where the first alone writes further keys)
+    assert b.lengths.min() > 5 and (finished or groups == 1)
+
+
+@pytest.mark.slow
+def test_a_request_alone_is_shared_by_the_workers(model):
+    """One request of five rows on three mask workers: each holds its states and fills a block of its
+    rows (1, 2 and 2 rows); a second request, added later, goes to one worker, where fewest rows are
+    filled. Through two rounds with a resampling between them, every step's masks and the rows that
+    accept equal those computed in this process."""
+    c = JSONSchema(OPEN, path="llguidance").bind(model)
+    hosts = [HostMasks(5, model.vocab_size, "cpu", rows=10, k_max=2, workers=w) for w in (0, 3)]
+    g = torch.Generator().manual_seed(3)
+    for _round in range(2):
+        if _round == 1:
+            for h in hosts:
+                h.fork(torch.tensor([1, 1, 0, 4, 4, 5, 6, 7, 8, 9]))
+                h.add(1, RequestMasks([c], 5, block_size=2, budget=100))
+        else:
+            for h in hosts:
+                h.add(0, RequestMasks([c], 5, block_size=2, budget=100))
+        drafts = torch.zeros(10, 2, dtype=torch.long)
+        for h in hosts:
+            h.begin(10, 2, drafts)
+        for i in range(3):
+            outs = [torch.empty(10, hosts[0].W, dtype=torch.int32) for _ in hosts]
+            for h, out in zip(hosts, outs):
+                h.mask(i, out)
+            assert torch.equal(outs[0], outs[1]), (_round, i)
+            allowed = torch.stack([(outs[0][:, t // 32] >> (t % 32)) & 1 for t in range(model.vocab_size)], 1).bool()
+            allowed[:, model.eos_token_id] = False
+            d = torch.multinomial(allowed.double() + 1e-30 * (~allowed.any(1, keepdim=True)), 1, generator=g)[:, 0]
+            if i < 2:
+                drafts[:, i] = d
+            else:
+                for h in hosts:
+                    h.end(d, None)
+        assert torch.equal(hosts[0].rejects(10), hosts[1].rejects(10))
+    where = hosts[1]._pool.where
+    assert sorted(where[0]) == [(0, 0, 1), (1, 1, 3), (2, 3, 5)] and len(where[1]) == 1 and where[1][0][0] == 0
+    hosts[1].close()
 
 
 def _first_step(host, c, slot=0):

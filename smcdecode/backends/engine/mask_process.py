@@ -25,9 +25,9 @@ LINE = 8  # int64 words a process's control line
 # the step record (int64 words, after the control lines and the bell's line): its sequence number (odd
 # while written), the step buffer it fills, the bonus column, its items, then each process's batches
 # before it; then per item: the process that holds the request, its slot, first and last column
-# consumed, first row, bonus consumed, rows filled
+# consumed, first row, bonus consumed, and the request's rows this process fills (from, to: none if equal)
 SEQ, TURN, BONUS, ITEMS, PRE = range(5)
-ITEM = 7
+ITEM = 8
 IN_CAP, OUT_CAP = 1 << 20, 1 << 16  # mailbox bytes (in, answers); a longer message goes through the pipe
 SPIN = 0.002  # seconds a worker watches for work after a batch or step before it sleeps on the bell
 _SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1  # (x86-64 Linux)
@@ -179,7 +179,8 @@ class _Worker:
         return self.built[spec]
 
     def step(self, mine: list, turn: int, bonus: int, seq: int) -> None:
-        """This process's part of a step record: (slot, first, last, row, bonus?, fill?) each."""
+        """This process's part of a step record: (slot, first, last, row, bonus?, fill from, fill to) each:
+        every row consumes, the rows from … to − 1 of the request fill."""
         from .request_masks import advance_requests, fill_requests
 
         if self.error is None:
@@ -188,11 +189,11 @@ class _Worker:
                 cols = self.columns
                 for j in range(min(m[1] for m in mine), max(m[2] for m in mine)):
                     advance_requests([(m, cols[j, row: row + m.n].tolist())
-                                      for m, first, last, row, _, _ in mine if first <= j < last])
-                due = [(m, cols[bonus, row: row + m.n].tolist()) for m, _, _, row, b, _ in mine if b]
+                                      for m, first, last, row, *_ in mine if first <= j < last])
+                due = [(m, cols[bonus, row: row + m.n].tolist()) for m, _, _, row, b, _, _ in mine if b]
                 if due:
                     advance_requests(due)
-                fills = [(m, slice(row, row + m.n)) for m, _, _, row, _, fill in mine if fill]
+                fills = [(m.part(a, end), slice(row + a, row + end)) for m, _, _, row, _, a, end in mine if end > a]
                 if fills:
                     fill_requests(fills, self.bits[turn], self.rows)
             except Exception as e:  # noqa: BLE001 - reported to the main process with the next answer

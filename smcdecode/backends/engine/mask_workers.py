@@ -188,8 +188,8 @@ class MaskWorkers:
         self._posted = [0] * processes
         self._owed = [0] * processes  # the message whose answer each process owes (0: none)
         self._steps, self._stepping = 0, []  # records written; the processes the last one asks, until done
-        self.where: dict[int, int] = {}  # slot -> its process
-        self._rows: dict[int, int] = {}  # slot -> its rows (to place requests where fewest rows are)
+        self.where: dict[int, list] = {}  # slot -> its processes, each with the rows it fills: (w, first, end)
+        self._pending: dict[int, tuple] = {}  # slot -> (specs, n, lane): added, placed at the next send
         _LIVE.add(self)
 
     def close(self) -> None:
@@ -206,24 +206,47 @@ class MaskWorkers:
 
     # -- operations (queued; ``send`` sends them, ``wait`` collects the answers) --
     def add(self, slot: int, constraints: list, n: int, lane: int) -> None:
+        """Hold a request of ``n`` rows (placed with the other requests added before the next send)."""
         self.remove(slot)
-        load = [0] * len(self._procs)
-        for s, w in self.where.items():
-            load[w] += self._rows[s]
-        w = min(range(len(load)), key=load.__getitem__)
-        self.where[slot], self._rows[slot] = w, n
-        self._queued[w].append(("add", slot, [c.worker_spec() for c in constraints], n, lane))
+        self._pending[slot] = ([c.worker_spec() for c in constraints], n, lane)
+
+    def _place(self) -> None:
+        """Place the requests added since the last send. With G requests held, a request goes to
+        min(n, P // G) processes (at least one), those that fill the fewest rows: each holds all its
+        rows' states and consumes every row's tokens (cheap), but fills the masks (dear) of its own
+        block of rows only. With one request, every process fills a share of its rows."""
+        if not self._pending:
+            return
+        P, pending = len(self._procs), self._pending
+        self._pending = {}
+        load = [0] * P
+        for held in self.where.values():
+            for w, a, b in held:
+                load[w] += b - a
+        share = max(1, P // (len(self.where) + len(pending)))
+        for slot, (specs, n, lane) in pending.items():
+            r = max(1, min(n, share))
+            ws = sorted(range(P), key=lambda w: (load[w], w))[:r]
+            cut = [n * k // r for k in range(r + 1)]
+            self.where[slot] = [(w, cut[k], cut[k + 1]) for k, w in enumerate(ws)]
+            for k, w in enumerate(ws):
+                load[w] += cut[k + 1] - cut[k]
+                self._queued[w].append(("add", slot, specs, n, lane))
+
+    def _held(self, slot: int) -> list:
+        self._place()
+        return self.where[slot]
 
     def remove(self, slot: int) -> None:
-        if slot in self.where:
-            self._queued[self.where.pop(slot)].append(("remove", slot))
-            del self._rows[slot]
+        self._pending.pop(slot, None)
+        for w, _, _ in self.where.pop(slot, ()):
+            self._queued[w].append(("remove", slot))
 
     def clear(self) -> None:
         """Every request dropped: operations not yet sent are dropped too, the processes forget every
         request (and an error left from a failed call), and an answer not yet collected is dropped."""
         self.where.clear()
-        self._rows.clear()
+        self._pending.clear()
         self._queued = [[] for _ in self._procs]
         # (an error of a call that is over is dropped; a dead process: ``usable`` says so)
         with contextlib.suppress(SMCDecodeError):
@@ -233,12 +256,15 @@ class MaskWorkers:
             self.wait(self.send())
 
     def fork(self, slot: int, index: list) -> None:
-        self._queued[self.where[slot]].append(("fork", slot, index))
+        for w, _, _ in self._held(slot):
+            self._queued[w].append(("fork", slot, index))
 
     def check(self, slot: int, seqs: list) -> None:
         """A checked request's round: row i advanced by the tokens ``seqs[i]`` (None: not in the round);
-        ``checked`` collects which rows left the documents."""
-        self._queued[self.where[slot]].append(("check", slot, seqs))
+        ``checked`` collects which rows left the documents (every process that holds it checks: the
+        states stay the same in each)."""
+        for w, _, _ in self._held(slot):
+            self._queued[w].append(("check", slot, seqs))
 
     def checked(self) -> dict:
         """slot -> list of bool: the rows each checked request's ``check`` found outside the documents."""
@@ -249,8 +275,8 @@ class MaskWorkers:
 
     def accepting(self, slots: list) -> dict:
         """slot -> list of bool: does each row of the request accept (every constraint)?"""
-        for s in slots:
-            self._queued[self.where[s]].append(("accepting", s))
+        for s in slots:  # (the first process that holds it answers: they hold the same states)
+            self._queued[self._held(s)[0][0]].append(("accepting", s))
         out = {}
         for answers in self.wait(self.send()).values():
             out.update(answers)
@@ -260,16 +286,18 @@ class MaskWorkers:
         """Write a step record: for each of ``items`` (slot, first, last, row, bonus?, fill?) the
         request's rows (from ``row``) consume columns first … last − 1 of ``columns`` one by one, then,
         where ``bonus?`` is 1, column ``bonus``, then, where ``fill?`` is 1, write their masks into step
-        buffer ``turn``. Returns at once; ``step_wait`` waits for it."""
-        held = [(self.where[item[0]], *item) for item in items]  # (each with its process)
+        buffer ``turn`` (each process that holds the request its block of rows). Returns at once;
+        ``step_wait`` waits for it."""
+        held = [(w, slot, first, last, row, b, a if fill else 0, end if fill else 0)
+                for slot, first, last, row, b, fill in items for w, a, end in self._held(slot)]
         self.send()  # (the batches queued before it go first)
         self.step_wait()  # (the record's area is rewritten: the last record done)
         rec, P = self._record, len(self._procs)
         self._steps += 1
         rec[SEQ] = 2 * self._steps - 1  # (odd: being written)
-        rec[TURN], rec[BONUS], rec[ITEMS] = turn, bonus, len(items)
+        rec[TURN], rec[BONUS], rec[ITEMS] = turn, bonus, len(held)
         rec[PRE: PRE + P] = self._posted
-        rec[PRE + P: PRE + P + ITEM * len(items)] = np.asarray(held, dtype=np.int64).reshape(-1)
+        rec[PRE + P: PRE + P + ITEM * len(held)] = np.asarray(held, dtype=np.int64).reshape(-1)
         rec[SEQ] = 2 * self._steps
         self._stepping = sorted({item[0] for item in held})
         self._ring()
@@ -288,6 +316,7 @@ class MaskWorkers:
     def send(self) -> list[int]:
         """Post every process its queued operations (without waiting for them to run); the processes
         that will answer."""
+        self._place()
         if self._stepping and any(self._queued[w] for w in self._stepping):
             self.step_wait()  # (a batch after a record runs after it)
         asked = []

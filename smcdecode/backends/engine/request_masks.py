@@ -4,11 +4,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor
 
 from ...potentials.grammar import LLGuidanceConstraint
-from ...potentials.matchers import advance_together, consume_rows, fill_bits_together
+from ...potentials.matchers import MatcherBatch, advance_together, consume_rows, fill_bits_together
 
 
 class RequestMasks:
@@ -54,6 +56,17 @@ class RequestMasks:
             c.fill_bits(s, bits[rows])  # straight into the upload buffer
         else:
             bits[rows].copy_(c.allowed_bits(s))
+
+    def part(self, first: int, end: int) -> RequestMasks:
+        """Rows first … end − 1 of this request, for ``fill`` (their llguidance states, shared: a mask
+        worker that fills a block of a request's rows, ``MaskWorkers._place``)."""
+        if first == 0 and end == self.n:
+            return self
+        view = copy.copy(self)
+        view.n = end - first
+        view.states = [MatcherBatch(s.matchers[first:end], None if s.keys is None else s.keys[first:end])
+                       for s in self.states]
+        return view
 
     def restrict(self, out: Tensor) -> None:
         """``out`` &= the allowed tokens of every constraint after the first."""

@@ -211,10 +211,11 @@ class MaskWorkers:
         self._pending[slot] = ([c.worker_spec() for c in constraints], n, lane)
 
     def _place(self) -> None:
-        """Place the requests added since the last send. With G requests held, a request goes to
-        min(n, P // G) processes (at least one), those that fill the fewest rows: each holds all its
-        rows' states and consumes every row's tokens (cheap), but fills the masks (dear) of its own
-        block of rows only. With one request, every process fills a share of its rows."""
+        """Place the requests added since the last send: their rows, in order, cut into blocks so that
+        every process fills about as many rows as the others (those it fills already counted). A
+        process given a block of a request holds all its rows' states and consumes every row's tokens
+        (cheap), but fills the masks (dear) of its block only: one request alone is shared by every
+        process, eight requests of eight rows on eight processes take one each."""
         if not self._pending:
             return
         P, pending = len(self._procs), self._pending
@@ -223,14 +224,22 @@ class MaskWorkers:
         for held in self.where.values():
             for w, a, b in held:
                 load[w] += b - a
-        share = max(1, P // (len(self.where) + len(pending)))
+        new = sum(n for _, n, _ in pending.values())
+        target = -(-(sum(load) + new) // P)  # (the rows a process fills, at most, where it can)
+        order = sorted(range(P), key=lambda w: (load[w], w))
+        k = 0  # (the process being filled: ``order[k]``)
         for slot, (specs, n, lane) in pending.items():
-            r = max(1, min(n, share))
-            ws = sorted(range(P), key=lambda w: (load[w], w))[:r]
-            cut = [n * k // r for k in range(r + 1)]
-            self.where[slot] = [(w, cut[k], cut[k + 1]) for k, w in enumerate(ws)]
-            for k, w in enumerate(ws):
-                load[w] += cut[k + 1] - cut[k]
+            blocks, a = [], 0
+            while a < n:
+                while k < P - 1 and load[order[k]] >= target:
+                    k += 1
+                w = order[k]
+                b = n if k == P - 1 else min(n, a + max(1, target - load[w]))
+                blocks.append((w, a, b))
+                load[w] += b - a
+                a = b
+            self.where[slot] = blocks
+            for w, _, _ in blocks:
                 self._queued[w].append(("add", slot, specs, n, lane))
 
     def _held(self, slot: int) -> list:

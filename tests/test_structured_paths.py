@@ -17,7 +17,13 @@ import smcdecode as sd
 from smcdecode.backends.engine.config import EngineConfig
 from smcdecode.backends.engine.targets import CombinedAutomaton, DeviceAutomaton, EngineTarget
 from smcdecode.potentials.json_schema import JSONSchema
-from smcdecode.potentials.schema_regex import ANY_STRING, UnsupportedSchema, schema_regex, string_except
+from smcdecode.potentials.schema_regex import (
+    ANY_STRING,
+    SUPERSET_FORMATS,
+    UnsupportedSchema,
+    schema_regex,
+    string_except,
+)
 from smcdecode.testing import check_distribution, check_evidence_unbiased, exact_target, sequences
 
 VOCAB = ["<bos>", "[", "]", "[1", "1", "2", ", ", "true", "<eos>"]
@@ -271,11 +277,19 @@ def test_auto_takes_the_superset_where_the_device_path_would_take_a_subset():
     assert auto.path == "superset" and auto.superset_widens == ["bounded number at /"]
     assert JSONSchema({"type": "number", "minimum": 0, "maximum": 5}, path="automaton").path == "automaton"
     # a format widened to any string: particles die often, so auto keeps llguidance's masks
-    email = {"type": "string", "format": "email"}
-    auto = JSONSchema(email)
+    uri = {"type": "string", "format": "uri"}
+    auto = JSONSchema(uri)
     assert auto.path == "llguidance" and "format (any string)" in auto.path_reason, auto.path_reason
-    assert JSONSchema(email, path="superset").superset_widens == ["format (any string) at /"]
-    assert JSONSchema(email, path="automaton").path == "automaton"
+    assert JSONSchema(uri, path="superset").superset_widens == ["format (any string) at /"]
+    # a format with a regular superset: the superset keeps it (without the length beside it)
+    email = {"type": "string", "format": "email", "maxLength": 20}
+    auto = JSONSchema(email)
+    assert auto.path == "superset" and auto.superset_widens == [
+        "format 'email' beside maxLength (a regular superset of the format alone) at /"]
+    assert JSONSchema({"type": "string", "format": "email"}, path="automaton").path == "automaton"
+    # a pattern beside a length: the pattern alone
+    code = {"type": "string", "pattern": "^[a-z]+$", "maxLength": 5}
+    assert JSONSchema(code).superset_widens == ["pattern beside minLength/maxLength (the pattern alone) at /"]
     assert JSONSchema({"type": "integer", "minimum": 0, "maximum": 5}).path == "automaton"  # (exact)
 
 
@@ -407,6 +421,49 @@ def test_superset_masks_contain_llguidance_masks_on_the_default_model():
                 assert not missing, (doc, model.decode(ids[:i]), [model.token_strings[d] for d in missing[:5]])
                 assert ml[t], (doc, i)
                 state, sl = a.advance(state, torch.tensor([t])), llg.advance(sl, torch.tensor([t]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", sorted(SUPERSET_FORMATS) + ["email+maxLength", "pattern+maxLength"])
+def test_format_supersets_contain_llguidance_strings_on_the_default_model(fmt):
+    """A string format kept on the superset path (``SUPERSET_FORMATS``; beside a length, the format
+    alone) and a pattern beside a length (the pattern alone): along random walks through llguidance's
+    masks with the default model's vocabulary (each step a token drawn uniformly from those llguidance
+    allows, those that close a string or hold an @ more often: odd corners of the format too), the
+    superset automaton allows every token llguidance allows, up to the end of the document."""
+    model = sd.load_model()
+    if fmt == "pattern+maxLength":
+        value = {"type": "string", "pattern": "^[a-z]+(-[0-9]+)?$", "maxLength": 9}
+    elif fmt == "email+maxLength":
+        value = {"type": "string", "format": "email", "maxLength": 12}
+    else:
+        value = {"type": "string", "format": fmt}
+    schema = {"type": "object", "properties": {"v": value}, "required": ["v"], "additionalProperties": False}
+    sup = JSONSchema(schema, path="superset").bind(model)
+    llg = JSONSchema(schema, path="llguidance").bind(model)
+    assert sup.path == "superset" and not any("(any string)" in w for w in sup.superset_widens), sup.superset_widens
+    a = sup.superset_automaton
+    g = torch.Generator().manual_seed(11)
+    # (tokens that close a string or hold an email's @, and EOS, drawn more often, so that walks end)
+    closing = torch.tensor([isinstance(x, str) and ('"' in x or "@" in x) for x in model.token_strings])
+    closing[model.eos_token_id] = True
+    ended = 0
+    for _walk in range(12):
+        state, sl = torch.tensor([a.initial]), llg.start(1)
+        prefix = []
+        for _ in range(48):
+            ml, ms = llg.allowed(sl)[0], a.allowed(state)[0]
+            missing = (ml & ~ms).nonzero().flatten().tolist()
+            assert not missing, (fmt, model.decode(prefix), [model.token_strings[d] for d in missing[:5]])
+            if not ml.any():
+                break
+            t = int(torch.multinomial(ml.double() * (1 + 300 * closing), 1, generator=g))
+            if t == model.eos_token_id:
+                ended += 1
+                break
+            prefix.append(t)
+            state, sl = a.advance(state, torch.tensor([t])), llg.advance(sl, torch.tensor([t]))
+    assert ended, fmt  # (some walks reached the end of a document)
 
 
 def test_superset_check_of_a_round_takes_eos_after_a_finished_document():

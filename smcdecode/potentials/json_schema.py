@@ -437,11 +437,12 @@ class JSONSchema(LLGuidanceConstraint):
             if path == "superset":
                 raise
             return "llguidance", None, None, f"{why}; no superset automaton either: {e}"
-        strings = [w for w in wider if w.startswith(("format", "pattern")) and "(any string)" in w]
+        strings = [w for w in wider if w.startswith(("format", "pattern"))]
         if strings and path != "superset":
-            # NOTE: a string format or pattern widened to any string: the draft writes strings outside
-            # them often, so particles die (JSONSchemaBench: 31 fewer valid of 273 such schemas); a format
-            # kept as a regular superset of it, or a pattern without the length beside it, is taken
+            # NOTE: a string format or pattern widened: the draft writes strings outside them, so particles
+            # die, at times all of a request's in one round, which leaves it no sample (JSONSchemaBench: to
+            # any string, 31 fewer valid of 273 such schemas; to a format's regular superset or a pattern
+            # without its length, 6 fewer of 128: benchmarks/results/structured/superset_quality.json)
             return "llguidance", None, None, (f"{why}; the superset widens {strings[0]}, where particles leave the documents "
                                 "often: llguidance's masks (path='superset' takes the superset)")
         self.superset_widens = wider

@@ -5,6 +5,10 @@ alone). Writes their [subset, id] list (for ``structured_quality.py --only``,
 which compares the superset path with llguidance's masks on them) and the count of each kind.
 
     python benchmarks/superset_schemas.py        # CPU, about a minute
+    # the schemas' SMC-SD outputs on both paths (GPU), then their comparison on the schemas both ran
+    python benchmarks/structured_quality.py --only benchmarks/results/structured/superset_schemas.json \
+        --path superset --methods smc --out A.jsonl ...     # and --path llguidance --out B.jsonl
+    python benchmarks/superset_schemas.py --compare A.jsonl B.jsonl
 """
 
 from __future__ import annotations
@@ -35,7 +39,12 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=EVAL)
     ap.add_argument("--timeout", type=float, default=20.0, help="seconds a schema's compile may take")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/structured/superset_schemas.json")
+    ap.add_argument("--compare", type=Path, nargs=2, metavar=("SUPERSET", "LLGUIDANCE"), default=None,
+                    help="structured_quality.py rows of the two paths: compare them on the schemas both ran")
+    ap.add_argument("--compare-out", type=Path, default=ROOT / "benchmarks/results/structured/superset_quality.json")
     args = ap.parse_args()
+    if args.compare:
+        return compare(*args.compare, args.compare_out)
     before = {(r["subset"], r["id"]): r["path"]
               for r in json.loads((ROOT / "benchmarks/results/schema_compile.json").read_text())["schemas"]}
     signal.signal(signal.SIGALRM, _alarm)
@@ -65,6 +74,24 @@ def main() -> None:
     args.out.write_text(json.dumps({"now": dict(now), "superset": moved}, indent=0))
     print(f"llguidance-path schemas with a format or pattern, by their superset: {dict(now)}")
     print(f"wrote {args.out}")
+
+
+def compare(a: Path, b: Path, out: Path) -> None:
+    """Valid outputs, outputs with no sample and the paths taken, over the schemas both files have a
+    row for."""
+    rows = [{(r["subset"], r["id"]): r for r in map(json.loads, f.read_text().splitlines())} for f in (a, b)]
+    common = sorted(set(rows[0]) & set(rows[1]))
+    res = {"files": [str(a), str(b)], "schemas": len(common)}
+    for name, rs in zip(("first", "second"), rows):
+        res[name] = {"valid": sum(bool(rs[k].get("valid")) for k in common),
+                     "no_sample": sum(not rs[k].get("text") for k in common),
+                     "paths": dict(collections.Counter(rs[k]["path"] for k in common)),
+                     "seconds_per_output_mean": sum(rs[k]["seconds"] for k in common) / max(1, len(common))}
+    res["valid_in_first_only"] = sum(bool(rows[0][k].get("valid")) and not rows[1][k].get("valid") for k in common)
+    res["valid_in_second_only"] = sum(bool(rows[1][k].get("valid")) and not rows[0][k].get("valid") for k in common)
+    out.write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

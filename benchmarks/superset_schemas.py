@@ -77,18 +77,23 @@ def main() -> None:
 
 
 def compare(a: Path, b: Path, out: Path) -> None:
-    """Valid outputs, outputs with no sample and the paths taken, over the schemas both files have a
-    row for."""
+    """Valid outputs, outputs with no sample (compiled, no text) and schemas not compiled, over the
+    schemas both files have a row for, and over those the first file ran on the superset path."""
     rows = [{(r["subset"], r["id"]): r for r in map(json.loads, f.read_text().splitlines())} for f in (a, b)]
     common = sorted(set(rows[0]) & set(rows[1]))
-    res = {"files": [str(a), str(b)], "schemas": len(common)}
-    for name, rs in zip(("first", "second"), rows):
-        res[name] = {"valid": sum(bool(rs[k].get("valid")) for k in common),
-                     "no_sample": sum(not rs[k].get("text") for k in common),
-                     "paths": dict(collections.Counter(rs[k]["path"] for k in common)),
-                     "seconds_per_output_mean": sum(rs[k]["seconds"] for k in common) / max(1, len(common))}
-    res["valid_in_first_only"] = sum(bool(rows[0][k].get("valid")) and not rows[1][k].get("valid") for k in common)
-    res["valid_in_second_only"] = sum(bool(rows[1][k].get("valid")) and not rows[0][k].get("valid") for k in common)
+    res = {"files": [str(a), str(b)]}
+    for scope, keys in (("both", common), ("first_on_superset", [k for k in common if rows[0][k]["path"] == "superset"])):
+        part = {"schemas": len(keys)}
+        for name, rs in zip(("first", "second"), rows):
+            secs = [rs[k]["seconds"] for k in keys if rs[k].get("seconds") is not None]
+            part[name] = {"valid": sum(bool(rs[k].get("valid")) for k in keys),
+                          "no_sample": sum(bool(rs[k].get("compiled")) and not rs[k].get("text") for k in keys),
+                          "not_compiled": sum(not rs[k].get("compiled") for k in keys),
+                          "paths": dict(collections.Counter(str(rs[k]["path"]) for k in keys)),
+                          "seconds_per_output_mean": sum(secs) / len(secs) if secs else None}
+        part["valid_in_first_only"] = sum(bool(rows[0][k].get("valid")) and not rows[1][k].get("valid") for k in keys)
+        part["valid_in_second_only"] = sum(bool(rows[1][k].get("valid")) and not rows[0][k].get("valid") for k in keys)
+        res[scope] = part
     out.write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
     print(f"wrote {out}")

@@ -60,8 +60,8 @@ def test_engine_samples_the_same_with_mask_workers(model, path, groups, workers)
 @pytest.mark.slow
 def test_a_request_alone_is_shared_by_the_workers(model):
     """One request of five rows on three mask workers: each holds its states and fills a block of its
-    rows (2, 2 and 1 rows); a second request, added later, is cut between the worker that fills
-    fewest rows (3 of its rows) and the next (2), so that none fills more than 4. Through two rounds with a resampling between them, every step's masks and the rows that
+    rows (1, 2 and 2 rows); a second request, added later when no worker is free, goes whole to the
+    one that fills fewest rows. Through two rounds with a resampling between them, every step's masks and the rows that
     accept equal those computed in this process."""
     c = JSONSchema(OPEN, path="llguidance").bind(model)
     hosts = [HostMasks(5, model.vocab_size, "cpu", rows=10, k_max=2, workers=w) for w in (0, 3)]
@@ -92,8 +92,36 @@ def test_a_request_alone_is_shared_by_the_workers(model):
                     h.end(d, None)
         assert torch.equal(hosts[0].rejects(10), hosts[1].rejects(10))
     where = hosts[1]._pool.where
-    assert where[0] == [(0, 0, 2), (1, 2, 4), (2, 4, 5)] and where[1] == [(2, 0, 3), (0, 3, 5)]
+    assert where[0] == [(0, 0, 1), (1, 1, 3), (2, 3, 5)] and where[1] == [(0, 0, 5)]
     hosts[1].close()
+
+
+@pytest.mark.slow
+def test_placement_of_requests_added_together(model):
+    """Three requests added together on three workers take one each, whole; two requests on three
+    workers share them (1 and 2); a request whose rows fill no masks (checked) stays whole; placed at
+    the next send, not at ``add``."""
+    c = JSONSchema(OPEN, path="llguidance").bind(model)
+    host = HostMasks(4, model.vocab_size, "cpu", rows=16, k_max=2, workers=3)
+    host.add(0, RequestMasks([c], 4, block_size=2, budget=100))  # (starts the workers)
+    pool = host._pool
+    try:
+        assert not pool.where and set(pool._pending) == {0}
+        for slot in (1, 2):
+            pool.add(slot, [c], 4, slot * 4)
+        pool.send()
+        assert sorted(pool.where.values()) == [[(0, 0, 4)], [(1, 0, 4)], [(2, 0, 4)]]
+        pool.clear()
+        pool.add(0, [c], 4, 0)
+        pool.add(1, [c], 4, 4)
+        pool.send()
+        assert pool.where == {0: [(0, 0, 4)], 1: [(1, 0, 2), (2, 2, 4)]}
+        pool.clear()
+        pool.add(0, [c], 4, 0, share=False)
+        pool.send()
+        assert pool.where == {0: [(0, 0, 4)]}
+    finally:
+        host.close()
 
 
 def _first_step(host, c, slot=0):

@@ -442,7 +442,7 @@ class JSONSchema(LLGuidanceConstraint):
             # NOTE: a string format or pattern widened: the draft writes strings outside them, so particles
             # die, at times all of a request's in one round, which leaves it no sample (JSONSchemaBench: to
             # any string, 31 fewer valid of 273 such schemas; to a format's regular superset or a pattern
-            # without its length, 91 valid against 97 of 128, 37 left without a sample against 31:
+            # without its length, 85 valid against 91 of 121, 36 left without a sample against 30:
             # benchmarks/results/structured/superset_quality.json)
             return "llguidance", None, None, (f"{why}; the superset widens {strings[0]}, where particles leave the documents "
                                 "often: llguidance's masks (path='superset' takes the superset)")

@@ -74,8 +74,8 @@ FORMATS = {
 }
 
 # for the superset path: a regular language at least as wide as each format llguidance checks (it writes
-# a format's string raw, without escapes); tests/test_schema_regex.py checks them against llguidance's
-# own strings of each format
+# a format's string raw, without escapes); tests/test_structured_paths.py checks them against
+# llguidance's masks along strings of each format
 _LOCAL_CHAR = r"[a-zA-Z0-9!#$%&'*+/=?^_`{|}~-]"
 _LABEL = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
 _DAY = r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"  # (every month of 31 days; Feb 29 any year)

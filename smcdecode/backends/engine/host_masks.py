@@ -84,7 +84,7 @@ class HostMasks:
         masks.slot = slot
         pool = self._pool_for(masks)
         if pool is not None:
-            pool.add(slot, masks.constraints, masks.n, masks.lane)
+            pool.add(slot, masks.constraints, masks.n, masks.lane, share=not masks.checked)
             masks.remote, masks.states = True, None
 
     def _pool_for(self, masks: RequestMasks) -> MaskWorkers | None:

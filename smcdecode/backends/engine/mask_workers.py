@@ -157,7 +157,7 @@ class MaskWorkers:
         if why:
             raise SMCDecodeError(f"mask worker processes {why}: pass host_workers=0")
         live = [other for other in list(_LIVE) if not other.closed]
-        idle = [other for other in live if not other.where]
+        idle = [other for other in live if not other.where and not other._pending]
         for other in idle[: max(0, len(live) - MAX_LIVE + 1)]:  # (other round shapes' idle workers)
             other.close()
         self.tok, self.rows, self.words = tok, rows, words
@@ -205,41 +205,45 @@ class MaskWorkers:
         return self._finalizer.alive and all(p.is_alive() for p in self._procs)
 
     # -- operations (queued; ``send`` sends them, ``wait`` collects the answers) --
-    def add(self, slot: int, constraints: list, n: int, lane: int) -> None:
-        """Hold a request of ``n`` rows (placed with the other requests added before the next send)."""
+    def add(self, slot: int, constraints: list, n: int, lane: int, share: bool = True) -> None:
+        """Hold a request of ``n`` rows (placed with the other requests added before the next send);
+        ``share`` False: in one process (a request whose rows fill no masks, checked after its rounds)."""
         self.remove(slot)
-        self._pending[slot] = ([c.worker_spec() for c in constraints], n, lane)
+        self._pending[slot] = ([c.worker_spec() for c in constraints], n, lane, share)
 
     def _place(self) -> None:
-        """Place the requests added since the last send: their rows, in order, cut into blocks so that
-        every process fills about as many rows as the others (those it fills already counted). A
-        process given a block of a request holds all its rows' states and consumes every row's tokens
-        (cheap), but fills the masks (dear) of its block only: one request alone is shared by every
-        process, eight requests of eight rows on eight processes take one each."""
+        """Place the requests added since the last send. Processes that hold no request are shared out
+        among them: a request given k such processes is cut into k blocks of rows. A process given a
+        block holds all the request's rows' states and consumes every row's tokens (cheap), but fills
+        the masks (dear) of its block only. Where no process is free (or the request fills no masks),
+        a request goes whole to the process that fills the fewest rows. So one request alone is shared
+        by every process, eight requests on eight processes take one each, and requests that come one
+        at a time do not spread over processes that are busy already."""
         if not self._pending:
             return
         P, pending = len(self._procs), self._pending
         self._pending = {}
-        load = [0] * P
+        load, holds = [0] * P, [0] * P
         for held in self.where.values():
             for w, a, b in held:
                 load[w] += b - a
-        new = sum(n for _, n, _ in pending.values())
-        target = -(-(sum(load) + new) // P)  # (the rows a process fills, at most, where it can)
-        order = sorted(range(P), key=lambda w: (load[w], w))
-        k = 0  # (the process being filled: ``order[k]``)
-        for slot, (specs, n, lane) in pending.items():
-            blocks, a = [], 0
-            while a < n:
-                while k < P - 1 and load[order[k]] >= target:
-                    k += 1
-                w = order[k]
-                b = n if k == P - 1 else min(n, a + max(1, target - load[w]))
-                blocks.append((w, a, b))
-                load[w] += b - a
-                a = b
+                holds[w] += 1
+        free = [w for w in range(P) if not holds[w]]
+        shared = [slot for slot, (_, n, _, share) in pending.items() if share and n > 1][: len(free)]
+        given = {slot: free[i * len(free) // len(shared): (i + 1) * len(free) // len(shared)]
+                 for i, slot in enumerate(shared)}  # (slot -> the free processes it is cut over)
+        for slot in [*shared, *(s for s in pending if s not in given)]:
+            specs, n, lane, _ = pending[slot]
+            ws = given.get(slot, [])[:n]
+            if ws:
+                cut = [n * k // len(ws) for k in range(len(ws) + 1)]
+                blocks = [(w, cut[k], cut[k + 1]) for k, w in enumerate(ws)]
+            else:
+                blocks = [(min(range(P), key=lambda w: (load[w], w)), 0, n)]
             self.where[slot] = blocks
-            for w, _, _ in blocks:
+            for w, a, b in blocks:
+                load[w] += b - a
+                holds[w] += 1
                 self._queued[w].append(("add", slot, specs, n, lane))
 
     def _held(self, slot: int) -> list:

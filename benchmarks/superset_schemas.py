@@ -24,15 +24,9 @@ EVAL = ROOT.parent / "shared" / "data" / "eval"
 SUBSETS = ("Github_trivial", "Github_easy", "Glaiveai2K")
 
 
-class _Timeout(BaseException):
-    pass
-
-
-def _alarm(signum, frame):
-    raise _Timeout
-
-
 def main() -> None:
+    from quality_compile import _alarm, _Timeout  # (benchmarks/ is on sys.path when run as a script)
+
     from smcdecode.potentials.json_schema import JSONSchema
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -341,20 +341,20 @@ class _Translator:
                 out = exact.string(s, where)
                 if not exact.subsets:
                     return out
+                keyword = "format"
             except UnsupportedSchema as e:
-                out = None
                 keyword = e.keyword
             fmt, bounds = s.get("format"), [k for k in ("pattern", "minLength", "maxLength") if k in s]
             if fmt in SUPERSET_FORMATS:  # (a format: a regular language at least as wide, alone)
                 return self.widen(f"format {fmt!r}" + (f" beside {'/'.join(bounds)}" if bounds else "")
                                   + " (a regular superset of the format alone)", where, SUPERSET_FORMATS[fmt])
-            if out is None and fmt is None and "pattern" in s and keyword == "pattern":
+            if fmt is None and "pattern" in s and ("minLength" in s or "maxLength" in s):
                 try:  # (a pattern beside a length: the pattern alone)
-                    body = _Translator(self.root, "compact", self.coerce_one_of).pattern(s["pattern"], where)
+                    body = exact.pattern(s["pattern"], where)
                     return self.widen("pattern beside minLength/maxLength (the pattern alone)", where, body)
                 except UnsupportedSchema as e:
                     keyword = e.keyword
-            return self.widen(f"{keyword if out is None else 'format'} (any string)", where, ANY_CHAR + "*")
+            return self.widen(f"{keyword} (any string)", where, ANY_CHAR + "*")
         fmt, pattern = s.get("format"), s.get("pattern")
         counted = "minLength" in s or "maxLength" in s
         if fmt is not None:

@@ -189,7 +189,7 @@ class MaskWorkers:
         self._owed = [0] * processes  # the message whose answer each process owes (0: none)
         self._steps, self._stepping = 0, []  # records written; the processes the last one asks, until done
         self.where: dict[int, list] = {}  # slot -> its processes, each with the rows it fills: (w, first, end)
-        self._pending: dict[int, tuple] = {}  # slot -> (specs, n, lane): added, placed at the next send
+        self._pending: dict[int, tuple] = {}  # slot -> (specs, n, lane, share): added, placed at the next send
         _LIVE.add(self)
 
     def close(self) -> None:

@@ -22,7 +22,8 @@ proposal launched, its host points, the host's end of the round and its verdicts
 launched), ``HostMasks.end`` within it (on the superset path, ``--path superset``: the round's tokens
 read and llguidance's check), ``host_terms`` (the verdicts uploaded) and the scheduler's read of the
 round. Medians over the host points of the timed calls, in ms; the raw timeline of one call
-goes to --out. ``--no-timeline`` times the calls only (an A/B against another tree).
+goes to --out. ``--no-timeline`` times the calls only (an A/B against another tree);
+``--pipeline-ab`` times the same calls pipelined and not, alternately, in one process.
 
     python benchmarks/profile_mask_workers.py --smollm2-gguf PATH --schema small   # one NVIDIA GPU
 """
@@ -180,6 +181,39 @@ def parts(points: list, workers: int) -> dict:
     return {k: {"median": statistics.median(v), "mean": statistics.fmean(v), "n": len(v)} for k, v in out.items() if v}
 
 
+def pipeline_ab(engine, P, kw, args, name, device, sync) -> None:
+    """The same calls with ``pipeline=True`` and ``False``, alternately (A/B within one process);
+    medians of ms a call and a round; the outputs must be the same."""
+    times: dict = {True: [], False: []}
+    outs: dict = {}
+    engine.smc_sd(P, max_new_tokens=256, pipeline=False, **kw)  # (both variants' rounds captured)
+    same = True
+    for i in range(args.calls):
+        for pipeline in (True, False):  # (each pair with one seed: the same draws)
+            sync()
+            t0 = time.perf_counter()
+            out = engine.smc_sd(P, max_new_tokens=256, pipeline=pipeline, seed=i, **kw)
+            sync()
+            times[pipeline].append((1e3 * (time.perf_counter() - t0), out.rounds))
+            outs[pipeline] = out
+        same &= all(torch.equal(getattr(outs[True], k), getattr(outs[False], k))
+                    for k in ("tokens", "lengths", "log_weights"))
+    res = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "model": name,
+           "schema": args.schema, "path": args.path, "requests": args.requests,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "same_outputs": same,
+           "calls_ms": {str(k): v for k, v in times.items()}}
+    for pipeline in (True, False):
+        ms = [t for t, _ in times[pipeline]]
+        res[f"{'pipelined' if pipeline else 'unpipelined'}_ms_median"] = statistics.median(ms)
+        res[f"{'pipelined' if pipeline else 'unpipelined'}_ms_per_round"] = statistics.median(t / r for t, r in times[pipeline])
+    print(f"{name} {args.schema} {args.path} G={args.requests}: pipelined {res['pipelined_ms_median']:.1f} ms a call "
+          f"({res['pipelined_ms_per_round']:.2f} a round), unpipelined {res['unpipelined_ms_median']:.1f} ms "
+          f"({res['unpipelined_ms_per_round']:.2f} a round), {args.calls} calls each, alternately; same outputs: {same}",
+          flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smollm2-gguf", default=None, help="SmolLM2-135M-Instruct GGUF (default: the random 8B/1B shapes)")
@@ -189,6 +223,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--cpu", action="store_true", help="on the CPU with two mask workers (checks the script)")
+    ap.add_argument("--pipeline-ab", action="store_true",
+                    help="time the calls only, pipelined and not (engine.smc_sd's pipeline), alternately, in this process")
     ap.add_argument("--no-timeline", action="store_true",
                     help="time the calls only (no patched timing; runs against a tree without this one's workers)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "structured" / "mask_workers_profile.json")
@@ -197,6 +233,7 @@ def main() -> None:
         raise SystemExit("needs an NVIDIA GPU (or --cpu to check the script)")
     device, dtype = ("cpu", torch.float32) if args.cpu else ("cuda", torch.bfloat16)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    args.no_timeline |= args.pipeline_ab
     points = [] if args.no_timeline else patch()
     spans = patch_rounds() if not args.no_timeline else None
     ns = argparse.Namespace(tiny=False, smollm2_gguf=args.smollm2_gguf, requests=[args.requests], prompt_len=128)
@@ -208,6 +245,9 @@ def main() -> None:
     kw = dict(particles=8, block_size=8, target=EngineTarget.of(sd.LM(model) * c), eos_token_id=eos)
     P = prompts[: args.requests]
     engine.smc_sd(P, max_new_tokens=256, **kw)  # (captures the rounds, starts the workers)
+    if args.pipeline_ab:
+        pipeline_ab(engine, P, kw, args, name, device, sync)
+        return
     res = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "model": name, "schema": args.schema, "requests": args.requests,
            "host_workers": engine.config.host_workers,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "calls": []}

@@ -239,3 +239,54 @@ def test_idle_workers_of_another_round_shape_make_way(model, monkeypatch):
     assert a._pool is not first and a._pool.usable and torch.equal(out, ref_out) and b._pool.closed
     a.close()
     b.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_superset_rounds_pipelined_give_the_unpipelined_outputs(model, monkeypatch, workers):
+    """Superset-path requests (checked after each proposal, no host masks) on the CPU engine:
+    pipelined — the next round launched before the host reads the last one, which it reads while the
+    proposal runs, before the check — the tokens, lengths and weights equal those of rounds read
+    before the next launch, with the checks in this process and in mask workers."""
+    from functools import partialmethod
+
+    from smcdecode.backends.engine import scheduler
+    from smcdecode.backends.engine.engine import Engine
+    from smcdecode.backends.engine.targets import EngineTarget
+
+    c = JSONSchema(OPEN, path="superset")
+    prompt = "Describe a cat as JSON with a name, tags and integer fields:"
+    smc_sd, run_round = Engine.smc_sd, scheduler.run_round
+    read_meanwhile = []
+
+    def counted(*a, **k):
+        read_meanwhile.append(a[-1] is not None if len(a) > 5 else k.get("meanwhile") is not None)
+        return run_round(*a, **k)
+
+    monkeypatch.setattr(scheduler, "run_round", counted)
+    outs = []
+    for pipeline in (False, True):
+        monkeypatch.setattr(Engine, "smc_sd", partialmethod(smc_sd, pipeline=pipeline))
+        read_meanwhile.clear()
+        smc = sd.SMC(sd.LM(model) * c, sd.Draft(model), particles=4, block_size=3, backend="engine",
+                     engine_options={"host_workers": workers})
+        outs.append(smc.run_groups(prompt, 3, max_new_tokens=40, seed=5))
+        assert any(read_meanwhile) == pipeline, read_meanwhile  # (the pipelined run read rounds meanwhile)
+    a, b = outs
+    assert a.rounds == b.rounds > 2
+    assert torch.equal(a.lengths, b.lengths) and torch.equal(a.tokens, b.tokens)
+    assert torch.equal(a.log_weights, b.log_weights)
+    # requests of other budgets, which end in other rounds (a request released while the next
+    # round's proposal runs), straight on the engine
+    (engine,) = _ENGINES[model].values()
+    ids = model.encode(prompt)
+    program = EngineTarget.of(sd.LM(model) * c)
+    runs = []
+    for pipeline in (False, True):
+        read_meanwhile.clear()
+        runs.append(smc_sd(engine, [ids] * 3, particles=4, block_size=3, max_new_tokens=[5, 30, 14], target=program,
+                           eos_token_id=model.eos_token_id, seed=3, pipeline=pipeline, record_weights=True))
+        assert any(read_meanwhile) == pipeline
+    a, b = runs
+    assert a.rounds == b.rounds and torch.equal(a.lengths, b.lengths) and torch.equal(a.tokens, b.tokens)
+    assert torch.equal(a.log_weights, b.log_weights)

@@ -408,9 +408,11 @@ class Scheduler:
 
     def _pipelined(self, bucket: int, k: int, K_now: dict) -> bool:
         """Whether this round can be launched before the one in flight is read: its graph exists,
-        the host has nothing to do inside the round, and every request drafts k tokens (so every
+        the host has nothing to do inside the proposal (no host masks: checked requests are checked
+        after it, once the round before is read), and every request drafts k tokens (so every
         row's pages for the next round are known before this one ends) or is exact."""
-        return (self.pipeline and self.host is None and not self.rewards and self.plan is None
+        return (self.pipeline and (self.host is None or not self.host.masked) and not self.rewards
+                and self.plan is None
                 and (bucket, k, False) in self._rounds.by_bucket
                 # (exact rows hold their pages from admission on: any K)
                 and all(v == k or self.requests[g].exact for g, v in K_now.items()))
@@ -471,8 +473,11 @@ class Scheduler:
             self._drain()
             return self._collect(wait_all=True)
         self.host_s += time.perf_counter() - t0
-        self._launch(rnd, bucket, k, occupied, K_now, held)
-        if held is None or len(self._flights) > 1:
+        # (a pipelined round with host checks: the round in flight is read while its proposal runs,
+        # before the check, which needs that round's resampling booked on the host states)
+        checks = held is not None and self.host is not None and bool(self.host.requests) and bool(self._flights)
+        self._launch(rnd, bucket, k, occupied, K_now, held, (lambda: self._read(held)) if checks else None)
+        if not checks and (held is None or len(self._flights) > 1):
             t1 = time.perf_counter()
             self._read() if held is not None else self._drain()
             self.host_s += time.perf_counter() - t1
@@ -502,12 +507,13 @@ class Scheduler:
         b["fresh"][:R].copy_(stage[:R], non_blocking=True)
         return held
 
-    def _launch(self, rnd, bucket: int, k: int, occupied: list[int], K_now: dict, held) -> None:
+    def _launch(self, rnd, bucket: int, k: int, occupied: list[int], K_now: dict, held, meanwhile=None) -> None:
         b, R = self.full.buffers, bucket * self.Nmax
+        requests = {g: self.requests[g] for g in occupied}  # (as launched: ``meanwhile`` may release some)
         if self.host is not None:
             self.host.begin(R, k, rnd.buffers["drafts"], handed=True)
         self.host_s += run_round(rnd, self.host, [(tracker, mine[:R]) for _, tracker, mine in self.rewards], k,
-                                 self.cap)
+                                 self.cap, meanwhile)
         stats = None
         if self.plan is not None:
             stats = torch.stack([b["accept"], b["accept_n"], b["draft_lw"]]).cpu()
@@ -519,7 +525,7 @@ class Scheduler:
         if self._host_packed.is_pinned():
             event = torch.cuda.Event()
             event.record()
-        self._flights.append(Flight(p, bucket, k, list(occupied), {g: self.requests[g] for g in occupied},
+        self._flights.append(Flight(p, bucket, k, list(occupied), requests,
                                      dict(K_now), held, event,
                                      b["W"][:bucket].clone() if self.record_weights else None))
         self._parity ^= 1
@@ -529,9 +535,11 @@ class Scheduler:
         while self._flights:
             self._read()
 
-    def _read(self) -> None:
+    def _read(self, next_held=None) -> None:
         """Read the oldest round in flight: book its forks and pages on the host, record the
-        requests' statistics, release the requests whose particles have all finished."""
+        requests' statistics, release the requests whose particles have all finished.
+        ``next_held``: the pages set aside for a round launched after it and not yet in flight
+        (read while that round's proposal runs); else the next round in flight's."""
         f = self._flights.pop(0)
         if f.event is not None:
             f.event.synchronize()
@@ -560,7 +568,7 @@ class Scheduler:
                 self.table.reserve(booked, T[booked] + k + 1, write_from=T[booked] - 1, held=f.held[booked])
             out = self._rows(gone)
             self.table.unhold(f.held[self._rows(gone + stale)].reshape(-1))
-            nxt = self._flights[0].held if self._flights else None
+            nxt = next_held if next_held is not None else (self._flights[0].held if self._flights else None)
             if nxt is not None:  # (the round launched after it left these requests' rows alone)
                 self.table.unhold(nxt[out].reshape(-1))
                 nxt[out] = 0

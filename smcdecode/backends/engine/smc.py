@@ -90,14 +90,18 @@ def host_terms(b: dict, rewards: list, hosted, longest_new: int) -> None:
     b["host_incr"].copy_(incr)
 
 
-def run_round(rnd: Round, host, rewards: list, k: int, longest_new: int) -> float:
+def run_round(rnd: Round, host, rewards: list, k: int, longest_new: int, meanwhile=None) -> float:
     """Run a round (draft steps ``k``): its proposal, the host's work, its resampling; returns the
     seconds of the host's verdicts (``host_terms``: ``rewards`` and the host constraints ``host``).
     With host masks alone, where no request is checked or may reach its budget
     (``HostMasks.verdicts_due``), the resampling needs no verdict: it is launched before the host
-    catches up with the round's last tokens (``HostMasks.end``), which then overlaps it."""
+    catches up with the round's last tokens (``HostMasks.end``), which then overlaps it.
+    ``meanwhile``: host work run once the proposal is launched, before the host reads it (a
+    pipelined round's read of the round before it)."""
     late = host is not None and not rewards and not host.verdicts_due()
     rnd.propose()
+    if meanwhile is not None:
+        meanwhile()
     if late:
         host.drafted(k, rnd.buffers["bonus"])  # (the bonus handed over as a column)
         rnd.finish()

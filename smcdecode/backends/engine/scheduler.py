@@ -15,10 +15,11 @@ reused by later schedulers of the same shape.
     while sched.busy:
         finished = sched.step()   # one round; the requests that finished (in the round read)
 
-Pipelined rounds: where a round allows it (one K for every request, no host work inside the round)
-the host sets pages aside before the launch, the round's graph forks the page table and places them
-itself (``smc.pages_code``), and ``step`` launches round r + 1 before it reads round r, booking the
-same pages on the host while round r + 1 runs. A request's particles all finished in round r are
+Pipelined rounds: where a round allows it (one K for every request, no host work inside the
+proposal) the host sets pages aside before the launch, the round's graph forks the page table and
+places them itself (``smc.pages_code``), and ``step`` launches round r + 1 before it reads round r,
+booking the same pages on the host while round r + 1 runs (with superset-path checks: while its
+proposal runs, before the host checks its tokens on the states round r's resampling forked). A request's particles all finished in round r are
 read, and its slot freed, after round r + 1 was launched (for its rows a no-op); its outputs reach
 the host without waiting for that round (``_collect``).
 

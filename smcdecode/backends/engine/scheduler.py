@@ -18,10 +18,10 @@ reused by later schedulers of the same shape.
 Pipelined rounds: where a round allows it (one K for every request, no host work inside the
 proposal) the host sets pages aside before the launch, the round's graph forks the page table and
 places them itself (``smc.pages_code``), and ``step`` launches round r + 1 before it reads round r,
-booking the same pages on the host while round r + 1 runs (with superset-path checks: while its
-proposal runs, before the host checks its tokens on the states round r's resampling forked). A request's particles all finished in round r are
-read, and its slot freed, after round r + 1 was launched (for its rows a no-op); its outputs reach
-the host without waiting for that round (``_collect``).
+booking the same pages on the host while round r + 1 runs (superset-path checks: while its proposal
+runs, before the host checks its tokens). A request's particles all finished in round r are read,
+and its slot freed, after round r + 1 was launched (for its rows a no-op); its outputs reach the
+host without waiting for that round (``_collect``).
 
 A scheduler runs a fixed set of target programs (``target=[...]``; a request names its own in
 ``Request.target``): their automata share one device table, α is per row, rewards are scored per
@@ -413,8 +413,7 @@ class Scheduler:
         after it, once the round before is read), and every request drafts k tokens (so every
         row's pages for the next round are known before this one ends) or is exact."""
         return (self.pipeline and (self.host is None or not self.host.masked) and not self.rewards
-                and self.plan is None
-                and (bucket, k, False) in self._rounds.by_bucket
+                and self.plan is None and (bucket, k, False) in self._rounds.by_bucket
                 # (exact rows hold their pages from admission on: any K)
                 and all(v == k or self.requests[g].exact for g, v in K_now.items()))
 
@@ -474,8 +473,7 @@ class Scheduler:
             self._drain()
             return self._collect(wait_all=True)
         self.host_s += time.perf_counter() - t0
-        # (a pipelined round with host checks: the round in flight is read while its proposal runs,
-        # before the check, which needs that round's resampling booked on the host states)
+        # (host checks: the round in flight read while the proposal runs, before the check needs it)
         checks = held is not None and self.host is not None and bool(self.host.requests) and bool(self._flights)
         self._launch(rnd, bucket, k, occupied, K_now, held, (lambda: self._read(held)) if checks else None)
         if not checks and (held is None or len(self._flights) > 1):
@@ -526,8 +524,7 @@ class Scheduler:
         if self._host_packed.is_pinned():
             event = torch.cuda.Event()
             event.record()
-        self._flights.append(Flight(p, bucket, k, list(occupied), requests,
-                                     dict(K_now), held, event,
+        self._flights.append(Flight(p, bucket, k, list(occupied), requests, dict(K_now), held, event,
                                      b["W"][:bucket].clone() if self.record_weights else None))
         self._parity ^= 1
         self.launched += 1
@@ -537,10 +534,9 @@ class Scheduler:
             self._read()
 
     def _read(self, next_held=None) -> None:
-        """Read the oldest round in flight: book its forks and pages on the host, record the
-        requests' statistics, release the requests whose particles have all finished.
-        ``next_held``: the pages set aside for a round launched after it and not yet in flight
-        (read while that round's proposal runs); else the next round in flight's."""
+        """Read the oldest round in flight: book its forks and pages on the host, record the requests'
+        statistics, release those whose particles all finished. ``next_held``: the pages set aside for
+        the round launched after it (read while its proposal runs), else the next flight's."""
         f = self._flights.pop(0)
         if f.event is not None:
             f.event.synchronize()

@@ -19,7 +19,7 @@ spread perfectly, no host point is shorter), and the rows' fill times summed ove
 (``rows_sum``). The unconstrained engine at the same lengths gives the device's round without
 masks (``plain_ms_per_round``). Each round's parts in the engine's process: ``run_round`` (the
 proposal launched, its host points, the host's end of the round and its verdicts, the resampling
-launched), ``HostMasks.end`` within it (on the superset path, ``--path superset``: the round's tokens
+launched; a pipelined superset round's read of the round before it too, which ``read`` counts again), ``HostMasks.end`` within it (on the superset path, ``--path superset``: the round's tokens
 read and llguidance's check), ``host_terms`` (the verdicts uploaded) and the scheduler's read of the
 round. Medians over the host points of the timed calls, in ms; the raw timeline of one call
 goes to --out. ``--no-timeline`` times the calls only (an A/B against another tree);

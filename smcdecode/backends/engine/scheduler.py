@@ -473,10 +473,10 @@ class Scheduler:
             self._drain()
             return self._collect(wait_all=True)
         self.host_s += time.perf_counter() - t0
-        # (host checks: the round in flight read while the proposal runs, before the check needs it)
-        checks = held is not None and self.host is not None and bool(self.host.requests) and bool(self._flights)
+        # (host checks: the round in flight is read while the proposal runs, before the check needs it)
+        checks = self.host is not None and bool(self.host.requests) and bool(self._flights)
         self._launch(rnd, bucket, k, occupied, K_now, held, (lambda: self._read(held)) if checks else None)
-        if not checks and (held is None or len(self._flights) > 1):
+        if held is None or (not checks and len(self._flights) > 1):
             t1 = time.perf_counter()
             self._read() if held is not None else self._drain()
             self.host_s += time.perf_counter() - t1

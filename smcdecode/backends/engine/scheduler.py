@@ -512,7 +512,7 @@ class Scheduler:
         if self.host is not None:
             self.host.begin(R, k, rnd.buffers["drafts"], handed=True)
         self.host_s += run_round(rnd, self.host, [(tracker, mine[:R]) for _, tracker, mine in self.rewards], k,
-                                 self.cap, meanwhile)
+                                 self.cap, meanwhile=meanwhile)
         stats = None
         if self.plan is not None:
             stats = torch.stack([b["accept"], b["accept_n"], b["draft_lw"]]).cpu()

@@ -1,9 +1,9 @@
 """Structured output on the engine: SMC-SD tok/s with a JSON Schema constraint, on the device-automaton
 path, the superset path (device automaton of a superset, llguidance's check each round) and the
 llguidance (host-mask) path, against the same engine unconstrained. Schemas: a small closed object
-(on the automaton and, insisted on, on llguidance), a contact record with a string format beside a
-length and two patterns (llguidance's path, and the superset path), and objects with pattern keys or
-open to other keys (the superset path, and llguidance's).
+and a contact record with a string format beside a length and two patterns (on the automaton and,
+insisted on, on llguidance), objects with pattern keys or open to other keys (the superset path,
+and llguidance's), and a recursive tree (llguidance's path: no regular language).
 
     python benchmarks/structured_engine.py --smollm2-gguf PATH     # one NVIDIA GPU, ~5 minutes
     python benchmarks/structured_engine.py --tiny                  # CPU check of the script (tiny models)
@@ -92,13 +92,23 @@ PATTERN_SCHEMA = {"type": "object", "required": ["name", "age", "tags"], "additi
                   "properties": OPEN_SCHEMA["properties"]}
 
 
-# a contact record: its format beside a length has no token automaton, and the superset drops the
-# length (it keeps the format's regular superset), so ``path="auto"`` takes llguidance's masks; its
-# patterns are bounded, so the random models' particles can end
+# a contact record: its email format beside a length is the intersection of two regular languages, so
+# ``path="auto"`` takes the automaton; on llguidance's path (insisted on) its strings' masks are dear.
+# Its patterns are bounded, so the random models' particles can end
 CONTACT_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "email", "code"],
                   "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]{1,12} [A-Z][a-z]{1,12}$"},
                                  "email": {"type": "string", "format": "email", "maxLength": 32},
                                  "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"}}}
+
+
+# a tree of named nodes: recursive, so no regular language (nor superset) describes it and
+# ``path="auto"`` takes llguidance's masks. Names from an enum and at most two children, so the random
+# models' trees end too
+TREE_SCHEMA = {"$ref": "#/$defs/node", "$defs": {"node": {
+    "type": "object", "additionalProperties": False, "required": ["name"],
+    "properties": {"name": {"enum": ["root", "src", "docs", "tests", "lib", "bin", "data", "notes"]},
+                   "size": {"type": "integer", "minimum": 0, "maximum": 9999},
+                   "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}}}}}
 
 
 def synthetic_vocabulary(base: list, size: int) -> list[str]:
@@ -346,12 +356,13 @@ def main() -> None:
         device, dtype = "cuda", torch.bfloat16
     schema = json.loads(args.schema.read_text()) if args.schema else DEFAULT_SCHEMA
     label = args.schema.stem if args.schema else "small object"
-    # the contact record on the path 'auto' chooses (llguidance) and on the superset path; the pattern-keys
-    # and open object schemas on the path 'auto' chooses (the superset path), and on llguidance's masks
+    # the contact record on the path 'auto' chooses (the automaton) and on llguidance's masks; the
+    # pattern-keys and open object schemas on the path 'auto' chooses (the superset path), and on
+    # llguidance's masks; the tree on the path 'auto' chooses (llguidance)
     schemas = [(label, schema, "automaton"), (label, schema, "llguidance"), ("contact", CONTACT_SCHEMA, "auto"),
-               ("contact", CONTACT_SCHEMA, "superset")] + \
+               ("contact", CONTACT_SCHEMA, "llguidance")] + \
         ([] if args.no_open else [(lab, sc, p) for lab, sc in (("pattern keys", PATTERN_SCHEMA), ("open object", OPEN_SCHEMA))
-                                  for p in ("auto", "llguidance")])
+                                  for p in ("auto", "llguidance")]) + [("tree", TREE_SCHEMA, "auto")]
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "schema": schema,
            "schemas": {lab: sc for lab, sc, _ in schemas},
            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "rows": [],

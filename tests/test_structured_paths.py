@@ -161,12 +161,12 @@ def test_reference_backend_automaton_and_llguidance_paths_are_exact():
         check_distribution(out, exact, z_max=5.0)
 
 
-def _tiny_engine(host_workers: int = 0):
+def _tiny_engine(host_workers: int = 0, vocab: list = VOCAB):
     transformers = pytest.importorskip("transformers")
     from smcdecode.backends.engine import Engine, Llama
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                    tie_word_embeddings=False)
     target_hf = transformers.LlamaForCausalLM(cfg).eval()
@@ -181,7 +181,7 @@ def _tiny_engine(host_workers: int = 0):
         with torch.no_grad():
             return exact_hf(ctx).logits[:, -1]
 
-    model = sd.FunctionModel(fn, vocab=VOCAB, eos="<eos>", name="tiny-llama")
+    model = sd.FunctionModel(fn, vocab=vocab, eos="<eos>", name="tiny-llama")
     engine = Engine(Llama.from_hf(target_hf, dtype=torch.float32, device="cpu"),
                     Llama.from_hf(draft_hf, dtype=torch.float32, device="cpu"),
                     config=EngineConfig(num_pages=30000, page_size=4, max_context=32, host_workers=host_workers))
@@ -283,13 +283,17 @@ def test_auto_takes_the_superset_where_the_device_path_would_take_a_subset():
     assert JSONSchema(uri, path="superset").superset_widens == ["format (any string) at /"]
     # a format with a regular superset: the superset keeps it (without the length beside it); auto still
     # takes llguidance (particles die where the draft leaves the format or the length)
-    email = {"type": "string", "format": "email", "maxLength": 20}
-    assert JSONSchema(email).path == "llguidance"
-    assert JSONSchema(email, path="superset").superset_widens == [
-        "format 'email' beside maxLength (a regular superset of the format alone) at /"]
-    assert JSONSchema({"type": "string", "format": "email"}, path="automaton").path == "automaton"
-    # a pattern beside a length: the pattern alone
+    date = {"type": "string", "format": "date", "maxLength": 20}
+    assert JSONSchema(date).path == "llguidance"
+    assert JSONSchema(date, path="superset").superset_widens == [
+        "format 'date' beside maxLength (a regular superset of the format alone) at /"]
+    assert JSONSchema({"type": "string", "format": "date"}, path="automaton").path == "automaton"
+    # email is llguidance's language: exact, beside a length too (the intersection of two regexes)
+    email = JSONSchema({"type": "string", "format": "email", "maxLength": 20})
+    assert email.path == "automaton" and len(email.regexes) == 2
+    # a pattern beside a length: exact on the automaton; the superset takes the pattern alone
     code = {"type": "string", "pattern": "^[a-z]+$", "maxLength": 5}
+    assert JSONSchema(code).path == "automaton"
     assert JSONSchema(code, path="superset").superset_widens == [
         "pattern beside minLength/maxLength (the pattern alone) at /"]
     assert JSONSchema({"type": "integer", "minimum": 0, "maximum": 5}).path == "automaton"  # (exact)

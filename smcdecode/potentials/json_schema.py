@@ -353,6 +353,7 @@ class JSONSchema(LLGuidanceConstraint):
     """
 
     superset_widens: tuple | list = ()
+    regexes: tuple | list = ()  # (the automaton path: the documents are the intersection of these regexes)
 
     def __init__(
         self,
@@ -388,8 +389,9 @@ class JSONSchema(LLGuidanceConstraint):
             options.update(whitespace_flexible=True)
         self.force_canonical = bool(force_canonical)
         chosen, regex, fsm, self.path_reason = self._choose_path(path)
-        if chosen == "automaton":
-            self._use_automaton(regex, fsm, threads, model)
+        if chosen == "automaton":  # (the documents: the intersection of ``regexes``, one regex mostly)
+            self.regexes = regex
+            self._use_automaton(regex[0], fsm, threads, model)
             return
         if chosen == "superset":
             self.path, self.superset_regex, self._superset_fsm = "superset", regex, fsm
@@ -404,10 +406,13 @@ class JSONSchema(LLGuidanceConstraint):
         self._setup(model, threads)
 
     def _choose_path(self, path: str) -> tuple[str, str | None, object, str]:
-        """(the path chosen; the regex and its character automaton: the documents' for "automaton", a
-        superset's for "superset", None, None for "llguidance"; why)."""
+        """(the path chosen; the regex and its character automaton: the documents' for "automaton" (a
+        list of regexes, their intersection), a superset's for "superset", None, None for
+        "llguidance"; why)."""
+        from functools import reduce
+
         from .regex import char_fsm
-        from .schema_regex import UnsupportedSchema, schema_regex_and_subsets, superset_regex
+        from .schema_regex import UnsupportedSchema, schema_regexes, superset_regex
 
         if path == "llguidance":
             return "llguidance", None, None, "asked for (path='llguidance')"
@@ -416,13 +421,14 @@ class JSONSchema(LLGuidanceConstraint):
             try:
                 if self.force_canonical:
                     raise UnsupportedSchema("(force_canonical)", "", "canonical tokenisation is llguidance's rule")
-                regex, subsets = schema_regex_and_subsets(self.compiled_schema, self.whitespace, self.coerce_one_of)
+                regexes, subsets = schema_regexes(self.compiled_schema, self.whitespace, self.coerce_one_of)
                 if subsets and path != "automaton":
                     # NOTE: every path must sample the same target: where the device path would take a strict
                     # subset of the documents (formats, bounded numbers), 'auto' does not take it
                     raise UnsupportedSchema("(subset)", "", "the device path takes a strict subset of the documents "
                                             "here (" + "; ".join(subsets) + "): path='automaton' accepts that subset")
-                return "automaton", regex, char_fsm(regex), "the schema's documents form a regular language"
+                fsm = reduce(lambda a, b: a & b, map(char_fsm, regexes))
+                return "automaton", regexes, fsm, "the schema's documents form a regular language"
             except UnsupportedSchema as e:
                 if path == "automaton":
                     raise

@@ -9,8 +9,10 @@ strings with other characters raw except U+0000–U+001F and U+007F, which do no
 the escapes ``\\" \\\\ \\b \\f \\n \\r \\t`` and ``\\u0000``–``\\u001F``, ``\\u007F``.
 
 Where a schema is regular but the regex is a strict subset of its documents, the subset is stated:
-numbers with bounds take no exponent and bounds must be integers; ``date`` excludes 29 February and
-the year 0000; ``email`` is ``local@domain.tld`` in ASCII. A keyword the translation cannot honour
+numbers with bounds take no exponent and bounds must be integers; the formats ``date``, ``time``
+and ``date-time`` are subsets of llguidance's (``string_formats.py``). A string held to two or more
+of a ``format``, a ``pattern`` and a length is the intersection of their languages: the documents
+are then the intersection of several regexes (:func:`schema_regexes`). A keyword the translation cannot honour
 raises :class:`UnsupportedSchema` naming it (the constraint then runs on llguidance, or the error
 reaches the user when the device path was asked for); keywords that are not JSON Schema's are
 ignored, as validators ignore them.
@@ -38,6 +40,9 @@ import re
 
 from ..errors import SMCDecodeError
 from .regex_numbers import _alt, _magnitude, _naturals
+from .string_formats import ANY_CHAR, ANY_STRING, CHAR, EXACT_FORMATS, FORMATS, SUPERSET_FORMATS, literal, string_except
+
+__all__ = ["SUPERSET_FORMATS", "UnsupportedSchema", "literal", "schema_regex", "string_except", "superset_regex"]
 
 ANNOTATIONS = {
     "title", "description", "default", "examples", "$comment", "$schema", "$id", "id", "deprecated",
@@ -55,45 +60,9 @@ KEYWORDS = ANNOTATIONS | {
 MAX_COUNT = 256  # counted repetitions (string lengths, array lengths) the automaton spells out
 MAX_REGEX = 200_000  # characters of regex: past this the automaton is not worth building
 
-CHAR = r'(?:[^"\\\x00-\x1f\x7f]|\\["\\bfnrt]|\\u00[01][0-9a-fA-F]|\\u007[fF])'
-RAW = r'[^"\\\x00-\x1f\x7f]'
 _BAD_IN_PATTERN = r'[\s\S]*["\\\x00-\x1f\x7f][\s\S]*'
 INTEGER = r"-?(?:0|[1-9][0-9]*)"
 NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
-_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
-_DATE = (r"(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|(?:0[13-9]|1[0-2])-(?:29|30)"
-         r"|(?:0[13578]|1[02])-31)")
-_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
-FORMATS = {
-    "date": _DATE,
-    "time": _TIME,
-    "date-time": _DATE + "T" + _TIME,
-    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
-    "ipv4": _OCTET + r"(?:\." + _OCTET + "){3}",
-    "email": r"[a-zA-Z0-9._%+-]+@[a-zA-Z0-9-]+(?:\.[a-zA-Z0-9-]+)*\.[a-zA-Z]{2,}",
-}
-
-# for the superset path: a regular language at least as wide as each format llguidance checks (it writes
-# a format's string raw, without escapes); tests/test_structured_paths.py checks them against
-# llguidance's masks along strings of each format
-_LOCAL_CHAR = r"[a-zA-Z0-9!#$%&'*+/=?^_`{|}~-]"
-_LABEL = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
-_DAY = r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"  # (every month of 31 days; Feb 29 any year)
-_CLOCK = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\.[0-9]+)?(?:[zZ]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
-SUPERSET_FORMATS = {
-    "date": _DAY,
-    "time": _CLOCK,
-    "date-time": _DAY + "[tT]" + _CLOCK,
-    "uuid": FORMATS["uuid"],
-    "ipv4": r"[0-9]{1,3}(?:\.[0-9]{1,3}){3}",
-    "email": _LOCAL_CHAR + "+(?:\\." + _LOCAL_CHAR + "+)*@(?:" + _LABEL + "(?:\\." + _LABEL + r")*|\[[0-9.]+\])",
-    "hostname": r"[a-zA-Z0-9.-]+",
-}
-
-
-# any JSON string (every escape): the superset's keys and widened strings
-ANY_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
-ANY_STRING = '"' + ANY_CHAR + '*"'
 # keywords that only narrow the documents (dropped by the superset translation)
 _NARROWING = {
     "uniqueItems", "minProperties", "maxProperties", "multipleOf", "propertyNames", "contains", "minContains",
@@ -111,23 +80,32 @@ class UnsupportedSchema(SMCDecodeError):
         super().__init__(f"JSON Schema keyword {keyword!r} at {where or '/'} has no token automaton: {why}")
 
 
-def literal(text: str) -> str:
-    """``text`` as a regex that matches it literally (Python syntax, readable by interegular)."""
-    return re.sub(r"([\\.^$*+?{}\[\]|()\-/])", r"\\\1", text)
-
-
 def schema_regex(schema: dict, whitespace: str = "compact", coerce_one_of: bool = False) -> str:
     """The regex of the documents the device path generates for ``schema`` (see the module
-    docstring); raises :class:`UnsupportedSchema`."""
-    return schema_regex_and_subsets(schema, whitespace, coerce_one_of)[0]
+    docstring); raises :class:`UnsupportedSchema`, also where the documents are the intersection of
+    several regexes (:func:`schema_regexes`)."""
+    regexes, _ = schema_regexes(schema, whitespace, coerce_one_of)
+    if len(regexes) > 1:
+        raise UnsupportedSchema("(intersection)", "", "the documents are the intersection of several regexes "
+                                "(a string with two of format, pattern and a length): see schema_regexes")
+    return regexes[0]
 
 
-def schema_regex_and_subsets(schema: dict, whitespace: str = "compact", coerce_one_of: bool = False
-                             ) -> tuple[str, list[str]]:
-    """(the regex, where it is a strict subset of the llguidance path's documents: "keyword at
-    pointer" for each ``format`` and each bounded ``number``)."""
-    t = _Translator(schema, whitespace, coerce_one_of)
-    return _sized(t.value(schema, "", ())), t.subsets
+def schema_regexes(schema: dict, whitespace: str = "compact", coerce_one_of: bool = False
+                   ) -> tuple[list[str], list[str]]:
+    """(regexes whose intersection is the documents the device path generates, where they are a
+    strict subset of the llguidance path's documents: "keyword at pointer" for each such ``format``
+    and each bounded ``number``). One regex, unless a string holds two or more of a format, a
+    pattern and a length: each regex then writes one of them there (any string where that string has
+    none), the same documents elsewhere. The intersection is exact where such a string is not inside
+    an ``anyOf``, ``oneOf`` or a list of types (refused there): JSON's syntax puts each string of a
+    document at one place in every regex."""
+    t = _Translator(schema, whitespace, coerce_one_of, facet=_FACETS[0])
+    first = _sized(t.value(schema, "", ()))
+    if not t.facets:
+        return [first], t.subsets
+    return [first if f == _FACETS[0] else _sized(_Translator(schema, whitespace, coerce_one_of, facet=f).value(schema, "", ()))
+            for f in _FACETS if f in t.facets], t.subsets
 
 
 def superset_regex(schema: dict, whitespace: str = "compact", coerce_one_of: bool = False) -> tuple[str, list[str]]:
@@ -144,9 +122,17 @@ def _sized(out: str) -> str:
     return out
 
 
+_FACETS = ("format", "pattern", "length")  # what a string may be held to, one regex each (schema_regexes)
+
+
 class _Translator:
-    def __init__(self, root: dict, whitespace: str, coerce_one_of: bool, superset: bool = False):
+    def __init__(self, root: dict, whitespace: str, coerce_one_of: bool, superset: bool = False,
+                 facet: str | None = None):
         self.root = root
+        # ``facet``: a string held to several of _FACETS is written as this one alone (schema_regexes);
+        # None: such a string is refused. ``facets``: the ones such strings use; ``choices``: how many
+        # anyOf / oneOf / type lists the translation is inside
+        self.facet, self.facets, self.choices = facet, set(), 0
         self.coerce_one_of = coerce_one_of
         # superset: widen what the exact translation refuses (listed in ``wider``), see superset_regex
         self.superset, self.wider = superset, []
@@ -199,14 +185,23 @@ class _Translator:
                     raise UnsupportedSchema(key, where, "must be a non-empty list")
                 if key == "oneOf" and not self.coerce_one_of:
                     self.wider.append(f"oneOf (as anyOf) at {where or '/'}")
-                return _alt([self.value(b, f"{where}/{key}/{i}", refs) for i, b in enumerate(s[key])])
+                return self.choice([(b, f"{where}/{key}/{i}") for i, b in enumerate(s[key])], refs)
         if "enum" in s or "const" in s:
             return self.literals(s, where)
         types = s.get("type", _inferred_type(s))
         if types is None:
             raise UnsupportedSchema("(any)", where, "no type: any JSON value, whose objects may hold any keys")
         types = types if isinstance(types, list) else [types]
+        # (a list of types is no choice here: the texts of values of different types differ)
         return _alt([self.typed(t, s, where, refs) for t in types])
+
+    def choice(self, branches: list, refs: tuple) -> str:
+        """The alternation of the ``branches`` ((schema, pointer) each) of an anyOf / oneOf."""
+        self.choices += 1
+        try:
+            return _alt([self.value(b, where, refs) for b, where in branches])
+        finally:
+            self.choices -= 1
 
     def typed(self, t: str, s: dict, where: str, refs: tuple) -> str:
         if t == "null":
@@ -356,18 +351,29 @@ class _Translator:
                     keyword = e.keyword
             return self.widen(f"{keyword} (any string)", where, ANY_CHAR + "*")
         fmt, pattern = s.get("format"), s.get("pattern")
-        counted = "minLength" in s or "maxLength" in s
+        held = {}  # (the facets this string is held to: _FACETS)
         if fmt is not None:
             if fmt not in FORMATS:
                 raise UnsupportedSchema("format", where, f"format {fmt!r} (regular formats: {sorted(FORMATS)})")
-            if pattern is not None or counted:
-                raise UnsupportedSchema("format", where, "format beside pattern/minLength/maxLength")
-            self.subsets.append(f"format {fmt!r} at {where or '/'}")
-            return FORMATS[fmt]
+            if fmt not in EXACT_FORMATS:
+                self.subsets.append(f"format {fmt!r} at {where or '/'}")
+            held["format"] = FORMATS[fmt]
         if pattern is not None:
-            if counted:
-                raise UnsupportedSchema("pattern", where, "pattern beside minLength/maxLength")
-            return self.pattern(pattern, where)
+            held["pattern"] = self.pattern(pattern, where)
+        if "minLength" in s or "maxLength" in s or not held:
+            held["length"] = self.length(s, where)
+        if len(held) == 1:
+            return next(iter(held.values()))
+        keyword = "format" if fmt is not None else "pattern"
+        if self.facet is None:
+            raise UnsupportedSchema(keyword, where, f"{keyword} beside {'/'.join(k for k in held if k != keyword)}")
+        if self.choices:
+            raise UnsupportedSchema(keyword, where, f"{keyword} beside {'/'.join(k for k in held if k != keyword)} "
+                                    "inside anyOf/oneOf (the intersection of its branches' regexes would mix them)")
+        self.facets |= set(held)
+        return held.get(self.facet, CHAR + "*")
+
+    def length(self, s: dict, where: str) -> str:
         lo, hi = s.get("minLength", 0), s.get("maxLength")
         for key, v in (("minLength", lo), ("maxLength", hi)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v > MAX_COUNT):
@@ -527,40 +533,6 @@ _TYPE_KEYWORDS = (
     ("string", ("minLength", "maxLength", "pattern", "format")),
     ("number", ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")),
 )
-
-
-_ESCAPES = '"\\/bfnrt'
-
-
-def string_except(words: list[str]) -> str:
-    """A regex of the JSON strings (quotes included, any escapes) other than the texts ``words``
-    (JSON string literals, e.g. ``json.dumps(name)``), written out over a trie of their characters;
-    any JSON string (a superset) where a word holds a \\u escape."""
-    trie: dict = {}
-    for w in dict.fromkeys(words):
-        units = re.findall(r'\\u[0-9a-fA-F]{4}|\\.|[^\\]', w[1:-1])
-        if any(u.startswith("\\u") for u in units):
-            return ANY_STRING
-        node = trie
-        for u in units:
-            node = node.setdefault(u, {})
-        node[None] = True  # (a word ends here)
-    return '"' + _not_in(trie)
-
-
-def _not_in(node: dict) -> str:
-    """The rest of a string (closing quote included) after a prefix that reached ``node``, keeping
-    out the words that continue from there."""
-    options = [] if node.get(None) else ['"']
-    raw = [u for u in node if u is not None and not u.startswith("\\")]
-    esc = [u[1] for u in node if u is not None and u.startswith("\\")]
-    other = ["[^\"\\\\\\x00-\\x1f" + "".join(re.escape(c) for c in raw) + "]"]
-    if set(_ESCAPES) - set(esc):
-        other.append("\\\\[" + "".join(re.escape(c) for c in _ESCAPES if c not in esc) + "]")
-    other.append("\\\\u[0-9a-fA-F]{4}")
-    options.append(_alt(other) + ANY_CHAR + '*"')
-    options += [literal(u) + _not_in(child) for u, child in node.items() if u is not None]
-    return _alt(options)
 
 
 def _search(pattern: str, text: str) -> bool:

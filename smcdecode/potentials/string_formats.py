@@ -1,0 +1,93 @@
+"""JSON strings as regular expressions (Python ``re`` syntax, readable by interegular): a string's
+characters, the string formats, and strings other than given words (``schema_regex.py``'s pieces).
+
+``FORMATS``: each format's language on the exact path. Those of ``EXACT_FORMATS`` are the languages
+llguidance generates for the format (it writes a format's string raw, without escapes): ``email`` is
+RFC 5321's mailbox, a dot-string local part, ``@``, then dot-separated domain labels or an IPv4
+literal in brackets; ``uuid`` and ``ipv4`` as written. The others are strict subsets of llguidance's:
+``time`` takes neither a leap second nor a lower-case ``z``; ``date`` and ``date-time`` exclude
+29 February and the year 0000. ``SUPERSET_FORMATS``: a regular language
+at least as wide as llguidance's, for the superset path. ``tests/test_structured_paths.py`` checks
+both against llguidance's masks along strings of each format.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .regex_numbers import _alt
+
+CHAR = r'(?:[^"\\\x00-\x1f\x7f]|\\["\\bfnrt]|\\u00[01][0-9a-fA-F]|\\u007[fF])'
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_DATE = (r"(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|(?:0[13-9]|1[0-2])-(?:29|30)"
+         r"|(?:0[13578]|1[02])-31)")
+_LOCAL_CHAR = r"[a-zA-Z0-9!#$%&'*+/=?^_`{|}~-]"
+_LABEL = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
+_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+FORMATS = {
+    "date": _DATE,
+    "time": _TIME,
+    "date-time": _DATE + "T" + _TIME,
+    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+    "ipv4": _OCTET + r"(?:\." + _OCTET + "){3}",
+}
+FORMATS["email"] = (_LOCAL_CHAR + "+(?:\\." + _LOCAL_CHAR + "+)*@(?:" + _LABEL + "(?:\\." + _LABEL + r")*|\["
+                    + FORMATS["ipv4"] + r"\])")
+EXACT_FORMATS = frozenset({"email", "uuid", "ipv4"})  # (FORMATS equal to llguidance's languages)
+
+# the superset path's (see the module docstring)
+_DAY = r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"  # (every month of 31 days; Feb 29 any year)
+_CLOCK = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\.[0-9]+)?(?:[zZ]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+SUPERSET_FORMATS = {
+    "date": _DAY,
+    "time": _CLOCK,
+    "date-time": _DAY + "[tT]" + _CLOCK,
+    "uuid": FORMATS["uuid"],
+    "ipv4": r"[0-9]{1,3}(?:\.[0-9]{1,3}){3}",
+    "email": _LOCAL_CHAR + "+(?:\\." + _LOCAL_CHAR + "+)*@(?:" + _LABEL + "(?:\\." + _LABEL + r")*|\[[0-9.]+\])",
+    "hostname": r"[a-zA-Z0-9.-]+",
+}
+
+
+# any JSON string (every escape): the superset's keys and widened strings
+ANY_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+ANY_STRING = '"' + ANY_CHAR + '*"'
+
+
+_ESCAPES = '"\\/bfnrt'
+
+
+def string_except(words: list[str]) -> str:
+    """A regex of the JSON strings (quotes included, any escapes) other than the texts ``words``
+    (JSON string literals, e.g. ``json.dumps(name)``), written out over a trie of their characters;
+    any JSON string (a superset) where a word holds a \\u escape."""
+    trie: dict = {}
+    for w in dict.fromkeys(words):
+        units = re.findall(r'\\u[0-9a-fA-F]{4}|\\.|[^\\]', w[1:-1])
+        if any(u.startswith("\\u") for u in units):
+            return ANY_STRING
+        node = trie
+        for u in units:
+            node = node.setdefault(u, {})
+        node[None] = True  # (a word ends here)
+    return '"' + _not_in(trie)
+
+
+def _not_in(node: dict) -> str:
+    """The rest of a string (closing quote included) after a prefix that reached ``node``, keeping
+    out the words that continue from there."""
+    options = [] if node.get(None) else ['"']
+    raw = [u for u in node if u is not None and not u.startswith("\\")]
+    esc = [u[1] for u in node if u is not None and u.startswith("\\")]
+    other = ["[^\"\\\\\\x00-\\x1f" + "".join(re.escape(c) for c in raw) + "]"]
+    if set(_ESCAPES) - set(esc):
+        other.append("\\\\[" + "".join(re.escape(c) for c in _ESCAPES if c not in esc) + "]")
+    other.append("\\\\u[0-9a-fA-F]{4}")
+    options.append(_alt(other) + ANY_CHAR + '*"')
+    options += [literal(u) + _not_in(child) for u, child in node.items() if u is not None]
+    return _alt(options)
+
+
+def literal(text: str) -> str:
+    """``text`` as a regex that matches it literally (Python syntax, readable by interegular)."""
+    return re.sub(r"([\\.^$*+?{}\[\]|()\-/])", r"\\\1", text)

@@ -1,0 +1,154 @@
+"""Strings held to two or more of a ``format``, a ``pattern`` and a length (``schema_regexes``): the
+device path's documents are the intersection of one regex per facet, exact against a validator on
+every short string, refused inside anyOf / oneOf, the same masks as llguidance's on a toy vocabulary
+and along random walks on the default model, and the engine's round exact on them. The formats
+llguidance generates exactly (``EXACT_FORMATS``) equal its masks too."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+
+import pytest
+import torch
+
+import smcdecode as sd
+from smcdecode.potentials.json_schema import JSONSchema
+from smcdecode.potentials.schema_regex import UnsupportedSchema, schema_regex, schema_regexes
+from smcdecode.potentials.string_formats import EXACT_FORMATS
+from smcdecode.testing import check_distribution, check_evidence_unbiased, exact_target, sequences
+
+
+def _valid(schema: dict, text: str) -> bool:
+    jsonschema = pytest.importorskip("jsonschema")
+    return jsonschema.Draft202012Validator(schema).is_valid(json.loads(text))
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "pattern": "^[ab]+c?$", "minLength": 2, "maxLength": 3},
+    {"type": "string", "pattern": "b", "maxLength": 3},
+    {"type": ["string", "null"], "pattern": "^a", "minLength": 1, "maxLength": 2},
+    {"type": "array", "items": {"type": "string", "pattern": "^[ac]*$", "maxLength": 2}, "maxItems": 2},
+])
+def test_held_strings_are_the_intersection_of_their_facets(schema):
+    """Every document over a small alphabet (strings up to 4 characters, arrays of up to 2 of them)
+    matches every regex exactly when a JSON Schema validator accepts it."""
+    regexes, subsets = schema_regexes(schema)
+    assert len(regexes) == 2 and not subsets
+    with pytest.raises(UnsupportedSchema, match="intersection"):
+        schema_regex(schema)
+    strings = ["".join(p) for n in range(5) for p in itertools.product("abc", repeat=n)]
+    if schema["type"] == "array":
+        texts = [json.dumps(list(p), separators=(", ", ": ")) for n in range(3) for p in itertools.product(strings[:13], repeat=n)]
+    else:
+        texts = [json.dumps(s) for s in strings] + ["null"]
+    matched = 0
+    for text in texts:
+        ok = all(re.fullmatch(r, text) for r in regexes)
+        matched += ok
+        assert ok == _valid(schema, text), text
+    assert matched > 3
+
+
+def test_intersection_is_refused_inside_a_choice():
+    held = {"type": "string", "format": "email", "maxLength": 20}
+    with pytest.raises(UnsupportedSchema) as e:
+        schema_regexes({"anyOf": [held, {"type": "integer"}]})
+    assert e.value.keyword == "format" and "anyOf/oneOf" in str(e.value)
+    auto = JSONSchema({"anyOf": [held, {"type": "integer"}]})
+    assert auto.path != "automaton" and "anyOf/oneOf" in auto.path_reason
+    # a list of types is no choice: values of different types never share a text
+    assert JSONSchema({"type": ["string", "null"], "format": "email", "maxLength": 20}).path == "automaton"
+
+
+VOCAB = ["<bos>", '"', "a", "b", "ab", "ba", 'a"', "c", "<eos>"]
+EOS = len(VOCAB) - 1
+TOY_SCHEMA = {"type": "string", "pattern": "^a[ab]*$", "maxLength": 3}
+PROMPT = [0, 2, 3]
+
+
+def _toy(seed: int = 0) -> sd.FunctionModel:
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randn(251, len(VOCAB), generator=g, dtype=torch.float64)
+    return sd.FunctionModel(lambda ctx: table[(ctx.sum(-1) * 7 + ctx.shape[-1]) % 251], vocab=VOCAB, eos="<eos>")
+
+
+def test_masks_equal_llguidance_on_every_short_sequence():
+    model = _toy()
+    auto = JSONSchema(TOY_SCHEMA).bind(model)
+    llg = JSONSchema(TOY_SCHEMA, path="llguidance").bind(model)
+    assert auto.path == "automaton" and len(auto.regexes) == 2
+    text = [t for t in range(len(VOCAB)) if t not in (0, EOS)]
+    checked = 0
+    for n in range(5):
+        for seq in itertools.product(text, repeat=n):
+            a, b = auto.logw_next(list(seq)), llg.logw_next(list(seq))
+            if torch.isinf(a).all():
+                assert torch.isinf(b).all(), [VOCAB[t] for t in seq]
+                continue
+            assert torch.equal(a, b), [VOCAB[t] for t in seq]
+            assert auto.complete(list(seq)) == llg.complete(list(seq))
+            checked += 1
+    assert checked > 10
+
+
+def test_engine_round_is_exact_on_a_held_string():
+    from test_structured_paths import _tiny_engine
+
+    from smcdecode.backends.engine.targets import DeviceAutomaton, EngineTarget
+
+    engine, model = _tiny_engine(vocab=VOCAB)
+    constraint = JSONSchema(TOY_SCHEMA).bind(model)
+    target = sd.LM(model) * constraint
+    assert DeviceAutomaton.of(constraint, "cpu") is not None
+    exact = exact_target(target, PROMPT, 5)
+    out = engine.smc_sd([PROMPT] * 1200, particles=4, block_size=2, max_new_tokens=5, draft_temperature=1.2,
+                        target_temperature=1.0, eos_token_id=EOS, ess_threshold=0.5, resampler="systematic",
+                        target=EngineTarget.of(target), seed=7)
+    out = type("Out", (), dict(tokens=out.tokens.cpu(), lengths=out.lengths.cpu(),
+                               log_weights=out.log_weights.cpu(), log_evidence=out.log_evidence.cpu()))
+    for g in range(0, 1200, 40):
+        for x, w in zip(sequences(out, g), out.log_weights[g].tolist()):
+            if w > float("-inf"):
+                assert constraint.is_valid(model.decode([t for t in x if t != EOS])), x
+    check_distribution(out, exact, z_max=5.0)
+    check_evidence_unbiased(out, exact.log_Z, z_max=5.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", sorted(EXACT_FORMATS) + ["email+maxLength", "pattern+maxLength", "format+pattern"])
+def test_exact_formats_and_held_strings_equal_llguidance_masks_on_the_default_model(fmt):
+    """Along random walks through llguidance's masks with the default model's vocabulary (each step a
+    token drawn uniformly from those allowed, those that close a string or hold an @ more often), the
+    automaton's mask equals llguidance's at every step, to the end of the document."""
+    model = sd.load_model()
+    value = {"email+maxLength": {"type": "string", "format": "email", "maxLength": 12},
+             "pattern+maxLength": {"type": "string", "pattern": "^[a-z]+(-[0-9]+)?$", "maxLength": 9},
+             "format+pattern": {"type": "string", "format": "ipv4", "pattern": "^10\\.", "minLength": 9},
+             }.get(fmt, {"type": "string", "format": fmt})
+    schema = {"type": "object", "properties": {"v": value}, "required": ["v"], "additionalProperties": False}
+    auto = JSONSchema(schema).bind(model)
+    llg = JSONSchema(schema, path="llguidance").bind(model)
+    assert auto.path == "automaton", auto.path_reason
+    a = auto.token_automaton
+    g = torch.Generator().manual_seed(5)
+    closing = torch.tensor([isinstance(x, str) and ('"' in x or "@" in x) for x in model.token_strings])
+    closing[model.eos_token_id] = True
+    ended = 0
+    for _walk in range(12):
+        state, sl = torch.tensor([a.initial]), llg.start(1)
+        prefix = []
+        for _ in range(48):
+            ml, ma = llg.allowed(sl)[0], a.allowed(state)[0]
+            diff = (ml != ma).nonzero().flatten().tolist()
+            assert not diff, (fmt, model.decode(prefix), [(model.token_strings[d], bool(ml[d])) for d in diff[:5]])
+            if not ml.any():
+                break
+            t = int(torch.multinomial(ml.double() * (1 + 300 * closing), 1, generator=g))
+            if t == model.eos_token_id:
+                ended += 1
+                break
+            prefix.append(t)
+            state, sl = a.advance(state, torch.tensor([t])), llg.advance(sl, torch.tensor([t]))
+    assert ended, fmt

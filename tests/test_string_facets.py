@@ -1,8 +1,8 @@
 """Strings held to two or more of a ``format``, a ``pattern`` and a length (``schema_regexes``): the
 device path's documents are the intersection of one regex per facet, exact against a validator on
 every short string, refused inside anyOf / oneOf, the same masks as llguidance's on a toy vocabulary
-and along random walks on the default model, and the engine's round exact on them. The formats
-llguidance generates exactly (``EXACT_FORMATS``) equal its masks too."""
+and along random walks on the default model, and the engine's round exact on them. The string
+formats (llguidance's languages, ``FORMATS``) equal its masks too."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import smcdecode as sd
 from smcdecode.potentials.json_schema import JSONSchema
 from smcdecode.potentials.schema_regex import UnsupportedSchema, schema_regex, schema_regexes
-from smcdecode.potentials.string_formats import EXACT_FORMATS
+from smcdecode.potentials.string_formats import FORMATS
 from smcdecode.testing import check_distribution, check_evidence_unbiased, exact_target, sequences
 
 
@@ -117,7 +117,7 @@ def test_engine_round_is_exact_on_a_held_string():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", sorted(EXACT_FORMATS) + ["email+maxLength", "pattern+maxLength", "format+pattern"])
+@pytest.mark.parametrize("fmt", sorted(FORMATS) + ["email+maxLength", "pattern+maxLength", "format+pattern"])
 def test_exact_formats_and_held_strings_equal_llguidance_masks_on_the_default_model(fmt):
     """Along random walks through llguidance's masks with the default model's vocabulary (each step a
     token drawn uniformly from those allowed, those that close a string or hold an @ more often), the

@@ -269,10 +269,10 @@ def test_both_paths_take_the_same_string_characters(text, ok):
 
 
 def test_auto_takes_the_superset_where_the_device_path_would_take_a_subset():
-    """Formats and bounded numbers: the device regex is a strict subset of llguidance's documents, so
-    'auto' does not take it (every path must sample the same target): it takes the superset path,
-    whose automaton widens them, and says where (but not for formats: llguidance); 'automaton'
-    takes the subset when asked."""
+    """Bounded numbers: the device regex is a strict subset of llguidance's documents, so 'auto' does
+    not take it (every path must sample the same target): it takes the superset path, whose automaton
+    widens them, and says where; 'automaton' takes the subset when asked. Formats are llguidance's
+    languages: exact, beside a length too; where the superset must widen one, auto keeps llguidance."""
     auto = JSONSchema({"type": "number", "minimum": 0, "maximum": 5})
     assert auto.path == "superset" and auto.superset_widens == ["bounded number at /"]
     assert JSONSchema({"type": "number", "minimum": 0, "maximum": 5}, path="automaton").path == "automaton"
@@ -281,16 +281,15 @@ def test_auto_takes_the_superset_where_the_device_path_would_take_a_subset():
     auto = JSONSchema(uri)
     assert auto.path == "llguidance" and "format (any string)" in auto.path_reason, auto.path_reason
     assert JSONSchema(uri, path="superset").superset_widens == ["format (any string) at /"]
-    # a format with a regular superset: the superset keeps it (without the length beside it); auto still
-    # takes llguidance (particles die where the draft leaves the format or the length)
-    date = {"type": "string", "format": "date", "maxLength": 20}
+    # a format beside a length inside an anyOf (no intersection there): the superset takes the format
+    # alone; auto keeps llguidance (particles die where the draft leaves the length)
+    date = {"anyOf": [{"type": "string", "format": "date", "maxLength": 20}, {"type": "integer"}]}
     assert JSONSchema(date).path == "llguidance"
     assert JSONSchema(date, path="superset").superset_widens == [
-        "format 'date' beside maxLength (a regular superset of the format alone) at /"]
-    assert JSONSchema({"type": "string", "format": "date"}, path="automaton").path == "automaton"
-    # email is llguidance's language: exact, beside a length too (the intersection of two regexes)
-    email = JSONSchema({"type": "string", "format": "email", "maxLength": 20})
-    assert email.path == "automaton" and len(email.regexes) == 2
+        "format 'date' beside maxLength (a regular superset of the format alone) at /anyOf/0"]
+    for fmt in ("date", "email"):  # (llguidance's languages: exact, beside a length too)
+        c = JSONSchema({"type": "string", "format": fmt, "maxLength": 20})
+        assert c.path == "automaton" and len(c.regexes) == 2, c.path_reason
     # a pattern beside a length: exact on the automaton; the superset takes the pattern alone
     code = {"type": "string", "pattern": "^[a-z]+$", "maxLength": 5}
     assert JSONSchema(code).path == "automaton"

@@ -9,8 +9,8 @@ strings with other characters raw except U+0000–U+001F and U+007F, which do no
 the escapes ``\\" \\\\ \\b \\f \\n \\r \\t`` and ``\\u0000``–``\\u001F``, ``\\u007F``.
 
 Where a schema is regular but the regex is a strict subset of its documents, the subset is stated:
-numbers with bounds take no exponent and bounds must be integers; the formats ``date``, ``time``
-and ``date-time`` are subsets of llguidance's (``string_formats.py``). A string held to two or more
+numbers with bounds take no exponent and bounds must be integers (formats are llguidance's
+languages: ``string_formats.py``). A string held to two or more
 of a ``format``, a ``pattern`` and a length is the intersection of their languages: the documents
 are then the intersection of several regexes (:func:`schema_regexes`). A keyword the translation cannot honour
 raises :class:`UnsupportedSchema` naming it (the constraint then runs on llguidance, or the error
@@ -40,7 +40,7 @@ import re
 
 from ..errors import SMCDecodeError
 from .regex_numbers import _alt, _magnitude, _naturals
-from .string_formats import ANY_CHAR, ANY_STRING, CHAR, EXACT_FORMATS, FORMATS, SUPERSET_FORMATS, literal, string_except
+from .string_formats import ANY_CHAR, ANY_STRING, CHAR, FORMATS, SUPERSET_FORMATS, literal, string_except
 
 __all__ = ["SUPERSET_FORMATS", "UnsupportedSchema", "literal", "schema_regex", "string_except", "superset_regex"]
 
@@ -94,8 +94,8 @@ def schema_regex(schema: dict, whitespace: str = "compact", coerce_one_of: bool 
 def schema_regexes(schema: dict, whitespace: str = "compact", coerce_one_of: bool = False
                    ) -> tuple[list[str], list[str]]:
     """(regexes whose intersection is the documents the device path generates, where they are a
-    strict subset of the llguidance path's documents: "keyword at pointer" for each such ``format``
-    and each bounded ``number``). One regex, unless a string holds two or more of a format, a
+    strict subset of the llguidance path's documents: "keyword at pointer" for each bounded
+    ``number``). One regex, unless a string holds two or more of a format, a
     pattern and a length: each regex then writes one of them there (any string where that string has
     none), the same documents elsewhere. The intersection is exact where such a string is not inside
     an ``anyOf``, ``oneOf`` or a list of types (refused there): JSON's syntax puts each string of a
@@ -142,7 +142,7 @@ class _Translator:
             w = r"[ \t\n\r]*"
             self.ws, self.item_sep, self.key_sep = w, w + "," + w, w + ":" + w
         self.flexible = whitespace != "compact"
-        self.subsets: list[str] = []  # where the regex takes a strict subset (see schema_regex_and_subsets)
+        self.subsets: list[str] = []  # where the regex takes a strict subset (see schema_regexes)
 
     def sep(self, text: str) -> str:
         return text if self.flexible else literal(text)
@@ -355,8 +355,6 @@ class _Translator:
         if fmt is not None:
             if fmt not in FORMATS:
                 raise UnsupportedSchema("format", where, f"format {fmt!r} (regular formats: {sorted(FORMATS)})")
-            if fmt not in EXACT_FORMATS:
-                self.subsets.append(f"format {fmt!r} at {where or '/'}")
             held["format"] = FORMATS[fmt]
         if pattern is not None:
             held["pattern"] = self.pattern(pattern, where)

@@ -1,14 +1,13 @@
 """JSON strings as regular expressions (Python ``re`` syntax, readable by interegular): a string's
 characters, the string formats, and strings other than given words (``schema_regex.py``'s pieces).
 
-``FORMATS``: each format's language on the exact path. Those of ``EXACT_FORMATS`` are the languages
-llguidance generates for the format (it writes a format's string raw, without escapes): ``email`` is
-RFC 5321's mailbox, a dot-string local part, ``@``, then dot-separated domain labels or an IPv4
-literal in brackets; ``uuid`` and ``ipv4`` as written. The others are strict subsets of llguidance's:
-``time`` takes neither a leap second nor a lower-case ``z``; ``date`` and ``date-time`` exclude
-29 February and the year 0000. ``SUPERSET_FORMATS``: a regular language
-at least as wide as llguidance's, for the superset path. ``tests/test_structured_paths.py`` checks
-both against llguidance's masks along strings of each format.
+``FORMATS``: each string format's language, the one llguidance generates for it (it writes a
+format's string raw, without escapes), written here: ``date`` every month with its own days and 29
+February in any year; ``time`` with a leap second, a fraction and the zone ``Z``, ``z`` or an offset;
+``date-time`` the two joined by ``T`` or ``t``; ``email`` RFC 5321's mailbox (a dot-string local part,
+``@``, then dot-separated domain labels or an IPv4 literal in brackets); ``hostname`` labels of at
+most 63 characters; ``uuid`` and ``ipv4``. ``tests/test_string_facets.py`` checks that their masks
+equal llguidance's along random strings of each format.
 """
 
 from __future__ import annotations
@@ -18,35 +17,28 @@ import re
 from .regex_numbers import _alt
 
 CHAR = r'(?:[^"\\\x00-\x1f\x7f]|\\["\\bfnrt]|\\u00[01][0-9a-fA-F]|\\u007[fF])'
-_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
-_DATE = (r"(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|(?:0[13-9]|1[0-2])-(?:29|30)"
-         r"|(?:0[13578]|1[02])-31)")
 _LOCAL_CHAR = r"[a-zA-Z0-9!#$%&'*+/=?^_`{|}~-]"
 _LABEL = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
 _OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+# every month its own days, 29 February in any year
+_DATE = (r"[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+         r"|02-(?:0[1-9]|[12][0-9]))")
+# a leap second, a fraction, the zone Z, z or an offset
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\.[0-9]+)?(?:[zZ]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_IPV4 = _OCTET + r"(?:\." + _OCTET + "){3}"
+_HOST_LABEL = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?"
 FORMATS = {
     "date": _DATE,
     "time": _TIME,
-    "date-time": _DATE + "T" + _TIME,
+    "date-time": _DATE + "[tT]" + _TIME,
     "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
-    "ipv4": _OCTET + r"(?:\." + _OCTET + "){3}",
+    "ipv4": _IPV4,
+    "email": _LOCAL_CHAR + r"+(?:\." + _LOCAL_CHAR + r"+)*@(?:" + _LABEL + r"(?:\." + _LABEL + r")*|\[" + _IPV4 + r"\])",
+    "hostname": _HOST_LABEL + r"(?:\." + _HOST_LABEL + ")*",
 }
-FORMATS["email"] = (_LOCAL_CHAR + "+(?:\\." + _LOCAL_CHAR + "+)*@(?:" + _LABEL + "(?:\\." + _LABEL + r")*|\["
-                    + FORMATS["ipv4"] + r"\])")
-EXACT_FORMATS = frozenset({"email", "uuid", "ipv4"})  # (FORMATS equal to llguidance's languages)
-
-# the superset path's (see the module docstring)
-_DAY = r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"  # (every month of 31 days; Feb 29 any year)
-_CLOCK = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\.[0-9]+)?(?:[zZ]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
-SUPERSET_FORMATS = {
-    "date": _DAY,
-    "time": _CLOCK,
-    "date-time": _DAY + "[tT]" + _CLOCK,
-    "uuid": FORMATS["uuid"],
-    "ipv4": r"[0-9]{1,3}(?:\.[0-9]{1,3}){3}",
-    "email": _LOCAL_CHAR + "+(?:\\." + _LOCAL_CHAR + "+)*@(?:" + _LABEL + "(?:\\." + _LABEL + r")*|\[[0-9.]+\])",
-    "hostname": r"[a-zA-Z0-9.-]+",
-}
+# the superset path's: each format alone (a string held to a length or a pattern beside it, where the
+# intersection is not taken, gets its format's language)
+SUPERSET_FORMATS = dict(FORMATS)
 
 
 # any JSON string (every escape): the superset's keys and widened strings

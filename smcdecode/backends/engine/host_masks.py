@@ -64,7 +64,6 @@ class HostMasks:
         self._in_shared: set = set()  # the columns of the round in progress in ``_handed`` (``_share``)
         self._handed_events = [torch.cuda.Event(external=True) for _ in range(k_max)] if self.pinned else None
         self.handed = False  # does the round in progress hand its columns over (``begin``)?
-        self.meanwhile = None  # host work due at the round's first host point (``smc.run_round``)
         self.requests: dict[int, RequestMasks] = {}
         self.drafts: Tensor | None = None  # the round's drafts (device buffer, filled step by step)
         self.rows = 0
@@ -227,9 +226,6 @@ class HostMasks:
         """A host point of the round's proposal (``smc.round_code``): ("mask", i) writes draft step
         i's masks into ``buffers["host_bits"]``; ("drafted", i) starts the copy of draft column i to
         the host. ``warm_up``: a graph capture's first run (every token allowed, nothing copied)."""
-        if self.meanwhile is not None and not warm_up:  # (a pipelined round's read of the round before it)
-            work, self.meanwhile = self.meanwhile, None
-            work()
         kind, i = event
         if kind == "mask":
             if warm_up:

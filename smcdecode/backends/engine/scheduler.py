@@ -409,11 +409,11 @@ class Scheduler:
 
     def _pipelined(self, bucket: int, k: int, K_now: dict) -> bool:
         """Whether this round can be launched before the one in flight is read: its graph exists,
-        no rewards (host masks: the round before is read at the first host point, before the
-        first masks; checks: before the check), and every request drafts k tokens (so every
+        the host has nothing to do inside the proposal (no host masks: checked requests are checked
+        after it, once the round before is read), and every request drafts k tokens (so every
         row's pages for the next round are known before this one ends) or is exact."""
-        masked = self.host is not None and self.host.masked
-        return (self.pipeline and not self.rewards and self.plan is None and (bucket, k, masked) in self._rounds.by_bucket
+        return (self.pipeline and (self.host is None or not self.host.masked) and not self.rewards
+                and self.plan is None and (bucket, k, False) in self._rounds.by_bucket
                 # (exact rows hold their pages from admission on: any K)
                 and all(v == k or self.requests[g].exact for g, v in K_now.items()))
 

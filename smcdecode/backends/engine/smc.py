@@ -97,14 +97,9 @@ def run_round(rnd: Round, host, rewards: list, k: int, longest_new: int, meanwhi
     (``HostMasks.verdicts_due``), the resampling needs no verdict: it is launched before the host
     catches up with the round's last tokens (``HostMasks.end``), which then overlaps it.
     ``meanwhile``: host work run once the proposal is launched, before the host reads it (a
-    pipelined round's read of the round before it); with host masks, at the proposal's first host
-    point, before the host computes the first masks (``HostMasks.handle``)."""
+    pipelined round's read of the round before it)."""
     late = host is not None and not rewards and not host.verdicts_due()
-    if host is not None and host.masked:
-        host.meanwhile, meanwhile = meanwhile, None
     rnd.propose()
-    if host is not None and host.meanwhile is not None:  # (a proposal without host points)
-        meanwhile, host.meanwhile = host.meanwhile, None
     if meanwhile is not None:
         meanwhile()
     if late:

@@ -152,3 +152,26 @@ def test_exact_formats_and_held_strings_equal_llguidance_masks_on_the_default_mo
             prefix.append(t)
             state, sl = a.advance(state, torch.tensor([t])), llg.advance(sl, torch.tensor([t]))
     assert ended, fmt
+
+
+def test_unsatisfiable_budget_and_enum_beside_a_format():
+    """A held string no string satisfies raises on every path (an error before any generation);
+    lengths beside formats or patterns past ``MAX_HELD`` characters stay on llguidance's path (their
+    product automaton would take long to build); an enum beside a format keeps its values in the format."""
+    from smcdecode.potentials.schema_regex import MAX_HELD
+
+    for schema in ({"type": "string", "pattern": "^[0-9]{3}$", "maxLength": 2},
+                   {"type": "object", "properties": {"d": {"type": "string", "format": "date", "maxLength": 5}},
+                    "required": ["d"], "additionalProperties": False}):
+        for path in ("auto", "automaton"):
+            with pytest.raises(sd.SMCDecodeError, match="nsatisfiable"):
+                JSONSchema(schema, path=path)
+    email = {"type": "string", "format": "email", "maxLength": MAX_HELD + 1}
+    c = JSONSchema(email)
+    assert c.path == "llguidance" and f"more than {MAX_HELD}" in c.path_reason, c.path_reason
+    two = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+           "properties": {k: {"type": "string", "format": "email", "maxLength": MAX_HELD // 2} for k in "ab"}}
+    assert JSONSchema(two).path == "automaton"
+    c = JSONSchema({"enum": ["x", "2024-01-01", 3], "format": "date"})
+    assert c.path == "automaton" and all(re.fullmatch(c.regexes[0], t) for t in ('"2024-01-01"', "3"))
+    assert not re.fullmatch(c.regexes[0], '"x"')

@@ -32,7 +32,7 @@ from torch import Tensor
 from ..errors import SMCDecodeError
 
 PAIRS_PER_BATCH = 4_000_000  # (state, token) pairs walked at once: bounds the builder's memory
-MAX_STATES = 20_000  # token-automaton states: past this the constraint runs on llguidance instead
+MAX_STATES = 20_000  # token-automaton states: past this, binding raises (path='llguidance' takes the constraint)
 
 _LEAD_RANGES = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
 

@@ -424,10 +424,13 @@ class JSONSchema(LLGuidanceConstraint):
                 regexes, subsets = schema_regexes(self.compiled_schema, self.whitespace, self.coerce_one_of)
                 if subsets and path != "automaton":
                     # NOTE: every path must sample the same target: where the device path would take a strict
-                    # subset of the documents (formats, bounded numbers), 'auto' does not take it
+                    # subset of the documents (bounded numbers), 'auto' does not take it
                     raise UnsupportedSchema("(subset)", "", "the device path takes a strict subset of the documents "
                                             "here (" + "; ".join(subsets) + "): path='automaton' accepts that subset")
                 fsm = reduce(lambda a, b: a & b, map(char_fsm, regexes))
+                if len(regexes) > 1 and fsm.empty():  # (each regex alone has documents: their intersection may not)
+                    raise UnsupportedSchema("(unsatisfiable)", "", "no string satisfies a string's format, pattern "
+                                            "and length together: the schema has no document")
                 return "automaton", regexes, fsm, "the schema's documents form a regular language"
             except UnsupportedSchema as e:
                 if path == "automaton":

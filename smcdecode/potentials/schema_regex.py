@@ -1,7 +1,8 @@
 """JSON Schema -> regular expression, for schemas whose documents form a regular language.
 
 The regex describes exactly the documents the device path generates, a subset of the schema's
-documents (every one validates), in the llguidance path's layout: properties in the order the schema
+documents (every one validates, but for the format checks a validator makes beyond llguidance's
+formats, e.g. 29 February 2023), in the llguidance path's layout: properties in the order the schema
 declares them, optional ones may be left out; objects *closed* (only declared properties, so no key
 can repeat); ``whitespace="compact"`` separators ``", "`` and ``": "`` and no other whitespace
 (``"flexible"``: any JSON whitespace around structural characters, none around the document);
@@ -42,7 +43,8 @@ from ..errors import SMCDecodeError
 from .regex_numbers import _alt, _magnitude, _naturals
 from .string_formats import ANY_CHAR, ANY_STRING, CHAR, FORMATS, SUPERSET_FORMATS, literal, string_except
 
-__all__ = ["SUPERSET_FORMATS", "UnsupportedSchema", "literal", "schema_regex", "string_except", "superset_regex"]
+__all__ = ["SUPERSET_FORMATS", "UnsupportedSchema", "literal", "schema_regex", "schema_regexes", "string_except",
+           "superset_regex"]
 
 ANNOTATIONS = {
     "title", "description", "default", "examples", "$comment", "$schema", "$id", "id", "deprecated",
@@ -59,6 +61,9 @@ KEYWORDS = ANNOTATIONS | {
 }
 MAX_COUNT = 256  # counted repetitions (string lengths, array lengths) the automaton spells out
 MAX_REGEX = 200_000  # characters of regex: past this the automaton is not worth building
+# characters counted by the lengths of strings held to a format or pattern too, over a schema: the
+# intersection (interegular's product of the document's automata) takes seconds near this
+MAX_HELD = 64
 
 _BAD_IN_PATTERN = r'[\s\S]*["\\\x00-\x1f\x7f][\s\S]*'
 INTEGER = r"-?(?:0|[1-9][0-9]*)"
@@ -98,8 +103,9 @@ def schema_regexes(schema: dict, whitespace: str = "compact", coerce_one_of: boo
     ``number``). One regex, unless a string holds two or more of a format, a
     pattern and a length: each regex then writes one of them there (any string where that string has
     none), the same documents elsewhere. The intersection is exact where such a string is not inside
-    an ``anyOf``, ``oneOf`` or a list of types (refused there): JSON's syntax puts each string of a
-    document at one place in every regex."""
+    an ``anyOf`` or ``oneOf`` (refused there): JSON's syntax puts each string of a document at one
+    place in every regex (values of different types in a list of types never share a text). Lengths
+    beside a format or pattern count at most ``MAX_HELD`` characters over the schema."""
     t = _Translator(schema, whitespace, coerce_one_of, facet=_FACETS[0])
     first = _sized(t.value(schema, "", ()))
     if not t.facets:
@@ -131,8 +137,8 @@ class _Translator:
         self.root = root
         # ``facet``: a string held to several of _FACETS is written as this one alone (schema_regexes);
         # None: such a string is refused. ``facets``: the ones such strings use; ``choices``: how many
-        # anyOf / oneOf / type lists the translation is inside
-        self.facet, self.facets, self.choices = facet, set(), 0
+        # anyOf / oneOf the translation is inside; ``counted``: the lengths of such strings (MAX_HELD)
+        self.facet, self.facets, self.choices, self.counted = facet, set(), 0, 0
         self.coerce_one_of = coerce_one_of
         # superset: widen what the exact translation refuses (listed in ``wider``), see superset_regex
         self.superset, self.wider = superset, []
@@ -262,7 +268,9 @@ class _Translator:
         if "$ref" in rest or any(k in rest for k in ("anyOf", "oneOf", "allOf")):
             raise UnsupportedSchema("enum", where, "enum beside $ref/anyOf/oneOf/allOf")
         check = jsonschema.validators.validator_for(self.root, default=jsonschema.Draft202012Validator)(rest)
-        texts = [self.dump(v) for v in values if check.is_valid(v)]
+        fmt = FORMATS.get(rest.get("format"))  # (the validator checks no format: a string must match it here)
+        texts = [self.dump(v) for v in values
+                 if check.is_valid(v) and (fmt is None or not isinstance(v, str) or re.fullmatch(fmt, v))]
         if not texts:
             raise UnsupportedSchema("enum", where, "no value of the enum satisfies the other keywords")
         return _alt([literal(t) for t in dict.fromkeys(texts)])
@@ -363,11 +371,17 @@ class _Translator:
         if len(held) == 1:
             return next(iter(held.values()))
         keyword = "format" if fmt is not None else "pattern"
+        beside = "/".join({"length": "minLength/maxLength"}.get(k, k) for k in held if k != keyword)
         if self.facet is None:
-            raise UnsupportedSchema(keyword, where, f"{keyword} beside {'/'.join(k for k in held if k != keyword)}")
+            raise UnsupportedSchema(keyword, where, f"{keyword} beside {beside}")
         if self.choices:
-            raise UnsupportedSchema(keyword, where, f"{keyword} beside {'/'.join(k for k in held if k != keyword)} "
-                                    "inside anyOf/oneOf (the intersection of its branches' regexes would mix them)")
+            raise UnsupportedSchema(keyword, where, f"{keyword} beside {beside} inside anyOf/oneOf (the "
+                                    "intersection of its branches' regexes would mix them)")
+        if "length" in held:  # (the automata's product grows with the lengths counted beside a format or pattern)
+            self.counted += s.get("maxLength", s.get("minLength", 0))
+            if self.counted > MAX_HELD:
+                raise UnsupportedSchema("maxLength", where, f"{keyword} beside lengths of more than {MAX_HELD} "
+                                        "characters in all: their intersection's automaton is not built")
         self.facets |= set(held)
         return held.get(self.facet, CHAR + "*")
 

@@ -36,8 +36,8 @@ FORMATS = {
     "email": _LOCAL_CHAR + r"+(?:\." + _LOCAL_CHAR + r"+)*@(?:" + _LABEL + r"(?:\." + _LABEL + r")*|\[" + _IPV4 + r"\])",
     "hostname": _HOST_LABEL + r"(?:\." + _HOST_LABEL + ")*",
 }
-# the superset path's: each format alone (a string held to a length or a pattern beside it, where the
-# intersection is not taken, gets its format's language)
+# the superset path's: each format alone (the superset takes a format beside a length or a pattern as
+# the format's language)
 SUPERSET_FORMATS = dict(FORMATS)
 
 

@@ -195,18 +195,25 @@ def test_engine_device_automaton_and_host_llguidance_rounds_are_exact():
         target = sd.LM(model) * constraint
         prog = EngineTarget.of(target)
         assert (DeviceAutomaton.of(constraint, "cpu") is None) == (path == "llguidance")
-        exact = exact_target(target, PROMPT, 4)
-        out = engine.smc_sd([PROMPT] * 1200, particles=4, block_size=2, max_new_tokens=4, draft_temperature=1.2,
-                            target_temperature=1.0, eos_token_id=EOS, ess_threshold=0.5, resampler="systematic",
-                            target=prog, seed=11)
-        out = type("Out", (), dict(tokens=out.tokens.cpu(), lengths=out.lengths.cpu(),
-                                   log_weights=out.log_weights.cpu(), log_evidence=out.log_evidence.cpu()))
-        for g in range(0, 1200, 50):
-            for x, w in zip(sequences(out, g), out.log_weights[g].tolist()):
-                if w > float("-inf"):
-                    assert constraint.is_valid(model.decode([t for t in x if t != EOS])), x
-        check_distribution(out, exact, z_max=5.0)
-        check_evidence_unbiased(out, exact.log_Z, z_max=5.0)
+        engine_is_exact(engine, model, constraint, prog, PROMPT, 4, seed=11)
+
+
+def engine_is_exact(engine, model, constraint, prog, prompt: list, new: int, seed: int) -> None:
+    """1200 requests of 4 particles (K = 2) on the engine: every finished document valid, the weighted
+    particles' distribution and the evidence those of the exact target (exact enumeration)."""
+    exact = exact_target(sd.LM(model) * constraint, prompt, new)
+    eos = model.eos_token_id
+    out = engine.smc_sd([prompt] * 1200, particles=4, block_size=2, max_new_tokens=new, draft_temperature=1.2,
+                        target_temperature=1.0, eos_token_id=eos, ess_threshold=0.5, resampler="systematic",
+                        target=prog, seed=seed)
+    out = type("Out", (), dict(tokens=out.tokens.cpu(), lengths=out.lengths.cpu(),
+                               log_weights=out.log_weights.cpu(), log_evidence=out.log_evidence.cpu()))
+    for g in range(0, 1200, 40):
+        for x, w in zip(sequences(out, g), out.log_weights[g].tolist()):
+            if w > float("-inf"):
+                assert constraint.is_valid(model.decode([t for t in x if t != eos])), x
+    check_distribution(out, exact, z_max=5.0)
+    check_evidence_unbiased(out, exact.log_Z, z_max=5.0)
 
 
 # -- the real default model --------------------------------------------------------------------------
@@ -271,8 +278,9 @@ def test_both_paths_take_the_same_string_characters(text, ok):
 def test_auto_takes_the_superset_where_the_device_path_would_take_a_subset():
     """Bounded numbers: the device regex is a strict subset of llguidance's documents, so 'auto' does
     not take it (every path must sample the same target): it takes the superset path, whose automaton
-    widens them, and says where; 'automaton' takes the subset when asked. Formats are llguidance's
-    languages: exact, beside a length too; where the superset must widen one, auto keeps llguidance."""
+    widens them, and says where; 'automaton' takes the subset when asked. Formats but date and
+    date-time are llguidance's languages: exact, beside a length too; where the superset must widen
+    one, auto keeps llguidance."""
     auto = JSONSchema({"type": "number", "minimum": 0, "maximum": 5})
     assert auto.path == "superset" and auto.superset_widens == ["bounded number at /"]
     assert JSONSchema({"type": "number", "minimum": 0, "maximum": 5}, path="automaton").path == "automaton"
@@ -287,7 +295,8 @@ def test_auto_takes_the_superset_where_the_device_path_would_take_a_subset():
     assert JSONSchema(date).path == "llguidance"
     assert JSONSchema(date, path="superset").superset_widens == [
         "format 'date' beside maxLength (a regular superset of the format alone) at /anyOf/0"]
-    for fmt in ("date", "email"):  # (llguidance's languages: exact, beside a length too)
+    assert JSONSchema({"type": "string", "format": "date"}).path == "llguidance"  # (a subset: no 29 February)
+    for fmt in ("time", "email"):  # (llguidance's languages: exact, beside a length too)
         c = JSONSchema({"type": "string", "format": fmt, "maxLength": 20})
         assert c.path == "automaton" and len(c.regexes) == 2, c.path_reason
     # a pattern beside a length: exact on the automaton; the superset takes the pattern alone
@@ -447,19 +456,26 @@ def test_format_supersets_contain_llguidance_strings_on_the_default_model(fmt):
     sup = JSONSchema(schema, path="superset").bind(model)
     llg = JSONSchema(schema, path="llguidance").bind(model)
     assert sup.path == "superset" and not any("(any string)" in w for w in sup.superset_widens), sup.superset_widens
-    a = sup.superset_automaton
-    g = torch.Generator().manual_seed(11)
-    # (tokens that close a string or hold an email's @, and EOS, drawn more often, so that walks end)
+    ended = walk_llguidance(model, llg, sup.superset_automaton, seed=11, exact=False, what=fmt)
+    assert ended, fmt  # (some walks reached the end of a document)
+
+
+def walk_llguidance(model, llg, a, seed: int, exact: bool, what, walks: int = 12, steps: int = 48) -> int:
+    """Random walks through llguidance's masks (each step a token drawn uniformly from those allowed,
+    those that close a string or hold an @, and EOS, more often, so that walks end): at every step the
+    token automaton ``a`` allows every token llguidance allows (``exact``: exactly those). Returns how
+    many walks ended a document."""
+    g = torch.Generator().manual_seed(seed)
     closing = torch.tensor([isinstance(x, str) and ('"' in x or "@" in x) for x in model.token_strings])
     closing[model.eos_token_id] = True
     ended = 0
-    for _walk in range(12):
+    for _walk in range(walks):
         state, sl = torch.tensor([a.initial]), llg.start(1)
         prefix = []
-        for _ in range(48):
-            ml, ms = llg.allowed(sl)[0], a.allowed(state)[0]
-            missing = (ml & ~ms).nonzero().flatten().tolist()
-            assert not missing, (fmt, model.decode(prefix), [model.token_strings[d] for d in missing[:5]])
+        for _ in range(steps):
+            ml, ma = llg.allowed(sl)[0], a.allowed(state)[0]
+            wrong = ((ml != ma) if exact else (ml & ~ma)).nonzero().flatten().tolist()
+            assert not wrong, (what, model.decode(prefix), [(model.token_strings[d], bool(ml[d])) for d in wrong[:5]])
             if not ml.any():
                 break
             t = int(torch.multinomial(ml.double() * (1 + 300 * closing), 1, generator=g))
@@ -468,7 +484,7 @@ def test_format_supersets_contain_llguidance_strings_on_the_default_model(fmt):
                 break
             prefix.append(t)
             state, sl = a.advance(state, torch.tensor([t])), llg.advance(sl, torch.tensor([t]))
-    assert ended, fmt  # (some walks reached the end of a document)
+    return ended
 
 
 def test_superset_check_of_a_round_takes_eos_after_a_finished_document():

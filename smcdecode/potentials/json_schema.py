@@ -424,7 +424,7 @@ class JSONSchema(LLGuidanceConstraint):
                 regexes, subsets = schema_regexes(self.compiled_schema, self.whitespace, self.coerce_one_of)
                 if subsets and path != "automaton":
                     # NOTE: every path must sample the same target: where the device path would take a strict
-                    # subset of the documents (bounded numbers), 'auto' does not take it
+                    # subset of the documents (bounded numbers, dates), 'auto' does not take it
                     raise UnsupportedSchema("(subset)", "", "the device path takes a strict subset of the documents "
                                             "here (" + "; ".join(subsets) + "): path='automaton' accepts that subset")
                 fsm = reduce(lambda a, b: a & b, map(char_fsm, regexes))

@@ -1,8 +1,7 @@
 """JSON Schema -> regular expression, for schemas whose documents form a regular language.
 
 The regex describes exactly the documents the device path generates, a subset of the schema's
-documents (every one validates, but for the format checks a validator makes beyond llguidance's
-formats, e.g. 29 February 2023), in the llguidance path's layout: properties in the order the schema
+documents (every one validates), in the llguidance path's layout: properties in the order the schema
 declares them, optional ones may be left out; objects *closed* (only declared properties, so no key
 can repeat); ``whitespace="compact"`` separators ``", "`` and ``": "`` and no other whitespace
 (``"flexible"``: any JSON whitespace around structural characters, none around the document);
@@ -10,8 +9,8 @@ strings with other characters raw except U+0000–U+001F and U+007F, which do no
 the escapes ``\\" \\\\ \\b \\f \\n \\r \\t`` and ``\\u0000``–``\\u001F``, ``\\u007F``.
 
 Where a schema is regular but the regex is a strict subset of its documents, the subset is stated:
-numbers with bounds take no exponent and bounds must be integers (formats are llguidance's
-languages: ``string_formats.py``). A string held to two or more
+numbers with bounds take no exponent and bounds must be integers; ``date`` and ``date-time`` take
+no 29 February and no year 0000 (the other formats are llguidance's languages: ``string_formats.py``). A string held to two or more
 of a ``format``, a ``pattern`` and a length is the intersection of their languages: the documents
 are then the intersection of several regexes (:func:`schema_regexes`). A keyword the translation cannot honour
 raises :class:`UnsupportedSchema` naming it (the constraint then runs on llguidance, or the error
@@ -41,7 +40,16 @@ import re
 
 from ..errors import SMCDecodeError
 from .regex_numbers import _alt, _magnitude, _naturals
-from .string_formats import ANY_CHAR, ANY_STRING, CHAR, FORMATS, SUPERSET_FORMATS, literal, string_except
+from .string_formats import (
+    ANY_CHAR,
+    ANY_STRING,
+    CHAR,
+    FORMATS,
+    SUBSET_FORMATS,
+    SUPERSET_FORMATS,
+    literal,
+    string_except,
+)
 
 __all__ = ["SUPERSET_FORMATS", "UnsupportedSchema", "literal", "schema_regex", "schema_regexes", "string_except",
            "superset_regex"]
@@ -100,7 +108,7 @@ def schema_regexes(schema: dict, whitespace: str = "compact", coerce_one_of: boo
                    ) -> tuple[list[str], list[str]]:
     """(regexes whose intersection is the documents the device path generates, where they are a
     strict subset of the llguidance path's documents: "keyword at pointer" for each bounded
-    ``number``). One regex, unless a string holds two or more of a format, a
+    ``number`` and each ``date`` or ``date-time`` format). One regex, unless a string holds two or more of a format, a
     pattern and a length: each regex then writes one of them there (any string where that string has
     none), the same documents elsewhere. The intersection is exact where such a string is not inside
     an ``anyOf`` or ``oneOf`` (refused there): JSON's syntax puts each string of a document at one
@@ -363,6 +371,8 @@ class _Translator:
         if fmt is not None:
             if fmt not in FORMATS:
                 raise UnsupportedSchema("format", where, f"format {fmt!r} (regular formats: {sorted(FORMATS)})")
+            if fmt in SUBSET_FORMATS:
+                self.subsets.append(f"format {fmt!r} at {where or '/'}")
             held["format"] = FORMATS[fmt]
         if pattern is not None:
             held["pattern"] = self.pattern(pattern, where)

@@ -501,3 +501,37 @@ def test_superset_check_of_a_round_takes_eos_after_a_finished_document():
     state = consume_rows(c, state, [[EOS], None, [t["[1"], t[", "], t["1"]]])
     assert [state.dead(i) for i in range(3)] == [False, True, False]
     assert c.accepting(state).tolist() == [True, False, False]
+
+
+def test_auto_falls_back_to_llguidance_where_the_token_automaton_is_too_large(monkeypatch):
+    """Bound to a model, an automaton (or a superset's) past MAX_STATES: path='auto' takes llguidance's
+    masks and says why, a path asked for raises; a regex interegular refuses falls back at once."""
+    from smcdecode.potentials import automaton
+
+    model = _toy()
+    monkeypatch.setattr(automaton, "MAX_STATES", 2)
+    auto = JSONSchema(SCHEMA)
+    assert auto.path == "automaton"
+    bound = auto.bind(model)
+    assert bound.path == "llguidance" and "more than 2 states" in bound.path_reason
+    assert auto.path == "automaton"  # (the unbound constraint keeps its choice)
+    llg = JSONSchema(SCHEMA, path="llguidance").bind(model)
+    text = [t for t in range(len(VOCAB)) if t not in (0, EOS)]
+    for n in range(3):
+        for seq in itertools.product(text, repeat=n):
+            assert torch.equal(bound.logw_next(list(seq)), llg.logw_next(list(seq)))
+    with pytest.raises(sd.SMCDecodeError, match="more than 2 states: use path='llguidance'"):
+        JSONSchema(SCHEMA, path="automaton").bind(model)
+    words = ["<bos>", "{", '"a"', '"b"', ": ", "1", "true", ", ", "}", "<eos>"]
+    braces = sd.FunctionModel(lambda ctx: torch.zeros(ctx.shape[0], len(words), dtype=torch.float64),
+                              vocab=words, eos="<eos>")
+    open_keys = {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "boolean"}}
+    assert JSONSchema(open_keys).path == "superset"
+    sup = JSONSchema(open_keys).bind(braces)
+    assert sup.path == "llguidance" and sup.superset_automaton is None and "superset's" in sup.path_reason
+    with pytest.raises(sd.SMCDecodeError, match="use path='llguidance'"):
+        JSONSchema(open_keys, path="superset").bind(braces)
+    # repetition counts past what is spelled out: the regex is refused, the schema takes llguidance
+    nested = {"type": "array", "maxItems": 40, "items": {"type": "array", "maxItems": 40, "items": {"enum": [1]}}}
+    c = JSONSchema(nested)
+    assert c.path == "llguidance" and "repetition counts" in c.path_reason

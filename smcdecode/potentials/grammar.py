@@ -56,6 +56,7 @@ class LLGuidanceConstraint(TokenConstraint):
     # over token classes, stepped on the device by the engine: a regular language, see _use_automaton)
     path = "llguidance"
     path_reason = ""
+    path_asked = "auto"  # (the ``path`` argument: with "auto", a token automaton too large to build falls back)
     automaton = None
     # the "superset" path (JSONSchema): llguidance's parser state as on the llguidance path, and a token
     # automaton of a superset of the documents, which the engine steps on the device as its proposal's
@@ -112,16 +113,20 @@ class LLGuidanceConstraint(TokenConstraint):
             self._compile(model)
 
     def _compile(self, model) -> None:
-        if self.path == "automaton":
-            from .automaton import TooLarge
-            from .regex import compile_fsm
+        from .automaton import TooLarge
+        from .regex import compile_fsm
 
+        if self.path == "automaton":
             try:
                 self.automaton = compile_fsm(self._fsm, model)
+                self.model = model
+                return
             except TooLarge as e:
-                raise SMCDecodeError(f"{e}: use path='llguidance' here") from None
-            self.model = model
-            return
+                if self.path_asked != "auto":
+                    raise SMCDecodeError(f"{e}: use path='llguidance' here") from None
+                # (path='auto': llguidance's masks, as for a language with no automaton)
+                self.path, self._fsm, self.regexes = "llguidance", None, ()
+                self.path_reason = f"{e} over this vocabulary"
         llg = _llguidance()
         tok = sliced_tokenizer(model, self._classes)
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(self._grammar, tok)
@@ -131,13 +136,13 @@ class LLGuidanceConstraint(TokenConstraint):
         if template.is_error():
             raise self._error(template.get_error())
         if self._superset_fsm is not None:  # (None with superset_automaton set: compiled for this vocabulary)
-            from .automaton import TooLarge
-            from .regex import compile_fsm
-
             try:
                 self.superset_automaton = compile_fsm(self._superset_fsm, model)
             except TooLarge as e:
-                raise SMCDecodeError(f"{e}: use path='llguidance' here") from None
+                if self.path_asked != "auto":
+                    raise SMCDecodeError(f"{e}: use path='llguidance' here") from None
+                self.path, self._superset_fsm = "llguidance", None
+                self.path_reason = f"{self.path_reason}; the superset's {e} over this vocabulary: llguidance's masks"
         self._template = template
         self._tok, self._lanes = tok, [template]
         self._base_tok = llguidance_tokenizer(model)  # (without the slices: what mask workers inherit)
@@ -376,6 +381,7 @@ class Grammar(LLGuidanceConstraint):
         self._header_lines = header.count("\n") if syntax == "lark" else 0  # (GBNF: lines of the converted text)
         self._grammar = llg.LLMatcher.grammar_from_lark(header + lark)
         self._validate()
+        self.path_asked = path
         regex, fsm, self.path_reason = self._choose_path(path, lark)
         if regex is not None:
             self._use_automaton(regex, fsm, threads, model)

@@ -210,9 +210,9 @@ def _check_lexing(over_terminals: str, fsms: dict, names: dict) -> None:
     """At each state of the automaton over terminals (a lexeme boundary), when an allowed terminal has
     matched, the characters that can start a terminal allowed next must not continue any allowed
     terminal that the same text leaves in progress."""
-    import interegular
+    from .regex import interegular_module
 
-    top = interegular.parse_pattern(over_terminals).to_fsm()
+    top = interegular_module().parse_pattern(over_terminals).to_fsm()
     live = _live(top)
     if top.initial not in live:
         raise NotRegular("the grammar accepts no text")

@@ -388,6 +388,15 @@ class JSONSchema(LLGuidanceConstraint):
         else:
             options.update(whitespace_flexible=True)
         self.force_canonical = bool(force_canonical)
+        # llguidance's grammar (every path: the automaton's falls back to it where, bound to a model,
+        # its token automaton is too large); x-guidance carries the JSON options (ours override any
+        # in the schema), the Lark wrapper the tokenisation option
+        source = self.compiled_schema
+        compiled = {**source, "x-guidance": {**source.get("x-guidance", {}), **options}}
+        self._grammar = lark_header(self.force_canonical) + "start: %json " + json.dumps(compiled)
+        self._classes = repeated_classes(source)
+        self._what = f"JSON Schema not supported by the grammar engine (llguidance {_llguidance().__version__})"
+        self.path_asked = path
         chosen, regex, fsm, self.path_reason = self._choose_path(path)
         if chosen == "automaton":  # (the documents: the intersection of ``regexes``, one regex mostly)
             self.regexes = regex
@@ -395,14 +404,6 @@ class JSONSchema(LLGuidanceConstraint):
             return
         if chosen == "superset":
             self.path, self.superset_regex, self._superset_fsm = "superset", regex, fsm
-        llg = _llguidance()
-        # x-guidance carries the JSON options (ours override any in the schema); the Lark wrapper
-        # carries the tokenisation option
-        source = self.compiled_schema
-        compiled = {**source, "x-guidance": {**source.get("x-guidance", {}), **options}}
-        self._grammar = lark_header(self.force_canonical) + "start: %json " + json.dumps(compiled)
-        self._classes = repeated_classes(source)
-        self._what = f"JSON Schema not supported by the grammar engine (llguidance {llg.__version__})"
         self._setup(model, threads)
 
     def _choose_path(self, path: str) -> tuple[str, str | None, object, str]:
@@ -432,7 +433,7 @@ class JSONSchema(LLGuidanceConstraint):
                     raise UnsupportedSchema("(unsatisfiable)", "", "no string satisfies a string's format, pattern "
                                             "and length together: the schema has no document")
                 return "automaton", regexes, fsm, "the schema's documents form a regular language"
-            except UnsupportedSchema as e:
+            except (UnsupportedSchema, SMCDecodeError) as e:  # (SMCDecodeError: a regex interegular refuses)
                 if path == "automaton":
                     raise
                 why = str(e)
@@ -442,7 +443,7 @@ class JSONSchema(LLGuidanceConstraint):
                 raise UnsupportedSchema("(force_canonical)", "", "canonical tokenisation is llguidance's rule")
             regex, wider = superset_regex(self.compiled_schema, self.whitespace, self.coerce_one_of)
             fsm = char_fsm(regex)
-        except UnsupportedSchema as e:
+        except (UnsupportedSchema, SMCDecodeError) as e:
             if path == "superset":
                 raise
             return "llguidance", None, None, f"{why}; no superset automaton either: {e}"

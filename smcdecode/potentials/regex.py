@@ -89,13 +89,77 @@ class Regex(TokenConstraint):
         return self.automaton.accepting[state.cpu()].to(state.device)
 
 
+def interegular_module():
+    """``interegular``, its automaton builder's state lookup made a dictionary's.
+
+    interegular (0.3.3) builds every automaton (a regex's parts, their concatenation, repetition,
+    union and intersection) with ``fsm.crawl``, a breadth-first walk over new states that finds each
+    state's number with ``list.index``: quadratic in the states. A JSON Schema's automaton has
+    thousands (a superset with keys of up to 255 characters: 11,343), where that lookup took over a
+    minute. :func:`_crawl` is the same walk, numbering the states in the same order (the automata
+    are equal, ``tests/test_regex_crawl.py``), with the lookup in a dictionary. It replaces
+    ``interegular.fsm.crawl`` once, where that function has the signature this one expects."""
+    import inspect
+
+    import interegular
+    import interegular.fsm as fsm
+
+    if fsm.crawl is not _crawl and list(inspect.signature(fsm.crawl).parameters) == ["alphabet", "initial", "final",
+                                                                                     "follow"]:
+        global _ORIGINAL_CRAWL
+        _ORIGINAL_CRAWL, fsm.crawl = fsm.crawl, _crawl
+    return interegular
+
+
+_ORIGINAL_CRAWL = None  # (interegular's own, once replaced: the tests compare the two)
+
+
+def _state_key(state):
+    """A hashable key equal for equal states (interegular's states: frozensets, sets, dicts of ints)."""
+    kind = type(state)
+    if kind is dict:
+        return frozenset(state.items())
+    if kind is set:
+        return frozenset(state)
+    return state
+
+
+def _crawl(alphabet, initial, final, follow):
+    """interegular's ``crawl`` (the automaton of the states reachable from ``initial``: ``follow``
+    (state, transition) gives the next state or raises OblivionError, ``final`` (state) whether it
+    accepts), each new state numbered in the order it is found, found again by its key."""
+    from interegular.fsm import FSM, OblivionError
+
+    states, number, finals, table = [initial], {_state_key(initial): 0}, set(), {}
+    transitions = list(alphabet.by_transition)
+    i = 0
+    while i < len(states):
+        state = states[i]
+        if final(state):
+            finals.add(i)
+        row = table[i] = {}
+        for t in transitions:
+            try:
+                new = follow(state, t)
+            except OblivionError:
+                continue
+            key = _state_key(new)
+            j = number.get(key)
+            if j is None:
+                j = number[key] = len(states)
+                states.append(new)
+            row[t] = j
+        i += 1
+    return FSM(alphabet=alphabet, states=range(len(states)), initial=0, finals=finals, map=table,
+               __no_validation__=True)
+
+
 def char_fsm(pattern: str):
     """The ``interegular`` character automaton of ``pattern`` (Python ``re`` syntax); unsupported
     syntax raises SMCDecodeError."""
     import re
 
-    import interegular
-
+    interegular = interegular_module()
     try:
         re.compile(pattern)
         _reject_unsupported(pattern)
@@ -108,9 +172,13 @@ def char_fsm(pattern: str):
 
 
 def compile_fsm(fsm, model) -> TokenAutomaton:
-    """The token automaton of a character FSM over ``model``'s vocabulary."""
+    """The token automaton of a character FSM over ``model``'s vocabulary (raises ``TooLarge`` past
+    ``automaton.MAX_STATES`` states)."""
+    from . import automaton
+
     table, accepting, initial = byte_dfa(fsm)
-    return token_automaton(table, accepting, initial, vocabulary_bytes(model), model.eos_token_id)
+    return token_automaton(table, accepting, initial, vocabulary_bytes(model), model.eos_token_id,
+                           max_states=automaton.MAX_STATES)
 
 
 def vocabulary_bytes(model) -> list[bytes | None]:

@@ -407,9 +407,9 @@ class _Translator:
     def pattern(self, pattern: str, where: str) -> str:
         """The string body for a JSON Schema ``pattern`` (a search, anchored only by ^ and $), when
         the pattern cannot match a character that JSON would escape."""
-        import interegular
+        from .regex import _reject_unsupported, interegular_module
 
-        from .regex import _reject_unsupported
+        interegular = interegular_module()
 
         try:
             from re import _parser as sre_parse

@@ -1,0 +1,85 @@
+"""interegular's automaton builder with the dictionary state lookup (``regex.interegular_module``):
+every automaton equal, state for state, to the one interegular's own ``crawl`` builds."""
+
+from __future__ import annotations
+
+import pytest
+
+from smcdecode.potentials import regex as regex_module
+from smcdecode.potentials.schema_regex import schema_regexes, superset_regex
+
+interegular = regex_module.interegular_module()
+import interegular.fsm as fsm  # noqa: E402
+
+PATTERNS = [
+    "a", "abc|abd", "(ab|a)*b", "(b*ab)*", "[a-z]{2,5}", "x{0,3}y{3}", "(?:ab){2,4}|c+",
+    "[0-9]+(\\.[0-9]+)?([eE][+-]?[0-9]+)?", "(?:[^\"\\\\]|\\\\.)*", "((a|b)c?){3}", "",
+]
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
+     "required": ["name"], "additionalProperties": False},
+    {"type": "object", "properties": {"id": {"type": "string", "format": "uuid"},
+                                      "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+     "additionalProperties": False},
+    {"type": "string", "format": "email", "maxLength": 20},
+]
+
+
+def _built(build, crawl):
+    saved = fsm.crawl
+    fsm.crawl = crawl
+    try:
+        return build()
+    finally:
+        fsm.crawl = saved
+
+
+def _assert_same(build) -> None:
+    ours, theirs = _built(build, regex_module._crawl), _built(build, regex_module._ORIGINAL_CRAWL)
+    assert (ours.initial, ours.finals, ours.map) == (theirs.initial, theirs.finals, theirs.map)
+    assert list(ours.states) == list(theirs.states)
+
+
+def test_crawl_is_replaced_once():
+    assert fsm.crawl is regex_module._crawl
+    assert regex_module._ORIGINAL_CRAWL is not None and regex_module._ORIGINAL_CRAWL is not regex_module._crawl
+    regex_module.interegular_module()
+    assert fsm.crawl is regex_module._crawl and regex_module._ORIGINAL_CRAWL is not regex_module._crawl
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_pattern_automata_equal(pattern):
+    _assert_same(lambda: interegular.parse_pattern(pattern).to_fsm())
+
+
+@pytest.mark.parametrize("a, b", [("[a-c]*", "a?b*c?"), ("(ab)*", "a(ba)*b|"), ("[0-9]{1,4}", "1[0-9]*")])
+def test_products_and_set_operations_equal(a, b):
+    def fa():
+        return interegular.parse_pattern(a).to_fsm()
+
+    def fb():
+        return interegular.parse_pattern(b).to_fsm()
+
+    _assert_same(lambda: fa() & fb())
+    _assert_same(lambda: fa() | fb())
+    _assert_same(lambda: fa() - fb())
+    _assert_same(lambda: fa().everythingbut())
+    _assert_same(lambda: fa().reversed())
+
+
+@pytest.mark.parametrize("i", range(len(SCHEMAS)))
+def test_schema_automata_equal(i):
+    schema = SCHEMAS[i]
+    regexes, _ = schema_regexes(schema)
+
+    def build():
+        out = interegular.parse_pattern(regexes[0]).to_fsm()
+        for r in regexes[1:]:
+            out = out & interegular.parse_pattern(r).to_fsm()
+        return out
+
+    _assert_same(build)
+    if schema.get("type") == "object":
+        # (open to further string keys: the superset's any-key-but-these strings)
+        wide = superset_regex({**schema, "additionalProperties": {"type": "string"}})[0]
+        _assert_same(lambda: interegular.parse_pattern(wide).to_fsm())

@@ -245,6 +245,7 @@ def token_automaton(table: np.ndarray, accepting: np.ndarray, initial: int, toke
     ``i`` has the bytes ``token_bytes[i]`` (None: a special token)."""
     vocab = _Vocabulary(token_bytes)
     V = vocab.size
+    table, accepting, initial = minimal_bytes(table, accepting, initial)
     dead_b = len(table) - 1
     if not 0 <= eos_token_id < V:
         raise SMCDecodeError(f"eos_token_id {eos_token_id} is outside the vocabulary of {V} tokens")
@@ -301,6 +302,22 @@ def token_automaton(table: np.ndarray, accepting: np.ndarray, initial: int, toke
     full = np.vstack([cols.T, np.full((1, cols.shape[0]), S)]).astype(np.int32)
     return TokenAutomaton(torch.from_numpy(classes.astype(np.int32)), torch.from_numpy(np.ascontiguousarray(full)),
                           torch.from_numpy(np.append(acc, False)), int(init))
+
+
+def minimal_bytes(table: np.ndarray, accepting: np.ndarray, initial: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """The minimal byte automaton of ``table`` (as :func:`byte_dfa` writes it): the token walk's cost
+    grows with the byte states, and interegular's automata are not minimal (a value a schema writes
+    at several places is a copy at each: a JSON Schema's automaton shrank from 14,425 states to
+    1,181). Refined over the byte classes (bytes whose columns are equal)."""
+    n = len(table) - 1
+    if n == 0:
+        return table, accepting, initial
+    columns, byte_class = np.unique(table[:n].T, axis=0, return_inverse=True)
+    trans, acc, init = _prune(columns.T.astype(np.int64), accepting[:n], initial)
+    trans, acc, init = _minimise(trans, acc, init)
+    S = len(trans)
+    out = np.vstack([trans[:, byte_class.reshape(-1)], np.full((1, table.shape[1]), S)]).astype(table.dtype)
+    return out, np.append(acc, False), init
 
 
 def _prune(trans: np.ndarray, acc: np.ndarray, init: int):

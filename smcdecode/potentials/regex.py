@@ -97,7 +97,7 @@ def interegular_module():
     state's number with ``list.index``: quadratic in the states. A JSON Schema's automaton has
     thousands (a superset with keys of up to 255 characters: 11,343), where that lookup took over a
     minute. :func:`_crawl` is the same walk, numbering the states in the same order (the automata
-    are equal, ``tests/test_regex_crawl.py``), with the lookup in a dictionary. It replaces
+    are equal, ``tests/test_automaton_build.py``), with the lookup in a dictionary. It replaces
     ``interegular.fsm.crawl`` once, where that function has the signature this one expects."""
     import inspect
 

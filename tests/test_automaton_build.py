@@ -1,11 +1,16 @@
-"""interegular's automaton builder with the dictionary state lookup (``regex.interegular_module``):
-every automaton equal, state for state, to the one interegular's own ``crawl`` builds."""
+"""How automata are built: interegular's builder with the dictionary state lookup
+(``regex.interegular_module``) builds every automaton equal, state for state, to the one
+interegular's own ``crawl`` builds; the minimal byte automaton (``automaton.minimal_bytes``) takes
+the same byte strings as the one it comes from."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 
 from smcdecode.potentials import regex as regex_module
+from smcdecode.potentials.automaton import byte_dfa, minimal_bytes
 from smcdecode.potentials.schema_regex import schema_regexes, superset_regex
 
 interegular = regex_module.interegular_module()
@@ -83,3 +88,32 @@ def test_schema_automata_equal(i):
         # (open to further string keys: the superset's any-key-but-these strings)
         wide = superset_regex({**schema, "additionalProperties": {"type": "string"}})[0]
         _assert_same(lambda: interegular.parse_pattern(wide).to_fsm())
+
+
+def _run(table, init: int, data: bytes) -> int:
+    state = init
+    for b in data:
+        state = int(table[state, b])
+    return state
+
+
+@pytest.mark.parametrize("pattern", PATTERNS + ["x(?:a|b)c|y(?:a|b)c", "(?:ab|cb)(?:ab|cb)?[0-2]*", "é|ü|a{2}"])
+def test_minimal_byte_automaton_takes_the_same_strings(pattern):
+    table, acc, init = byte_dfa(interegular.parse_pattern(pattern).to_fsm())
+    small, small_acc, small_init = minimal_bytes(table, acc, init)
+    assert len(small) <= len(table) and small[-1].tolist() == [len(small) - 1] * 256  # (the dead row last)
+    again = minimal_bytes(small, small_acc, small_init)
+    assert len(again[0]) == len(small)  # (minimal: nothing left to merge)
+    letters = sorted(set(pattern.encode()) | {ord("a"), ord("0"), 0xC3})
+    for n in range(5):
+        for data in itertools.product(letters, repeat=n):
+            a, b = _run(table, init, bytes(data)), _run(small, small_init, bytes(data))
+            assert bool(acc[a]) == bool(small_acc[b]), (pattern, bytes(data))
+            if b != len(small) - 1:  # (live in the minimal one: live in the first; it may end earlier there)
+                assert a != len(table) - 1, (pattern, bytes(data))
+
+
+def test_copies_of_a_value_merge():
+    """interegular writes each copy of a repeated part anew; the minimal automaton merges them."""
+    table, acc, init = byte_dfa(interegular.parse_pattern("x(?:a|b)c|y(?:a|b)c").to_fsm())
+    assert len(minimal_bytes(table, acc, init)[0]) < len(table)

@@ -29,8 +29,16 @@ class _Timeout(BaseException):
     dependencies' errors, ``except Exception``, must not turn it into a compile error)."""
 
 
+_FIRED = []  # (the alarm went off: numpy turns an exception raised inside its comparisons into a TypeError)
+
+
 def _alarm(signum, frame):
+    _FIRED.append(True)
     raise _Timeout
+
+
+def _timed_out(e: BaseException) -> bool:
+    return isinstance(e, _Timeout) or bool(_FIRED)
 
 
 def compile_constraint(schema, model, timeout: float, threads: int | None, path: str = "auto"):
@@ -43,26 +51,31 @@ def compile_constraint(schema, model, timeout: float, threads: int | None, path:
     t0 = time.perf_counter()
     info = {"compiled": False, "path": None}
     old = signal.signal(signal.SIGALRM, _alarm)
+    _FIRED.clear()
     try:
         signal.setitimer(signal.ITIMER_REAL, timeout)
         try:
             c = JSONSchema(schema, extra_properties=False, threads=threads, path=path)
             info["path"], info["reason"] = c.path, c.path_reason
             c = c.bind(model)
-        except _Timeout:  # (JSONSchema's constructor spends its time on the automaton; bind, on either path)
-            if info["path"] not in (None, "automaton", "superset"):
+        except BaseException as e:  # (JSONSchema's constructor spends its time on the automaton; bind, on either path)
+            if not _timed_out(e) or info["path"] not in (None, "automaton", "superset"):
                 raise
+            _FIRED.clear()
             signal.setitimer(signal.ITIMER_REAL, timeout)
             info["reason"] = f"automaton compile over {timeout:g} s: llguidance"
             c = JSONSchema(schema, extra_properties=False, threads=threads, path="llguidance").bind(model)
             info["path"] = "llguidance"
         info["compiled"] = True
-    except _Timeout:
-        c, info["path"], info["reason"] = None, None, f"compile over {timeout:g} s"
-    except SMCDecodeError as e:
-        c, info["path"], info["reason"] = None, None, _short(str(e))
-    except Exception as e:  # noqa: BLE001 - every failure is a row, never a crash
-        c, info["path"], info["reason"] = None, None, _short(f"{type(e).__name__}: {e}")
+    except BaseException as e:  # (every failure is a row, never a crash; a KeyboardInterrupt stops)
+        if _timed_out(e):
+            c, info["path"], info["reason"] = None, None, f"compile over {timeout:g} s"
+        elif isinstance(e, SMCDecodeError):
+            c, info["path"], info["reason"] = None, None, _short(str(e))
+        elif isinstance(e, Exception):
+            c, info["path"], info["reason"] = None, None, _short(f"{type(e).__name__}: {e}")
+        else:
+            raise
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)

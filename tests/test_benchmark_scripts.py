@@ -191,6 +191,29 @@ def test_an_automaton_compile_past_the_timeout_runs_on_llguidance(monkeypatch):
     assert info["reason"] == "automaton compile over 0.5 s: llguidance"
 
 
+def test_a_timeout_that_a_library_turns_into_another_error_still_counts_as_a_timeout(monkeypatch):
+    """numpy turns an exception raised inside its comparisons into a TypeError: the alarm still counts."""
+    import time
+
+    from smcdecode.potentials import automaton
+
+    qc = _script("quality_compile")
+    model = sd.FunctionModel(lambda ctx: None, vocab=["1", "2", "-", "<eos>"], eos="<eos>")
+
+    def slow(*args):
+        try:
+            time.sleep(5)
+        except BaseException:
+            raise TypeError("Cannot compare structured arrays unless they have a common dtype") from None
+
+    monkeypatch.setattr(automaton, "minimal_bytes", slow)
+    c, info = qc.compile_constraint({"type": "integer"}, model, 0.5, None)
+    assert info["compiled"] and info["path"] == "llguidance" and c.path == "llguidance"
+    assert info["reason"] == "automaton compile over 0.5 s: llguidance"
+    c, info = qc.compile_constraint({"not": {"type": "string"}}, model, 30.0, None)  # (the flag is cleared)
+    assert c is None and "not" in info["reason"]
+
+
 def test_a_compiled_constraint_crosses_processes_and_masks_the_same():
     import pickle
 

@@ -70,3 +70,24 @@ def test_slices_leave_the_masks_as_they_are(model, name):
             text.append(t)
             steps += 1
     assert steps > 40
+
+
+@pytest.mark.parametrize("patterns", [["^[a-zA-Z]+$", "^[A-Za-z]+$"], ["^/[^\u0000]+$"]])
+def test_classes_whose_slices_repeat_fall_back_to_the_string_slices(model, patterns):
+    """llguidance refuses two slices that take the same tokens ("repeating slices?"): the constraint
+    then keeps the JSON string slices alone, and its masks are llguidance's."""
+    schema = {"type": "object", "additionalProperties": False,
+              "properties": {f"p{i}": {"type": "string", "pattern": p} for i, p in enumerate(patterns)}}
+    c = JSONSchema(schema, path="llguidance")
+    assert c._classes  # (the classes the patterns repeat: their slices repeat)
+    bound = c.bind(model)
+    assert bound._classes == () and bound.path == "llguidance"
+    prefix = model.tokenizer.encode('{"p0": "', add_special_tokens=False)
+    state = bound.start(1)
+    for t in prefix:
+        state = bound.advance(state, torch.tensor([t]))
+    plain = _llguidance().LLMatcher(llguidance_tokenizer(model).with_slices([]), bound._grammar, log_level=0)
+    assert all(plain.consume_token(t) for t in prefix)
+    theirs = torch.zeros(bound._words, dtype=torch.int32)
+    plain.unsafe_compute_mask_ptr(theirs.data_ptr(), bound._words * 4)
+    assert torch.equal(bound.allowed_bits(state)[0], theirs)

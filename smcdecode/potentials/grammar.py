@@ -133,6 +133,12 @@ class LLGuidanceConstraint(TokenConstraint):
         if is_error:
             raise self._error(messages[0] if messages else "llguidance rejected it")
         template = llg.LLMatcher(tok, self._grammar, log_level=0)
+        if template.is_error() and self._classes and "repeating slices" in template.get_error():
+            # (two slices that take the same tokens, e.g. of [a-zA-Z] and [A-Za-z], or of [^\x00] and a
+            # JSON string's characters: llguidance refuses them; the string slices alone, as without patterns)
+            self._classes = ()
+            tok = sliced_tokenizer(model, ())
+            template = llg.LLMatcher(tok, self._grammar, log_level=0)
         if template.is_error():
             raise self._error(template.get_error())
         if self._superset_fsm is not None:  # (None with superset_automaton set: compiled for this vocabulary)

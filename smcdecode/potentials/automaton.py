@@ -256,8 +256,11 @@ def token_automaton(table: np.ndarray, accepting: np.ndarray, initial: int, toke
     h2 = np.zeros(V, dtype=np.uint64)
     batch = max(1, PAIRS_PER_BATCH // max(1, len(vocab.ids)))
     done = 0
+    bar = _progress(dead_b, len(vocab.ids))
     with np.errstate(over="ignore"):
         while done < len(order):
+            if bar is not None:
+                bar.update(done - bar.n)
             states = np.array(order[done : done + batch], dtype=np.int64)
             rows = _walk(table, states, vocab)
             rows[:, eos_token_id] = np.where(accepting[states], states, dead_b)
@@ -271,6 +274,8 @@ def token_automaton(table: np.ndarray, accepting: np.ndarray, initial: int, toke
                 h1 = (h1 * _M1) ^ (row + np.uint64(1))
                 h2 = (h2 + row) * _M2 ^ (h2 >> np.uint64(29))
             done += len(states)
+    if bar is not None:
+        bar.close()
     if not order:
         return TokenAutomaton(torch.zeros(V, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
                               torch.zeros(1, dtype=torch.bool), 0)
@@ -302,6 +307,20 @@ def token_automaton(table: np.ndarray, accepting: np.ndarray, initial: int, toke
     full = np.vstack([cols.T, np.full((1, cols.shape[0]), S)]).astype(np.int32)
     return TokenAutomaton(torch.from_numpy(classes.astype(np.int32)), torch.from_numpy(np.ascontiguousarray(full)),
                           torch.from_numpy(np.append(acc, False)), int(init))
+
+
+PROGRESS_PAIRS = 100_000_000  # (byte state, token) pairs past which building a token automaton shows a bar
+
+
+def _progress(states: int, tokens: int):
+    """A progress bar over the byte states walked (at most ``states``: those reached at a token
+    boundary), where the walk takes more than ``PROGRESS_PAIRS`` (state, token) pairs (seconds of
+    work: a large JSON Schema), on a terminal only (tqdm's ``disable=None``)."""
+    if states * tokens <= PROGRESS_PAIRS:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=states, desc="smcdecode: token automaton", unit="states", leave=False, disable=None)
 
 
 def minimal_bytes(table: np.ndarray, accepting: np.ndarray, initial: int) -> tuple[np.ndarray, np.ndarray, int]:

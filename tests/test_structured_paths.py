@@ -535,3 +535,28 @@ def test_auto_falls_back_to_llguidance_where_the_token_automaton_is_too_large(mo
     nested = {"type": "array", "maxItems": 40, "items": {"type": "array", "maxItems": 40, "items": {"enum": [1]}}}
     c = JSONSchema(nested)
     assert c.path == "llguidance" and "repetition counts" in c.path_reason
+
+
+def test_auto_falls_back_to_llguidance_where_building_the_automaton_takes_too_long(monkeypatch):
+    """path='auto' gives each build of a device automaton AUTO_BUILD_S seconds (the character automaton
+    at construction, the token automaton at binding); past it, llguidance's masks; a path asked for
+    has no limit."""
+    from smcdecode.potentials import automaton
+
+    model = _toy()
+    monkeypatch.setattr(automaton, "AUTO_BUILD_S", 0.0)
+    c = JSONSchema(SCHEMA)  # (the character automaton: past the limit at once)
+    assert c.path == "llguidance" and "took longer than 0 s" in c.path_reason
+    assert JSONSchema(SCHEMA, path="automaton").bind(model).path == "automaton"
+    monkeypatch.setattr(automaton, "AUTO_BUILD_S", 60.0)
+    c = JSONSchema(SCHEMA)
+    assert c.path == "automaton"
+    monkeypatch.setattr(automaton, "AUTO_BUILD_S", 0.0)  # (the token automaton, at binding)
+    bound = c.bind(model)
+    assert bound.path == "llguidance" and "took longer than 0 s" in bound.path_reason
+    grammar = sd.Grammar('start: "a" | "b" "c"')
+    assert grammar.path == "llguidance" and "took longer" in grammar.path_reason
+    with automaton.build_limit(None):  # (no limit: the walk runs to the end)
+        automaton.check_time()
+    with automaton.build_limit(0.0), pytest.raises(automaton.TooSlow):
+        automaton.check_time()

@@ -23,6 +23,9 @@ EOS is allowed exactly in accepting states; special tokens (no text) and empty t
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,8 +40,45 @@ MAX_STATES = 20_000  # token-automaton states: past this, binding raises (path='
 _LEAD_RANGES = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
 
 
+# seconds each step of building a device automaton may take where the path was chosen ("auto"): the
+# character automaton (construction), then the token automaton (binding to a model); past it, the
+# constraint takes llguidance's masks, which need no build (a path asked for has no limit)
+AUTO_BUILD_S = 30.0
+
+
 class TooLarge(SMCDecodeError):
-    """The automaton would exceed :data:`MAX_STATES` states."""
+    """The automaton would exceed :data:`MAX_STATES` states (or, :class:`TooSlow`, its build time)."""
+
+
+class TooSlow(TooLarge):
+    """Building the automaton passed the time given to it (:func:`build_limit`)."""
+
+
+_DEADLINE: contextvars.ContextVar = contextvars.ContextVar("smcdecode_automaton_deadline", default=None)
+
+
+@contextlib.contextmanager
+def build_limit(seconds: float | None):
+    """Within it, building an automaton (interegular's walk, ``regex._crawl``, and the token walk)
+    raises :class:`TooSlow` once ``seconds`` have passed (None: no limit)."""
+    token = _DEADLINE.set(None if seconds is None else (time.perf_counter() + seconds, seconds))
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+def auto_limit(path: str):
+    """:func:`build_limit` of a constraint's ``path`` argument: ``AUTO_BUILD_S`` for "auto", else none."""
+    return build_limit(AUTO_BUILD_S if path == "auto" else None)
+
+
+def check_time() -> None:
+    """Raise :class:`TooSlow` where the build limit (:func:`build_limit`) has passed."""
+    limit = _DEADLINE.get()
+    if limit is not None and time.perf_counter() >= limit[0]:
+        raise TooSlow(f"building the automaton took longer than {limit[1]:g} s (automaton.AUTO_BUILD_S; "
+                      "path='automaton' or 'superset' builds it without a limit)")
 
 
 @dataclass
@@ -261,6 +301,7 @@ def token_automaton(table: np.ndarray, accepting: np.ndarray, initial: int, toke
         while done < len(order):
             if bar is not None:
                 bar.update(done - bar.n)
+            check_time()
             states = np.array(order[done : done + batch], dtype=np.int64)
             rows = _walk(table, states, vocab)
             rows[:, eos_token_id] = np.where(accepting[states], states, dead_b)

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from ..errors import SMCDecodeError
+from .automaton import auto_limit
 from .constraint import TokenConstraint, unpack_bits
 from .json_keys import START, KeyTracker
 from .matchers import MatcherBatch, _check_threads, _executor, advance_together, fill_bits_together
@@ -118,7 +119,8 @@ class LLGuidanceConstraint(TokenConstraint):
 
         if self.path == "automaton":
             try:
-                self.automaton = compile_fsm(self._fsm, model)
+                with auto_limit(self.path_asked):
+                    self.automaton = compile_fsm(self._fsm, model)
                 self.model = model
                 return
             except TooLarge as e:
@@ -143,7 +145,8 @@ class LLGuidanceConstraint(TokenConstraint):
             raise self._error(template.get_error())
         if self._superset_fsm is not None:  # (None with superset_automaton set: compiled for this vocabulary)
             try:
-                self.superset_automaton = compile_fsm(self._superset_fsm, model)
+                with auto_limit(self.path_asked):
+                    self.superset_automaton = compile_fsm(self._superset_fsm, model)
             except TooLarge as e:
                 if self.path_asked != "auto":
                     raise SMCDecodeError(f"{e}: use path='llguidance' here") from None
@@ -388,7 +391,8 @@ class Grammar(LLGuidanceConstraint):
         self._grammar = llg.LLMatcher.grammar_from_lark(header + lark)
         self._validate()
         self.path_asked = path
-        regex, fsm, self.path_reason = self._choose_path(path, lark)
+        with auto_limit(path):
+            regex, fsm, self.path_reason = self._choose_path(path, lark)
         if regex is not None:
             self._use_automaton(regex, fsm, threads, model)
             return

@@ -26,6 +26,7 @@ import re
 from typing import Any
 
 from ..errors import SMCDecodeError
+from .automaton import auto_limit
 from .grammar import PATHS, LLGuidanceConstraint, _llguidance, lark_header
 
 WHITESPACE = ("compact", "flexible")
@@ -397,7 +398,8 @@ class JSONSchema(LLGuidanceConstraint):
         self._classes = repeated_classes(source)
         self._what = f"JSON Schema not supported by the grammar engine (llguidance {_llguidance().__version__})"
         self.path_asked = path
-        chosen, regex, fsm, self.path_reason = self._choose_path(path)
+        with auto_limit(path):
+            chosen, regex, fsm, self.path_reason = self._choose_path(path)
         if chosen == "automaton":  # (the documents: the intersection of ``regexes``, one regex mostly)
             self.regexes = regex
             self._use_automaton(regex[0], fsm, threads, model)

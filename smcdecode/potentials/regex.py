@@ -130,10 +130,14 @@ def _crawl(alphabet, initial, final, follow):
     accepts), each new state numbered in the order it is found, found again by its key."""
     from interegular.fsm import FSM, OblivionError
 
+    from .automaton import check_time
+
     states, number, finals, table = [initial], {_state_key(initial): 0}, set(), {}
     transitions = list(alphabet.by_transition)
     i = 0
     while i < len(states):
+        if i % 256 == 0:
+            check_time()  # (the build limit of path='auto')
         state = states[i]
         if final(state):
             finals.add(i)
@@ -159,11 +163,15 @@ def char_fsm(pattern: str):
     syntax raises SMCDecodeError."""
     import re
 
+    from .automaton import TooSlow
+
     interegular = interegular_module()
     try:
         re.compile(pattern)
         _reject_unsupported(pattern)
         return interegular.parse_pattern(pattern).to_fsm()
+    except TooSlow:
+        raise
     except Exception as e:  # interegular raises several types for unsupported syntax
         raise SMCDecodeError(
             f"invalid or unsupported regex {pattern!r}: {type(e).__name__}: {e}. Use Python regex "

@@ -58,6 +58,7 @@ def compile_constraint(schema, model, timeout: float, threads: int | None, path:
             c = JSONSchema(schema, extra_properties=False, threads=threads, path=path)
             info["path"], info["reason"] = c.path, c.path_reason
             c = c.bind(model)
+            info["path"], info["reason"] = c.path, c.path_reason  # (bound: a fallback to llguidance says so)
         except BaseException as e:  # (JSONSchema's constructor spends its time on the automaton; bind, on either path)
             if not _timed_out(e) or info["path"] not in (None, "automaton", "superset"):
                 raise

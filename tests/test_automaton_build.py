@@ -117,3 +117,11 @@ def test_copies_of_a_value_merge():
     """interegular writes each copy of a repeated part anew; the minimal automaton merges them."""
     table, acc, init = byte_dfa(interegular.parse_pattern("x(?:a|b)c|y(?:a|b)c").to_fsm())
     assert len(minimal_bytes(table, acc, init)[0]) < len(table)
+
+
+def test_minimal_bytes_of_a_dead_start_is_itself():
+    import numpy as np
+
+    table = np.array([[0] * 256, [1] * 256], dtype=np.int32)  # (row 1 dead; the start is dead)
+    out, acc, init = minimal_bytes(table, np.array([True, False]), 1)
+    assert init == 1 and out is table and acc.tolist() == [True, False]

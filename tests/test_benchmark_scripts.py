@@ -214,6 +214,17 @@ def test_a_timeout_that_a_library_turns_into_another_error_still_counts_as_a_tim
     assert c is None and "not" in info["reason"]
 
 
+def test_a_row_gives_the_path_of_the_bound_constraint(monkeypatch):
+    """A token automaton too large falls back to llguidance at binding: the row says so."""
+    from smcdecode.potentials import automaton
+
+    qc = _script("quality_compile")
+    model = sd.FunctionModel(lambda ctx: None, vocab=["1", "2", "-", "<eos>"], eos="<eos>")
+    monkeypatch.setattr(automaton, "MAX_STATES", 1)
+    c, info = qc.compile_constraint({"type": "integer", "minimum": 0, "maximum": 99}, model, 30.0, None)
+    assert info["compiled"] and c.path == info["path"] == "llguidance" and "more than 1 states" in info["reason"]
+
+
 def test_a_compiled_constraint_crosses_processes_and_masks_the_same():
     import pickle
 

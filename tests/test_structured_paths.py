@@ -514,6 +514,7 @@ def test_auto_falls_back_to_llguidance_where_the_token_automaton_is_too_large(mo
     assert auto.path == "automaton"
     bound = auto.bind(model)
     assert bound.path == "llguidance" and "more than 2 states" in bound.path_reason
+    assert bound.automaton is None and bound.token_automaton is None
     assert auto.path == "automaton"  # (the unbound constraint keeps its choice)
     llg = JSONSchema(SCHEMA, path="llguidance").bind(model)
     text = [t for t in range(len(VOCAB)) if t not in (0, EOS)]
@@ -529,6 +530,7 @@ def test_auto_falls_back_to_llguidance_where_the_token_automaton_is_too_large(mo
     assert JSONSchema(open_keys).path == "superset"
     sup = JSONSchema(open_keys).bind(braces)
     assert sup.path == "llguidance" and sup.superset_automaton is None and "superset's" in sup.path_reason
+    assert sup.superset_regex is None and not sup.superset_widens
     with pytest.raises(sd.SMCDecodeError, match="use path='llguidance'"):
         JSONSchema(open_keys, path="superset").bind(braces)
     # repetition counts past what is spelled out: the regex is refused, the schema takes llguidance

@@ -35,7 +35,7 @@ from torch import Tensor
 from ..errors import SMCDecodeError
 
 PAIRS_PER_BATCH = 4_000_000  # (state, token) pairs walked at once: bounds the builder's memory
-MAX_STATES = 20_000  # token-automaton states: past this, binding raises (path='llguidance' takes the constraint)
+MAX_STATES = 20_000  # token-automaton states: past this, binding falls back to llguidance (path='auto') or raises
 
 _LEAD_RANGES = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
 
@@ -370,7 +370,7 @@ def minimal_bytes(table: np.ndarray, accepting: np.ndarray, initial: int) -> tup
     at several places is a copy at each: a JSON Schema's automaton shrank from 14,425 states to
     1,181). Refined over the byte classes (bytes whose columns are equal)."""
     n = len(table) - 1
-    if n == 0:
+    if n == 0 or initial == n:  # (nothing, or the initial state dead: nothing to merge)
         return table, accepting, initial
     columns, byte_class = np.unique(table[:n].T, axis=0, return_inverse=True)
     trans, acc, init = _prune(columns.T.astype(np.int64), accepting[:n], initial)

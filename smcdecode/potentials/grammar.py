@@ -127,7 +127,7 @@ class LLGuidanceConstraint(TokenConstraint):
                 if self.path_asked != "auto":
                     raise SMCDecodeError(f"{e}: use path='llguidance' here") from None
                 # (path='auto': llguidance's masks, as for a language with no automaton)
-                self.path, self._fsm, self.regexes = "llguidance", None, ()
+                self.path, self._fsm, self.regexes, self.regex, self.automaton = "llguidance", None, (), None, None
                 self.path_reason = f"{e} over this vocabulary"
         llg = _llguidance()
         tok = sliced_tokenizer(model, self._classes)
@@ -150,7 +150,8 @@ class LLGuidanceConstraint(TokenConstraint):
             except TooLarge as e:
                 if self.path_asked != "auto":
                     raise SMCDecodeError(f"{e}: use path='llguidance' here") from None
-                self.path, self._superset_fsm = "llguidance", None
+                self.path, self._superset_fsm, self.superset_automaton = "llguidance", None, None
+                self.superset_regex, self.superset_widens = None, ()
                 self.path_reason = f"{self.path_reason}; the superset's {e} over this vocabulary: llguidance's masks"
         self._template = template
         self._tok, self._lanes = tok, [template]

@@ -125,3 +125,22 @@ def test_minimal_bytes_of_a_dead_start_is_itself():
     table = np.array([[0] * 256, [1] * 256], dtype=np.int32)  # (row 1 dead; the start is dead)
     out, acc, init = minimal_bytes(table, np.array([True, False]), 1)
     assert init == 1 and out is table and acc.tolist() == [True, False]
+
+
+def test_minimise_checks_the_hashed_partition():
+    """States merged by a hash collision would leave a partition that is not stable: the check sees
+    it, and the exact refinement gives the minimal automaton either way."""
+    import numpy as np
+
+    from smcdecode.potentials.automaton import _minimise, _refine, _stable
+
+    # a -> b -> c (accepting); d -> c; states 0..3, column 0 the only symbol, 4 = dead
+    trans = np.array([[1], [2], [4], [2]], dtype=np.int64)
+    acc = np.array([False, False, True, False])
+    exact = _refine(trans, acc, exact=True)
+    assert _stable(trans, acc, exact) and exact[1] == exact[3] and len(set(exact.tolist())) == 3
+    assert not _stable(trans, acc, np.array([0, 0, 1, 0]))  # (0 and 1 merged: they differ)
+    hashed = _refine(trans, acc, exact=False)
+    assert all((hashed[i] == hashed[j]) == (exact[i] == exact[j]) for i in range(4) for j in range(4))
+    out, out_acc, init = _minimise(trans, acc, 0)
+    assert out.shape == (3, 1) and out_acc.sum() == 1

@@ -410,25 +410,44 @@ def _prune(trans: np.ndarray, acc: np.ndarray, init: int):
     return out, acc[keep], (int(new[init]) if reach.any() else 0)
 
 
-def _minimise(trans: np.ndarray, acc: np.ndarray, init: int):
-    """Merge equivalent states (Moore's partition refinement, rows compared by 128-bit hashes)."""
-    S, C = trans.shape
-    if S == 0:
-        return trans, acc, init
-    rng = np.random.default_rng(0)
-    w1 = rng.integers(1, 2**63, size=C + 1, dtype=np.uint64)
-    w2 = rng.integers(1, 2**63, size=C + 1, dtype=np.uint64)
+def _refine(trans: np.ndarray, acc: np.ndarray, exact: bool) -> np.ndarray:
+    """Each state's block once no block splits: starting from accepting / not, a state's signature is
+    its block and its successors' blocks (the dead state: -1), as one hash, or (``exact``) the row."""
+    weights = np.random.default_rng(0).integers(1, 2**63, size=trans.shape[1] + 1, dtype=np.uint64)
     block = acc.astype(np.int64)
     n_blocks = len(np.unique(block))
     with np.errstate(over="ignore"):
         while True:
-            ext = np.append(block, -1)[trans].astype(np.uint64)  # [S, C]; the dead state is block -1
-            sig = np.stack([block.astype(np.uint64), (ext * w1[1:]).sum(1), (ext * w2[1:]).sum(1)], 1)
-            _, block = np.unique(sig, axis=0, return_inverse=True)
+            ext = np.append(block, -1)[trans]  # [S, C]
+            if exact:
+                _, block = np.unique(np.column_stack([block, ext]), axis=0, return_inverse=True)
+            else:
+                sig = block.astype(np.uint64) * weights[0] + (ext.astype(np.uint64) * weights[1:]).sum(1)
+                _, block = np.unique(sig, return_inverse=True)
             block = block.reshape(-1)
             if block.max() + 1 == n_blocks:
-                break
+                return block
             n_blocks = int(block.max()) + 1
+
+
+def _stable(trans: np.ndarray, acc: np.ndarray, block: np.ndarray) -> bool:
+    """Do the states of each block agree on accepting and on their successors' blocks?"""
+    first = np.unique(block, return_index=True)[1][block]  # (each state's block's first state)
+    ext = np.append(block, -1)[trans]
+    return bool((acc == acc[first]).all() and (ext == ext[first]).all())
+
+
+def _minimise(trans: np.ndarray, acc: np.ndarray, init: int):
+    """Merge equivalent states (Moore's partition refinement: rows compared by a 64-bit hash, the
+    result checked to be stable, and refined again comparing whole rows where a collision merged
+    states)."""
+    S, C = trans.shape
+    if S == 0:
+        return trans, acc, init
+    block = _refine(trans, acc, exact=False)
+    if not _stable(trans, acc, block):
+        block = _refine(trans, acc, exact=True)
+    n_blocks = int(block.max()) + 1
     first = np.unique(block, return_index=True)[1]
     relabel = np.append(block, n_blocks)
     out = relabel[np.where(trans[first] < S, trans[first], S)]

@@ -173,7 +173,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="first N schemas of each subset (default: all)")
     ap.add_argument("--every", type=int, default=1, help="every N-th schema of each subset (a sample over the file)")
     ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--timeout", type=float, default=60.0, help="seconds per schema before it counts as too slow")
+    ap.add_argument("--timeout", type=float, default=90.0,
+                    help="seconds per schema before it counts as too slow (path='auto' gives each build 30 s itself)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     items = []

@@ -115,12 +115,15 @@ _ORIGINAL_CRAWL = None  # (interegular's own, once replaced: the tests compare t
 
 
 def _state_key(state):
-    """A hashable key equal for equal states (interegular's states: frozensets, sets, dicts of ints)."""
+    """A hashable key equal for equal states (interegular's states: frozensets, sets, dicts of ints;
+    lists, should a caller of ``crawl`` use them)."""
     kind = type(state)
     if kind is dict:
         return frozenset(state.items())
     if kind is set:
         return frozenset(state)
+    if kind is list:
+        return ("(list)", *state)
     return state
 
 

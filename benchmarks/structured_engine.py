@@ -47,6 +47,7 @@ rows are.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import statistics
@@ -207,7 +208,7 @@ def measure(name: str, label: str, c, engine: Engine, model, P: list, eos: int, 
     con = statistics.median(generated(o) / t for o, t in zip(outs, t_con))
     same = generated(o_same) / statistics.median(t_same)
     row = {"model": name, "schema": label, "requests": G, "N": N, "K": K, "max_new_tokens": L, "path": path,
-           "path_asked": c.asked, "path_reason": c.path_reason,
+           "path_asked": c.asked, "path_reason": c.path_reason, "held_strings": c.held_strings,
            "device": torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu",
            "plain_tok_s": plain, "constrained_tok_s": con, "ratio": con / plain,
            "same_length": Lc, "plain_same_length_tok_s": same, "ratio_same_length": con / same,
@@ -222,7 +223,7 @@ def measure(name: str, label: str, c, engine: Engine, model, P: list, eos: int, 
            "requests_without_sample": sum(int(not torch.isfinite(o.log_weights[g]).any()) for o in outs
                                           for g in range(G)),
            "host_s": [o.host_s for o in outs], "compile_s": c.compile_s}
-    print(f"{name} G={G} {label} {path}: plain {plain:.0f} tok/s, constrained {con:.0f} tok/s "
+    print(f"{name} G={G} {label} {path}{' (held strings)' if c.held_strings else ''}: plain {plain:.0f} tok/s, constrained {con:.0f} tok/s "
           f"({100 * con / plain:.0f} %; plain at its {sum(Lc)} tokens {same:.0f} tok/s: "
           f"{100 * con / same:.0f} %), {valid}/{ended} valid; rounds {outs[-1].rounds} vs {o_same.rounds}, "
           f"ms/round {row['ms_per_round_constrained']:.2f} vs {row['ms_per_round_plain_same_length']:.2f}",
@@ -231,12 +232,13 @@ def measure(name: str, label: str, c, engine: Engine, model, P: list, eos: int, 
 
 
 def run_model(name: str, engine: Engine, model, prompts, eos: int, schemas: list, args, device) -> list[dict]:
-    """``schemas``: (label, schema, path) — path "automaton" / "llguidance" insists on one, "auto" lets
-    the constraint choose (recorded as the row's ``path``)."""
+    """``schemas``: (label, schema, path, held) — path "automaton" / "llguidance" insists on one, "auto"
+    lets the constraint choose (recorded as the row's ``path``); ``held`` False: llguidance's own walk
+    inside held strings too (the masks without json_strings.py, for the comparison)."""
     rows = []
     N, K, L = args.particles, args.block_size, args.max_new_tokens
     paths = {}
-    for label, schema, path in schemas:
+    for label, schema, path, held in schemas:
         t0 = time.perf_counter()
         try:
             c = JSONSchema(schema, path=path).bind(model)
@@ -244,8 +246,12 @@ def run_model(name: str, engine: Engine, model, prompts, eos: int, schemas: list
             rows.append({"model": name, "schema": label, "path": path, "skipped": f"{type(e).__name__}: {e}"})
             print(f"{name} {label} {path}: skipped ({e})", flush=True)
             continue
+        if not held:
+            c = copy.copy(c)
+            c._strings = None
         c.compile_s, c.label, c.asked = time.perf_counter() - t0, label, path
-        paths[(label, path)] = c
+        c.held_strings = c._strings is not None
+        paths[(label, path, held)] = c
     for G in args.requests:
         P = prompts[:G]
         engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=2 * (K + 1))
@@ -253,7 +259,7 @@ def run_model(name: str, engine: Engine, model, prompts, eos: int, schemas: list
                              device)
         plain = generated(out) / statistics.median(t_plain)
         engine.clear_graphs()
-        for (label, _), c in paths.items():
+        for (label, _, _), c in paths.items():
             try:
                 rows.append(measure(name, label, c, engine, model, P, eos, plain, t_plain, args, device))
             except RuntimeError as e:
@@ -293,6 +299,17 @@ def random_models(args, device, dtype):
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, V - 1, (max(args.requests), args.prompt_len), generator=g).tolist()
     return name, target, draft, model, prompts, V - 1
+
+
+# the tree with held strings: names to a pattern, an email format beside a length, an id of 3–8
+# characters. Recursive, so ``path="auto"`` takes llguidance's masks; inside its held strings the masks
+# come from the strings' automata (json_strings.py), run also with llguidance's own walk there
+HELD_TREE_SCHEMA = {"$ref": "#/$defs/node", "$defs": {"node": {
+    "type": "object", "additionalProperties": False, "required": ["name", "email"],
+    "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]{1,12}$"},
+                   "email": {"type": "string", "format": "email", "maxLength": 32},
+                   "id": {"type": "string", "minLength": 3, "maxLength": 8},
+                   "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}}}}}
 
 
 def smollm2_models(args, device, dtype):
@@ -359,12 +376,18 @@ def main() -> None:
     # the contact record on the path 'auto' chooses (the automaton) and on llguidance's masks; the
     # pattern-keys and open object schemas on the path 'auto' chooses (the superset path), and on
     # llguidance's masks; the tree on the path 'auto' chooses (llguidance)
-    schemas = [(label, schema, "automaton"), (label, schema, "llguidance"), ("contact", CONTACT_SCHEMA, "auto"),
-               ("contact", CONTACT_SCHEMA, "llguidance")] + \
-        ([] if args.no_open else [(lab, sc, p) for lab, sc in (("pattern keys", PATTERN_SCHEMA), ("open object", OPEN_SCHEMA))
-                                  for p in ("auto", "llguidance")]) + [("tree", TREE_SCHEMA, "auto")]
+    # the tree with held strings on llguidance's path as 'auto' chooses it, and with llguidance's own walk
+    # inside its strings; the small object and the contact record insisted on llguidance likewise
+    schemas = [(label, schema, "automaton", True), (label, schema, "llguidance", True),
+               (label, schema, "llguidance", False), ("contact", CONTACT_SCHEMA, "auto", True),
+               ("contact", CONTACT_SCHEMA, "llguidance", True), ("contact", CONTACT_SCHEMA, "llguidance", False)] + \
+        ([] if args.no_open else [(lab, sc, p, True) for lab, sc in (("pattern keys", PATTERN_SCHEMA),
+                                                                     ("open object", OPEN_SCHEMA))
+                                  for p in ("auto", "llguidance")]) + \
+        [("tree", TREE_SCHEMA, "auto", True), ("tree, held strings", HELD_TREE_SCHEMA, "auto", True),
+         ("tree, held strings", HELD_TREE_SCHEMA, "auto", False)]
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "schema": schema,
-           "schemas": {lab: sc for lab, sc, _ in schemas},
+           "schemas": {lab: sc for lab, sc, _, _ in schemas},
            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "rows": [],
            "errors": []}
     loaders = ([random_models] if "random" in args.models else []) + \
@@ -399,7 +422,8 @@ def main() -> None:
             print(f"| {r['model']} | {r['requests']} | {r['schema']} | {r['path']} | not measured: {r['error'][-90:]} "
                   "| | | | | |")
             continue
-        print(f"| {r['model']} | {r['requests']} | {r['schema']} | {r['path']} | {r['plain_tok_s']:.0f} | "
+        walk = ", held strings' masks" if r.get("held_strings") else ""
+        print(f"| {r['model']} | {r['requests']} | {r['schema']} | {r['path']}{walk} | {r['plain_tok_s']:.0f} | "
               f"{r['constrained_tok_s']:.0f} | {100 * r['ratio']:.0f} % | {r['plain_same_length_tok_s']:.0f} "
               f"({sum(r['same_length'])} tokens) | {100 * r['ratio_same_length']:.0f} % | "
               f"{r['documents_valid']}/{r['documents_ended']} |")

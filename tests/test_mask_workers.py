@@ -20,20 +20,25 @@ from smcdecode.potentials.json_schema import JSONSchema
 
 OPEN = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
         "required": ["name"], "additionalProperties": {"type": "integer"}}
+# its strings held to lengths: their masks come from their automata (json_strings.py), in the workers too
+HELD = {**OPEN, "properties": {"name": {"type": "string", "maxLength": 16},
+                               "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}}}}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path, groups, workers", [("llguidance", 3, 2), ("superset", 3, 2), ("llguidance", 1, 3),
-                                                   ("superset", 1, 3)])
-def test_engine_samples_the_same_with_mask_workers(model, path, groups, workers):
+@pytest.mark.parametrize("path, groups, workers, schema", [("llguidance", 3, 2, OPEN), ("superset", 3, 2, OPEN),
+                                                           ("llguidance", 1, 3, OPEN), ("superset", 1, 3, OPEN),
+                                                           ("llguidance", 2, 2, HELD)])
+def test_engine_samples_the_same_with_mask_workers(model, path, groups, workers, schema):
     """``groups`` requests of four particles, SmolLM2 proposing to itself on the CPU engine, the same
-    seed, an open object (the unique-key rule applies) on llguidance's path (masks) or the superset
+    seed, an open object (the unique-key rule applies; strings held to lengths too) on llguidance's path (masks) or the superset
     path (the device automaton's proposal, llguidance's check of each round's tokens): with mask
     workers (which hold the requests' matchers; one request is held by all three, each filling a
     block of its rows) the tokens, lengths and weights equal those computed in the engine's process,
     and every finished document validates."""
-    c = JSONSchema(OPEN, path=path)
+    c = JSONSchema(schema, path=path)
     assert c.bind(model).key_rule and c.path == path
+    assert (c.bind(model)._strings is not None) == (schema is HELD)
     prompt = "Describe a cat as JSON with a name, tags and integer fields:"
     outs = []
     for w in (0, workers):

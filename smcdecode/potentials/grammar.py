@@ -27,6 +27,7 @@ spent batch again raises. Every strategy in ``samplers/`` threads states that wa
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 
@@ -37,6 +38,8 @@ from ..errors import SMCDecodeError
 from .automaton import auto_limit
 from .constraint import TokenConstraint, unpack_bits
 from .json_keys import START, KeyTracker
+from .json_strings import START as SCAN_START
+from .json_strings import StringMasks
 from .matchers import MatcherBatch, _check_threads, _executor, advance_together, fill_bits_together
 from .token_bytes import _llguidance, llguidance_tokenizer, sliced_tokenizer, token_texts
 
@@ -67,6 +70,13 @@ class LLGuidanceConstraint(TokenConstraint):
     # the character classes the grammar's patterns repeat: slices of llguidance's mask computation
     # (token_bytes.mask_slices; JSONSchema sets them from its patterns)
     _classes: tuple = ()
+    # masks inside held strings without llguidance's walk (json_strings.py; JSONSchema, where it has such
+    # strings): built when bound to a model
+    _strings = None
+
+    def _held_strings(self):
+        """The schema whose held strings take ``json_strings.StringMasks`` (None: every mask is llguidance's)."""
+        return None
 
     def _validate(self) -> None:
         """Grammar errors that do not depend on the vocabulary, reported at construction (on either path)."""
@@ -160,11 +170,14 @@ class LLGuidanceConstraint(TokenConstraint):
         self._keys = KeyTracker(token_texts(model, tok)) if self.key_rule else None
         self.model = model
         self._words = (model.vocab_size + 31) // 32
+        held = self._held_strings()
+        self._strings = None if held is None else StringMasks(held, token_texts(model, tok), self._words)
 
     def worker_spec(self) -> tuple:
         """What a mask worker process needs to rebuild this constraint's llguidance path
         (backends/engine/mask_process.py): picklable and hashable."""
-        return type(self), self._grammar, bool(self.key_rule), self._classes
+        held = None if self._strings is None else json.dumps(self._strings.root)
+        return type(self), self._grammar, bool(self.key_rule), self._classes, held
 
     # -- tensor path -----------------------------------------------------------------------
     @property
@@ -181,8 +194,9 @@ class LLGuidanceConstraint(TokenConstraint):
         if self.path == "automaton":
             return torch.full((batch,), self.automaton.initial, dtype=torch.long)
         keys = [START] * batch if self._keys is not None else None
+        scans = [SCAN_START] * batch if self._strings is not None else None
         self._lane(lane)  # (refuses a lane that is not a whole number >= 0)
-        return MatcherBatch([self._lane(lane + j).deep_copy() for j in range(batch)], keys)
+        return MatcherBatch([self._lane(lane + j).deep_copy() for j in range(batch)], keys, scans)
 
     def _lane(self, lane: int):
         """The template matcher of ``lane``. The matchers copied from one compiled grammar share its
@@ -256,7 +270,8 @@ class LLGuidanceConstraint(TokenConstraint):
         matchers = state.take()
         index_list = index.tolist()
         forked = MatcherBatch([matchers[a] for a in index_list],
-                              None if state.keys is None else [state.keys[a] for a in index_list])
+                              None if state.keys is None else [state.keys[a] for a in index_list],
+                              None if state.scans is None else [state.scans[a] for a in index_list])
         if state.mask is not None:
             forked.mask = state.mask[index.to(state.mask.device)]
         if state.bits is not None:

@@ -11,20 +11,23 @@ from torch import Tensor
 
 from ..errors import SMCDecodeError
 from .json_keys import DEAD
+from .json_strings import LANE
 from .token_bytes import _llguidance
 
 __all__ = ["MatcherBatch", "advance_together", "consume_rows", "fill_bits_together"]
 
 
 class MatcherBatch:
-    """Constraint states of B particles: one llguidance matcher per particle, and for JSON with
-    unique keys one key-scanner state per particle (``json_keys.py``)."""
+    """Constraint states of B particles: one llguidance matcher per particle, for JSON with unique
+    keys one key-scanner state per particle (``json_keys.py``), and for JSON with held strings one
+    string-scanner state per particle (``json_strings.py``)."""
 
-    __slots__ = ("matchers", "keys", "mask", "bits", "spent")
+    __slots__ = ("matchers", "keys", "scans", "mask", "bits", "spent")
 
-    def __init__(self, matchers: list, keys: list | None = None):
+    def __init__(self, matchers: list, keys: list | None = None, scans: list | None = None):
         self.matchers = matchers
         self.keys = keys
+        self.scans = scans
         self.mask: Tensor | None = None  # cached allowed() of this batch, bool [B, V]
         self.bits: Tensor | None = None  # cached allowed_bits() of this batch, int32 [B, ⌈V/32⌉]
         self.spent = False
@@ -48,6 +51,11 @@ class MatcherBatch:
         self.check()
         self.spent = True
         return self.matchers
+
+    def part(self, first: int, end: int) -> MatcherBatch:
+        """Rows first … end − 1 (their states shared)."""
+        return MatcherBatch(self.matchers[first:end], None if self.keys is None else self.keys[first:end],
+                            None if self.scans is None else self.scans[first:end])
 
     def dead(self, i: int) -> bool:
         """Is particle i out of the language (llguidance's error state, or a repeated key)?"""
@@ -98,7 +106,7 @@ def advance_together(parts: list) -> list[MatcherBatch]:
             flat_m += matchers
             flat_t += tokens
             keys = None if state.keys is None else list(map(c._keys.advance, state.keys, tokens))
-            out.append(MatcherBatch(matchers, keys))
+            out.append(MatcherBatch(matchers, keys, _scanned(c, state, tokens)))
             continue
         owners: dict = {}  # (id(matcher), token) -> the matcher that consumes it
         claimed, rows = set(), []
@@ -121,7 +129,7 @@ def advance_together(parts: list) -> list[MatcherBatch]:
                 if k not in new:
                     new[k] = c._keys.advance(key, k[1])
                 keys.append(new[k])
-        out.append(MatcherBatch([owners[k] for k in rows], keys))
+        out.append(MatcherBatch([owners[k] for k in rows], keys, _scanned(c, state, tokens)))
     # NOTE: one by one: llguidance's consume_token_par measured no faster, on a 2-core host and on a
     # 16-core one (the host work of recorded SmolLM2 rounds replayed: within the noise of either).
     # A disallowed token puts its matcher in its (absorbing) error state.
@@ -129,6 +137,14 @@ def advance_together(parts: list) -> list[MatcherBatch]:
         m.consume_token(t)
     return out
 
+
+
+def _scanned(c, state: MatcherBatch, tokens: list) -> list | None:
+    """The string-scanner states of ``state`` after one token per row (None where it has none)."""
+    if state.scans is None:
+        return None
+    advance = c._strings.advance
+    return [advance(s, t) for s, t in zip(state.scans, tokens)]
 
 
 def consume_rows(c, state: MatcherBatch, seqs: list) -> MatcherBatch:
@@ -162,7 +178,24 @@ def consume_rows(c, state: MatcherBatch, seqs: list) -> MatcherBatch:
                     key = c._keys.advance(key, t)
                 done[(id(m), k)] = key
             new_keys.append(key if k is None else done[(id(m), k)])
-    return MatcherBatch([m if k is None else owners[(id(m), k)] for m, k in zip(matchers, keys)], new_keys)
+    scans = None
+    if state.scans is not None:
+        scans = []
+        for scan, k in zip(state.scans, keys):
+            for t in k or ():
+                scan = c._strings.advance(scan, t)
+            scans.append(scan)
+    return MatcherBatch([m if k is None else owners[(id(m), k)] for m, k in zip(matchers, keys)], new_keys, scans)
+
+
+def _laned(c, state: MatcherBatch, rows, r0: int, words) -> set:
+    """The rows of ``rows`` inside a held string, their masks written into ``words`` (the string's
+    masks: json_strings.py); the others need llguidance's."""
+    if state.scans is None:
+        return set()
+    fill = c._strings.fill
+    return {i for i in rows if state.scans[i][1] == LANE and not state.matchers[i].is_error()
+            and fill(state.scans[i], state.matchers[i], words[r0 + i])}
 
 
 def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
@@ -176,6 +209,7 @@ def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
         raise SMCDecodeError(f"the bitmask must be a contiguous int32 CPU tensor of shape ({rows}, {W}), "
                              f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     pairs, cached, shared, keyed = [], [], [], {}
+    words = out.numpy()
     for c, state, r0 in parts:
         state.check()
         n = len(state)
@@ -187,7 +221,8 @@ def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
             continue
         matchers = state.matchers
         if len(set(map(id, matchers))) == n:
-            pairs += zip(matchers, range(r0, r0 + n))
+            laned = _laned(c, state, range(n), r0, words)
+            pairs += [(m, r0 + i) for i, m in enumerate(matchers) if i not in laned]
             if state.keys is not None:  # (the key rule of every part of one tracker at once)
                 ks = keyed.setdefault(id(c._keys), (c._keys, [], []))
                 ks[1].extend(range(r0, r0 + n))
@@ -195,7 +230,8 @@ def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
         else:  # one mask per distinct matcher, copied to the rows sharing it (its key rule applied)
             first, rest, src = state.distinct()
             # (a complete document's stopped matcher: llguidance's mask is EOS alone)
-            pairs += [(matchers[i], r0 + i) for i in first]
+            laned = _laned(c, state, first, r0, words)
+            pairs += [(matchers[i], r0 + i) for i in first if i not in laned]
             shared.append((c, state, r0, first, rest, src))
     if pairs:
         executor = parts[0][0]._executor
@@ -209,7 +245,6 @@ def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
             executor.unsafe_compute_mask_ptr(pairs, out.data_ptr(), W * 4, rows)
     for state, r0 in cached:
         out[r0: r0 + len(state)] = state.bits
-    words = out.numpy()
     # a dead particle (llguidance's error state; computing a mask can find a dead end and put the
     # matcher there): no token, where llguidance's mask would still allow EOS
     dead = [r for m, r in pairs if m.is_error()]

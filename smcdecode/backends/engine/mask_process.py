@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
 import pickle
 import signal
@@ -74,15 +75,16 @@ class _NoModel:
         return "no model (a mask worker's copy)"
 
 
-def _rebuilt(spec: tuple, tok, words: int, keys):
+def _rebuilt(spec: tuple, tok, words: int, keys, texts: list):
     """The llguidance path of a constraint (``LLGuidanceConstraint.worker_spec``: its class, grammar, key
     rule and slices' classes) compiled for the llguidance tokenizer ``tok`` (with those slices) in a
     worker: its states, masks and key rule are those of the bound constraint it came from. It has no
     executor: its masks are filled in the worker's thread, one row after another, and its rows all
     come from one lane."""
+    from ...potentials.json_strings import StringMasks
     from ...potentials.token_bytes import _llguidance
 
-    cls, grammar, key_rule, classes = spec
+    cls, grammar, key_rule, classes, held = spec
     c = cls.__new__(cls)
     c._classes = classes
     c._grammar, c.key_rule, c.threads, c.path = grammar, key_rule, 1, "llguidance"
@@ -92,6 +94,7 @@ def _rebuilt(spec: tuple, tok, words: int, keys):
         raise c._error(template.get_error())
     c._tok, c._template, c._lanes = tok, template, [template]
     c._executor, c._keys, c._words = None, keys if key_rule else None, words
+    c._strings = None if held is None else StringMasks(json.loads(held), texts, words)
     c.model = _NoModel()
     return c
 
@@ -175,7 +178,7 @@ class _Worker:
             if spec[2] and not self.keys:
                 self.keys.append(KeyTracker(self.texts))
             tok = remembered(self.sliced, spec[3], lambda: with_slices(self.tok, spec[3]))
-            self.built[spec] = _rebuilt(spec, tok, self.words, self.keys[0] if self.keys else None)
+            self.built[spec] = _rebuilt(spec, tok, self.words, self.keys[0] if self.keys else None, self.texts)
         return self.built[spec]
 
     def step(self, mine: list, turn: int, bonus: int, seq: int) -> None:

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ...potentials.grammar import LLGuidanceConstraint
-from ...potentials.matchers import MatcherBatch, advance_together, consume_rows, fill_bits_together
+from ...potentials.matchers import advance_together, consume_rows, fill_bits_together
 
 
 class RequestMasks:
@@ -64,8 +64,7 @@ class RequestMasks:
             return self
         view = copy.copy(self)
         view.n = end - first
-        view.states = [MatcherBatch(s.matchers[first:end], None if s.keys is None else s.keys[first:end])
-                       for s in self.states]
+        view.states = [s.part(first, end) for s in self.states]
         return view
 
     def restrict(self, out: Tensor) -> None:

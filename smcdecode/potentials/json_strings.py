@@ -1,0 +1,334 @@
+"""Masks inside a JSON document's held strings, for llguidance's path (``StringMasks``).
+
+llguidance computes a mask by walking the vocabulary's token trie through its lexer. Inside a string
+held to a ``pattern``, a ``format`` or a length that walk is dear: 0.15–0.6 ms a mask on a 2-core CPU
+against a few microseconds elsewhere, and an engine round of eight requests of eight particles needs
+64 masks at each of its nine steps. Such a string's language is regular, and inside it a token's fate
+depends on the string's automaton state alone, except for the tokens that close the string: their
+bytes after the closing quote belong to the grammar. So, for a JSON Schema on llguidance's path:
+
+- each particle carries a small scanner state (``StringMasks.advance``): the stack of open objects and
+  arrays with the subschema of each, the key being written, and, inside a value string whose
+  subschema is held (a *lane*: its own byte automaton), the string's automaton state;
+- inside a lane the mask is the automaton's: every token whose bytes keep the string open and alive
+  (one packed row per automaton state, built when first needed), and every token that closes the
+  string validly and whose rest (the bytes after the closing quote) the grammar takes. The rest's
+  verdict does not depend on the string's content (the parser's state after a string value is the
+  same whatever the value), so llguidance is asked once per string and rest (``validate_tokens`` of
+  one token that closes there), and the answer is kept with the particle's scanner state;
+- everywhere else llguidance computes the mask, as before.
+
+The masks are llguidance's, bit for bit (``tests/test_json_strings.py`` compares them along random
+walks over the default model's vocabulary); only their cost changes. A string's subschema is
+resolved along the document's path through ``properties``, ``patternProperties``,
+``additionalProperties``, ``items``, ``prefixItems`` and local ``$ref``; where a step is ambiguous
+(``anyOf``, ``oneOf``, ``allOf``, conditionals, type lists) the strings below it keep llguidance's
+masks. ``date`` and ``date-time`` formats keep them too (the device translation takes a strict
+subset of their languages).
+"""
+
+from __future__ import annotations
+
+import re
+from functools import reduce
+
+import numpy as np
+
+from ..errors import SMCDecodeError
+from .automaton import TooSlow, _Vocabulary, _walk, build_limit, byte_dfa, minimal_bytes
+from .json_keys import _name
+from .schema_regex import ANNOTATIONS, UnsupportedSchema, _search, schema_regexes
+from .string_formats import FORMATS, SUBSET_FORMATS
+
+__all__ = ["StringMasks", "held_strings"]
+
+LANE_STATES = 4096  # byte states past which a string keeps llguidance's masks
+LANE_BUILD_S = 5.0  # seconds a lane's byte automaton may take to build (else llguidance's masks)
+_HELD = ("pattern", "format", "minLength", "maxLength")
+_STRING_KEYS = {"type", *_HELD}
+# keywords under which a child's subschema is not one subschema of the parent's (the strings below keep
+# llguidance's masks)
+_AMBIGUOUS = {"anyOf", "oneOf", "allOf", "not", "if", "then", "else", "dependentSchemas", "dependencies",
+              "unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$recursiveRef", "contains"}
+_QUOTE, _BACKSLASH = 0x22, 0x5C
+OUT, KEY, STRING, LANE = range(4)  # scanner modes: between strings, in a key, in a string, in a lane
+START = ((), OUT, None)
+_UNKNOWN = False  # a key whose bytes name no string (llguidance refuses it anyway): no subschema
+
+
+def _lane_schema(s) -> bool:
+    """Is ``s`` a string held to a pattern, a format or a length, and nothing else?"""
+    if not isinstance(s, dict) or s.get("type") != "string" or not any(k in s for k in _HELD):
+        return False
+    if s.get("format") in SUBSET_FORMATS or (s.get("format") is not None and s["format"] not in FORMATS):
+        return False
+    return all(k in _STRING_KEYS or k in ANNOTATIONS for k in s)
+
+
+def held_strings(schema) -> bool:
+    """Does ``schema`` hold any string a lane could take (``_lane_schema``), anywhere in it?"""
+    if isinstance(schema, dict):
+        return _lane_schema(schema) or any(held_strings(v) for v in schema.values())
+    if isinstance(schema, list):
+        return any(held_strings(v) for v in schema)
+    return False
+
+
+class _Row:
+    """A lane state's tokens: the end state of each token's walk [V], the packed row of those that
+    keep the string open [W], those that close it (``ids``), the distinct rests among them
+    (``rests``), one token that closes with each, and each closing token's rest (an index into ``rests``)."""
+
+    __slots__ = ("ends", "packed", "ids", "rests", "first", "of")
+
+    def __init__(self, ends, packed, ids, rest_ids):
+        self.ends, self.packed, self.ids = ends, packed, ids
+        self.rests, first, self.of = np.unique(rest_ids, return_index=True, return_inverse=True)
+        self.first = ids[first]
+
+
+class _Verdicts:
+    """llguidance's verdicts on the rests after one string closes (-1: not asked yet), kept with the
+    particles writing that string (forks share it)."""
+
+    __slots__ = ("ok",)
+
+    def __init__(self):
+        self.ok = np.full(64, -1, dtype=np.int8)
+
+
+class _Lane:
+    """A held string's byte automaton (opening quote consumed at ``start``; the states after the
+    closing quote absorb every byte) and, per state, its tokens (``_Row``)."""
+
+    def __init__(self, table: np.ndarray, accepting: np.ndarray, start: int, vocab: _Vocabulary,
+                 token_bytes: list, words: int, rests: dict):
+        self.table, self.accepting, self.start = table, accepting, start
+        self.dead = len(table) - 1
+        self.vocab, self.token_bytes, self.words, self.rests = vocab, token_bytes, words, rests
+        self._rows: dict = {}  # state -> _Row
+
+    def row(self, state: int) -> _Row:
+        if state not in self._rows:
+            ends = _walk(self.table, np.array([state]), self.vocab)[0]
+            closes = (ends != self.dead) & self.accepting[ends]
+            opened = (ends != self.dead) & ~self.accepting[ends]
+            bits = np.zeros(self.words * 32, dtype=bool)
+            bits[: len(opened)] = opened
+            packed = np.packbits(bits, bitorder="little").view(np.int32).copy()
+            ids = np.nonzero(closes)[0].astype(np.int64)
+            rest_ids = np.array([self._rest(state, int(t)) for t in ids], dtype=np.int64)
+            self._rows[state] = _Row(ends, packed, ids, rest_ids)
+        return self._rows[state]
+
+    def _rest(self, state: int, token: int) -> int:
+        """The id of token ``token``'s bytes after the quote that closes the string (from ``state``)."""
+        data = self.token_bytes[token]
+        for j, b in enumerate(data):
+            state = self.table[state, b]
+            if self.accepting[state]:
+                return self.rests.setdefault(data[j + 1:], len(self.rests))
+        raise AssertionError("a closing token that does not close")  # (row() found it closing)
+
+    def step(self, state: int, data: bytes) -> tuple[int, int]:
+        """(state after ``data``, index of the first byte after the closing quote, or -1 if still open)."""
+        for j, b in enumerate(data):
+            state = int(self.table[state, b])
+            if state == self.dead:
+                return state, -1
+            if self.accepting[state]:
+                return state, j + 1
+        return state, -1
+
+
+class StringMasks:
+    """The lanes of one JSON Schema over one vocabulary (``token_bytes``: each token's bytes as
+    llguidance sees them, None for special tokens), and the scanner that follows a particle through
+    its document (states are immutable tuples: forking shares them)."""
+
+    def __init__(self, schema: dict, token_bytes: list, words: int):
+        self.root, self.words = schema, words
+        self.token_bytes = token_bytes
+        self.vocab = _Vocabulary(token_bytes)
+        self._children: dict = {}  # (id(schema), key or index) -> child subschema or None
+        self._lanes: dict = {}  # id(schema) -> _Lane or None
+        self._keep: list = []  # (the subschemas whose ids key the caches)
+        self.rests: dict = {}  # bytes after a closing quote -> id (shared by the lanes)
+
+    # -- the schema along the document's path ------------------------------------------------
+    def _deref(self, s, seen: int = 0):
+        while isinstance(s, dict) and "$ref" in s:
+            ref = s["$ref"]
+            if seen > 32 or not isinstance(ref, str) or not ref.startswith("#") or \
+                    any(k not in ANNOTATIONS for k in s if k != "$ref"):
+                return None
+            node = self.root
+            for part in [p for p in ref[1:].split("/") if p]:
+                part = part.replace("~1", "/").replace("~0", "~")
+                if isinstance(node, dict) and part in node:
+                    node = node[part]
+                elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                    node = node[int(part)]
+                else:
+                    return None
+            s, seen = node, seen + 1
+        return s if isinstance(s, dict) and not (_AMBIGUOUS & s.keys()) else None
+
+    def child(self, parent, slot):
+        """The subschema of the value at ``slot`` (a key: str; an index: int) of a container whose
+        subschema is ``parent`` (None: unknown, or not one subschema)."""
+        if parent is None or slot is None or slot is _UNKNOWN:
+            return None
+        key = (id(parent), slot)
+        if key not in self._children:
+            self._children[key] = self._resolve(parent, slot)
+            self._keep.append(parent)
+        return self._children[key]
+
+    def _resolve(self, parent: dict, slot):
+        if isinstance(slot, str):
+            props = parent.get("properties", {})
+            patterns = [p for p in parent.get("patternProperties", {}) if _search(p, slot)]
+            if any(not _compiles(p) for p in patterns):
+                return None  # (a pattern Python cannot read: which subschemas apply is not known)
+            if patterns and (slot in props or len(patterns) > 1):
+                return None  # (more than one subschema applies)
+            if slot in props:
+                return self._deref(props[slot])
+            if patterns:
+                return self._deref(parent["patternProperties"][patterns[0]])
+            extra = parent.get("additionalProperties")
+            return self._deref(extra) if isinstance(extra, dict) else None
+        prefix = parent.get("prefixItems")
+        items = parent.get("items")
+        if isinstance(items, list):  # (draft 4–2019: items as a list, then additionalItems)
+            prefix, items = items, parent.get("additionalItems")
+        if isinstance(prefix, list) and slot < len(prefix):
+            return self._deref(prefix[slot])
+        return self._deref(items) if isinstance(items, dict) else None
+
+    def lane(self, s):
+        """The lane of the held string ``s`` (None: llguidance's masks there)."""
+        if s is None:
+            return None
+        if id(s) not in self._lanes:
+            self._lanes[id(s)] = self._build(s) if _lane_schema(s) else None
+            self._keep.append(s)
+        return self._lanes[id(s)]
+
+    def _build(self, s: dict):
+        from .regex import char_fsm
+
+        try:
+            with build_limit(LANE_BUILD_S):
+                regexes, subsets = schema_regexes({k: v for k, v in s.items() if k in _STRING_KEYS})
+                if subsets:
+                    return None
+                fsm = reduce(lambda a, b: a & b, map(char_fsm, regexes))
+                table, accepting, initial = minimal_bytes(*byte_dfa(fsm))
+        except (UnsupportedSchema, SMCDecodeError, TooSlow):
+            return None
+        if len(table) - 1 > LANE_STATES:
+            return None
+        table = table.astype(np.int64)
+        start = int(table[initial, _QUOTE])
+        if start == len(table) - 1:
+            return None  # (no string satisfies it: llguidance's masks, which say so)
+        for a in np.nonzero(accepting)[0]:  # (after the closing quote: any bytes, the grammar's)
+            table[a, :] = a
+        return _Lane(table, accepting, start, self.vocab, self.token_bytes, self.words, self.rests)
+
+    # -- the scanner -------------------------------------------------------------------------
+    def _value(self, stack: tuple):
+        """The subschema of the value that starts here."""
+        if not stack:
+            return self._deref(self.root)
+        schema, slot, _ = stack[-1]
+        return self.child(schema, slot)
+
+    def advance(self, scan, token: int):
+        """The scanner state after token ``token``."""
+        data = self.token_bytes[token] if 0 <= token < len(self.token_bytes) else None
+        if not data:
+            return scan
+        stack, mode, x = scan
+        if mode == LANE:  # (most tokens of a lane keep it open: one look-up)
+            lane, state, verdicts = x
+            end = int(lane.row(state).ends[token])
+            if end != lane.dead and not lane.accepting[end]:
+                return stack, LANE, (lane, end, verdicts)
+        return self._scan(scan, data)
+
+    def _scan(self, scan, data: bytes):
+        stack, mode, x = scan
+        i, n = 0, len(data)
+        while i < n:
+            if mode == LANE:
+                lane, state, verdicts = x
+                state, after = lane.step(state, data[i:])
+                if state == lane.dead:
+                    return stack, OUT, None  # (left the string's language: llguidance's error state follows)
+                if after < 0:
+                    return stack, LANE, (lane, state, verdicts)
+                i, mode, x = i + after, OUT, None
+                continue
+            c = data[i]
+            i += 1
+            if mode == OUT:
+                if c == 0x7B:  # {
+                    stack = (*stack, (self._value(stack), None, True))
+                elif c == 0x5B:  # [
+                    stack = (*stack, (self._value(stack), 0, False))
+                elif c in (0x7D, 0x5D):  # } ]
+                    stack = stack[:-1]
+                elif c == 0x2C and stack:  # ,
+                    schema, slot, is_object = stack[-1]
+                    stack = (*stack[:-1], (schema, None if is_object else slot + 1, is_object))
+                elif c == _QUOTE:
+                    if stack and stack[-1][2] and stack[-1][1] is None:
+                        mode, x = KEY, (b"", False)
+                    else:
+                        lane = self.lane(self._value(stack))
+                        mode, x = (LANE, (lane, lane.start, _Verdicts())) if lane is not None else (STRING, False)
+            elif mode == KEY:
+                raw, escaped = x
+                if c == _QUOTE and not escaped:
+                    schema, _, _ = stack[-1]
+                    name = _name(raw)
+                    stack = (*stack[:-1], (schema, _UNKNOWN if name is None else name, True))
+                    mode, x = OUT, None
+                else:
+                    x = (raw + bytes((c,)), not escaped and c == _BACKSLASH)
+            else:  # STRING
+                if c == _QUOTE and not x:
+                    mode, x = OUT, None
+                else:
+                    x = not x and c == _BACKSLASH
+        return stack, mode, x
+
+    def fill(self, scan, matcher, out: np.ndarray) -> bool:
+        """Inside a lane: write the mask of a particle at ``scan`` whose llguidance state is ``matcher``
+        into ``out`` (int32 [W]) and return True; elsewhere False (llguidance's mask is needed)."""
+        if scan[1] != LANE:
+            return False
+        lane, state, verdicts = scan[2]
+        row = lane.row(state)
+        out[:] = row.packed
+        if len(row.ids):
+            if row.rests[-1] >= len(verdicts.ok):
+                verdicts.ok = np.concatenate([verdicts.ok, np.full(row.rests[-1] + 1, -1, dtype=np.int8)])
+            ok = verdicts.ok
+            for j in np.nonzero(ok[row.rests] < 0)[0]:  # (llguidance's verdict on a rest: one token that closes so)
+                ok[row.rests[j]] = matcher.validate_tokens([int(row.first[j])]) == 1
+            taken = row.ids[ok[row.rests][row.of] == 1]
+            if len(taken):
+                np.bitwise_or.at(out.view(np.uint32), taken >> 5, np.left_shift(np.uint32(1), (taken & 31).astype(np.uint32)))
+        return True
+
+
+def _compiles(pattern: str) -> bool:
+    try:
+        re.compile(pattern)
+        return True
+    except re.error:
+        return False

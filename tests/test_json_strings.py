@@ -1,0 +1,117 @@
+"""Masks inside held strings (json_strings.py) on llguidance's path: the same masks as llguidance's,
+bit for bit, on the default model's vocabulary along random walks; the subschema found along a
+document's path; the engine's round with them still exact (exact enumeration)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_structured_paths import _tiny_engine, engine_is_exact
+
+import smcdecode as sd
+from smcdecode.backends.engine.targets import EngineTarget
+from smcdecode.potentials.constraint import unpack_bits
+from smcdecode.potentials.json_schema import JSONSchema
+from smcdecode.potentials.json_strings import LANE, StringMasks, held_strings
+from smcdecode.potentials.matchers import MatcherBatch, fill_bits_together
+
+pytest.importorskip("llguidance")
+
+NODE = {"$ref": "#/$defs/node", "$defs": {"node": {
+    "type": "object", "additionalProperties": False, "required": ["name", "email"],
+    "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]{1,12}$"},
+                   "email": {"type": "string", "format": "email", "maxLength": 32},
+                   "id": {"type": "string", "minLength": 3, "maxLength": 8},
+                   "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}}}}}
+SCHEMAS = [
+    {"type": "object", "additionalProperties": False, "required": ["name", "tags"],
+     "properties": {"name": {"type": "string", "maxLength": 10},
+                    "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3}}},
+    NODE,
+    # further keys (unique: the key rule) whose values are held strings; a prefixItems tuple
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+                                      "pair": {"type": "array", "prefixItems": [{"type": "string", "format": "uuid"},
+                                                                                {"type": "string", "maxLength": 3}]}},
+     "additionalProperties": {"type": "string", "minLength": 2, "maxLength": 5}},
+]
+
+
+def _masks(c, state) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the mask with held strings' masks, llguidance's alone) at ``state`` (one row)."""
+    ours = torch.zeros(1, c._words, dtype=torch.int32)
+    theirs = torch.zeros(1, c._words, dtype=torch.int32)
+    fill_bits_together([(c, state, 0)], ours, 1)
+    fill_bits_together([(c, MatcherBatch([state.matchers[0].deep_copy()], state.keys, None), 0)], theirs, 1)
+    return ours, theirs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(SCHEMAS)))
+def test_held_string_masks_equal_llguidance_on_the_default_model(index):
+    model = sd.load_model()
+    c = JSONSchema(SCHEMAS[index], path="llguidance").bind(model)
+    assert c._strings is not None
+    texts = c._strings.token_bytes
+    rng = random.Random(index)
+    in_lanes = 0
+    for _ in range(12):
+        state, written = c.start(1), []
+        for _ in range(60):
+            ours, theirs = _masks(c, state)
+            in_lanes += state.scans[0][1] == LANE
+            diff = unpack_bits(ours ^ theirs, model.vocab_size)[0].nonzero().flatten().tolist()
+            assert not diff, (model.decode(written), [texts[d] for d in diff[:8]])
+            allowed = unpack_bits(ours, model.vocab_size)[0].nonzero().flatten().tolist()
+            if not allowed or model.eos_token_id in allowed:
+                break
+            # half the time a token that closes something (a quote, a bracket), so walks go deep and end
+            closing = [t for t in allowed if texts[t] and any(b in texts[t] for b in b'"]},')]
+            t = rng.choice(closing if closing and rng.random() < 0.5 else allowed)
+            written.append(t)
+            state = c.advance(state, torch.tensor([t]))
+    assert in_lanes > 20  # (the walks went through held strings)
+
+
+def test_subschemas_along_the_path():
+    texts = [b"x", b'"', b"{", b"}"]
+    s = StringMasks(NODE, texts, 1)
+    node = NODE["$defs"]["node"]
+    root = s._value(())
+    assert root is node
+    assert s.child(node, "name") is node["properties"]["name"]
+    assert s.child(s.child(node, "children"), 1) is node
+    assert s.child(node, "other") is None  # (closed object: no such key)
+    assert s.lane(node["properties"]["name"]) is not None
+    assert s.lane(node["properties"]["children"]) is None
+    either = {"type": "object", "properties": {"a": {"anyOf": [{"type": "string", "maxLength": 2}, {"type": "null"}]},
+                                               "b": {"type": "string", "format": "date"}},
+              "patternProperties": {"^a": {"type": "string"}, "^x": {"type": "string", "maxLength": 3}}}
+    s = StringMasks(either, texts, 1)
+    assert s.child(either, "a") is None  # (a property and a pattern both apply)
+    assert s.lane(s.child(either, "b")) is None  # (date: the translation takes a subset)
+    assert s.lane(s.child(either, "xy")) is not None
+    assert s.child(either, "zz") is None  # (any value)
+    assert held_strings(either) and not held_strings({"type": "object", "properties": {"a": {"type": "string"}}})
+
+
+VOCAB = ["<bos>", '"', "a", "b", "ab", 'a"', '"a', "<eos>"]
+STRING = {"type": "string", "pattern": "^a", "maxLength": 2}
+
+
+def test_engine_round_with_held_string_masks_is_exact(monkeypatch):
+    engine, model = _tiny_engine(vocab=VOCAB)
+    constraint = JSONSchema(STRING, path="llguidance").bind(model)
+    assert constraint._strings is not None
+    used = []
+    fill = StringMasks.fill
+
+    def spy(self, scan, matcher, out):
+        done = fill(self, scan, matcher, out)
+        used.append(done)
+        return done
+
+    monkeypatch.setattr(StringMasks, "fill", spy)
+    engine_is_exact(engine, model, constraint, EngineTarget.of(sd.LM(model) * constraint), [0, 3], 4, seed=5)
+    assert any(used)  # (the rounds' masks inside the string came from its automaton)

@@ -62,7 +62,7 @@ from smcdecode.backends.engine.targets import EngineTarget  # noqa: E402
 from smcdecode.potentials.json_schema import JSONSchema  # noqa: E402
 
 SCHEMAS = {"small": se.DEFAULT_SCHEMA, "contact": se.CONTACT_SCHEMA, "pattern": se.PATTERN_SCHEMA,
-           "open": se.OPEN_SCHEMA}
+           "open": se.OPEN_SCHEMA, "tree": se.TREE_SCHEMA, "held-tree": se.HELD_TREE_SCHEMA}
 SLOTS, FIELDS = 1 << 14, 7  # worker records kept: (seq, start, first fill, end, dearest row, rows' sum, rows) each
 _board = mmap.mmap(-1, 8 * 16 * SLOTS * FIELDS)  # (shared with the workers forked later)
 BOARD = np.frombuffer(_board, dtype=np.float64).reshape(16, SLOTS, FIELDS)

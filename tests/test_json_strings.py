@@ -30,6 +30,11 @@ SCHEMAS = [
      "properties": {"name": {"type": "string", "maxLength": 10},
                     "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3}}},
     NODE,
+    # enums (one with a number beside its strings, one with a character that JSON may escape), a plain
+    # string, a const
+    {"type": "object", "additionalProperties": False, "required": ["kind", "note"],
+     "properties": {"kind": {"enum": ["café", "tea", 3, "a\"b"]}, "size": {"type": "string", "enum": ["S", "M", "L"]},
+                    "note": {"type": "string"}, "v": {"const": "v1"}}},
     # further keys (unique: the key rule) whose values are held strings; a prefixItems tuple
     {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
                                       "pair": {"type": "array", "prefixItems": [{"type": "string", "format": "uuid"},
@@ -85,6 +90,7 @@ def test_subschemas_along_the_path():
     assert s.child(node, "other") is None  # (closed object: no such key)
     assert s.lane(node["properties"]["name"]) is not None
     assert s.lane(node["properties"]["children"]) is None
+    assert s.lane({"enum": [1, 2]}) is None and s.lane({"enum": ["a", 2]}) is not None
     either = {"type": "object", "properties": {"a": {"anyOf": [{"type": "string", "maxLength": 2}, {"type": "null"}]},
                                                "b": {"type": "string", "format": "date"}},
               "patternProperties": {"^a": {"type": "string"}, "^x": {"type": "string", "maxLength": 3}}}
@@ -93,7 +99,8 @@ def test_subschemas_along_the_path():
     assert s.lane(s.child(either, "b")) is None  # (date: the translation takes a subset)
     assert s.lane(s.child(either, "xy")) is not None
     assert s.child(either, "zz") is None  # (any value)
-    assert held_strings(either) and not held_strings({"type": "object", "properties": {"a": {"type": "string"}}})
+    assert held_strings(either) and held_strings({"type": "object", "properties": {"a": {"type": "string"}}})
+    assert not held_strings({"type": "array", "items": {"type": ["string", "null"]}})
 
 
 VOCAB = ["<bos>", '"', "a", "b", "ab", 'a"', '"a', "<eos>"]

@@ -171,7 +171,7 @@ class LLGuidanceConstraint(TokenConstraint):
         self.model = model
         self._words = (model.vocab_size + 31) // 32
         held = self._held_strings()
-        self._strings = None if held is None else StringMasks(held, token_texts(model, tok), self._words)
+        self._strings = None if held is None else StringMasks.of(held, token_texts(model, tok), self._words)
 
     def worker_spec(self) -> tuple:
         """What a mask worker process needs to rebuild this constraint's llguidance path

@@ -29,7 +29,9 @@ subset of their languages).
 
 from __future__ import annotations
 
+import json
 import re
+import time
 from functools import reduce
 
 import numpy as np
@@ -44,8 +46,14 @@ __all__ = ["StringMasks", "held_strings"]
 
 LANE_STATES = 4096  # byte states past which a string keeps llguidance's masks
 LANE_BUILD_S = 5.0  # seconds a lane's byte automaton may take to build (else llguidance's masks)
+EAGER_S = 2.0  # seconds a schema's lanes' rows are built in at once (later rows: when first needed)
+EAGER_STATES = 1024  # byte states past which a lane's rows are built when first needed
+KEPT = 16  # StringMasks kept per process (``StringMasks.of``)
+_BUILT: dict = {}
+_AFTER_VALUE = frozenset(b",}] \t\n\r")  # (the bytes JSON lets follow a string value)
 _HELD = ("pattern", "format", "minLength", "maxLength")
 _STRING_KEYS = {"type", *_HELD}
+_LANE_KEYS = {*_STRING_KEYS, "enum", "const"}
 # keywords under which a child's subschema is not one subschema of the parent's (the strings below keep
 # llguidance's masks)
 _AMBIGUOUS = {"anyOf", "oneOf", "allOf", "not", "if", "then", "else", "dependentSchemas", "dependencies",
@@ -57,34 +65,51 @@ _UNKNOWN = False  # a key whose bytes name no string (llguidance refuses it anyw
 
 
 def _lane_schema(s) -> bool:
-    """Is ``s`` a string held to a pattern, a format or a length, and nothing else?"""
-    if not isinstance(s, dict) or s.get("type") != "string" or not any(k in s for k in _HELD):
+    """Is ``s`` a string (plain, or held to a pattern, a format or a length) or an enum (or const) with
+    a string among its values, and nothing else?"""
+    if not isinstance(s, dict):
         return False
-    if s.get("format") in SUBSET_FORMATS or (s.get("format") is not None and s["format"] not in FORMATS):
+    if "enum" in s or "const" in s:
+        values = s.get("enum", [s.get("const")])
+        return isinstance(values, list) and any(isinstance(v, str) for v in values) and \
+            s.get("type", "string") == "string" and all(k in _LANE_KEYS or k in ANNOTATIONS for k in s) and \
+            not any(k in s for k in _HELD)
+    if s.get("type") != "string" or s.get("format") in SUBSET_FORMATS or \
+            (s.get("format") is not None and s["format"] not in FORMATS):
         return False
     return all(k in _STRING_KEYS or k in ANNOTATIONS for k in s)
 
 
-def held_strings(schema) -> bool:
-    """Does ``schema`` hold any string a lane could take (``_lane_schema``), anywhere in it?"""
+def _subschemas(schema):
+    """Every dict inside ``schema`` (itself too), depth first."""
     if isinstance(schema, dict):
-        return _lane_schema(schema) or any(held_strings(v) for v in schema.values())
-    if isinstance(schema, list):
-        return any(held_strings(v) for v in schema)
-    return False
+        yield schema
+        for v in schema.values():
+            yield from _subschemas(v)
+    elif isinstance(schema, list):
+        for v in schema:
+            yield from _subschemas(v)
+
+
+def held_strings(schema) -> bool:
+    """Does ``schema`` hold any string value a lane could take (``_lane_schema``), anywhere in it?"""
+    return any(map(_lane_schema, _subschemas(schema)))
 
 
 class _Row:
-    """A lane state's tokens: the end state of each token's walk [V], the packed row of those that
-    keep the string open [W], those that close it (``ids``), the distinct rests among them
-    (``rests``), one token that closes with each, and each closing token's rest (an index into ``rests``)."""
+    """A lane state's tokens: the packed row of those that keep the string open [W], those that
+    close it (``ids``), the distinct rests among them (``rests``, ids into ``StringMasks.rests``),
+    one token that closes with each (``first``), whether JSON lets each follow a string value at all
+    (``may``: empty, or a comma, a closing bracket or whitespace first), and each closing token's
+    rest (``of``: an index into ``rests``)."""
 
-    __slots__ = ("ends", "packed", "ids", "rests", "first", "of")
+    __slots__ = ("packed", "ids", "rests", "first", "may", "of")
 
-    def __init__(self, ends, packed, ids, rest_ids):
-        self.ends, self.packed, self.ids = ends, packed, ids
+    def __init__(self, packed, ids, rest_ids, may: list):
+        self.packed, self.ids = packed, ids
         self.rests, first, self.of = np.unique(rest_ids, return_index=True, return_inverse=True)
         self.first = ids[first]
+        self.may = np.array([may[r] for r in self.rests], dtype=bool)
 
 
 class _Verdicts:
@@ -99,36 +124,44 @@ class _Verdicts:
 
 class _Lane:
     """A held string's byte automaton (opening quote consumed at ``start``; the states after the
-    closing quote absorb every byte) and, per state, its tokens (``_Row``)."""
+    closing quote absorb every byte) and, per state, its tokens (``_Row``), built for every state at
+    once where ``eager`` (else each when first needed)."""
 
-    def __init__(self, table: np.ndarray, accepting: np.ndarray, start: int, vocab: _Vocabulary,
-                 token_bytes: list, words: int, rests: dict):
+    def __init__(self, table: np.ndarray, accepting: np.ndarray, start: int, owner: StringMasks, eager: bool):
         self.table, self.accepting, self.start = table, accepting, start
         self.dead = len(table) - 1
-        self.vocab, self.token_bytes, self.words, self.rests = vocab, token_bytes, words, rests
+        self.owner = owner
         self._rows: dict = {}  # state -> _Row
+        if eager:
+            inside = [q for q in range(self.dead) if not accepting[q]]
+            for i in range(0, len(inside), 32):  # (32 states a walk: its [states, V] table stays small)
+                self._build(inside[i: i + 32])
 
     def row(self, state: int) -> _Row:
         if state not in self._rows:
-            ends = _walk(self.table, np.array([state]), self.vocab)[0]
+            self._build([state])
+        return self._rows[state]
+
+    def _build(self, states: list) -> None:
+        o = self.owner
+        for state, ends in zip(states, _walk(self.table, np.array(states), o.vocab)):
             closes = (ends != self.dead) & self.accepting[ends]
             opened = (ends != self.dead) & ~self.accepting[ends]
-            bits = np.zeros(self.words * 32, dtype=bool)
+            bits = np.zeros(o.words * 32, dtype=bool)
             bits[: len(opened)] = opened
             packed = np.packbits(bits, bitorder="little").view(np.int32).copy()
             ids = np.nonzero(closes)[0].astype(np.int64)
             rest_ids = np.array([self._rest(state, int(t)) for t in ids], dtype=np.int64)
-            self._rows[state] = _Row(ends, packed, ids, rest_ids)
-        return self._rows[state]
+            self._rows[state] = _Row(packed, ids, rest_ids, o.may)
 
     def _rest(self, state: int, token: int) -> int:
         """The id of token ``token``'s bytes after the quote that closes the string (from ``state``)."""
-        data = self.token_bytes[token]
+        data = self.owner.token_bytes[token]
         for j, b in enumerate(data):
             state = self.table[state, b]
             if self.accepting[state]:
-                return self.rests.setdefault(data[j + 1:], len(self.rests))
-        raise AssertionError("a closing token that does not close")  # (row() found it closing)
+                return self.owner.rest_id(data[j + 1:])
+        raise AssertionError("a closing token that does not close")  # (_build found it closing)
 
     def step(self, state: int, data: bytes) -> tuple[int, int]:
         """(state after ``data``, index of the first byte after the closing quote, or -1 if still open)."""
@@ -154,6 +187,29 @@ class StringMasks:
         self._lanes: dict = {}  # id(schema) -> _Lane or None
         self._keep: list = []  # (the subschemas whose ids key the caches)
         self.rests: dict = {}  # bytes after a closing quote -> id (shared by the lanes)
+        self.may: list = []  # rest id -> may it follow a string value (``_Row.may``)
+        # every lane of the schema built now, each state's row too while EAGER_S last (the rest when needed)
+        self._eager_until = time.perf_counter() + EAGER_S
+        for sub in _subschemas(schema):
+            self.lane(sub)
+
+    @classmethod
+    def of(cls, schema: dict, token_bytes: list, words: int) -> StringMasks:
+        """``StringMasks(schema, token_bytes, words)``, one per schema and vocabulary in this process
+        (a mask worker forked from it finds the lanes built)."""
+        key = (json.dumps(schema, sort_keys=True), len(token_bytes), words)
+        hit = _BUILT.get(key)
+        if hit is None or not (hit.token_bytes is token_bytes or hit.token_bytes == token_bytes):
+            hit = _BUILT[key] = cls(schema, token_bytes, words)
+            while len(_BUILT) > KEPT:
+                _BUILT.pop(next(iter(_BUILT)))
+        return hit
+
+    def rest_id(self, rest: bytes) -> int:
+        if rest not in self.rests:
+            self.rests[rest] = len(self.rests)
+            self.may.append(not rest or rest[0] in _AFTER_VALUE)
+        return self.rests[rest]
 
     # -- the schema along the document's path ------------------------------------------------
     def _deref(self, s, seen: int = 0):
@@ -221,7 +277,7 @@ class StringMasks:
 
         try:
             with build_limit(LANE_BUILD_S):
-                regexes, subsets = schema_regexes({k: v for k, v in s.items() if k in _STRING_KEYS})
+                regexes, subsets = schema_regexes({k: v for k, v in s.items() if k in _LANE_KEYS})
                 if subsets:
                     return None
                 fsm = reduce(lambda a, b: a & b, map(char_fsm, regexes))
@@ -236,7 +292,8 @@ class StringMasks:
             return None  # (no string satisfies it: llguidance's masks, which say so)
         for a in np.nonzero(accepting)[0]:  # (after the closing quote: any bytes, the grammar's)
             table[a, :] = a
-        return _Lane(table, accepting, start, self.vocab, self.token_bytes, self.words, self.rests)
+        eager = time.perf_counter() < self._eager_until and len(table) - 1 <= EAGER_STATES
+        return _Lane(table, accepting, start, self, eager)
 
     # -- the scanner -------------------------------------------------------------------------
     def _value(self, stack: tuple):
@@ -252,11 +309,6 @@ class StringMasks:
         if not data:
             return scan
         stack, mode, x = scan
-        if mode == LANE:  # (most tokens of a lane keep it open: one look-up)
-            lane, state, verdicts = x
-            end = int(lane.row(state).ends[token])
-            if end != lane.dead and not lane.accepting[end]:
-                return stack, LANE, (lane, end, verdicts)
         return self._scan(scan, data)
 
     def _scan(self, scan, data: bytes):
@@ -318,8 +370,11 @@ class StringMasks:
             if row.rests[-1] >= len(verdicts.ok):
                 verdicts.ok = np.concatenate([verdicts.ok, np.full(row.rests[-1] + 1, -1, dtype=np.int8)])
             ok = verdicts.ok
-            for j in np.nonzero(ok[row.rests] < 0)[0]:  # (llguidance's verdict on a rest: one token that closes so)
-                ok[row.rests[j]] = matcher.validate_tokens([int(row.first[j])]) == 1
+            unknown = ok[row.rests] < 0
+            if unknown.any():
+                ok[row.rests[unknown & ~row.may]] = 0
+                for j in np.nonzero(unknown & row.may)[0]:  # (llguidance's verdict: one token that closes so)
+                    ok[row.rests[j]] = matcher.validate_tokens([int(row.first[j])]) == 1
             taken = row.ids[ok[row.rests][row.of] == 1]
             if len(taken):
                 np.bitwise_or.at(out.view(np.uint32), taken >> 5, np.left_shift(np.uint32(1), (taken & 31).astype(np.uint32)))

@@ -94,7 +94,7 @@ def _rebuilt(spec: tuple, tok, words: int, keys, texts: list):
         raise c._error(template.get_error())
     c._tok, c._template, c._lanes = tok, template, [template]
     c._executor, c._keys, c._words = None, keys if key_rule else None, words
-    c._strings = None if held is None else StringMasks(json.loads(held), texts, words)
+    c._strings = None if held is None else StringMasks.of(json.loads(held), texts, words)
     c.model = _NoModel()
     return c
 

@@ -97,19 +97,21 @@ def held_strings(schema) -> bool:
 
 
 class _Row:
-    """A lane state's tokens: the packed row of those that keep the string open [W], those that
-    close it (``ids``), the distinct rests among them (``rests``, ids into ``StringMasks.rests``),
-    one token that closes with each (``first``), whether JSON lets each follow a string value at all
-    (``may``: empty, or a comma, a closing bracket or whitespace first), and each closing token's
-    rest (``of``: an index into ``rests``)."""
+    """A lane state's tokens: the packed row of those that keep the string open [W]; of those that
+    close it, the ones whose rest (their bytes after the closing quote) JSON lets follow a string
+    value (empty, or a comma, a closing bracket or whitespace first; the others never do): the
+    distinct rests among them (``rests``, ids into ``StringMasks.rests``), one such token for each
+    (``first``), each token's rest (``of``: an index into ``rests``), word and bit in the packed row."""
 
-    __slots__ = ("packed", "ids", "rests", "first", "may", "of")
+    __slots__ = ("packed", "rests", "first", "of", "word", "bit")
 
     def __init__(self, packed, ids, rest_ids, may: list):
-        self.packed, self.ids = packed, ids
+        keep = np.array([may[r] for r in rest_ids], dtype=bool)
+        ids, rest_ids = ids[keep], rest_ids[keep]
+        self.packed = packed
         self.rests, first, self.of = np.unique(rest_ids, return_index=True, return_inverse=True)
-        self.first = ids[first]
-        self.may = np.array([may[r] for r in self.rests], dtype=bool)
+        self.first = ids[first].tolist()
+        self.word, self.bit = ids >> 5, np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32))
 
 
 class _Verdicts:
@@ -366,18 +368,18 @@ class StringMasks:
         lane, state, verdicts = scan[2]
         row = lane.row(state)
         out[:] = row.packed
-        if len(row.ids):
-            if row.rests[-1] >= len(verdicts.ok):
-                verdicts.ok = np.concatenate([verdicts.ok, np.full(row.rests[-1] + 1, -1, dtype=np.int8)])
-            ok = verdicts.ok
-            unknown = ok[row.rests] < 0
-            if unknown.any():
-                ok[row.rests[unknown & ~row.may]] = 0
-                for j in np.nonzero(unknown & row.may)[0]:  # (llguidance's verdict: one token that closes so)
-                    ok[row.rests[j]] = matcher.validate_tokens([int(row.first[j])]) == 1
-            taken = row.ids[ok[row.rests][row.of] == 1]
-            if len(taken):
-                np.bitwise_or.at(out.view(np.uint32), taken >> 5, np.left_shift(np.uint32(1), (taken & 31).astype(np.uint32)))
+        if len(row.word):
+            rests, ok = row.rests, verdicts.ok
+            if rests[-1] >= len(ok):
+                ok = verdicts.ok = np.concatenate([ok, np.full(rests[-1] + 1, -1, dtype=np.int8)])
+            got = ok[rests]
+            if (got < 0).any():
+                for j in np.nonzero(got < 0)[0].tolist():  # (llguidance's verdict: one token that closes so)
+                    ok[rests[j]] = matcher.validate_tokens([row.first[j]]) == 1
+                got = ok[rests]
+            taken = got[row.of] == 1
+            if taken.any():
+                np.bitwise_or.at(out.view(np.uint32), row.word[taken], row.bit[taken])
         return True
 
 

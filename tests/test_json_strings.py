@@ -1,4 +1,4 @@
-"""Masks inside held strings (json_strings.py) on llguidance's path: the same masks as llguidance's,
+"""Masks inside string values (json_strings.py) on llguidance's path: the same masks as llguidance's,
 bit for bit, on the default model's vocabulary along random walks; the subschema found along a
 document's path; the engine's round with them still exact (exact enumeration)."""
 
@@ -14,7 +14,7 @@ import smcdecode as sd
 from smcdecode.backends.engine.targets import EngineTarget
 from smcdecode.potentials.constraint import unpack_bits
 from smcdecode.potentials.json_schema import JSONSchema
-from smcdecode.potentials.json_strings import LANE, StringMasks, held_strings
+from smcdecode.potentials.json_strings import AUTOMATON, StringMasks, automaton_strings
 from smcdecode.potentials.matchers import MatcherBatch, fill_bits_together
 
 pytest.importorskip("llguidance")
@@ -44,7 +44,7 @@ SCHEMAS = [
 
 
 def _masks(c, state) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the mask with held strings' masks, llguidance's alone) at ``state`` (one row)."""
+    """(the mask with the string automata's masks, llguidance's alone) at ``state`` (one row)."""
     ours = torch.zeros(1, c._words, dtype=torch.int32)
     theirs = torch.zeros(1, c._words, dtype=torch.int32)
     fill_bits_together([(c, state, 0)], ours, 1)
@@ -54,18 +54,18 @@ def _masks(c, state) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(SCHEMAS)))
-def test_held_string_masks_equal_llguidance_on_the_default_model(index):
+def test_string_masks_equal_llguidance_on_the_default_model(index):
     model = sd.load_model()
     c = JSONSchema(SCHEMAS[index], path="llguidance").bind(model)
     assert c._strings is not None
     texts = c._strings.token_bytes
     rng = random.Random(index)
-    in_lanes = 0
+    in_automata = 0
     for _ in range(12):
         state, written = c.start(1), []
         for _ in range(60):
             ours, theirs = _masks(c, state)
-            in_lanes += state.scans[0][1] == LANE
+            in_automata += state.scans[0][1] == AUTOMATON
             diff = unpack_bits(ours ^ theirs, model.vocab_size)[0].nonzero().flatten().tolist()
             assert not diff, (model.decode(written), [texts[d] for d in diff[:8]])
             allowed = unpack_bits(ours, model.vocab_size)[0].nonzero().flatten().tolist()
@@ -76,7 +76,7 @@ def test_held_string_masks_equal_llguidance_on_the_default_model(index):
             t = rng.choice(closing if closing and rng.random() < 0.5 else allowed)
             written.append(t)
             state = c.advance(state, torch.tensor([t]))
-    assert in_lanes > 20  # (the walks went through held strings)
+    assert in_automata > 20  # (the walks went through held strings)
 
 
 def test_subschemas_along_the_path():
@@ -88,26 +88,26 @@ def test_subschemas_along_the_path():
     assert s.child(node, "name") is node["properties"]["name"]
     assert s.child(s.child(node, "children"), 1) is node
     assert s.child(node, "other") is None  # (closed object: no such key)
-    assert s.lane(node["properties"]["name"]) is not None
-    assert s.lane(node["properties"]["children"]) is None
-    assert s.lane({"enum": [1, 2]}) is None and s.lane({"enum": ["a", 2]}) is not None
+    assert s.automaton(node["properties"]["name"]) is not None
+    assert s.automaton(node["properties"]["children"]) is None
+    assert s.automaton({"enum": [1, 2]}) is None and s.automaton({"enum": ["a", 2]}) is not None
     either = {"type": "object", "properties": {"a": {"anyOf": [{"type": "string", "maxLength": 2}, {"type": "null"}]},
                                                "b": {"type": "string", "format": "date"}},
               "patternProperties": {"^a": {"type": "string"}, "^x": {"type": "string", "maxLength": 3}}}
     s = StringMasks(either, texts, 1)
     assert s.child(either, "a") is None  # (a property and a pattern both apply)
-    assert s.lane(s.child(either, "b")) is None  # (date: the translation takes a subset)
-    assert s.lane(s.child(either, "xy")) is not None
+    assert s.automaton(s.child(either, "b")) is None  # (date: the translation takes a subset)
+    assert s.automaton(s.child(either, "xy")) is not None
     assert s.child(either, "zz") is None  # (any value)
-    assert held_strings(either) and held_strings({"type": "object", "properties": {"a": {"type": "string"}}})
-    assert not held_strings({"type": "array", "items": {"type": ["string", "null"]}})
+    assert automaton_strings(either) and automaton_strings({"type": "object", "properties": {"a": {"type": "string"}}})
+    assert not automaton_strings({"type": "array", "items": {"type": ["string", "null"]}})
 
 
 VOCAB = ["<bos>", '"', "a", "b", "ab", 'a"', '"a', "<eos>"]
 STRING = {"type": "string", "pattern": "^a", "maxLength": 2}
 
 
-def test_engine_round_with_held_string_masks_is_exact(monkeypatch):
+def test_engine_round_with_string_masks_is_exact(monkeypatch):
     engine, model = _tiny_engine(vocab=VOCAB)
     constraint = JSONSchema(STRING, path="llguidance").bind(model)
     assert constraint._strings is not None

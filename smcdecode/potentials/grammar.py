@@ -70,12 +70,12 @@ class LLGuidanceConstraint(TokenConstraint):
     # the character classes the grammar's patterns repeat: slices of llguidance's mask computation
     # (token_bytes.mask_slices; JSONSchema sets them from its patterns)
     _classes: tuple = ()
-    # masks inside held strings without llguidance's walk (json_strings.py; JSONSchema, where it has such
+    # masks inside string values without llguidance's walk (json_strings.py; JSONSchema, where it has
     # strings): built when bound to a model
     _strings = None
 
-    def _held_strings(self):
-        """The schema whose held strings take ``json_strings.StringMasks`` (None: every mask is llguidance's)."""
+    def _automaton_strings(self):
+        """The schema whose string values take ``json_strings.StringMasks`` (None: every mask is llguidance's)."""
         return None
 
     def _validate(self) -> None:
@@ -164,20 +164,20 @@ class LLGuidanceConstraint(TokenConstraint):
                 self.superset_regex, self.superset_widens = None, ()
                 self.path_reason = f"{self.path_reason}; the superset's {e} over this vocabulary: llguidance's masks"
         self._template = template
-        self._tok, self._lanes = tok, [template]
+        self._tok, self._automata = tok, [template]
         self._base_tok = llguidance_tokenizer(model)  # (without the slices: what mask workers inherit)
         self._executor = _executor(self.threads)
         self._keys = KeyTracker(token_texts(model, tok)) if self.key_rule else None
         self.model = model
         self._words = (model.vocab_size + 31) // 32
-        held = self._held_strings()
-        self._strings = None if held is None else StringMasks.of(held, token_texts(model, tok), self._words)
+        strings = self._automaton_strings()
+        self._strings = None if strings is None else StringMasks.of(strings, token_texts(model, tok), self._words)
 
     def worker_spec(self) -> tuple:
         """What a mask worker process needs to rebuild this constraint's llguidance path
         (backends/engine/mask_process.py): picklable and hashable."""
-        held = None if self._strings is None else json.dumps(self._strings.root)
-        return type(self), self._grammar, bool(self.key_rule), self._classes, held
+        strings = None if self._strings is None else json.dumps(self._strings.root)
+        return type(self), self._grammar, bool(self.key_rule), self._classes, strings
 
     # -- tensor path -----------------------------------------------------------------------
     @property
@@ -209,12 +209,12 @@ class LLGuidanceConstraint(TokenConstraint):
         if isinstance(lane, bool) or not isinstance(lane, int) or lane < 0:
             raise SMCDecodeError(f"lane must be an integer >= 0, got {lane!r}")
         i = lane % (self.threads or 1)
-        while len(self._lanes) <= i:
+        while len(self._automata) <= i:
             m = _llguidance().LLMatcher(self._tok, self._grammar, log_level=0)
             if m.is_error():  # (the same grammar compiled once already: not expected)
                 raise self._error(m.get_error())
-            self._lanes.append(m)
-        return self._lanes[i]
+            self._automata.append(m)
+        return self._automata[i]
 
     def allowed_bits(self, state: MatcherBatch) -> Tensor:
         if self.path == "automaton":

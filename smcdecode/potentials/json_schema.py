@@ -28,7 +28,7 @@ from typing import Any
 from ..errors import SMCDecodeError
 from .automaton import auto_limit
 from .grammar import PATHS, LLGuidanceConstraint, _llguidance, lark_header
-from .json_strings import held_strings
+from .json_strings import automaton_strings
 
 WHITESPACE = ("compact", "flexible")
 SUPERSET = ("a superset of the documents forms a regular language (its automaton masks the proposal on the "
@@ -462,9 +462,9 @@ class JSONSchema(LLGuidanceConstraint):
         self.superset_widens = wider
         return "superset", regex, fsm, SUPERSET
 
-    def _held_strings(self):
+    def _automaton_strings(self):
         # (with canonical tokenisation llguidance's masks drop tokens a string's automaton keeps)
-        if self.force_canonical or not held_strings(self.compiled_schema):
+        if self.force_canonical or not automaton_strings(self.compiled_schema):
             return None
         return self.compiled_schema
 

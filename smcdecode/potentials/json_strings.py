@@ -1,22 +1,25 @@
-"""Masks inside a JSON document's held strings, for llguidance's path (``StringMasks``).
+"""Masks inside a JSON document's string values, for llguidance's path (``StringMasks``).
 
 llguidance computes a mask by walking the vocabulary's token trie through its lexer. Inside a string
 held to a ``pattern``, a ``format`` or a length that walk is dear: 0.15–0.6 ms a mask on a 2-core CPU
 against a few microseconds elsewhere, and an engine round of eight requests of eight particles needs
-64 masks at each of its nine steps. Such a string's language is regular, and inside it a token's fate
-depends on the string's automaton state alone, except for the tokens that close the string: their
-bytes after the closing quote belong to the grammar. So, for a JSON Schema on llguidance's path:
+64 masks at each of its nine steps. A string value's language is regular, and inside it a token's
+fate depends on the string's automaton state alone, except for the tokens that close the string:
+their bytes after the closing quote belong to the grammar. So, for a JSON Schema on llguidance's path:
 
 - each particle carries a small scanner state (``StringMasks.advance``): the stack of open objects and
-  arrays with the subschema of each, the key being written, and, inside a value string whose
-  subschema is held (a *lane*: its own byte automaton), the string's automaton state;
-- inside a lane the mask is the automaton's: every token whose bytes keep the string open and alive
-  (one packed row per automaton state, built when first needed), and every token that closes the
-  string validly and whose rest (the bytes after the closing quote) the grammar takes. The rest's
+  arrays with the subschema of each, the key being written, and, inside a string value whose
+  subschema is a string (plain, or held to a pattern, a format or a length) or an enum with strings,
+  that string's byte-automaton state (``_StringDFA``);
+- inside such a string the mask is the automaton's: every token whose bytes keep the string open and
+  alive (one packed row per automaton state, built at binding), and every token that closes the
+  string validly and whose rest (its bytes after the closing quote) the grammar takes. The rest's
   verdict does not depend on the string's content (the parser's state after a string value is the
   same whatever the value), so llguidance is asked once per string and rest (``validate_tokens`` of
-  one token that closes there), and the answer is kept with the particle's scanner state;
-- everywhere else llguidance computes the mask, as before.
+  one token that closes there), and the answer is kept with the particle's scanner state. A rest
+  that JSON cannot let follow a value (anything but a comma, a closing bracket or whitespace first)
+  is never allowed;
+- everywhere else (keys, numbers, structure) llguidance computes the mask, as before.
 
 The masks are llguidance's, bit for bit (``tests/test_json_strings.py`` compares them along random
 walks over the default model's vocabulary); only their cost changes. A string's subschema is
@@ -24,7 +27,7 @@ resolved along the document's path through ``properties``, ``patternProperties``
 ``additionalProperties``, ``items``, ``prefixItems`` and local ``$ref``; where a step is ambiguous
 (``anyOf``, ``oneOf``, ``allOf``, conditionals, type lists) the strings below it keep llguidance's
 masks. ``date`` and ``date-time`` formats keep them too (the device translation takes a strict
-subset of their languages).
+subset of their languages), and so do all strings of a constraint with ``force_canonical``.
 """
 
 from __future__ import annotations
@@ -42,29 +45,29 @@ from .json_keys import _name
 from .schema_regex import ANNOTATIONS, UnsupportedSchema, _search, schema_regexes
 from .string_formats import FORMATS, SUBSET_FORMATS
 
-__all__ = ["StringMasks", "held_strings"]
+__all__ = ["StringMasks", "automaton_strings"]
 
-LANE_STATES = 4096  # byte states past which a string keeps llguidance's masks
-LANE_BUILD_S = 5.0  # seconds a lane's byte automaton may take to build (else llguidance's masks)
-EAGER_S = 2.0  # seconds a schema's lanes' rows are built in at once (later rows: when first needed)
-EAGER_STATES = 1024  # byte states past which a lane's rows are built when first needed
+MAX_STRING_STATES = 4096  # byte states past which a string keeps llguidance's masks
+STRING_BUILD_S = 5.0  # seconds a string's byte automaton may take to build (else llguidance's masks)
+EAGER_S = 2.0  # seconds a schema's automata's rows are built in at binding (later rows: when first needed)
+EAGER_STATES = 1024  # byte states past which an automaton's rows are built when first needed
 KEPT = 16  # StringMasks kept per process (``StringMasks.of``)
 _BUILT: dict = {}
 _AFTER_VALUE = frozenset(b",}] \t\n\r")  # (the bytes JSON lets follow a string value)
 _HELD = ("pattern", "format", "minLength", "maxLength")
 _STRING_KEYS = {"type", *_HELD}
-_LANE_KEYS = {*_STRING_KEYS, "enum", "const"}
+_VALUE_KEYS = {*_STRING_KEYS, "enum", "const"}
 # keywords under which a child's subschema is not one subschema of the parent's (the strings below keep
 # llguidance's masks)
 _AMBIGUOUS = {"anyOf", "oneOf", "allOf", "not", "if", "then", "else", "dependentSchemas", "dependencies",
               "unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$recursiveRef", "contains"}
 _QUOTE, _BACKSLASH = 0x22, 0x5C
-OUT, KEY, STRING, LANE = range(4)  # scanner modes: between strings, in a key, in a string, in a lane
+OUT, KEY, STRING, AUTOMATON = range(4)  # scanner modes: between strings, in a key, in a string, in a string automaton
 START = ((), OUT, None)
 _UNKNOWN = False  # a key whose bytes name no string (llguidance refuses it anyway): no subschema
 
 
-def _lane_schema(s) -> bool:
+def _automaton_schema(s) -> bool:
     """Is ``s`` a string (plain, or held to a pattern, a format or a length) or an enum (or const) with
     a string among its values, and nothing else?"""
     if not isinstance(s, dict):
@@ -72,7 +75,7 @@ def _lane_schema(s) -> bool:
     if "enum" in s or "const" in s:
         values = s.get("enum", [s.get("const")])
         return isinstance(values, list) and any(isinstance(v, str) for v in values) and \
-            s.get("type", "string") == "string" and all(k in _LANE_KEYS or k in ANNOTATIONS for k in s) and \
+            s.get("type", "string") == "string" and all(k in _VALUE_KEYS or k in ANNOTATIONS for k in s) and \
             not any(k in s for k in _HELD)
     if s.get("type") != "string" or s.get("format") in SUBSET_FORMATS or \
             (s.get("format") is not None and s["format"] not in FORMATS):
@@ -91,13 +94,13 @@ def _subschemas(schema):
             yield from _subschemas(v)
 
 
-def held_strings(schema) -> bool:
-    """Does ``schema`` hold any string value a lane could take (``_lane_schema``), anywhere in it?"""
-    return any(map(_lane_schema, _subschemas(schema)))
+def automaton_strings(schema) -> bool:
+    """Does ``schema`` hold any string value a string automaton could take (``_automaton_schema``)?"""
+    return any(map(_automaton_schema, _subschemas(schema)))
 
 
 class _Row:
-    """A lane state's tokens: the packed row of those that keep the string open [W]; of those that
+    """An automaton state's tokens: the packed row of those that keep the string open [W]; of those that
     close it, the ones whose rest (their bytes after the closing quote) JSON lets follow a string
     value (empty, or a comma, a closing bracket or whitespace first; the others never do): the
     distinct rests among them (``rests``, ids into ``StringMasks.rests``), one such token for each
@@ -124,8 +127,8 @@ class _Verdicts:
         self.ok = np.full(64, -1, dtype=np.int8)
 
 
-class _Lane:
-    """A held string's byte automaton (opening quote consumed at ``start``; the states after the
+class _StringDFA:
+    """A string value's byte automaton (opening quote consumed at ``start``; the states after the
     closing quote absorb every byte) and, per state, its tokens (``_Row``), built for every state at
     once where ``eager`` (else each when first needed)."""
 
@@ -177,7 +180,7 @@ class _Lane:
 
 
 class StringMasks:
-    """The lanes of one JSON Schema over one vocabulary (``token_bytes``: each token's bytes as
+    """The string automata of one JSON Schema over one vocabulary (``token_bytes``: each token's bytes as
     llguidance sees them, None for special tokens), and the scanner that follows a particle through
     its document (states are immutable tuples: forking shares them)."""
 
@@ -186,19 +189,19 @@ class StringMasks:
         self.token_bytes = token_bytes
         self.vocab = _Vocabulary(token_bytes)
         self._children: dict = {}  # (id(schema), key or index) -> child subschema or None
-        self._lanes: dict = {}  # id(schema) -> _Lane or None
+        self._automata: dict = {}  # id(schema) -> _StringDFA or None
         self._keep: list = []  # (the subschemas whose ids key the caches)
-        self.rests: dict = {}  # bytes after a closing quote -> id (shared by the lanes)
+        self.rests: dict = {}  # bytes after a closing quote -> id (shared by the automata)
         self.may: list = []  # rest id -> may it follow a string value (``_Row.may``)
-        # every lane of the schema built now, each state's row too while EAGER_S last (the rest when needed)
+        # every automaton of the schema built now, each state's row too while EAGER_S last (the rest when needed)
         self._eager_until = time.perf_counter() + EAGER_S
         for sub in _subschemas(schema):
-            self.lane(sub)
+            self.automaton(sub)
 
     @classmethod
     def of(cls, schema: dict, token_bytes: list, words: int) -> StringMasks:
         """``StringMasks(schema, token_bytes, words)``, one per schema and vocabulary in this process
-        (a mask worker forked from it finds the lanes built)."""
+        (a mask worker forked from it finds the automata built)."""
         key = (json.dumps(schema, sort_keys=True), len(token_bytes), words)
         hit = _BUILT.get(key)
         if hit is None or not (hit.token_bytes is token_bytes or hit.token_bytes == token_bytes):
@@ -265,28 +268,28 @@ class StringMasks:
             return self._deref(prefix[slot])
         return self._deref(items) if isinstance(items, dict) else None
 
-    def lane(self, s):
-        """The lane of the held string ``s`` (None: llguidance's masks there)."""
+    def automaton(self, s):
+        """The automaton of the string value ``s`` (None: llguidance's masks there)."""
         if s is None:
             return None
-        if id(s) not in self._lanes:
-            self._lanes[id(s)] = self._build(s) if _lane_schema(s) else None
+        if id(s) not in self._automata:
+            self._automata[id(s)] = self._build(s) if _automaton_schema(s) else None
             self._keep.append(s)
-        return self._lanes[id(s)]
+        return self._automata[id(s)]
 
     def _build(self, s: dict):
         from .regex import char_fsm
 
         try:
-            with build_limit(LANE_BUILD_S):
-                regexes, subsets = schema_regexes({k: v for k, v in s.items() if k in _LANE_KEYS})
+            with build_limit(STRING_BUILD_S):
+                regexes, subsets = schema_regexes({k: v for k, v in s.items() if k in _VALUE_KEYS})
                 if subsets:
                     return None
                 fsm = reduce(lambda a, b: a & b, map(char_fsm, regexes))
                 table, accepting, initial = minimal_bytes(*byte_dfa(fsm))
         except (UnsupportedSchema, SMCDecodeError, TooSlow):
             return None
-        if len(table) - 1 > LANE_STATES:
+        if len(table) - 1 > MAX_STRING_STATES:
             return None
         table = table.astype(np.int64)
         start = int(table[initial, _QUOTE])
@@ -295,7 +298,7 @@ class StringMasks:
         for a in np.nonzero(accepting)[0]:  # (after the closing quote: any bytes, the grammar's)
             table[a, :] = a
         eager = time.perf_counter() < self._eager_until and len(table) - 1 <= EAGER_STATES
-        return _Lane(table, accepting, start, self, eager)
+        return _StringDFA(table, accepting, start, self, eager)
 
     # -- the scanner -------------------------------------------------------------------------
     def _value(self, stack: tuple):
@@ -317,13 +320,13 @@ class StringMasks:
         stack, mode, x = scan
         i, n = 0, len(data)
         while i < n:
-            if mode == LANE:
-                lane, state, verdicts = x
-                state, after = lane.step(state, data[i:])
-                if state == lane.dead:
+            if mode == AUTOMATON:
+                dfa, state, verdicts = x
+                state, after = dfa.step(state, data[i:])
+                if state == dfa.dead:
                     return stack, OUT, None  # (left the string's language: llguidance's error state follows)
                 if after < 0:
-                    return stack, LANE, (lane, state, verdicts)
+                    return stack, AUTOMATON, (dfa, state, verdicts)
                 i, mode, x = i + after, OUT, None
                 continue
             c = data[i]
@@ -342,8 +345,8 @@ class StringMasks:
                     if stack and stack[-1][2] and stack[-1][1] is None:
                         mode, x = KEY, (b"", False)
                     else:
-                        lane = self.lane(self._value(stack))
-                        mode, x = (LANE, (lane, lane.start, _Verdicts())) if lane is not None else (STRING, False)
+                        dfa = self.automaton(self._value(stack))
+                        mode, x = (AUTOMATON, (dfa, dfa.start, _Verdicts())) if dfa is not None else (STRING, False)
             elif mode == KEY:
                 raw, escaped = x
                 if c == _QUOTE and not escaped:
@@ -361,12 +364,12 @@ class StringMasks:
         return stack, mode, x
 
     def fill(self, scan, matcher, out: np.ndarray) -> bool:
-        """Inside a lane: write the mask of a particle at ``scan`` whose llguidance state is ``matcher``
+        """Inside a string automaton: write the mask of a particle at ``scan`` whose llguidance state is ``matcher``
         into ``out`` (int32 [W]) and return True; elsewhere False (llguidance's mask is needed)."""
-        if scan[1] != LANE:
+        if scan[1] != AUTOMATON:
             return False
-        lane, state, verdicts = scan[2]
-        row = lane.row(state)
+        dfa, state, verdicts = scan[2]
+        row = dfa.row(state)
         out[:] = row.packed
         if len(row.word):
             rests, ok = row.rests, verdicts.ok

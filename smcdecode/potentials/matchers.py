@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..errors import SMCDecodeError
 from .json_keys import DEAD
-from .json_strings import LANE
+from .json_strings import AUTOMATON
 from .token_bytes import _llguidance
 
 __all__ = ["MatcherBatch", "advance_together", "consume_rows", "fill_bits_together"]
@@ -19,7 +19,7 @@ __all__ = ["MatcherBatch", "advance_together", "consume_rows", "fill_bits_togeth
 
 class MatcherBatch:
     """Constraint states of B particles: one llguidance matcher per particle, for JSON with unique
-    keys one key-scanner state per particle (``json_keys.py``), and for JSON with held strings one
+    keys one key-scanner state per particle (``json_keys.py``), and for JSON with string values one
     string-scanner state per particle (``json_strings.py``)."""
 
     __slots__ = ("matchers", "keys", "scans", "mask", "bits", "spent")
@@ -188,13 +188,13 @@ def consume_rows(c, state: MatcherBatch, seqs: list) -> MatcherBatch:
     return MatcherBatch([m if k is None else owners[(id(m), k)] for m, k in zip(matchers, keys)], new_keys, scans)
 
 
-def _laned(c, state: MatcherBatch, rows, r0: int, words) -> set:
-    """The rows of ``rows`` inside a held string, their masks written into ``words`` (the string's
+def _automaton_rows(c, state: MatcherBatch, rows, r0: int, words) -> set:
+    """The rows of ``rows`` inside a string value, their masks written into ``words`` (the string's
     masks: json_strings.py); the others need llguidance's."""
     if state.scans is None:
         return set()
     fill = c._strings.fill
-    return {i for i in rows if state.scans[i][1] == LANE and not state.matchers[i].is_error()
+    return {i for i in rows if state.scans[i][1] == AUTOMATON and not state.matchers[i].is_error()
             and fill(state.scans[i], state.matchers[i], words[r0 + i])}
 
 
@@ -221,8 +221,8 @@ def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
             continue
         matchers = state.matchers
         if len(set(map(id, matchers))) == n:
-            laned = _laned(c, state, range(n), r0, words)
-            pairs += [(m, r0 + i) for i, m in enumerate(matchers) if i not in laned]
+            inside = _automaton_rows(c, state, range(n), r0, words)
+            pairs += [(m, r0 + i) for i, m in enumerate(matchers) if i not in inside]
             if state.keys is not None:  # (the key rule of every part of one tracker at once)
                 ks = keyed.setdefault(id(c._keys), (c._keys, [], []))
                 ks[1].extend(range(r0, r0 + n))
@@ -230,8 +230,8 @@ def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
         else:  # one mask per distinct matcher, copied to the rows sharing it (its key rule applied)
             first, rest, src = state.distinct()
             # (a complete document's stopped matcher: llguidance's mask is EOS alone)
-            laned = _laned(c, state, first, r0, words)
-            pairs += [(matchers[i], r0 + i) for i in first if i not in laned]
+            inside = _automaton_rows(c, state, first, r0, words)
+            pairs += [(matchers[i], r0 + i) for i in first if i not in inside]
             shared.append((c, state, r0, first, rest, src))
     if pairs:
         executor = parts[0][0]._executor

@@ -35,6 +35,10 @@ SCHEMAS = [
     {"type": "object", "additionalProperties": False, "required": ["kind", "note"],
      "properties": {"kind": {"enum": ["café", "tea", 3, "a\"b"]}, "size": {"type": "string", "enum": ["S", "M", "L"]},
                     "note": {"type": "string"}, "v": {"const": "v1"}}},
+    # an array of formatted strings at the root; a key that JSON writes with an escape
+    {"type": "array", "items": {"type": "string", "format": "ipv4"}, "maxItems": 3},
+    {"type": "object", "properties": {'a"b': {"type": "string", "maxLength": 3}, "c": {"type": "string", "minLength": 2}},
+     "required": ['a"b', "c"], "additionalProperties": False},
     # further keys (unique: the key rule) whose values are held strings; a prefixItems tuple
     {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
                                       "pair": {"type": "array", "prefixItems": [{"type": "string", "format": "uuid"},
@@ -53,10 +57,11 @@ def _masks(c, state) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(SCHEMAS)))
-def test_string_masks_equal_llguidance_on_the_default_model(index):
+@pytest.mark.parametrize("index, whitespace", [(i, "compact") for i in range(len(SCHEMAS))] + [(0, "flexible"),
+                                                                                           (1, "flexible")])
+def test_string_masks_equal_llguidance_on_the_default_model(index, whitespace):
     model = sd.load_model()
-    c = JSONSchema(SCHEMAS[index], path="llguidance").bind(model)
+    c = JSONSchema(SCHEMAS[index], path="llguidance", whitespace=whitespace).bind(model)
     assert c._strings is not None
     texts = c._strings.token_bytes
     rng = random.Random(index)
@@ -101,6 +106,13 @@ def test_subschemas_along_the_path():
     assert s.child(either, "zz") is None  # (any value)
     assert automaton_strings(either) and automaton_strings({"type": "object", "properties": {"a": {"type": "string"}}})
     assert not automaton_strings({"type": "array", "items": {"type": ["string", "null"]}})
+
+
+def test_canonical_tokenisation_keeps_llguidance_masks_in_strings():
+    model = sd.load_model()
+    assert JSONSchema(NODE, path="llguidance").bind(model)._strings is not None
+    assert JSONSchema(NODE, path="llguidance", force_canonical=True).bind(model)._strings is None
+    assert JSONSchema(NODE).bind(model)._strings is not None  # ('auto': recursive, llguidance's path)
 
 
 VOCAB = ["<bos>", '"', "a", "b", "ab", 'a"', '"a', "<eos>"]

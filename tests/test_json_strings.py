@@ -16,6 +16,7 @@ from smcdecode.potentials.constraint import unpack_bits
 from smcdecode.potentials.json_schema import JSONSchema
 from smcdecode.potentials.json_strings import AUTOMATON, StringMasks, automaton_strings
 from smcdecode.potentials.matchers import MatcherBatch, fill_bits_together
+from smcdecode.potentials.schema_regex import UnsupportedSchema, schema_regex
 
 pytest.importorskip("llguidance")
 
@@ -134,3 +135,58 @@ def test_engine_round_with_string_masks_is_exact(monkeypatch):
     monkeypatch.setattr(StringMasks, "fill", spy)
     engine_is_exact(engine, model, constraint, EngineTarget.of(sd.LM(model) * constraint), [0, 3], 4, seed=5)
     assert any(used)  # (the rounds' masks inside the string came from its automaton)
+
+
+def _one_of(sub):
+    return {"type": "object", "properties": {"p": sub}, "required": ["p"]}
+
+
+_FURTHER = {"type": "string", "maxLength": 5}
+# where Python's reading of a pattern, a key or a reference differs from llguidance's: each must give
+# llguidance's masks (the translation refuses the pattern, or the string keeps llguidance's masks)
+DIFFERENT_READINGS = [
+    (_one_of({"type": "string", "pattern": "^a|b$"}), '{"p": "'),  # (^a)|(b$)
+    (_one_of({"type": "string", "pattern": "^[[:alpha:]]+$"}), '{"p": "'),  # a POSIX class
+    (_one_of({"type": "string", "pattern": "^[a-c&&b]$"}), '{"p": "'),  # a class intersection
+    ({"type": "object", "patternProperties": {"^a$": {"type": "string", "maxLength": 1}},
+      "additionalProperties": _FURTHER}, '{"a\\n": "'),  # ($ before a final newline in Python)
+    ({"type": "object", "patternProperties": {"^\\d+$": {"type": "string", "maxLength": 1}},
+      "additionalProperties": _FURTHER}, '{"\u0663": "'),  # (Python's \d takes other digits)
+    ({"enum": ["a\x7fb"]}, '"a'),  # (llguidance writes U+007F escaped)
+    ({"type": "object", "properties": {"\x7f": {"type": "string", "maxLength": 1}},
+      "additionalProperties": _FURTHER}, '{"\\u007f": "'),  # (an escaped key is a key of its own)
+]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Possible:FutureWarning")  # (Python's warning on [[ and && in a class)
+@pytest.mark.parametrize("schema, prefix", DIFFERENT_READINGS)
+def test_patterns_keys_and_literals_read_as_llguidance_reads_them(schema, prefix):
+    model = sd.load_model()
+    c = JSONSchema(schema, path="llguidance").bind(model)
+    state = c.start(1)
+    for t in model.encode(prefix):
+        state = c.advance(state, torch.tensor([t]))
+    assert not state.matchers[0].is_error()
+    ours, theirs = _masks(c, state)
+    assert torch.equal(ours, theirs)
+
+
+def test_a_subschema_with_its_own_base_uri_keeps_llguidance_masks():
+    scoped = {"type": "object", "$defs": {"B": {"type": "string", "maxLength": 1},
+                                          "A": {"$id": "http://example.com/a", "type": "object",
+                                                "$defs": {"B": {"type": "string", "maxLength": 6}},
+                                                "properties": {"q": {"$ref": "#/$defs/B"}}}},
+              "properties": {"a": {"$ref": "#/$defs/A"}}}
+    assert not automaton_strings(scoped)  # ($ref resolves against A's $id there)
+    assert automaton_strings({**scoped, "$id": "http://example.com/root", "$defs": {"B": scoped["$defs"]["B"]},
+                              "properties": {"b": {"$ref": "#/$defs/B"}}})
+
+
+@pytest.mark.filterwarnings("ignore:Possible:FutureWarning")
+def test_the_device_translation_refuses_what_it_would_read_otherwise():
+    for pattern in ("^a|b$", "^[[:alpha:]]+$", "^[a-c&&b]$", "x|^y$"):
+        with pytest.raises(UnsupportedSchema):
+            schema_regex({"type": "string", "pattern": pattern})
+    assert schema_regex({"type": "string", "pattern": "^(a|b)$"})  # (the anchors hold the whole pattern)
+    assert "\\\\u007f" in schema_regex({"enum": ["a\x7fb"]})

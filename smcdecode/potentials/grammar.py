@@ -164,7 +164,7 @@ class LLGuidanceConstraint(TokenConstraint):
                 self.superset_regex, self.superset_widens = None, ()
                 self.path_reason = f"{self.path_reason}; the superset's {e} over this vocabulary: llguidance's masks"
         self._template = template
-        self._tok, self._automata = tok, [template]
+        self._tok, self._lanes = tok, [template]
         self._base_tok = llguidance_tokenizer(model)  # (without the slices: what mask workers inherit)
         self._executor = _executor(self.threads)
         self._keys = KeyTracker(token_texts(model, tok)) if self.key_rule else None
@@ -209,12 +209,12 @@ class LLGuidanceConstraint(TokenConstraint):
         if isinstance(lane, bool) or not isinstance(lane, int) or lane < 0:
             raise SMCDecodeError(f"lane must be an integer >= 0, got {lane!r}")
         i = lane % (self.threads or 1)
-        while len(self._automata) <= i:
+        while len(self._lanes) <= i:
             m = _llguidance().LLMatcher(self._tok, self._grammar, log_level=0)
             if m.is_error():  # (the same grammar compiled once already: not expected)
                 raise self._error(m.get_error())
-            self._automata.append(m)
-        return self._automata[i]
+            self._lanes.append(m)
+        return self._lanes[i]
 
     def allowed_bits(self, state: MatcherBatch) -> Tensor:
         if self.path == "automaton":

@@ -42,7 +42,7 @@ import numpy as np
 from ..errors import SMCDecodeError
 from .automaton import TooSlow, _Vocabulary, _walk, build_limit, byte_dfa, minimal_bytes
 from .json_keys import _name
-from .schema_regex import ANNOTATIONS, UnsupportedSchema, _search, schema_regexes
+from .schema_regex import ANNOTATIONS, UnsupportedSchema, schema_regexes
 from .string_formats import FORMATS, SUBSET_FORMATS
 
 __all__ = ["StringMasks", "automaton_strings"]
@@ -64,7 +64,8 @@ _AMBIGUOUS = {"anyOf", "oneOf", "allOf", "not", "if", "then", "else", "dependent
 _QUOTE, _BACKSLASH = 0x22, 0x5C
 OUT, KEY, STRING, AUTOMATON = range(4)  # scanner modes: between strings, in a key, in a string, in a string automaton
 START = ((), OUT, None)
-_UNKNOWN = False  # a key whose bytes name no string (llguidance refuses it anyway): no subschema
+_UNKNOWN = False  # a key whose subschema is not known here (one written with an escape): none
+_PLAIN_KEY = re.compile(r"[\x20-\x7e]*")  # (keys whose patternProperties matches Python finds as llguidance does)
 
 
 def _automaton_schema(s) -> bool:
@@ -95,8 +96,12 @@ def _subschemas(schema):
 
 
 def automaton_strings(schema) -> bool:
-    """Does ``schema`` hold any string value a string automaton could take (``_automaton_schema``)?"""
-    return any(map(_automaton_schema, _subschemas(schema)))
+    """Does ``schema`` hold any string value a string automaton could take (``_automaton_schema``)?
+    Not where a subschema sets its own base URI (``$id``, ``id``): its ``$ref``s resolve there."""
+    subs = list(_subschemas(schema))
+    if any(isinstance(s.get(k), str) for s in subs[1:] for k in ("$id", "id")):
+        return False
+    return any(map(_automaton_schema, subs))
 
 
 class _Row:
@@ -249,9 +254,10 @@ class StringMasks:
     def _resolve(self, parent: dict, slot):
         if isinstance(slot, str):
             props = parent.get("properties", {})
-            patterns = [p for p in parent.get("patternProperties", {}) if _search(p, slot)]
-            if any(not _compiles(p) for p in patterns):
-                return None  # (a pattern Python cannot read: which subschemas apply is not known)
+            pattern_props = parent.get("patternProperties", {})
+            if pattern_props and (not _PLAIN_KEY.fullmatch(slot) or not all(map(_compiles, pattern_props))):
+                return None  # (which patterns match is known here for printable ASCII keys and patterns Python reads)
+            patterns = [p for p in pattern_props if re.search(p, slot, re.ASCII)]
             if patterns and (slot in props or len(patterns) > 1):
                 return None  # (more than one subschema applies)
             if slot in props:
@@ -351,7 +357,9 @@ class StringMasks:
                 raw, escaped = x
                 if c == _QUOTE and not escaped:
                     schema, _, _ = stack[-1]
-                    name = _name(raw)
+                    # (llguidance takes a property by the key as written: one with an escape is a key of
+                    # its own, and its value keeps llguidance's masks)
+                    name = None if b"\\" in raw else _name(raw)
                     stack = (*stack[:-1], (schema, _UNKNOWN if name is None else name, True))
                     mode, x = OUT, None
                 else:

@@ -73,6 +73,7 @@ MAX_REGEX = 200_000  # characters of regex: past this the automaton is not worth
 # intersection (interegular's product of the document's automata) takes seconds near this
 MAX_HELD = 64
 
+_CLASS_SYNTAX = re.compile(r"\[:|&&|~~|--")  # POSIX classes and class set operations (llguidance's syntax)
 _BAD_IN_PATTERN = r'[\s\S]*["\\\x00-\x1f\x7f][\s\S]*'
 INTEGER = r"-?(?:0|[1-9][0-9]*)"
 NUMBER = INTEGER + r"(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
@@ -284,7 +285,9 @@ class _Translator:
         return _alt([literal(t) for t in dict.fromkeys(texts)])
 
     def dump(self, v) -> str:
-        return json.dumps(v, ensure_ascii=False, separators=(",", ":") if self.flexible else (", ", ": "))
+        # (U+007F as llguidance writes it: escaped; JSON's own rules leave it raw)
+        return json.dumps(v, ensure_ascii=False, separators=(",", ":") if self.flexible else (", ", ": ")
+                          ).replace("\x7f", "\\u007f")
 
     def bounds(self, s: dict, where: str, integral: bool):
         """(lo, lo_open, hi, hi_open): integer bounds (closed for integers), None where unbounded."""
@@ -420,7 +423,12 @@ class _Translator:
         start = pattern.startswith("^")
         end = pattern.endswith("$") and not pattern.endswith("\\$")
         body = pattern[1 if start else 0 : len(pattern) - (1 if end else 0)]
+        if _CLASS_SYNTAX.search(pattern):  # (llguidance reads these inside a class; Python does not)
+            raise UnsupportedSchema("pattern", where, f"{pattern!r}: a POSIX class or a class set operation")
         try:
+            if (start or end) and any(str(op) == "BRANCH" for op, _ in sre_parse.parse(pattern)):
+                # (^a|b$ is (^a)|(b$): the anchors are not the whole pattern's)
+                raise ValueError("an alternative of the whole pattern beside its anchors")
             tree = sre_parse.parse(body)
             if "AT" in _ops(tree):
                 raise ValueError("anchors inside the pattern")

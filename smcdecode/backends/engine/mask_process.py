@@ -78,7 +78,8 @@ class _NoModel:
 def _rebuilt(spec: tuple, tok, words: int, keys, texts: list):
     """The llguidance path of a constraint (``LLGuidanceConstraint.worker_spec``: its class, grammar, key
     rule, slices' classes and the schema of its string automata) compiled for the llguidance tokenizer
-    ``tok`` (with those slices) in a worker, over the vocabulary's token bytes ``texts``: its states, masks and key rule are those of the bound constraint it came from. It has no
+    ``tok`` (with those slices) in a worker, over the vocabulary's token bytes ``texts``: its states,
+    masks and key rule are those of the bound constraint it came from. It has no
     executor: its masks are filled in the worker's thread, one row after another, and its rows all
     come from one lane."""
     from ...potentials.json_strings import StringMasks
@@ -92,7 +93,7 @@ def _rebuilt(spec: tuple, tok, words: int, keys, texts: list):
     template = _llguidance().LLMatcher(tok, grammar, log_level=0)
     if template.is_error():
         raise c._error(template.get_error())
-    c._tok, c._template, c._automata = tok, template, [template]
+    c._tok, c._template, c._lanes = tok, template, [template]
     c._executor, c._keys, c._words = None, keys if key_rule else None, words
     c._strings = None if strings is None else StringMasks.of(json.loads(strings), texts, words)
     c.model = _NoModel()

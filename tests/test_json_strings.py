@@ -20,12 +20,13 @@ from smcdecode.potentials.schema_regex import UnsupportedSchema, schema_regex
 
 pytest.importorskip("llguidance")
 
-NODE = {"$ref": "#/$defs/node", "$defs": {"node": {
-    "type": "object", "additionalProperties": False, "required": ["name", "email"],
-    "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]{1,12}$"},
-                   "email": {"type": "string", "format": "email", "maxLength": 32},
-                   "id": {"type": "string", "minLength": 3, "maxLength": 8},
-                   "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}}}}}
+# a tree of nodes (recursive: llguidance's path) with a pattern, a format beside a length, a length
+# and an enum among their strings
+NODE = {"$ref": "#/$defs/node", "$defs": {"node": {"type": "object", "additionalProperties": False, "properties": {
+    "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,12}$"}, "role": {"enum": ["lead", "dev"]},
+    "email": {"type": "string", "format": "email", "maxLength": 32}, "id": {"type": "string", "minLength": 3,
+                                                                             "maxLength": 8},
+    "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}}, "required": ["name", "email"]}}}
 SCHEMAS = [
     {"type": "object", "additionalProperties": False, "required": ["name", "tags"],
      "properties": {"name": {"type": "string", "maxLength": 10},

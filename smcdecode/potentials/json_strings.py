@@ -195,6 +195,7 @@ class StringMasks:
         self.vocab = _Vocabulary(token_bytes)
         self._children: dict = {}  # (id(schema), key or index) -> child subschema or None
         self._automata: dict = {}  # id(schema) -> _StringDFA or None
+        self._distinct: dict = {}  # a string's keywords (JSON text) -> its _StringDFA or None
         self._keep: list = []  # (the subschemas whose ids key the caches)
         self.rests: dict = {}  # bytes after a closing quote -> id (shared by the automata)
         self.may: list = []  # rest id -> may it follow a string value (``_Row.may``)
@@ -279,7 +280,13 @@ class StringMasks:
         if s is None:
             return None
         if id(s) not in self._automata:
-            self._automata[id(s)] = self._build(s) if _automaton_schema(s) else None
+            dfa = None
+            if _automaton_schema(s):  # (one automaton for each distinct string: a schema repeats them)
+                key = json.dumps({k: v for k, v in s.items() if k in _VALUE_KEYS}, sort_keys=True)
+                if key not in self._distinct:
+                    self._distinct[key] = self._build(s)
+                dfa = self._distinct[key]
+            self._automata[id(s)] = dfa
             self._keep.append(s)
         return self._automata[id(s)]
 

@@ -12,6 +12,7 @@ from test_structured_paths import _tiny_engine, engine_is_exact
 
 import smcdecode as sd
 from smcdecode.backends.engine.targets import EngineTarget
+from smcdecode.potentials import json_strings
 from smcdecode.potentials.constraint import unpack_bits
 from smcdecode.potentials.json_schema import JSONSchema
 from smcdecode.potentials.json_strings import AUTOMATON, StringMasks, automaton_strings
@@ -65,10 +66,25 @@ def test_string_masks_equal_llguidance_on_the_default_model(index, whitespace):
     model = sd.load_model()
     c = JSONSchema(SCHEMAS[index], path="llguidance", whitespace=whitespace).bind(model)
     assert c._strings is not None
+    assert _walks_agree(c, model, random.Random(index), 12) > 20  # (the walks went through the strings)
+
+
+@pytest.mark.slow
+def test_automata_built_when_first_needed_give_the_same_masks(monkeypatch):
+    """Past the build budget at binding (here none), automata and rows are built during the walk."""
+    monkeypatch.setattr(json_strings, "EAGER_S", 0.0)
+    monkeypatch.setattr(json_strings, "_BUILT", {})
+    model = sd.load_model()
+    c = JSONSchema(NODE, path="llguidance").bind(model)
+    assert not c._strings._distinct  # (nothing built at binding)
+    assert _walks_agree(c, model, random.Random(7), 6) > 5
+
+
+def _walks_agree(c, model, rng, walks: int) -> int:
+    """Random walks through ``c``'s documents, the masks compared at every step; the steps inside strings."""
     texts = c._strings.token_bytes
-    rng = random.Random(index)
     in_automata = 0
-    for _ in range(12):
+    for _ in range(walks):
         state, written = c.start(1), []
         for _ in range(60):
             ours, theirs = _masks(c, state)
@@ -83,7 +99,7 @@ def test_string_masks_equal_llguidance_on_the_default_model(index, whitespace):
             t = rng.choice(closing if closing and rng.random() < 0.5 else allowed)
             written.append(t)
             state = c.advance(state, torch.tensor([t]))
-    assert in_automata > 20  # (the walks went through held strings)
+    return in_automata
 
 
 def test_subschemas_along_the_path():

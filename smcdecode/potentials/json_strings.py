@@ -49,7 +49,7 @@ __all__ = ["StringMasks", "automaton_strings"]
 
 MAX_STRING_STATES = 4096  # byte states past which a string keeps llguidance's masks
 STRING_BUILD_S = 5.0  # seconds a string's byte automaton may take to build (else llguidance's masks)
-EAGER_S = 2.0  # seconds a schema's automata's rows are built in at binding (later rows: when first needed)
+EAGER_S = 2.0  # seconds a schema's automata and rows are built in at binding (the rest: when first needed)
 EAGER_STATES = 1024  # byte states past which an automaton's rows are built when first needed
 KEPT = 16  # StringMasks kept per process (``StringMasks.of``)
 _BUILT: dict = {}
@@ -199,9 +199,11 @@ class StringMasks:
         self._keep: list = []  # (the subschemas whose ids key the caches)
         self.rests: dict = {}  # bytes after a closing quote -> id (shared by the automata)
         self.may: list = []  # rest id -> may it follow a string value (``_Row.may``)
-        # every automaton of the schema built now, each state's row too while EAGER_S last (the rest when needed)
+        # the schema's automata and their states' rows built now while EAGER_S last (the rest when first needed)
         self._eager_until = time.perf_counter() + EAGER_S
         for sub in _subschemas(schema):
+            if time.perf_counter() >= self._eager_until:
+                break
             self.automaton(sub)
 
     @classmethod

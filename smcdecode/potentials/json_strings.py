@@ -1,8 +1,8 @@
 """Masks inside a JSON document's string values, for llguidance's path (``StringMasks``).
 
 llguidance computes a mask by walking the vocabulary's token trie through its lexer. Inside a string
-held to a ``pattern``, a ``format`` or a length that walk is dear: 0.15–0.6 ms a mask on a 2-core CPU
-against a few microseconds elsewhere, and an engine round of eight requests of eight particles needs
+held to a ``pattern``, a ``format`` or a length that walk is dear (benchmarks/string_masks_cost.py:
+about a tenth of a millisecond or more a mask, a string automaton's a few microseconds), and an engine round of eight requests of eight particles needs
 64 masks at each of its nine steps. A string value's language is regular, and inside it a token's
 fate depends on the string's automaton state alone, except for the tokens that close the string:
 their bytes after the closing quote belong to the grammar. So, for a JSON Schema on llguidance's path:
@@ -161,17 +161,10 @@ class _StringDFA:
             bits[: len(opened)] = opened
             packed = np.packbits(bits, bitorder="little").view(np.int32).copy()
             ids = np.nonzero(closes)[0].astype(np.int64)
-            rest_ids = np.array([self._rest(state, int(t)) for t in ids], dtype=np.int64)
+            # (each closing token's rest: its bytes after the quote that closes the string)
+            rest_ids = np.array([o.rest_id(o.token_bytes[t][self.step(state, o.token_bytes[t])[1]:])
+                                 for t in ids.tolist()], dtype=np.int64)
             self._rows[state] = _Row(packed, ids, rest_ids, o.may)
-
-    def _rest(self, state: int, token: int) -> int:
-        """The id of token ``token``'s bytes after the quote that closes the string (from ``state``)."""
-        data = self.owner.token_bytes[token]
-        for j, b in enumerate(data):
-            state = self.table[state, b]
-            if self.accepting[state]:
-                return self.owner.rest_id(data[j + 1:])
-        raise AssertionError("a closing token that does not close")  # (_build found it closing)
 
     def step(self, state: int, data: bytes) -> tuple[int, int]:
         """(state after ``data``, index of the first byte after the closing quote, or -1 if still open)."""

@@ -12,11 +12,11 @@ engine's default mask workers. The script times, in the engine's process, each h
 - ``between``: from one host point's end to the next's start (the round's graph parts launched and
   this process's code around them; after the bonus: the round's end, resampling, the next round's start),
 
-and in each worker process (patched before they are forked: its masks are filled row by row, each
-row timed) the record's start after it was posted (``wake``), the tokens consumed (``consume``), the
-slowest worker's fill (``fill``), the dearest single row of the step (``dearest_row``: with the rows
-spread perfectly, no host point is shorter), and the rows' fill times summed over the workers
-(``rows_sum``). The unconstrained engine at the same lengths gives the device's round without
+and in each worker process (patched before they are forked) the record's start after it was posted
+(``wake``), the tokens consumed (``consume``), the slowest worker's fill (``fill``) and, with
+``--row-times`` (each row's fill then timed alone, which makes the fill dearer), the dearest single
+row of the step (``dearest_row``: with the rows spread perfectly, no host point is shorter) and the
+rows' fill times summed over the workers (``rows_sum``). The unconstrained engine at the same lengths gives the device's round without
 masks (``plain_ms_per_round``). Each round's parts in the engine's process: ``run_round`` (the
 proposal launched, its host points, the host's end of the round and its verdicts, the resampling
 launched; a pipelined superset round's read of the round before it too, which ``read`` counts again), ``HostMasks.end`` within it (on the superset path, ``--path superset``: the round's tokens
@@ -68,8 +68,9 @@ _board = mmap.mmap(-1, 8 * 16 * SLOTS * FIELDS)  # (shared with the workers fork
 BOARD = np.frombuffer(_board, dtype=np.float64).reshape(16, SLOTS, FIELDS)
 
 
-def patch() -> list:
-    """Time HostMasks.mask's parts here and each worker's step there; returns the host-point list."""
+def patch(row_times: bool) -> list:
+    """Time HostMasks.mask's parts here and each worker's step there (with ``row_times``, each row's
+    fill too); returns the host-point list."""
     points: list = []
     mask, step_wait, post = host_masks.HostMasks.mask, mask_workers.MaskWorkers.step_wait, mask_workers.MaskWorkers.step
     marks: dict = {}
@@ -119,9 +120,13 @@ def patch() -> list:
         BOARD[self.w, (seq // 2) % SLOTS] = (seq, t0, mine["first"] or end, end, max(rows), sum(rows), len(mine["rows"]))
 
     def worker_fill(items, bits, rows):
-        """The worker's fill, row by row (each row timed; rows sharing a matcher: llguidance's cache)."""
+        """The worker's fill: with ``row_times``, row by row (each row timed; rows sharing a matcher:
+        llguidance's cache), else in one call as the engine makes it (its rows' times unknown)."""
         if mine.get("first") is None:
             mine["first"] = time.perf_counter()
+        if not row_times:
+            fill(items, bits, rows)
+            return
         for m, r in items:
             for j in range(m.n):
                 t = time.perf_counter()
@@ -175,9 +180,10 @@ def parts(points: list, workers: int) -> dict:
             out["wake"].append(1e3 * (max(r[1] for r in rows) - p["posted"]))
             out["consume"].append(1e3 * max(r[2] - r[1] for r in rows))
             out["fill"].append(1e3 * max(r[3] - r[2] for r in rows))
-            out["dearest_row"].append(1e3 * max(r[4] for r in rows))
-            out["rows_sum"].append(1e3 * sum(r[5] for r in rows))
-            out["rows_filled"].append(sum(r[6] for r in rows))
+            if any(r[6] for r in rows):  # (the rows' times: --row-times)
+                out["dearest_row"].append(1e3 * max(r[4] for r in rows))
+                out["rows_sum"].append(1e3 * sum(r[5] for r in rows))
+                out["rows_filled"].append(sum(r[6] for r in rows))
     return {k: {"median": statistics.median(v), "mean": statistics.fmean(v), "n": len(v)} for k, v in out.items() if v}
 
 
@@ -222,6 +228,10 @@ def main() -> None:
                     help="llguidance's masks (a host point a step) or the superset path (a check a round)")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--row-times", action="store_true",
+                    help="time each row's fill in the workers (dearest_row, rows_sum; the fill itself then costs more)")
+    ap.add_argument("--host-workers", type=int, default=None,
+                    help="mask worker processes (0: masks in the engine's process; default: the engine's)")
     ap.add_argument("--cpu", action="store_true", help="on the CPU with two mask workers (checks the script)")
     ap.add_argument("--pipeline-ab", action="store_true",
                     help="time the calls only, pipelined and not (engine.smc_sd's pipeline), alternately, in this process")
@@ -234,13 +244,13 @@ def main() -> None:
     device, dtype = ("cpu", torch.float32) if args.cpu else ("cuda", torch.bfloat16)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     args.no_timeline |= args.pipeline_ab
-    points = [] if args.no_timeline else patch()
+    points = [] if args.no_timeline else patch(args.row_times)
     spans = patch_rounds() if not args.no_timeline else None
     ns = argparse.Namespace(tiny=False, smollm2_gguf=args.smollm2_gguf, requests=[args.requests], prompt_len=128)
     load = se.smollm2_models if args.smollm2_gguf else se.random_models
     name, target, draft, model, prompts, eos = load(ns, device, dtype)
     engine = Engine(target, draft, EngineConfig(num_pages=8192, page_size=16, max_context=1024,
-                                                host_workers=2 if args.cpu else None))
+                                                host_workers=2 if args.cpu and args.host_workers is None else args.host_workers))
     c = JSONSchema(SCHEMAS[args.schema], path=args.path).bind(model)
     kw = dict(particles=8, block_size=8, target=EngineTarget.of(sd.LM(model) * c), eos_token_id=eos)
     P = prompts[: args.requests]

@@ -52,6 +52,8 @@ STRING_BUILD_S = 5.0  # seconds a string's byte automaton may take to build (els
 EAGER_S = 2.0  # seconds a schema's automata and rows are built in at binding (the rest: when first needed)
 EAGER_STATES = 1024  # byte states past which an automaton's rows are built when first needed
 KEPT = 16  # StringMasks kept per process (``StringMasks.of``)
+_MASKS_KEPT = 4  # whole masks kept per automaton state (one per set of verdicts on its rests)
+_STEPS_KEPT = 1 << 16  # (state, token bytes) steps kept per automaton
 _BUILT: dict = {}
 _AFTER_VALUE = frozenset(b",}] \t\n\r")  # (the bytes JSON lets follow a string value)
 _HELD = ("pattern", "format", "minLength", "maxLength")
@@ -111,7 +113,7 @@ class _Row:
     distinct rests among them (``rests``, ids into ``StringMasks.rests``), one such token for each
     (``first``), each token's rest (``of``: an index into ``rests``), word and bit in the packed row."""
 
-    __slots__ = ("packed", "rests", "first", "of", "word", "bit")
+    __slots__ = ("packed", "rests", "first", "of", "word", "bit", "masks")
 
     def __init__(self, packed, ids, rest_ids, may: list):
         keep = np.array([may[r] for r in rest_ids], dtype=bool)
@@ -120,16 +122,31 @@ class _Row:
         self.rests, first, self.of = np.unique(rest_ids, return_index=True, return_inverse=True)
         self.first = ids[first].tolist()
         self.word, self.bit = ids >> 5, np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32))
+        self.masks: dict = {}  # the rests' verdicts (bytes of int8) -> the whole packed mask with them
+
+    def mask(self, got: np.ndarray) -> np.ndarray:
+        """The packed mask of this state where the rests' verdicts are ``got`` (1: taken)."""
+        key = got.tobytes()
+        out = self.masks.get(key)
+        if out is None:
+            out = self.packed.copy()
+            taken = got[self.of] == 1
+            np.bitwise_or.at(out.view(np.uint32), self.word[taken], self.bit[taken])
+            if len(self.masks) >= _MASKS_KEPT:
+                self.masks.clear()
+            self.masks[key] = out
+        return out
 
 
 class _Verdicts:
     """llguidance's verdicts on the rests after one string closes (-1: not asked yet), kept with the
     particles writing that string (forks share it)."""
 
-    __slots__ = ("ok",)
+    __slots__ = ("ok", "masks")
 
     def __init__(self):
         self.ok = np.full(64, -1, dtype=np.int8)
+        self.masks: dict = {}  # automaton state -> its mask with these verdicts, all known (``StringMasks.fill``)
 
 
 class _StringDFA:
@@ -142,6 +159,7 @@ class _StringDFA:
         self.dead = len(table) - 1
         self.owner = owner
         self._rows: dict = {}  # state -> _Row
+        self._steps: dict = {}  # (state, bytes) -> ``step``'s answer
         if eager:
             inside = [q for q in range(self.dead) if not accepting[q]]
             for i in range(0, len(inside), 32):  # (32 states a walk: its [states, V] table stays small)
@@ -168,6 +186,16 @@ class _StringDFA:
 
     def step(self, state: int, data: bytes) -> tuple[int, int]:
         """(state after ``data``, index of the first byte after the closing quote, or -1 if still open)."""
+        key = (state, data)
+        hit = self._steps.get(key)
+        if hit is None:
+            hit = self._stepped(state, data)
+            if len(self._steps) >= _STEPS_KEPT:
+                self._steps.clear()
+            self._steps[key] = hit
+        return hit
+
+    def _stepped(self, state: int, data: bytes) -> tuple[int, int]:
         for j, b in enumerate(data):
             state = int(self.table[state, b])
             if state == self.dead:
@@ -321,7 +349,11 @@ class StringMasks:
         data = self.token_bytes[token] if 0 <= token < len(self.token_bytes) else None
         if not data:
             return scan
-        stack, mode, x = scan
+        if scan[1] == AUTOMATON:  # (most tokens inside a string keep it open: one cached step)
+            dfa, state, verdicts = scan[2]
+            state, after = dfa.step(state, data)
+            if after < 0 and state != dfa.dead:
+                return scan[0], AUTOMATON, (dfa, state, verdicts)
         return self._scan(scan, data)
 
     def _scan(self, scan, data: bytes):
@@ -379,20 +411,23 @@ class StringMasks:
         if scan[1] != AUTOMATON:
             return False
         dfa, state, verdicts = scan[2]
+        known = verdicts.masks.get(state)
+        if known is not None:
+            out[:] = known
+            return True
         row = dfa.row(state)
-        out[:] = row.packed
-        if len(row.word):
-            rests, ok = row.rests, verdicts.ok
-            if rests[-1] >= len(ok):
-                ok = verdicts.ok = np.concatenate([ok, np.full(rests[-1] + 1, -1, dtype=np.int8)])
+        if not len(row.word):
+            out[:] = row.packed
+            return True
+        rests, ok = row.rests, verdicts.ok
+        if rests[-1] >= len(ok):
+            ok = verdicts.ok = np.concatenate([ok, np.full(rests[-1] + 1, -1, dtype=np.int8)])
+        got = ok[rests]
+        if got.min() < 0:
+            for j in np.nonzero(got < 0)[0].tolist():  # (llguidance's verdict: one token that closes so)
+                ok[rests[j]] = matcher.validate_tokens([row.first[j]]) == 1
             got = ok[rests]
-            if (got < 0).any():
-                for j in np.nonzero(got < 0)[0].tolist():  # (llguidance's verdict: one token that closes so)
-                    ok[rests[j]] = matcher.validate_tokens([row.first[j]]) == 1
-                got = ok[rests]
-            taken = got[row.of] == 1
-            if taken.any():
-                np.bitwise_or.at(out.view(np.uint32), row.word[taken], row.bit[taken])
+        out[:] = verdicts.masks[state] = row.mask(got)
         return True
 
 

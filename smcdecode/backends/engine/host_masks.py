@@ -73,7 +73,9 @@ class HostMasks:
         # the packed masks of a step on the host, two buffers in turn (pinned on a GPU: uploaded without blocking)
         self._bits = [torch.empty(0, self.W, dtype=torch.int32) for _ in range(2)]
         self._turn = 0
-        self._uploaded: list = [None, None]  # each buffer's last upload (an event)
+        # each buffer's upload (an event, recorded after its copy; made once: a new event costs more than the copy)
+        self._upload_events = [torch.cuda.Event(), torch.cuda.Event()] if self.pinned else None
+        self._uploaded = [False, False]  # has each buffer's event been recorded?
 
     def __bool__(self) -> bool:
         return bool(self.requests)
@@ -204,8 +206,8 @@ class HostMasks:
             return
         # this step's host buffer (two in turn: the other one may still be uploading)
         self._turn ^= 1
-        if self._uploaded[self._turn] is not None:
-            self._uploaded[self._turn].synchronize()
+        if self._uploaded[self._turn]:
+            self._upload_events[self._turn].synchronize()
         bits = self._bits[self._turn][: self.rows]
         if sum(m.n for m, _, _ in counted) < self.rows:  # (rows no request constrains: every token)
             bits.numpy().fill(-1)  # (numpy's: one thread, where torch's fill would wake its pool)
@@ -219,8 +221,8 @@ class HostMasks:
             self._pool.step_wait()
         out.copy_(bits, non_blocking=True)
         if self.pinned:
-            self._uploaded[self._turn] = torch.cuda.Event()
-            self._uploaded[self._turn].record()
+            self._upload_events[self._turn].record()
+            self._uploaded[self._turn] = True
 
     def handle(self, event: tuple[str, int], buffers: dict, warm_up: bool = False) -> None:
         """A host point of the round's proposal (``smc.round_code``): ("mask", i) writes draft step

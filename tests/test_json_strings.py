@@ -80,6 +80,18 @@ def test_automata_built_when_first_needed_give_the_same_masks(monkeypatch):
     assert _walks_agree(c, model, random.Random(7), 6) > 5
 
 
+@pytest.mark.slow
+def test_masks_and_steps_kept_past_their_caches_limits_stay_llguidances(monkeypatch):
+    """A state's whole masks (one per set of rest verdicts) and the automata's cached steps, with room
+    for one of each: every later one evicts the earlier, and the masks stay llguidance's."""
+    monkeypatch.setattr(json_strings, "_MASKS_KEPT", 1)
+    monkeypatch.setattr(json_strings, "_STEPS_KEPT", 1)
+    model = sd.load_model()
+    for schema in (SCHEMAS[0], NODE):
+        c = JSONSchema(schema, path="llguidance").bind(model)
+        assert _walks_agree(c, model, random.Random(3), 8) > 10
+
+
 def _walks_agree(c, model, rng, walks: int) -> int:
     """Random walks through ``c``'s documents, the masks compared at every step; the steps inside strings."""
     texts = c._strings.token_bytes

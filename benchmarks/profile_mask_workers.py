@@ -16,8 +16,8 @@ and in each worker process (patched before they are forked) the record's start a
 (``wake``), the tokens consumed (``consume``), the slowest worker's fill (``fill``) and, with
 ``--row-times`` (each row's fill then timed alone, which makes the fill dearer), the dearest single
 row of the step (``dearest_row``: with the rows spread perfectly, no host point is shorter) and the
-rows' fill times summed over the workers (``rows_sum``). The unconstrained engine at the same lengths gives the device's round without
-masks (``plain_ms_per_round``). Each round's parts in the engine's process: ``run_round`` (the
+rows' fill times summed over the workers (``rows_sum``). The unconstrained engine at the same
+lengths gives the device's round without masks (``plain_ms_per_round``). Each round's parts in the engine's process: ``run_round`` (the
 proposal launched, its host points, the host's end of the round and its verdicts, the resampling
 launched; a pipelined superset round's read of the round before it too, which ``read`` counts again), ``HostMasks.end`` within it (on the superset path, ``--path superset``: the round's tokens
 read and llguidance's check), ``host_terms`` (the verdicts uploaded) and the scheduler's read of the

@@ -528,8 +528,10 @@ def test_triton_sampler_equals_the_torch_function_draw_for_draw(R):
     """The compiled kernel is ``samplers.steps.sample_and_score``: under the same noise bits, on the
     8B vocabulary in bf16 with -inf (masked) logits, the same tokens — but for float32 near-ties,
     whose two race keys must then agree to 1e-4 — and the same log-probs, normalisers and gathered
-    log-probs; plain, per-row T, α with a mask (and a dead row), verify's every-9th-row draws, no draws."""
+    log-probs; plain, per-row T, α with a mask (and a dead row), verify's every-9th-row draws, no draws.
+    A mask given packed (``mask_bits``) draws and scores as the same mask given as bytes."""
     from smcdecode.backends.engine.kernels import triton_sample_and_score
+    from smcdecode.potentials.constraint import pack_bits
     from smcdecode.samplers import steps
 
     V = 128_256
@@ -567,3 +569,8 @@ def test_triton_sampler_equals_the_torch_function_draw_for_draw(R):
             assert (a_ is None) == (b_ is None)
             if a_ is not None:
                 torch.testing.assert_close(a_[same], b_[same], rtol=1e-4, atol=1e-4, equal_nan=True)
+        if "mask" in kw:  # the mask packed (a bit a token, as the host uploads it): the same, bit for bit
+            kw["mask_bits"] = pack_bits(kw.pop("mask"))
+            packed = triton_sample_and_score(logits, temperature, torch.tensor(3, device="cuda"), gather, bits=bits, **kw)
+            for a_, b_ in zip(packed, fused):
+                assert torch.equal(a_.nan_to_num(), b_.nan_to_num())

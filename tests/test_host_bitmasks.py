@@ -13,7 +13,7 @@ import torch
 
 import smcdecode as sd
 from smcdecode.backends.engine.host_masks import HostMasks, RequestMasks
-from smcdecode.potentials.constraint import pack_bits, unpack_bits
+from smcdecode.potentials.constraint import no_bit_set, pack_bits, unpack_bits
 from smcdecode.potentials.json_keys import DEAD
 from smcdecode.potentials.json_schema import JSONSchema
 from smcdecode.potentials.matchers import MatcherBatch, fill_bits_together
@@ -40,6 +40,36 @@ def test_pack_unpack_round_trip(V):
     # the layout llguidance writes: token v is bit v % 32 of word v // 32 (little-endian bytes)
     flat = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")
     assert np.array_equal(flat[:, :V], mask.numpy()) and not flat[:, V:].any()
+    # the rows that allow no token, read from the words, also where bits past V are set (an
+    # unconstrained row's words are all ones)
+    mask[2] = False
+    mask[3] = False
+    mask[3, V - 1] = True
+    bits = pack_bits(mask)
+    if V % 32:
+        bits[2, -1] = -1 << (V % 32)  # (every bit past V)
+    assert torch.equal(no_bit_set(bits, V), ~mask.any(-1)), V
+
+
+def test_engine_sampler_reads_packed_masks_on_the_cpu():
+    """The engine's sampler given the host's masks packed (``mask_bits``) draws as with the unpacked
+    mask (the torch function unpacks them; the fused kernel reads them: test_engine_kernels)."""
+    from smcdecode.backends.engine.sampling import sample_and_score
+
+    V = 70
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, V, generator=g)
+    mask = torch.rand(6, V, generator=g) < 0.3
+    mask[1] = False
+    outs = []
+    for kw in ({"mask": mask}, {"mask_bits": pack_bits(mask)}):
+        torch.manual_seed(4)
+        outs.append(sample_and_score(logits, 0.9, None, alpha=torch.full((6,), 0.7), **kw))
+    for a, b in zip(*outs):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert mask[torch.arange(6) != 1, outs[0].token[torch.arange(6) != 1]].all()
 
 
 def _reference_mask(c, state) -> torch.Tensor:

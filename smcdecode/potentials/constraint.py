@@ -110,6 +110,16 @@ def pack_bits(mask: Tensor) -> Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
+def no_bit_set(bits: Tensor, vocab_size: int) -> Tensor:
+    """int32 [B, W] -> bool [B]: the rows that allow no token (the bits past ``vocab_size`` in the
+    last word left out), without unpacking."""
+    tail = vocab_size % 32
+    if not tail:
+        return ~(bits != 0).any(-1)
+    last = bits[:, -1] & ((1 << tail) - 1)
+    return ~((bits[:, :-1] != 0).any(-1) | (last != 0))
+
+
 def unpack_bits(bits: Tensor, vocab_size: int) -> Tensor:
     """int32 [B, W] -> bool [B, vocab_size] on the device of ``bits`` (a few element-wise ops)."""
     shifts = torch.arange(32, dtype=torch.int32, device=bits.device)

@@ -29,6 +29,7 @@ documents, a request takes llguidance's masks (so it is not left without a sampl
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -364,14 +365,14 @@ class HostMasks:
 
     def fork(self, index) -> None:
         """Resampling: ``index`` [≥ rows] the rows' ancestors (global row numbers)."""
-        index = torch.as_tensor(index)
+        index = np.asarray(index)
         for slot, m in self.requests.items():
             local = index[self._rows(slot, m.n)] - slot * self.n_max
-            if not torch.equal(local, torch.arange(m.n)):
+            if (local != np.arange(m.n)).any():
                 if m.remote:
                     self._pool.fork(slot, local.tolist())
                 else:
-                    m.fork(local)
+                    m.fork(torch.from_numpy(local))
         if self._pool is not None:
             self._pool.send()
 

@@ -7,21 +7,27 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from ...potentials.constraint import unpack_bits
 from ...samplers.steps import Scored
 from ...samplers.steps import sample_and_score as sample_and_score_torch
 
 
 def sample_and_score(logits: Tensor, temperature: float | Tensor, seed: Tensor, gather: Tensor | None = None,
                      sample_every: int = 1, triton: bool = False, *, alpha: Tensor | None = None,
-                     mask: Tensor | None = None, draw: bool = True, dead: Tensor | None = None) -> Scored:
+                     mask: Tensor | None = None, draw: bool = True, dead: Tensor | None = None,
+                     mask_bits: Tensor | None = None) -> Scored:
     """``samplers.steps.sample_and_score`` of ``logits`` [R, V]: with ``triton`` the fused kernel (noise
     keyed by the device scalar ``seed``), else the torch function (torch's global generator).
     ``dead`` [R] bool: the rows whose ``mask`` allows nothing, when the caller knows them (the
-    kernel then need not reduce the mask to find them)."""
+    kernel then need not reduce the mask to find them). ``mask_bits``: the mask packed instead
+    (int32 [R, ⌈V/32⌉], a bit a token: the host's masks as uploaded), which the kernel reads as it is."""
     if triton:
         from .kernels.sampling import triton_sample_and_score
 
         return triton_sample_and_score(logits, temperature, seed, gather, sample_every, alpha=alpha, mask=mask,
-                                       draw=draw, dead=dead)
+                                       draw=draw, dead=dead, mask_bits=mask_bits)
+    if mask_bits is not None:
+        unpacked = unpack_bits(mask_bits, logits.shape[-1])
+        mask = unpacked if mask is None else mask & unpacked
     return sample_and_score_torch(logits, temperature, alpha=alpha, mask=mask, gather=gather,
                                   sample_every=sample_every, draw=draw)

@@ -574,7 +574,7 @@ class Scheduler:
             for _, tracker, _ in self.rewards:
                 tracker.fork(idx_t)
             if self.host is not None:
-                self.host.fork(idx_t)
+                self.host.fork(index)
         parents = index[:R].reshape(bucket, N)
         for g in groups:
             hist = self.history[g]

@@ -182,8 +182,10 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
 
     V = engine.target.cfg.vocab_size
 
-    def masks(states: list[Tensor]) -> tuple[Tensor | None, Tensor | None]:
-        """(the rows' mask [B, V] or None, the rows it leaves no token or None when not known here)."""
+    def masks(states: list[Tensor]) -> dict:
+        """The sampler's mask arguments: ``mask`` (the rows' mask [B, V]) or, the host's masks alone on
+        the fused kernel, ``mask_bits`` (as uploaded: the kernel reads the bits), and ``dead`` (the
+        rows it leaves no token, where known here); {} where nothing masks."""
         m = None
         for a, s in zip(automata, states):
             mi = a.allowed(s)
@@ -191,9 +193,11 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         # (one automaton: a state's row allows some token or none, known without reducing the mask)
         dead = ~automata[0].live[states[0]] if len(automata) == 1 else None
         if hosted:  # the host's masks of this step (written between the round's parts)
+            if m is None and fused:
+                return {"mask_bits": b["host_bits"]}
             hm = unpack_bits(b["host_bits"], V)
             m, dead = (hm if m is None else m & hm), None
-        return m, dead
+        return {} if m is None else {"mask": m, "dead": dead}
 
     def propose():
         seeds = torch.randint(0, 2**62, (Kmax + 2,), device=T.device)
@@ -209,9 +213,8 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         for i in range(Kmax):
             if hosted:
                 yield "mask", i
-            m, dead = masks(states)
-            d, log_q[:, i], log_mass, _ = sample_and_score(logits, b["T_draft"], seeds[i], mask=m, dead=dead,
-                                                           triton=fused)
+            m = masks(states)
+            d, log_q[:, i], log_mass, _ = sample_and_score(logits, b["T_draft"], seeds[i], triton=fused, **m)
             drafts[:, i] = d
             if exact is not None:
                 b["draft_logits"][:, i] = logits
@@ -219,7 +222,7 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
                 host.hand_over(i, d)
             # a schedule's statistic, log q(d) of the unmasked draft:
             # log q'(d) + log Σ_v q(v)·1[valid] (0 on a row the mask leaves no token)
-            b["log_q_all"][:, i] = log_q[:, i] if m is None else torch.where(
+            b["log_q_all"][:, i] = log_q[:, i] if not m else torch.where(
                 torch.isfinite(log_mass), log_q[:, i] + log_mass, 0.0)
             states = [a.advance(s, d) for a, s in zip(automata, states)]
             kept = [torch.where(i < k_eff, s, k) for s, k in zip(states, kept)]
@@ -240,9 +243,8 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         # 3. the bonus after the row's K drafts, from π_loc ∝ p^α·1[valid], and its normaliser
         if hosted:
             yield "mask", Kmax
-        m, dead = masks(kept)
         bonus, _, log_norm, _ = sample_and_score(logits_t[rows, K_row], b["T_target"], seeds[Kmax + 1],
-                                                 alpha=alpha, mask=m, dead=dead, triton=fused)
+                                                 alpha=alpha, triton=fused, **masks(kept))
         b["bonus"].copy_(bonus)
         # 4. incremental weights up to the first EOS and the budget (a dead end: -inf)
         incr, n_new, any_eos, has_bonus = steps.weigh(log_p, log_q, drafts, alpha, k_eff, eos, log_norm,

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ....potentials.constraint import no_bit_set
 from ....samplers.steps import Scored
 from .common import num_sms, pdl_args, pdl_enter
 
@@ -217,10 +218,11 @@ def _merge_lse(m, tot):
 @triton.jit
 def _general_block(LOGITS, MASK, r, c, Q: tl.constexpr, stride_r, stride_m, inv_temp, alpha, dead, b0, b1, b2, b3,
                    mx, ax, my, ay, best_e, best_E, best_idx, best_y, V: tl.constexpr, RACE: tl.constexpr,
-                   HAS_MASK: tl.constexpr):
+                   HAS_MASK: tl.constexpr, PACKED: tl.constexpr):
     """The four quarters c + {0, 1, 2, 3}·Q of a block folded into the lane's running (max, Σ exp) of
     x = logits/T over every token and of y = α·x over the valid ones, and (RACE) the race on y
-    (``_ratio_pick``, on e = exp(y − max_y))."""
+    (``_ratio_pick``, on e = exp(y − max_y)). The mask: a byte a token, or (PACKED) a bit a token,
+    token v at bit v % 32 of int32 word v // 32."""
     row = LOGITS + r * stride_r
     x0 = tl.load(row + c, mask=c < V, other=float("-inf")).to(tl.float32) * inv_temp
     x1 = tl.load(row + c + Q, mask=c + Q < V, other=float("-inf")).to(tl.float32) * inv_temp
@@ -232,10 +234,20 @@ def _general_block(LOGITS, MASK, r, c, Q: tl.constexpr, stride_r, stride_m, inv_
     y3 = alpha * x3
     if HAS_MASK:
         mrow = MASK + r * stride_m
-        y0 = tl.where((tl.load(mrow + c, mask=c < V, other=0) != 0) | dead, y0, float("-inf"))
-        y1 = tl.where((tl.load(mrow + c + Q, mask=c + Q < V, other=0) != 0) | dead, y1, float("-inf"))
-        y2 = tl.where((tl.load(mrow + c + 2 * Q, mask=c + 2 * Q < V, other=0) != 0) | dead, y2, float("-inf"))
-        y3 = tl.where((tl.load(mrow + c + 3 * Q, mask=c + 3 * Q < V, other=0) != 0) | dead, y3, float("-inf"))
+        if PACKED:
+            v0 = (tl.load(mrow + (c >> 5), mask=c < V, other=0) >> (c & 31)) & 1
+            v1 = (tl.load(mrow + ((c + Q) >> 5), mask=c + Q < V, other=0) >> ((c + Q) & 31)) & 1
+            v2 = (tl.load(mrow + ((c + 2 * Q) >> 5), mask=c + 2 * Q < V, other=0) >> ((c + 2 * Q) & 31)) & 1
+            v3 = (tl.load(mrow + ((c + 3 * Q) >> 5), mask=c + 3 * Q < V, other=0) >> ((c + 3 * Q) & 31)) & 1
+        else:
+            v0 = tl.load(mrow + c, mask=c < V, other=0)
+            v1 = tl.load(mrow + c + Q, mask=c + Q < V, other=0)
+            v2 = tl.load(mrow + c + 2 * Q, mask=c + 2 * Q < V, other=0)
+            v3 = tl.load(mrow + c + 3 * Q, mask=c + 3 * Q < V, other=0)
+        y0 = tl.where((v0 != 0) | dead, y0, float("-inf"))
+        y1 = tl.where((v1 != 0) | dead, y1, float("-inf"))
+        y2 = tl.where((v2 != 0) | dead, y2, float("-inf"))
+        y3 = tl.where((v3 != 0) | dead, y3, float("-inf"))
     mx_new = tl.maximum(tl.maximum(mx, x0), tl.maximum(tl.maximum(x1, x2), x3))
     mx_safe = tl.where(mx_new == float("-inf"), 0.0, mx_new)
     ax = ax * tl.exp(mx - mx_safe) + ((tl.exp(x0 - mx_safe) + tl.exp(x1 - mx_safe)) +
@@ -260,7 +272,7 @@ def _general_block(LOGITS, MASK, r, c, Q: tl.constexpr, stride_r, stride_m, inv_
 @triton.jit
 def _general_chunk(LOGITS, MASK, seed, BITS, r, s, stride_r, stride_m, inv_temp, alpha, dead, V: tl.constexpr,
                    CHUNK: tl.constexpr, BLOCK: tl.constexpr, RACE: tl.constexpr, NOISE_BITS: tl.constexpr,
-                   HAS_MASK: tl.constexpr):
+                   HAS_MASK: tl.constexpr, PACKED: tl.constexpr):
     """Per-lane running (max, Σ exp) of x and of y over split s of row r and (RACE) the lane's best
     race key on y with its index and y (as ``_sample_split_chunk``)."""
     Q: tl.constexpr = BLOCK // 4
@@ -285,7 +297,7 @@ def _general_chunk(LOGITS, MASK, seed, BITS, r, s, stride_r, stride_m, inv_temp,
             b3 = q
         mx, ax, my, ay, best_e, best_E, best_idx, best_y = _general_block(
             LOGITS, MASK, r, base + q, Q, stride_r, stride_m, inv_temp, alpha, dead, b0, b1, b2, b3, mx, ax, my, ay,
-            best_e, best_E, best_idx, best_y, V, RACE, HAS_MASK)
+            best_e, best_E, best_idx, best_y, V, RACE, HAS_MASK, PACKED)
     best_key = tl.where(best_e > 0, best_y - tl.log(best_E), float("-inf"))
     return mx, ax, my, ay, best_key, best_idx, best_y
 
@@ -295,7 +307,7 @@ def _general_split_kernel(LOGITS, SEED, BITS, MASK, DEAD, ALPHA, stride_r, strid
                           V: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NSPLIT: tl.constexpr,
                           SAMPLE_EVERY: tl.constexpr, DRAW: tl.constexpr, TEMP_PER_ROW: tl.constexpr,
                           NOISE_BITS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ALPHA: tl.constexpr,
-                          PDL: tl.constexpr = 0):
+                          PACKED: tl.constexpr = 0, PDL: tl.constexpr = 0):
     """Split s of row r of the general path: (max_x, Σ exp(x − max_x), max_y, Σ exp(y − max_y), best
     race key on y, its index, its y) into PART [R, NSPLIT, 7]."""
     pdl_enter(PDL)
@@ -314,15 +326,15 @@ def _general_split_kernel(LOGITS, SEED, BITS, MASK, DEAD, ALPHA, stride_r, strid
         if r % SAMPLE_EVERY == SAMPLE_EVERY - 1:  # (always, for SAMPLE_EVERY = 1)
             mx, ax, my, ay, best_key, best_idx, best_y = _general_chunk(
                 LOGITS, MASK, seed, BITS, r, s, stride_r, stride_m, inv_temp, alpha, dead, V, CHUNK, BLOCK, True,
-                NOISE_BITS, HAS_MASK)
+                NOISE_BITS, HAS_MASK, PACKED)
         else:
             mx, ax, my, ay, best_key, best_idx, best_y = _general_chunk(
                 LOGITS, MASK, seed, BITS, r, s, stride_r, stride_m, inv_temp, alpha, dead, V, CHUNK, BLOCK, False,
-                NOISE_BITS, HAS_MASK)
+                NOISE_BITS, HAS_MASK, PACKED)
     else:
         mx, ax, my, ay, best_key, best_idx, best_y = _general_chunk(
             LOGITS, MASK, seed, BITS, r, s, stride_r, stride_m, inv_temp, alpha, dead, V, CHUNK, BLOCK, False,
-            NOISE_BITS, HAS_MASK)
+            NOISE_BITS, HAS_MASK, PACKED)
     q = tl.arange(0, BLOCK // 4)
     MX = tl.max(mx, 0)
     MY = tl.max(my, 0)
@@ -398,7 +410,7 @@ def _sample_chunk(R: int, V: int, block: int, device: torch.device) -> int:
 def triton_sample_and_score(logits: Tensor, temperature: float | Tensor, seed: Tensor, gather: Tensor | None = None,
                             sample_every: int = 1, chunk: int | None = None, *, alpha: Tensor | None = None,
                             mask: Tensor | None = None, draw: bool = True, bits: Tensor | None = None,
-                            dead: Tensor | None = None) -> Scored:
+                            dead: Tensor | None = None, mask_bits: Tensor | None = None) -> Scored:
     """``samplers.steps.sample_and_score`` in one read of ``logits`` [R, V] (unit stride in V), no host
     sync: for x = logits / T (``temperature`` a float or [R] float32), token ~ π ∝ exp(α·x)·1[valid] by
     the exponential race, log π(token), log Σ_v p^α·1[valid] (with ``alpha`` [R] or ``mask`` [R, V]
@@ -409,8 +421,14 @@ def triton_sample_and_score(logits: Tensor, temperature: float | Tensor, seed: T
     Noise: Philox keyed by ``seed`` (a device int64 scalar), the row and the element; ``bits`` [R, V]
     int32: those words instead (the reference then draws the same tokens). ``chunk``: logits a split
     program reads (a multiple of 1024; default ``_sample_chunk``). ``dead`` [R] bool: the rows whose
-    mask allows nothing (default: reduced from ``mask``)."""
+    mask allows nothing (default: reduced from ``mask``). ``mask_bits`` [R, ⌈V/32⌉] int32: the mask
+    packed, a bit a token (``potentials.constraint.pack_bits``), read as it is (instead of ``mask``)."""
     R, V = logits.shape
+    if mask is not None and mask_bits is not None:
+        raise ValueError("give the mask as mask (bool [R, V]) or as mask_bits (packed int32), not both")
+    if mask_bits is not None and (mask_bits.dtype != torch.int32 or tuple(mask_bits.shape) != (R, (V + 31) // 32)):
+        raise ValueError(f"mask_bits must be int32 of shape {(R, (V + 31) // 32)} (a bit a token), "
+                         f"got {mask_bits.dtype} {tuple(mask_bits.shape)}")
     dev = logits.device
     if sample_every < 1:
         raise ValueError(f"sample_every = {sample_every}: must be >= 1 (1: every row draws a token)")
@@ -434,7 +452,7 @@ def triton_sample_and_score(logits: Tensor, temperature: float | Tensor, seed: T
     logp_gather = torch.empty(R, device=dev, dtype=torch.float32) if gather is not None else None
     flags = dict(SAMPLE_EVERY=sample_every, DRAW=draw, TEMP_PER_ROW=per_row)
     p2 = max(2, triton.next_power_of_2(nsplit))
-    if alpha is None and mask is None:
+    if alpha is None and mask is None and mask_bits is None:
         part = torch.empty(R, nsplit, 5, device=dev, dtype=torch.float32)
         _sample_split_kernel[(R, nsplit)](logits, seed, noise if noise is not None else tok, logits.stride(0),
                                           scalar_inv_t, inv_t if per_row else part, part, V=V, CHUNK=chunk,
@@ -450,17 +468,21 @@ def triton_sample_and_score(logits: Tensor, temperature: float | Tensor, seed: T
     if mask is not None:
         m8 = mask.contiguous().view(torch.uint8)
         dead = ~mask.any(-1) if dead is None else dead.contiguous()
+    elif mask_bits is not None:
+        m8 = mask_bits.contiguous()
+        dead = no_bit_set(m8, V) if dead is None else dead.contiguous()
     else:
         m8, dead = tok, tok
+    masked = mask is not None or mask_bits is not None
     a = alpha.float().contiguous() if alpha is not None else part
     _general_split_kernel[(R, nsplit)](logits, seed, noise if noise is not None else tok, m8, dead, a,
                                        logits.stride(0), m8.stride(0), scalar_inv_t, inv_t if per_row else part,
                                        part, V=V, CHUNK=chunk, BLOCK=block, NSPLIT=nsplit,
-                                       NOISE_BITS=noise is not None, HAS_MASK=mask is not None,
+                                       NOISE_BITS=noise is not None, HAS_MASK=masked, PACKED=mask_bits is not None,
                                        HAS_ALPHA=alpha is not None, num_warps=4, **flags, **pdl_args(dev))
     _general_merge_kernel[(R,)](part, logits, logits.stride(0), scalar_inv_t, inv_t if per_row else part,
                                 gather if gather is not None else tok, dead, a, tok, logp_tok, log_norm,
                                 logp_gather if gather is not None else logp_tok, NSPLIT=nsplit, NSPLIT_P2=p2,
-                                HAS_GATHER=gather is not None, HAS_MASK=mask is not None,
+                                HAS_GATHER=gather is not None, HAS_MASK=masked,
                                 HAS_ALPHA=alpha is not None, num_warps=1, **flags, **pdl_args(dev))
     return Scored(tok, logp_tok, log_norm, logp_gather)

@@ -119,22 +119,22 @@ class _Row:
         keep = np.array([may[r] for r in rest_ids], dtype=bool)
         ids, rest_ids = ids[keep], rest_ids[keep]
         self.packed = packed
-        self.rests, first, self.of = np.unique(rest_ids, return_index=True, return_inverse=True)
-        self.first = ids[first].tolist()
+        rests, first, self.of = np.unique(rest_ids, return_index=True, return_inverse=True)
+        # (a state has a few rests: plain lists, read per particle and step, cost less than arrays)
+        self.rests, self.first = rests.tolist(), ids[first].tolist()
         self.word, self.bit = ids >> 5, np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32))
-        self.masks: dict = {}  # the rests' verdicts (bytes of int8) -> the whole packed mask with them
+        self.masks: dict = {}  # the rests' verdicts (a tuple of 0 / 1) -> the whole packed mask with them
 
-    def mask(self, got: np.ndarray) -> np.ndarray:
+    def mask(self, got: tuple) -> np.ndarray:
         """The packed mask of this state where the rests' verdicts are ``got`` (1: taken)."""
-        key = got.tobytes()
-        out = self.masks.get(key)
+        out = self.masks.get(got)
         if out is None:
             out = self.packed.copy()
-            taken = got[self.of] == 1
+            taken = np.array(got, dtype=np.int8)[self.of] == 1
             np.bitwise_or.at(out.view(np.uint32), self.word[taken], self.bit[taken])
             if len(self.masks) >= _MASKS_KEPT:
                 self.masks.clear()
-            self.masks[key] = out
+            self.masks[got] = out
         return out
 
 
@@ -145,7 +145,7 @@ class _Verdicts:
     __slots__ = ("ok", "masks")
 
     def __init__(self):
-        self.ok = np.full(64, -1, dtype=np.int8)
+        self.ok: dict = {}  # rest id -> 1 (llguidance takes a token that closes the string so) or 0
         self.masks: dict = {}  # automaton state -> its mask with these verdicts, all known (``StringMasks.fill``)
 
 
@@ -416,18 +416,17 @@ class StringMasks:
             out[:] = known
             return True
         row = dfa.row(state)
-        if not len(row.word):
+        if not row.rests:
             out[:] = row.packed
             return True
-        rests, ok = row.rests, verdicts.ok
-        if rests[-1] >= len(ok):
-            ok = verdicts.ok = np.concatenate([ok, np.full(rests[-1] + 1, -1, dtype=np.int8)])
-        got = ok[rests]
-        if got.min() < 0:
-            for j in np.nonzero(got < 0)[0].tolist():  # (llguidance's verdict: one token that closes so)
-                ok[rests[j]] = matcher.validate_tokens([row.first[j]]) == 1
-            got = ok[rests]
-        out[:] = verdicts.masks[state] = row.mask(got)
+        ok = verdicts.ok
+        got = []
+        for r, t in zip(row.rests, row.first):
+            v = ok.get(r)
+            if v is None:  # (llguidance's verdict: one token that closes so)
+                v = ok[r] = int(matcher.validate_tokens([t]) == 1)
+            got.append(v)
+        out[:] = verdicts.masks[state] = row.mask(tuple(got))
         return True
 
 

@@ -25,6 +25,51 @@ from smcdecode.potentials.constraint import pack_bits, unpack_bits
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def timed_case(R: int, V: int, repeats: int, replays: int) -> dict:
+    """One (rows, vocabulary) case: both variants captured, then timed alternately."""
+    g = torch.Generator(device="cuda").manual_seed(R + V)
+    logits = torch.randn(R, V, device="cuda", generator=g).to(torch.bfloat16)
+    mask = torch.rand(R, V, device="cuda", generator=g) < 0.05
+    mask[0] = True  # (a row inside a string: most tokens)
+    bits = pack_bits(mask)
+    seed = torch.tensor(7, device="cuda")
+    outs = {}
+
+    def unpacked():
+        outs["unpacked"] = triton_sample_and_score(logits, 1.0, seed, mask=unpack_bits(bits, V))
+
+    def packed():
+        outs["packed"] = triton_sample_and_score(logits, 1.0, seed, mask_bits=bits)
+
+    graphs = {}
+    for name, fn in (("unpacked", unpacked), ("packed", packed)):
+        fn()  # (compiles)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graphs[name] = graph
+    times: dict = {"unpacked": [], "packed": []}
+    for i in range(repeats):
+        for name in (("unpacked", "packed") if i % 2 == 0 else ("packed", "unpacked")):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(replays):
+                graphs[name].replay()
+            end.record()
+            end.synchronize()
+            times[name].append(1e3 * start.elapsed_time(end) / replays)
+    same = torch.equal(outs["unpacked"].token, outs["packed"].token) and torch.equal(
+        outs["unpacked"].log_norm, outs["packed"].log_norm)
+    return {"rows": R, "vocab": V, "unpacked_us": statistics.median(times["unpacked"]),
+            "packed_us": statistics.median(times["packed"]), "same_draws": same, "times_us": times}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="8,64,512", help="rows a step (particles × requests), comma-separated")
@@ -38,51 +83,10 @@ def main() -> None:
     rows = []
     for V in map(int, args.vocab.split(",")):
         for R in map(int, args.rows.split(",")):
-            g = torch.Generator(device="cuda").manual_seed(R + V)
-            logits = torch.randn(R, V, device="cuda", generator=g).to(torch.bfloat16)
-            mask = torch.rand(R, V, device="cuda", generator=g) < 0.05
-            mask[0] = True  # (a row inside a string: most tokens)
-            bits = pack_bits(mask)
-            seed = torch.tensor(7, device="cuda")
-            outs = {}
-
-            def unpacked():
-                m = unpack_bits(bits, V)
-                outs["unpacked"] = triton_sample_and_score(logits, 1.0, seed, mask=m)
-
-            def packed():
-                outs["packed"] = triton_sample_and_score(logits, 1.0, seed, mask_bits=bits)
-
-            graphs = {}
-            for name, fn in (("unpacked", unpacked), ("packed", packed)):
-                fn()  # (compiles)
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    fn()
-                torch.cuda.current_stream().wait_stream(s)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    fn()
-                graphs[name] = graph
-            times: dict = {"unpacked": [], "packed": []}
-            for i in range(args.repeats):
-                for name in (("unpacked", "packed") if i % 2 == 0 else ("packed", "unpacked")):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    torch.cuda.synchronize()
-                    start.record()
-                    for _ in range(args.replays):
-                        graphs[name].replay()
-                    end.record()
-                    end.synchronize()
-                    times[name].append(1e3 * start.elapsed_time(end) / args.replays)
-            same = torch.equal(outs["unpacked"].token, outs["packed"].token) and torch.equal(
-                outs["unpacked"].log_norm, outs["packed"].log_norm)
-            row = {"rows": R, "vocab": V, "unpacked_us": statistics.median(times["unpacked"]),
-                   "packed_us": statistics.median(times["packed"]), "same_draws": same, "times_us": times}
+            row = timed_case(R, V, args.repeats, args.replays)
             rows.append(row)
             print(f"R={R:4d} V={V:6d}: unpacked then masked {row['unpacked_us']:7.1f} µs, packed "
-                  f"{row['packed_us']:7.1f} µs a step (same draws: {same})", flush=True)
+                  f"{row['packed_us']:7.1f} µs a step (same draws: {row['same_draws']})", flush=True)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "repeats": args.repeats, "replays": args.replays, "rows": rows}

@@ -70,6 +70,8 @@ def test_engine_sampler_reads_packed_masks_on_the_cpu():
         if a is not None:
             assert torch.equal(a.nan_to_num(), b.nan_to_num())
     assert mask[torch.arange(6) != 1, outs[0].token[torch.arange(6) != 1]].all()
+    with pytest.raises(ValueError, match="not both"):
+        sample_and_score(logits, 0.9, None, mask=mask, mask_bits=pack_bits(mask))
 
 
 def _reference_mask(c, state) -> torch.Tensor:

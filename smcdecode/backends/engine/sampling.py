@@ -21,13 +21,14 @@ def sample_and_score(logits: Tensor, temperature: float | Tensor, seed: Tensor, 
     ``dead`` [R] bool: the rows whose ``mask`` allows nothing, when the caller knows them (the
     kernel then need not reduce the mask to find them). ``mask_bits``: the mask packed instead
     (int32 [R, ⌈V/32⌉], a bit a token: the host's masks as uploaded), which the kernel reads as it is."""
+    if mask is not None and mask_bits is not None:
+        raise ValueError("give the mask as mask (bool [R, V]) or as mask_bits (packed int32), not both")
     if triton:
         from .kernels.sampling import triton_sample_and_score
 
         return triton_sample_and_score(logits, temperature, seed, gather, sample_every, alpha=alpha, mask=mask,
                                        draw=draw, dead=dead, mask_bits=mask_bits)
     if mask_bits is not None:
-        unpacked = unpack_bits(mask_bits, logits.shape[-1])
-        mask = unpacked if mask is None else mask & unpacked
+        mask = unpack_bits(mask_bits, logits.shape[-1])
     return sample_and_score_torch(logits, temperature, alpha=alpha, mask=mask, gather=gather,
                                   sample_every=sample_every, draw=draw)

@@ -1,5 +1,6 @@
 """Where a host point's time goes with the mask worker processes, on the GPU engine: a timeline of
-every draft step's and bonus's masks (``HostMasks.mask``) in real SMC-SD calls.
+every draft step's and bonus's masks (``HostMasks._post``: the round's graph waits on the device for
+each) in real SMC-SD calls.
 
 The real SmolLM2 pair (``--smollm2-gguf``) or the random 8B/1B shapes, one of structured_engine.py's
 schemas on llguidance's path, N = 8, K = 8, up to 256 new tokens, ``--requests`` requests, the
@@ -8,9 +9,9 @@ engine's default mask workers. The script times, in the engine's process, each h
 - ``column``: waiting for the draft column the host point needs (the device samples it);
 - ``post``: this process's work before the step record is posted (the items, the shared columns);
 - ``workers``: from the record posted to the last process done;
-- ``upload``: the masks' upload queued;
-- ``between``: from one host point's end to the next's start (the round's graph parts launched and
-  this process's code around them; after the bonus: the round's end, resampling, the next round's start),
+- ``upload``: from the workers done to the point counted (the device then copies the masks up);
+- ``between``: from one host point's end to the next's start (after the bonus: the round's end,
+  resampling, the next round's start and launch),
 
 and in each worker process (patched before they are forked) the record's start after it was posted
 (``wake``), the tokens consumed (``consume``), the slowest worker's fill (``fill``) and, with
@@ -69,10 +70,10 @@ BOARD = np.frombuffer(_board, dtype=np.float64).reshape(16, SLOTS, FIELDS)
 
 
 def patch(row_times: bool) -> list:
-    """Time HostMasks.mask's parts here and each worker's step there (with ``row_times``, each row's
+    """Time each host point's parts here (``HostMasks._post``) and each worker's step there (with ``row_times``, each row's
     fill too); returns the host-point list."""
     points: list = []
-    mask, step_wait, post = host_masks.HostMasks.mask, mask_workers.MaskWorkers.step_wait, mask_workers.MaskWorkers.step
+    point, step_wait, post = host_masks.HostMasks._post, mask_workers.MaskWorkers.step_wait, mask_workers.MaskWorkers.step
     marks: dict = {}
 
     def timed_post(self, *a, **k):
@@ -86,7 +87,7 @@ def patch(row_times: bool) -> list:
         if "posted" in marks:  # (the wait for the record this host point posted)
             marks.setdefault("done", time.perf_counter())
 
-    def timed_mask(self, i, out):
+    def timed_point(self, i):
         marks.clear()
         t0 = time.perf_counter()
         column = host_masks.HostMasks._column
@@ -99,12 +100,12 @@ def patch(row_times: bool) -> list:
 
         host_masks.HostMasks._column = col
         try:
-            mask(self, i, out)
+            point(self, i)
         finally:
             host_masks.HostMasks._column = column
-        points.append({"i": i, "start": t0, "column": got[-1] if got else t0, "end": time.perf_counter(), **marks})
+        points.append({"i": i, "start": t0, "column": got[0] if got else t0, "end": time.perf_counter(), **marks})
 
-    host_masks.HostMasks.mask = timed_mask
+    host_masks.HostMasks._post = timed_point
     mask_workers.MaskWorkers.step = timed_post
     mask_workers.MaskWorkers.step_wait = timed_wait
 

@@ -148,9 +148,10 @@ def test_grammar_constraint_on_host_masks_and_device_automaton(device, path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("path", ["regex", "llguidance"])
-def test_host_mask_round_as_graph_parts_draws_what_the_eager_round_draws(path):
-    """With host masks the proposal runs as CUDA graphs of its parts, the host writing each step's
-    masks in between: for the same seed it draws the tokens and weights of the eager round."""
+def test_host_mask_round_as_one_waiting_graph_draws_what_the_eager_round_draws(path):
+    """With host masks the proposal is one CUDA graph, launched whole, that waits on the device at
+    each host point for the host's masks: for the same seed it draws the tokens and weights of the
+    eager round (where the host uploads each step's masks as the proposal reaches it)."""
     pytest.importorskip("llguidance")
     engine, model = _setup("cuda")
     c = sd.Regex(PATTERNS[0]) if path == "regex" else sd.Grammar('start: ("a" | "b")+ "a"', path="llguidance")
@@ -161,6 +162,36 @@ def test_host_mask_round_as_graph_parts_draws_what_the_eager_round_draws(path):
     assert torch.equal(graphs.tokens.cpu(), eager.tokens.cpu())
     torch.testing.assert_close(graphs.log_weights.cpu(), eager.log_weights.cpu(), rtol=0, atol=1e-9)
     _check_constraint(graphs, PATTERNS[0] if path == "regex" else r"[ab]+a", model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_error_between_host_points_releases_the_waiting_graph(monkeypatch):
+    """An error while the host computes a point's masks (the graph launched whole, waiting on the
+    device) comes out of the call without leaving the device waiting, and the next call draws what
+    a call on a fresh start draws."""
+    pytest.importorskip("llguidance")
+    from smcdecode.backends.engine import host_masks
+
+    engine, model = _setup("cuda")
+    prog = EngineTarget.of(sd.LM(model) * sd.Grammar('start: ("a" | "b")+ "a"', path="llguidance"))
+    kw = dict(particles=4, block_size=2, max_new_tokens=4, eos_token_id=EOS, target=prog, seed=9, use_graphs=True)
+    before = engine.smc_sd([PROMPT] * 8, **kw)
+    fill, calls = host_masks.HostMasks._fill, [0]
+
+    def failing(self, i, turn):
+        calls[0] += 1
+        if calls[0] == 4:
+            raise RuntimeError("a host point failed")
+        return fill(self, i, turn)
+
+    monkeypatch.setattr(host_masks.HostMasks, "_fill", failing)
+    with pytest.raises(RuntimeError, match="a host point failed"):
+        engine.smc_sd([PROMPT] * 8, **kw)
+    monkeypatch.setattr(host_masks.HostMasks, "_fill", fill)
+    after = engine.smc_sd([PROMPT] * 8, **kw)
+    assert torch.equal(before.tokens.cpu(), after.tokens.cpu())
+    torch.testing.assert_close(before.log_weights.cpu(), after.log_weights.cpu(), rtol=0, atol=1e-9)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -574,3 +574,40 @@ def test_triton_sampler_equals_the_torch_function_draw_for_draw(R):
             packed = triton_sample_and_score(logits, temperature, torch.tensor(3, device="cuda"), gather, bits=bits, **kw)
             for a_, b_ in zip(packed, fused):
                 assert torch.equal(a_.nan_to_num(), b_.nan_to_num())
+
+
+def test_wait_for_host_holds_the_stream_until_the_host_counts_and_gives_up_on_time():
+    """The device waits for the host's count (pinned memory) before the kernels after it, in a graph
+    replayed twice; a wait nobody answers gives up after its limit and says so in posted[1]."""
+    import time
+
+    from smcdecode.backends.engine.kernels.host import wait_for_host
+
+    posted = torch.zeros(2, dtype=torch.long, pin_memory=True)
+    seen = torch.zeros(1, dtype=torch.long, device="cuda")
+    x = torch.zeros(1, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    posted[0] = 2**62  # (the capture's warm-up passes)
+    wait_for_host(posted, seen)
+    torch.cuda.synchronize()
+    seen.zero_()
+    posted[0] = 0
+    with torch.cuda.graph(graph):
+        for _ in range(2):
+            wait_for_host(posted, seen)
+            x.add_(1)
+    for replay in range(2):
+        graph.replay()
+        for point in range(2):
+            time.sleep(0.05)
+            assert not torch.cuda.current_stream().query(), (replay, point)  # (still waiting)
+            posted[0] = 2 * replay + point + 1
+        torch.cuda.synchronize()
+        assert int(seen[0]) == 2 * replay + 2 and float(x[0]) == 2 * replay + 2
+    assert int(posted[1]) == 0
+    t0 = time.perf_counter()
+    wait_for_host(posted, seen, give_up_s=0.2)  # (nobody posts a 5th point)
+    torch.cuda.synchronize()
+    assert 0.15 < time.perf_counter() - t0 < 10 and int(posted[1]) == 1 and int(seen[0]) == 5
+    with pytest.raises(ValueError, match="pinned"):
+        wait_for_host(torch.zeros(2, dtype=torch.long), seen)

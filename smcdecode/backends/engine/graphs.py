@@ -55,28 +55,3 @@ class GraphCache:
             fn()
         torch.cuda.set_rng_state(rng)
         return graph.replay
-
-    def capture_parts(self, steps, warm_up) -> list:
-        """The CUDA graphs of the parts of the generator function ``steps`` between its yields:
-        [(replay, the event it yielded after that part, or None for the last)]. Runs ``steps`` once
-        first, on a side stream, with ``warm_up(event)`` at each yield (as ``capture``: the caller
-        undoes its effects on its buffers; the random stream is left where it was). A tensor one part
-        writes and a later one reads lives in the first part's private pool, which no other
-        allocation uses while that graph lives, so its address holds for the replays."""
-        rng = torch.cuda.get_rng_state()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for event in steps():
-                warm_up(event)
-        torch.cuda.current_stream().wait_stream(stream)
-        parts, running, event = [], steps(), None
-        while True:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                event = next(running, None)
-            parts.append((graph.replay, event))
-            if event is None:
-                break
-        torch.cuda.set_rng_state(rng)
-        return parts

@@ -8,15 +8,18 @@ comes after those k drafts when the budget allows one. The round asks for the ma
 (i = K_max: the bonus) and the host answers for every request at once; rows it does not constrain
 (other requests, padding, drafts past a request's k) get every token.
 
-A step's masks travel packed: the constraints write their rows of one pinned int32 [rows, ⌈V/32⌉]
-bitmask (llguidance fills the particles of every request in one parallel call), the bitmask is
-uploaded without blocking into the round's ``host_bits`` buffer and unpacked there by the round (a
-bit a token instead of a byte: 8× fewer bytes). The round's parts between these host points are
-CUDA graphs (``smc.capture_round``).
+A step's masks travel packed: the constraints (or the mask workers) write their rows of one pinned
+int32 [rows, ⌈V/32⌉] bitmask, which reaches the round's ``host_bits`` buffer, where the sampler reads
+the bits (a bit a token instead of a byte: 8× fewer bytes).
 Host and device overlap: the round hands each draft column over as soon as it is sampled
 (``hand_over``, inside the round's graph: a copy into a pinned buffer and an event), so the host
 waits for that sample only and computes the next step's masks while the device runs the draft's
-next forward (or, for the bonus, the target's pass).
+next forward (or, for the bonus, the target's pass). With CUDA graphs the proposal is one graph,
+launched whole before the host's first point (``waits``): at each host point the device waits for
+the host's count of points in pinned memory (kernels/host.py), then copies the bitmask up; the
+host computes the points in order (``serve``) and raises the count after each. So the device
+starts a step as soon as its masks are written, with no launch between. Eager (no graphs), the
+proposal yields at each host point and the host uploads that step's masks (``mask``).
 
 Checked requests (a JSONSchema on the superset path, a request of several particles): the round
 masks their proposal with the superset's automaton on the device and has no host point for them;
@@ -28,6 +31,8 @@ documents, a request takes llguidance's masks (so it is not left without a sampl
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import torch
@@ -71,12 +76,27 @@ class HostMasks:
         self.k_max = 0  # the round's K_max: mask(k_max) asks for the bonus masks
         self._columns: dict[int, tuple[Tensor, object]] = {}  # step j -> (drafts[:rows, j] on the CPU, event)
         self._pinned = torch.empty(0, 0, dtype=torch.long)  # on a GPU: the pinned host buffer of the drafted columns
-        # the packed masks of a step on the host, two buffers in turn (pinned on a GPU: uploaded without blocking)
-        self._bits = [torch.empty(0, self.W, dtype=torch.int32) for _ in range(2)]
+        # the packed masks of a step on the host, two buffers in turn (pinned on a GPU: uploaded without
+        # blocking), at fixed addresses in a shared mapping where the mask workers write them too
+        if rows:
+            self._mem, _ = shared_buffer(2 * rows * self.W * 4, self.pinned)
+            whole = torch.frombuffer(self._mem, dtype=torch.int32)
+            self._bits = [whole[t * rows * self.W: (t + 1) * rows * self.W].view(rows, self.W) for t in (0, 1)]
+        else:
+            self._mem, self._bits = None, [torch.empty(0, self.W, dtype=torch.int32) for _ in range(2)]
         self._turn = 0
         # each buffer's upload (an event, recorded after its copy; made once: a new event costs more than the copy)
         self._upload_events = [torch.cuda.Event(), torch.cuda.Event()] if self.pinned else None
         self._uploaded = [False, False]  # has each buffer's event been recorded?
+        # ``waits``: the round is one CUDA graph launched whole, which waits at each host point for the
+        # host's count of points in ``_posted`` (pinned; kernels/host.py) and then uploads buffer 0
+        # (``await_masks``); the host computes each point's masks into buffer 0 and counts it (``serve``)
+        self.waits = False
+        if self.pinned:
+            self._posted = torch.zeros(2, dtype=torch.long, pin_memory=True)  # [points posted, gave up]
+            self._posted_np = self._posted.numpy()  # (written as plain stores, in order after the masks)
+            self._seen = torch.zeros(1, dtype=torch.long, device=self.device)  # points the device passed
+            self._count = 0
 
     def __bool__(self) -> bool:
         return bool(self.requests)
@@ -102,8 +122,7 @@ class HostMasks:
         if self._pool is None:
             c = masks.constraints[0]
             self._pool = MaskWorkers(self.workers, self._handed.shape[1], self.W, c._base_tok,
-                                     token_texts(c.model, c._base_tok), self.pinned, self._shared)
-            self._bits = self._pool.bits
+                                     token_texts(c.model, c._base_tok), self._shared, self._mem)
         return self._pool if all(c._base_tok is self._pool.tok for c in masks.constraints) else None
 
     def remove(self, slot: int) -> None:
@@ -128,7 +147,7 @@ class HostMasks:
     def _drop_pool(self) -> None:
         if self._pool is not None:
             self._pool.close()
-            self._pool, self._bits = None, [torch.empty(0, self.W, dtype=torch.int32) for _ in range(2)]
+            self._pool = None
 
     def begin(self, rows: int, k_max: int, drafts: Tensor, handed: bool = False) -> None:
         """A round over ``rows`` rows with ``k_max`` draft steps: its drafts buffer, and whether it hands
@@ -136,6 +155,9 @@ class HostMasks:
         if (handed or self._pool is not None) and (k_max >= self._handed.shape[0] or rows > self._handed.shape[1]):
             raise SMCDecodeError(f"a round of {rows} rows and {k_max} draft steps hands over more than the "
                                  f"{self._handed.shape[1]} rows and {self._handed.shape[0] - 1} steps this HostMasks holds")
+        if self.waits and not handed:  # (reading the drafts buffer would queue behind the waiting round)
+            raise SMCDecodeError("a round that waits for the host's masks on the device must hand its draft "
+                                 "columns over (begin(..., handed=True))")
         self.rows, self.k_max, self.drafts, self.handed = rows, k_max, drafts, handed
         if self._pool is not None and self._pool.closed:  # (stopped for another round shape's workers)
             if any(m.remote for m in self.requests.values()):
@@ -194,6 +216,79 @@ class HostMasks:
     def mask(self, i: int, out: Tensor) -> None:
         """Write the packed masks of draft step i (i = K_max: the bonus) into ``out`` (int32 [rows, ⌈V/32⌉]
         on the device; every token allowed on the rows no request constrains), without blocking."""
+        # this step's host buffer (two in turn: the other one may still be uploading)
+        self._turn ^= 1
+        if self._uploaded[self._turn]:
+            self._upload_events[self._turn].synchronize()
+        bits = self._fill(i, self._turn)
+        if bits is None:
+            out.fill_(-1)
+            return
+        out.copy_(bits, non_blocking=True)
+        if self.pinned:
+            self._upload_events[self._turn].record()
+            self._uploaded[self._turn] = True
+
+    def await_masks(self, out: Tensor) -> None:
+        """The round's code at a host point when the round ``waits`` (captured into its graph): wait for
+        the host's next point, then upload host buffer 0 into ``out`` (int32 [rows, ⌈V/32⌉])."""
+        from .kernels.host import wait_for_host  # (the kernels need triton: on a GPU only)
+
+        wait_for_host(self._posted, self._seen)
+        out.copy_(self._bits[0][: out.shape[0]], non_blocking=True)
+
+    def serve(self) -> None:
+        """The host points of a round that ``waits``, launched whole: for each draft step and the
+        bonus, its masks written into host buffer 0 and the point counted (the device waits for the
+        count). Anything raised on the way releases the device first (``release``)."""
+        try:
+            for i in range(self.k_max + 1):
+                self._post(i)
+        except BaseException:
+            self.release()
+            raise
+        if self._posted_np[1]:  # (a point came later than the device waits: it went on without it)
+            self.release()
+            raise SMCDecodeError("the device gave up waiting for the host's masks at a host point (kernels/host.py's "
+                                 "GIVE_UP_S): this round's tokens are not valid")
+
+    def _post(self, i: int) -> None:
+        """Host point i of a round that ``waits``: its masks in host buffer 0, then the count raised."""
+        if i:  # (the device has copied point i − 1's masks up once it hands draft column i − 1 over)
+            self._column(i - 1)
+        if self._fill(i, 0) is None:
+            self._bits[0][: self.rows].numpy().fill(-1)
+        self._count += 1
+        self._posted_np[0] = self._count
+
+    @contextlib.contextmanager
+    def open_gate(self):
+        """Every wait of the device passes while inside, on masks that allow every token (a round's
+        graph capture runs its code once); the counts start from 0 after it."""
+        torch.cuda.synchronize(self.device)  # (no round still reads the masks' buffer)
+        self._posted_np[0] = 2**62
+        self._bits[0].numpy().fill(-1)
+        try:
+            yield
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Let the device past every wait it is in or has queued, wait for it, and start the counts
+        again from 0 (after an error between host points: the round's outputs are not used)."""
+        if not self.pinned:
+            return
+        self._posted_np[0] = 2**62
+        torch.cuda.synchronize(self.device)
+        self._seen.zero_()
+        torch.cuda.synchronize(self.device)
+        self._posted_np[:] = 0
+        self._count = 0
+
+    def _fill(self, i: int, turn: int) -> Tensor | None:
+        """The packed masks of draft step i (i = K_max: the bonus) written into host buffer ``turn``
+        (its first ``rows`` rows, returned; every token allowed on the rows no request constrains), or
+        None where no request's masks count at this step."""
         counted = []
         for slot, m in self.requests.items():
             # (checked requests take no masks; past a request's block its bonus comes at i = K_max)
@@ -203,40 +298,19 @@ class HostMasks:
             if m.counts(step):
                 counted.append((m, step, self._rows(slot, m.n)))
         if not counted:
-            out.fill_(-1)
-            return
-        # this step's host buffer (two in turn: the other one may still be uploading)
-        self._turn ^= 1
-        if self._uploaded[self._turn]:
-            self._upload_events[self._turn].synchronize()
-        bits = self._bits[self._turn][: self.rows]
+            return None
+        bits = self._bits[turn][: self.rows]
         if sum(m.n for m, _, _ in counted) < self.rows:  # (rows no request constrains: every token)
             bits.numpy().fill(-1)  # (numpy's: one thread, where torch's fill would wake its pool)
         remote = [t for t in counted if t[0].remote]
         if remote:  # (the workers fill their rows while this process fills its own)
-            self._pool.step(self._turn, 0, self._items(remote, fill=True))
+            self._pool.step(turn, 0, self._items(remote, fill=True))
         local = [t for t in counted if not t[0].remote]
         self._catch_up(local)
         fill_requests([(m, r) for m, _, r in local], bits, self.rows)
         if remote:
             self._pool.step_wait()
-        out.copy_(bits, non_blocking=True)
-        if self.pinned:
-            self._upload_events[self._turn].record()
-            self._uploaded[self._turn] = True
-
-    def handle(self, event: tuple[str, int], buffers: dict, warm_up: bool = False) -> None:
-        """A host point of the round's proposal (``smc.round_code``): ("mask", i) writes draft step
-        i's masks into ``buffers["host_bits"]``; ("drafted", i) starts the copy of draft column i to
-        the host. ``warm_up``: a graph capture's first run (every token allowed, nothing copied)."""
-        kind, i = event
-        if kind == "mask":
-            if warm_up:
-                buffers["host_bits"].fill_(-1)
-            else:
-                self.mask(i, buffers["host_bits"])
-        elif not warm_up:
-            self.drafted(i, buffers["drafts"][:, i])
+        return bits
 
     def _catch_up(self, todo: list) -> None:
         """Bring each request of ``todo`` ((RequestMasks, step i, its rows)) to draft step i: the drafted

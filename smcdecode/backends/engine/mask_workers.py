@@ -137,8 +137,9 @@ def check_workers(value) -> int | None:
 
 class MaskWorkers:
     """``processes`` forked processes that hold requests' llguidance states (see the module docstring),
-    the two shared step buffers ``bits`` (int32 [rows, words] each), and ``columns``: a shared mapping
-    (``shared_buffer``) of int64 [K + 1, rows], where the round's drafted columns and bonus are.
+    the two step buffers ``bits`` (int32 [rows, words] each, over the shared mapping ``bits`` its owner
+    gives: ``shared_buffer``), and ``columns``: a shared mapping of int64 [K + 1, rows], where the
+    round's drafted columns and bonus are.
 
     Batches travel through shared memory: each process has a mailbox (a control line and a byte area)
     where this process writes a pickled batch of operations and raises POSTED; step records have one
@@ -150,7 +151,7 @@ class MaskWorkers:
     batches before it, which run first, and a batch goes to a process only once the process finished
     the record before it."""
 
-    def __init__(self, processes: int, rows: int, words: int, tok, texts: list, pin: bool, columns: mmap.mmap):
+    def __init__(self, processes: int, rows: int, words: int, tok, texts: list, columns: mmap.mmap, bits: mmap.mmap):
         if processes < 1 or rows < 1:
             raise SMCDecodeError(f"mask workers need at least one process and one row, got {processes} and {rows}")
         why = _supported()
@@ -161,14 +162,17 @@ class MaskWorkers:
         for other in idle[: max(0, len(live) - MAX_LIVE + 1)]:  # (other round shapes' idle workers)
             other.close()
         self.tok, self.rows, self.words = tok, rows, words
-        self._mem, unpin = shared_buffer(2 * rows * words * 4, pin)
+        if len(bits) < 2 * rows * words * 4:
+            raise SMCDecodeError(f"the step buffers' mapping holds {len(bits)} bytes, less than two of {rows} rows "
+                                 f"of {words} words")
+        self._mem = bits  # (its owner pinned it, if at all, and unpins it)
         whole = torch.frombuffer(self._mem, dtype=torch.int32)
         self.bits = [whole[t * rows * words: (t + 1) * rows * words].view(rows, words) for t in (0, 1)]
         self._box = mmap.mmap(-1, area_start(processes, rows) + processes * (IN_CAP + OUT_CAP))
         self._ctrl, self._bell, self._record = views(self._box, processes, rows)
         ctx = multiprocessing.get_context("fork")
         self._conns, self._procs = [], []
-        self._finalizer = weakref.finalize(self, _close, self._ctrl, self._bell, self._conns, self._procs, unpin)
+        self._finalizer = weakref.finalize(self, _close, self._ctrl, self._bell, self._conns, self._procs)
         try:
             for w in range(processes):
                 here, there = ctx.Pipe()
@@ -410,7 +414,7 @@ class MaskWorkers:
 
 
 
-def _close(ctrl, bell, conns, procs, unpin) -> None:
+def _close(ctrl, bell, conns, procs) -> None:
     for w, p in enumerate(procs):
         if p.is_alive():  # (a stop message: POSTED set to -1)
             ctrl[w, POSTED] = -1
@@ -422,5 +426,3 @@ def _close(ctrl, bell, conns, procs, unpin) -> None:
             p.terminate()
     for c in conns:
         c.close()
-    if unpin is not None:
-        unpin()

@@ -32,10 +32,12 @@ re-feeds [last, bonus] at positions T−1, T.
 
 Steps 1–4 and 6 are device tensor code. Without rewards or host-mask constraints they are captured
 as one CUDA graph; with rewards as two (1–4, and 6), the host scores texts in between. Constraints
-whose masks come from the host (host_masks.py) cut steps 1–3 into parts at the points where the host
-works: before each draft step and the bonus (it writes that step's packed masks into ``host_bits``).
-Each part is captured as its own CUDA graph, and a draft step's part copies its drafted tokens to the
-host (``HostMasks.hand_over``), so the next step's masks are computed while the draft's forward runs.
+whose masks come from the host (host_masks.py) have host points in steps 1–3: before each draft step
+and the bonus, where the host's packed masks of that step reach ``host_bits``. The proposal is still
+one graph, launched whole: at each host point the device waits for the host's count of points
+(kernels/host.py) and uploads the masks the host wrote, and each draft step copies its drafted
+tokens to the host (``HostMasks.hand_over``), so the host computes the next step's masks while the
+draft's next forward runs, and the device starts the step as soon as they are written.
 """
 
 from __future__ import annotations
@@ -162,7 +164,8 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
                drafts: bool = True, exact_only: bool = False):
     """(propose, finish) over the static buffers ``b``. ``propose()`` is a generator: with ``host``
     (a ``host_masks.HostMasks``: host-mask constraints) it yields ``("mask", i)`` where the host must
-    write the packed masks of draft step i (i = K_max: the bonus) into ``b["host_bits"]``, and hands
+    write the packed masks of draft step i (i = K_max: the bonus) into ``b["host_bits"]`` (or, where
+    ``host.waits``, waits there on the device for the host's masks: ``host_point``), and hands
     each draft column over to the host as soon as it is sampled (``HostMasks.hand_over``: a copy and
     an event, inside the round's graph); without, it yields nothing. ``drafts`` False leaves the draft model out (a
     loop that never drafts: autoregressive sampling); ``exact_only``: every row is one of exact
@@ -199,6 +202,16 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
             m, dead = (hm if m is None else m & hm), None
         return {} if m is None else {"mask": m, "dead": dead}
 
+    def host_point(i: int):
+        """The host's masks of draft step i (i = K_max: the bonus) into ``host_bits``: yielded for the
+        host to write, or, in a round that ``waits``, waited for on the device (``HostMasks.await_masks``)."""
+        if not hosted:
+            return
+        if host.waits:
+            host.await_masks(b["host_bits"])
+        else:
+            yield "mask", i
+
     def propose():
         seeds = torch.randint(0, 2**62, (Kmax + 2,), device=T.device)
         remaining = b["budget"] - n_gen
@@ -211,8 +224,7 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
             batch = PagedBatch.build((T - 1)[:, None] + pair, b["pt"], PS)
             logits = draft(b["pending"], engine.kv_d, batch, last_only=True)[:, 0]  # [B, V]
         for i in range(Kmax):
-            if hosted:
-                yield "mask", i
+            yield from host_point(i)
             m = masks(states)
             d, log_q[:, i], log_mass, _ = sample_and_score(logits, b["T_draft"], seeds[i], triton=fused, **m)
             drafts[:, i] = d
@@ -241,8 +253,7 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
             log_p = sample_and_score(logits_t.view(B * (Kmax + 1), V), b["T_target"][:, None].expand(B, Kmax + 1).reshape(-1),
                                      seeds[Kmax], gather, draw=False, triton=fused).gathered.view(B, Kmax + 1)[:, :Kmax]
         # 3. the bonus after the row's K drafts, from π_loc ∝ p^α·1[valid], and its normaliser
-        if hosted:
-            yield "mask", Kmax
+        yield from host_point(Kmax)
         bonus, _, log_norm, _ = sample_and_score(logits_t[rows, K_row], b["T_target"], seeds[Kmax + 1],
                                                  alpha=alpha, triton=fused, **masks(kept))
         b["bonus"].copy_(bonus)
@@ -389,27 +400,27 @@ def drive(steps, handle=None) -> None:
 
 def capture_round(engine, rnd: Round, graphs: bool, split: bool, host=None) -> None:
     """Eager closures, or their CUDA graphs: one for the whole round, two when the host scores
-    rewards between the proposal and the resampling; with ``host`` (a ``host_masks.HostMasks``:
-    ``host.handle(event, buffers)`` at each host point of the proposal) the proposal's parts, one
-    graph each, replayed with the host's work in between."""
+    rewards between the proposal and the resampling. With ``host`` (a ``host_masks.HostMasks``) the
+    proposal is one graph that waits on the device at each host point, launched whole before the
+    host computes the points' masks (``HostMasks.serve``); eager, the host writes each point's masks
+    as the proposal yields it (``HostMasks.handle``)."""
     propose, finish = rnd.propose_code, rnd.finish_code
     b = rnd.buffers
     # the whole proposal in one call (exact.py's rounds are plain functions: no host points)
     run = (lambda: drive(propose())) if inspect.isgeneratorfunction(propose) else propose
     if host is not None:
-        handle = lambda event: host.handle(event, b)  # noqa: E731
-        if graphs:
-            parts = engine.graphs.capture_parts(propose, lambda event: host.handle(event, b, warm_up=True))
+        if graphs:  # (the proposal launched whole; its device waits at each host point for the host's count)
+            host.waits = True
+            with host.open_gate():  # (the capture's first run passes every wait)
+                graph = engine.graphs.capture(run, True)
 
             def replay() -> None:
-                for part, event in parts:
-                    part()
-                    if event is not None:
-                        handle(event)
+                graph()
+                host.serve()
 
             rnd.propose = replay
         else:
-            rnd.propose = lambda: drive(propose(), handle)
+            rnd.propose = lambda: drive(propose(), lambda event: host.mask(event[1], b["host_bits"]))
         rnd.finish = engine.graphs.capture(finish, graphs)
     elif not graphs:
         rnd.propose, rnd.finish = run, finish

@@ -129,6 +129,45 @@ def test_placement_of_requests_added_together(model):
         host.close()
 
 
+@pytest.mark.slow
+def test_settle_waits_until_the_workers_hold_the_requests_added(model):
+    """``settle`` (before a round whose device waits for the host's masks) sends the requests added
+    and returns once the processes built them: nothing queued, no answer owed, each held."""
+    c = JSONSchema(OPEN, path="llguidance").bind(model)
+    host = HostMasks(4, model.vocab_size, "cpu", rows=8, k_max=2, workers=2)
+    host.add(0, RequestMasks([c], 4, block_size=2, budget=100))  # (starts the workers)
+    pool = host._pool
+    try:
+        pool.add(1, [c], 4, 4)
+        pool.settle()
+        assert set(pool.where) == {0, 1} and not any(pool._queued) and not any(pool._owed)
+        assert pool.accepting([0, 1]) == {0: [False] * 4, 1: [False] * 4}
+        pool.settle()  # (nothing added since: nothing sent)
+        assert not any(pool._owed)
+    finally:
+        host.close()
+
+
+def test_a_buffer_freed_while_a_round_is_served_is_unpinned_after():
+    """A pinned buffer freed while a round waits on the device for the host's masks is not unpinned
+    then (that waits for the device, which waits for this host), but once the round is served."""
+    from smcdecode.backends.engine import mask_workers
+
+    unpinned = []
+    real = torch.cuda.synchronize
+    try:
+        torch.cuda.synchronize = lambda *a: unpinned.append("synchronized")
+        mask_workers._SERVING[0] += 1
+        mask_workers._unpin(1234)
+        assert mask_workers._DEFERRED == [1234] and not unpinned
+        mask_workers._SERVING[0] -= 1
+        mask_workers.unpin_deferred()
+        assert not mask_workers._DEFERRED and unpinned == ["synchronized"]
+    finally:
+        torch.cuda.synchronize = real
+        mask_workers._DEFERRED.clear()
+
+
 def _first_step(host, c, slot=0):
     """Request ``slot`` (2 rows of ``c``) added, a round begun and its first masks: (masks, the rows
     that do not accept)."""

@@ -18,8 +18,11 @@ next forward (or, for the bonus, the target's pass). With CUDA graphs the propos
 launched whole before the host's first point (``waits``): at each host point the device waits for
 the host's count of points in pinned memory (kernels/host.py), then copies the bitmask up; the
 host computes the points in order (``serve``) and raises the count after each. So the device
-starts a step as soon as its masks are written, with no launch between. Eager (no graphs), the
-proposal yields at each host point and the host uploads that step's masks (``mask``).
+starts a step as soon as its masks are written, with no launch between. So nothing the host does
+between the launch and its last point may wait for the device (the host constraints compute on the
+CPU; a pinned buffer freed then is unpinned after: ``mask_workers._unpin``); an error there lets the
+device past its waits before it propagates (``release``). Eager (no graphs), the proposal yields at
+each host point and the host uploads that step's masks (``mask``).
 
 Checked requests (a JSONSchema on the superset path, a request of several particles): the round
 masks their proposal with the superset's automaton on the device and has no host point for them;
@@ -33,6 +36,7 @@ documents, a request takes llguidance's masks (so it is not left without a sampl
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import numpy as np
 import torch
@@ -41,7 +45,7 @@ from torch import Tensor
 from ...errors import SMCDecodeError
 from ...potentials.grammar import LLGuidanceConstraint
 from ...potentials.token_bytes import token_texts
-from .mask_workers import MaskWorkers, shared_buffer
+from .mask_workers import _SERVING, MaskWorkers, shared_buffer, unpin_deferred
 from .request_masks import RequestMasks, advance_requests, fill_requests
 
 __all__ = ["HostMasks", "RequestMasks"]
@@ -97,6 +101,8 @@ class HostMasks:
             self._posted_np = self._posted.numpy()  # (written as plain stores, in order after the masks)
             self._seen = torch.zeros(1, dtype=torch.long, device=self.device)  # points the device passed
             self._count = 0
+            self._fence = threading.Lock()
+            self._releasing = False
 
     def __bool__(self) -> bool:
         return bool(self.requests)
@@ -155,9 +161,13 @@ class HostMasks:
         if (handed or self._pool is not None) and (k_max >= self._handed.shape[0] or rows > self._handed.shape[1]):
             raise SMCDecodeError(f"a round of {rows} rows and {k_max} draft steps hands over more than the "
                                  f"{self._handed.shape[1]} rows and {self._handed.shape[0] - 1} steps this HostMasks holds")
-        if self.waits and not handed:  # (reading the drafts buffer would queue behind the waiting round)
-            raise SMCDecodeError("a round that waits for the host's masks on the device must hand its draft "
-                                 "columns over (begin(..., handed=True))")
+        if self.waits:
+            if not handed:  # (reading the drafts buffer would queue behind the waiting round)
+                raise SMCDecodeError("a round that waits for the host's masks on the device must hand its draft "
+                                     "columns over (begin(..., handed=True))")
+            if self._releasing:
+                self.release()
+            self._gave_up()
         self.rows, self.k_max, self.drafts, self.handed = rows, k_max, drafts, handed
         if self._pool is not None and self._pool.closed:  # (stopped for another round shape's workers)
             if any(m.remote for m in self.requests.values()):
@@ -165,6 +175,8 @@ class HostMasks:
             self._drop_pool()
         if self._pool is not None:  # (the last round's end record read its columns: they are rewritten now)
             self._pool.step_wait()
+            if self.waits:  # (requests added: compiled in the workers now, not while the device waits)
+                self._pool.settle()
         if self._pool is not None and rows > self._pool.rows:
             raise SMCDecodeError(f"a round of {rows} rows on mask workers sized for {self._pool.rows} rows")
         if self._bits[0].shape[0] < rows:
@@ -234,23 +246,33 @@ class HostMasks:
         the host's next point, then upload host buffer 0 into ``out`` (int32 [rows, ⌈V/32⌉])."""
         from .kernels.host import wait_for_host  # (the kernels need triton: on a GPU only)
 
+        if self._mem is None:  # (a buffer that ``begin`` may grow would leave the graph a stale address)
+            raise SMCDecodeError("a round that waits for the host's masks needs a HostMasks made with rows > 0")
         wait_for_host(self._posted, self._seen)
         out.copy_(self._bits[0][: out.shape[0]], non_blocking=True)
 
     def serve(self) -> None:
         """The host points of a round that ``waits``, launched whole: for each draft step and the
         bonus, its masks written into host buffer 0 and the point counted (the device waits for the
-        count). Anything raised on the way releases the device first (``release``)."""
+        count). The caller releases the device on anything raised (``release``). Point 0 writes the
+        buffer at once: the round before must be over on the device (the scheduler reads each
+        round with host masks before it launches the next)."""
+        _SERVING[0] += 1  # (a pinned buffer freed meanwhile is unpinned after: ``mask_workers._unpin``)
         try:
             for i in range(self.k_max + 1):
                 self._post(i)
-        except BaseException:
-            self.release()
-            raise
-        if self._posted_np[1]:  # (a point came later than the device waits: it went on without it)
+        finally:
+            _SERVING[0] -= 1
+        self._gave_up()
+        if not _SERVING[0]:
+            unpin_deferred()
+
+    def _gave_up(self) -> None:
+        """Raise if a wait of the device gave up (a point came later than it waits: it went on without it)."""
+        if self._posted_np[1]:
             self.release()
             raise SMCDecodeError("the device gave up waiting for the host's masks at a host point (kernels/host.py's "
-                                 "GIVE_UP_S): this round's tokens are not valid")
+                                 "GIVE_UP_S): that round's tokens are not valid")
 
     def _post(self, i: int) -> None:
         """Host point i of a round that ``waits``: its masks in host buffer 0, then the count raised."""
@@ -259,6 +281,8 @@ class HostMasks:
         if self._fill(i, 0) is None:
             self._bits[0][: self.rows].numpy().fill(-1)
         self._count += 1
+        with self._fence:  # (a lock's release orders the masks' stores before the count's, on any CPU)
+            pass
         self._posted_np[0] = self._count
 
     @contextlib.contextmanager
@@ -266,6 +290,8 @@ class HostMasks:
         """Every wait of the device passes while inside, on masks that allow every token (a round's
         graph capture runs its code once); the counts start from 0 after it."""
         torch.cuda.synchronize(self.device)  # (no round still reads the masks' buffer)
+        if self._pool is not None:  # (the capture's first run rewrites the columns the workers read)
+            self._pool.step_wait()
         self._posted_np[0] = 2**62
         self._bits[0].numpy().fill(-1)
         try:
@@ -278,12 +304,14 @@ class HostMasks:
         again from 0 (after an error between host points: the round's outputs are not used)."""
         if not self.pinned:
             return
+        self._releasing = True  # (until it is through: ``begin`` finishes a release an interrupt cut short)
         self._posted_np[0] = 2**62
         torch.cuda.synchronize(self.device)
         self._seen.zero_()
         torch.cuda.synchronize(self.device)
         self._posted_np[:] = 0
         self._count = 0
+        self._releasing = False
 
     def _fill(self, i: int, turn: int) -> Tensor | None:
         """The packed masks of draft step i (i = K_max: the bonus) written into host buffer ``turn``

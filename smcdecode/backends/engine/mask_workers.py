@@ -93,15 +93,30 @@ def shared_buffer(nbytes: int, pin: bool) -> tuple[mmap.mmap, weakref.finalize |
     address = torch.frombuffer(mem, dtype=torch.uint8).data_ptr()
     err = torch.cuda.cudart().cudaHostRegister(address, len(mem), 0)
     if int(err) != 0:
-        raise SMCDecodeError(f"CUDA refused to pin the mask workers' shared buffers (error {int(err)}): "
-                             "pass host_workers=0")
+        raise SMCDecodeError(f"CUDA refused to pin {len(mem)} bytes of host memory for the host masks' buffers "
+                             f"(error {int(err)}): the engine's host-mask constraints need it on a GPU")
     return mem, weakref.finalize(mem, _unpin, address)
 
 
+# (a round waiting on the device for the host's masks is being served: ``HostMasks.serve``; a buffer
+# freed meanwhile waits to be unpinned, since waiting for the device then would wait for this host)
+_SERVING = [0]
+_DEFERRED: list = []
+
+
 def _unpin(address: int) -> None:
+    if _SERVING[0]:
+        _DEFERRED.append(address)
+        return
     with contextlib.suppress(Exception):  # (at interpreter exit CUDA may be gone already)
         torch.cuda.synchronize()  # (no copy to or from the buffer still in flight)
         torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def unpin_deferred() -> None:
+    """Unpin the buffers freed while a round was being served (``_SERVING``)."""
+    while _DEFERRED:
+        _unpin(_DEFERRED.pop())
 
 
 def _cores() -> int:
@@ -270,6 +285,16 @@ class MaskWorkers:
             self.step_wait()  # (a record still running goes before the reset)
         self._queued = [[("reset", None)] for _ in self._procs]
         with contextlib.suppress(SMCDecodeError):
+            self.wait(self.send())
+
+    def settle(self) -> None:
+        """Send the operations queued and wait until the processes given requests since have added
+        them (each compiles its grammar there): before a round whose device waits for the masks."""
+        self._place()
+        adding = [w for w, ops in enumerate(self._queued) if any(op[0] == "add" for op in ops)]
+        for w in adding:
+            self._queued[w].append(("report", None))
+        if adding:
             self.wait(self.send())
 
     def fork(self, slot: int, index: list) -> None:

@@ -25,9 +25,9 @@ host without waiting for that round (``_collect``).
 
 A scheduler runs a fixed set of target programs (``target=[...]``; a request names its own in
 ``Request.target``): their automata share one device table, α is per row, rewards are scored per
-program. Constraints whose masks come from the host (llguidance) cut the proposal into parts, the
-host computing masks between them; on the superset path the host checks the proposal's tokens
-before the resampling instead (host_masks.py). ``Engine.smc_sd`` is this loop with every request
+program. Constraints whose masks come from the host (llguidance) give the proposal host points,
+where the device waits for the host's masks of that step; on the superset path the host checks the
+proposal's tokens before the resampling instead (host_masks.py). ``Engine.smc_sd`` is this loop with every request
 submitted at once (``batch.run_batch``).
 """
 

@@ -195,7 +195,7 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
             m = mi if m is None else m & mi
         # (one automaton: a state's row allows some token or none, known without reducing the mask)
         dead = ~automata[0].live[states[0]] if len(automata) == 1 else None
-        if hosted:  # the host's masks of this step (written between the round's parts)
+        if hosted:  # the host's masks of this step (in ``host_bits`` at the host point before it)
             if m is None and fused:
                 return {"mask_bits": b["host_bits"]}
             hm = unpack_bits(b["host_bits"], V)
@@ -403,7 +403,7 @@ def capture_round(engine, rnd: Round, graphs: bool, split: bool, host=None) -> N
     rewards between the proposal and the resampling. With ``host`` (a ``host_masks.HostMasks``) the
     proposal is one graph that waits on the device at each host point, launched whole before the
     host computes the points' masks (``HostMasks.serve``); eager, the host writes each point's masks
-    as the proposal yields it (``HostMasks.handle``)."""
+    as the proposal yields it (``HostMasks.mask``)."""
     propose, finish = rnd.propose_code, rnd.finish_code
     b = rnd.buffers
     # the whole proposal in one call (exact.py's rounds are plain functions: no host points)
@@ -415,8 +415,12 @@ def capture_round(engine, rnd: Round, graphs: bool, split: bool, host=None) -> N
                 graph = engine.graphs.capture(run, True)
 
             def replay() -> None:
-                graph()
-                host.serve()
+                try:
+                    graph()
+                    host.serve()
+                except BaseException:  # (an error or an interrupt: the device let past its waits first)
+                    host.release()
+                    raise
 
             rnd.propose = replay
         else:

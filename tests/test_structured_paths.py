@@ -89,6 +89,30 @@ def test_unsupported_keywords_are_named(schema, keyword):
         assert auto.path == "llguidance" and repr(keyword) in auto.path_reason
 
 
+# a subschema with its own $id: "#/$defs/t" inside it means its own t (an integer), not the root's (a
+# string); "#additionalProperties" is an anchor, not the pointer /additionalProperties
+NESTED_ID = {"$defs": {"t": {"type": "string"}, "inner": {
+    "$id": "http://example.com/inner", "type": "object", "properties": {"v": {"$ref": "#/$defs/t"}},
+    "required": ["v"], "additionalProperties": False, "$defs": {"t": {"type": "integer"}}}},
+    "type": "object", "properties": {"o": {"$ref": "#/$defs/inner"}}, "required": ["o"], "additionalProperties": False}
+ANCHOR_REF = {"type": "object", "properties": {"x": {"$ref": "#additionalProperties"}}, "required": ["x"],
+              "additionalProperties": {"type": "string"},
+              "$defs": {"d": {"$anchor": "additionalProperties", "type": "integer"}}}
+
+
+@pytest.mark.parametrize("schema", [NESTED_ID, ANCHOR_REF], ids=["nested $id", "anchor"])
+def test_references_the_translations_do_not_follow_are_refused(schema):
+    """A $ref that resolves against a subschema's own $id, or names an anchor, is refused by the
+    automaton and the superset (which would read it against the root, or as a pointer, and drop the
+    documents llguidance takes): "auto" takes llguidance's masks and says why."""
+    with pytest.raises(sd.SMCDecodeError, match=re.escape("'$ref'") if schema is NESTED_ID else None):
+        JSONSchema(schema, path="automaton")  # (the anchor's object is refused by its open keys first)
+    with pytest.raises(sd.SMCDecodeError, match=re.escape("'$ref'")):
+        JSONSchema(schema, path="superset")
+    auto = JSONSchema(schema)
+    assert auto.path == "llguidance" and "'$ref'" in auto.path_reason
+
+
 def test_pattern_is_a_search_unless_anchored():
     loose = re.compile(schema_regex({"type": "string", "pattern": "[0-9]+"}))
     anchored = re.compile(schema_regex({"type": "string", "pattern": "^[0-9]+$"}))

@@ -42,7 +42,7 @@ import numpy as np
 from ..errors import SMCDecodeError
 from .automaton import TooSlow, _Vocabulary, _walk, build_limit, byte_dfa, minimal_bytes
 from .json_keys import _name
-from .schema_regex import ANNOTATIONS, UnsupportedSchema, schema_regexes
+from .schema_regex import ANNOTATIONS, UnsupportedSchema, nested_base_uri, schema_regexes
 from .string_formats import FORMATS, SUBSET_FORMATS
 
 __all__ = ["StringMasks", "automaton_strings"]
@@ -100,10 +100,9 @@ def _subschemas(schema):
 def automaton_strings(schema) -> bool:
     """Does ``schema`` hold any string value a string automaton could take (``_automaton_schema``)?
     Not where a subschema sets its own base URI (``$id``, ``id``): its ``$ref``s resolve there."""
-    subs = list(_subschemas(schema))
-    if any(isinstance(s.get(k), str) for s in subs[1:] for k in ("$id", "id")):
+    if nested_base_uri(schema):
         return False
-    return any(map(_automaton_schema, subs))
+    return any(map(_automaton_schema, _subschemas(schema)))
 
 
 class _Row:

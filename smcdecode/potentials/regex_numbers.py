@@ -1,4 +1,5 @@
-"""Decimal numbers in a range as regular expressions (``schema_regex``'s bounded integers and numbers)."""
+"""Decimal numbers in a range as regular expressions (``schema_regex``'s bounded integers and numbers),
+and the small regex helpers ``schema_regex`` shares: a repetition count, a parsed pattern's opcodes."""
 
 from __future__ import annotations
 
@@ -61,3 +62,24 @@ def _magnitude(lo: int, lo_open: bool, hi: int | None, hi_open: bool) -> str:
     if hi is not None and not hi_open:
         parts.append(str(hi) + _FRAC_ZERO)
     return _alt(parts)
+
+
+def _count(lo: int, hi: int | None) -> str:
+    if hi is None:
+        return "*" if lo == 0 else ("+" if lo == 1 else f"{{{lo},}}")
+    return "" if lo == hi == 1 else f"{{{lo}}}" if lo == hi else f"{{{lo},{hi}}}"
+
+
+def _ops(tree) -> set:
+    """Every opcode name in a parsed ``re`` pattern."""
+    out = set()
+    for op, arg in tree:
+        out.add(str(op))
+        for a in arg if isinstance(arg, (list, tuple)) else [arg]:
+            if hasattr(a, "data"):
+                out |= _ops(a)
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if hasattr(b, "data"):
+                        out |= _ops(b)
+    return out

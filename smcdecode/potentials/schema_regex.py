@@ -39,7 +39,7 @@ import math
 import re
 
 from ..errors import SMCDecodeError
-from .regex_numbers import _alt, _magnitude, _naturals
+from .regex_numbers import _alt, _count, _magnitude, _naturals, _ops
 from .string_formats import (
     ANY_CHAR,
     ANY_STRING,
@@ -140,10 +140,27 @@ def _sized(out: str) -> str:
 _FACETS = ("format", "pattern", "length")  # what a string may be held to, one regex each (schema_regexes)
 
 
+def nested_base_uri(schema) -> str:
+    """The first ``$id`` / ``id`` (a string) set below the root of ``schema``, or "": a subschema's own
+    base URI, against which the ``$ref``s inside it resolve (neither translation follows that)."""
+    todo = list(schema.values()) if isinstance(schema, dict) else []
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            found = next((node[k] for k in ("$id", "id") if isinstance(node.get(k), str)), None)
+            if found is not None:
+                return found
+            todo += node.values()
+        elif isinstance(node, list):
+            todo += node
+    return ""
+
+
 class _Translator:
     def __init__(self, root: dict, whitespace: str, coerce_one_of: bool, superset: bool = False,
                  facet: str | None = None):
         self.root = root
+        self.base_uris: str | None = None  # (where a subschema sets its own $id / id: ``nested_base_uri``)
         # ``facet``: a string held to several of _FACETS is written as this one alone (schema_regexes);
         # None: such a string is refused. ``facets``: the ones such strings use; ``choices``: how many
         # anyOf / oneOf the translation is inside; ``counted``: the lengths of such strings (MAX_HELD)
@@ -240,12 +257,18 @@ class _Translator:
         others = [k for k in s if k in KEYWORDS and k not in ANNOTATIONS and k != "$ref"]
         if others:
             raise UnsupportedSchema("$ref", where, f"$ref beside {others[0]!r}")
-        if not isinstance(ref, str) or not ref.startswith("#"):
-            raise UnsupportedSchema("$ref", where, f"only local references (#...) are resolved, got {ref!r}")
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            raise UnsupportedSchema("$ref", where, f"only local JSON-pointer references (# or #/...) are resolved, "
+                                                   f"got {ref!r}")
+        if self.base_uris is None:
+            self.base_uris = nested_base_uri(self.root)
+        if self.base_uris:  # (a subschema with its own $id: "#/..." inside it means that subschema)
+            raise UnsupportedSchema("$ref", where, f"a subschema sets its own base URI ({self.base_uris}): its "
+                                                   "references resolve against it, which is not followed here")
         if ref in refs:
             raise UnsupportedSchema("$ref", where, f"{ref} is recursive: the documents are not a regular language")
         target = self.root
-        for part in ref[1:].lstrip("/").split("/") if ref not in ("#", "#/") else []:
+        for part in ref[2:].split("/") if ref != "#" else []:  # (a JSON pointer: "#/" is the key "")
             part = part.replace("~1", "/").replace("~0", "~")
             try:
                 target = target[int(part)] if isinstance(target, list) else target[part]
@@ -575,24 +598,3 @@ def _search(pattern: str, text: str) -> bool:
 def _inferred_type(s: dict):
     kinds = [t for t, keys in _TYPE_KEYWORDS if any(k in s for k in keys)]
     return kinds[0] if len(kinds) == 1 else None
-
-
-def _ops(tree) -> set:
-    """Every opcode name in a parsed ``re`` pattern."""
-    out = set()
-    for op, arg in tree:
-        out.add(str(op))
-        for a in arg if isinstance(arg, (list, tuple)) else [arg]:
-            if hasattr(a, "data"):
-                out |= _ops(a)
-            elif isinstance(a, (list, tuple)):
-                for b in a:
-                    if hasattr(b, "data"):
-                        out |= _ops(b)
-    return out
-
-
-def _count(lo: int, hi: int | None) -> str:
-    if hi is None:
-        return "*" if lo == 0 else ("+" if lo == 1 else f"{{{lo},}}")
-    return "" if lo == hi == 1 else f"{{{lo}}}" if lo == hi else f"{{{lo},{hi}}}"

@@ -281,8 +281,9 @@ class HostMasks:
         if self._fill(i, 0) is None:
             self._bits[0][: self.rows].numpy().fill(-1)
         self._count += 1
-        with self._fence:  # (a lock's release orders the masks' stores before the count's, on any CPU)
-            pass
+        # a fence: taking and releasing a lock orders the masks' stores before the count's, on any CPU
+        self._fence.acquire()
+        self._fence.release()
         self._posted_np[0] = self._count
 
     @contextlib.contextmanager

@@ -13,11 +13,13 @@ import math
 import re
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 import smcdecode as sd
-from smcdecode.backends.engine import Engine, Llama
+from smcdecode.backends.engine import Engine, EngineConfig, Llama
+from smcdecode.backends.engine.scheduler import Scheduler
 from smcdecode.backends.engine.targets import DeviceAutomaton, EngineTarget
 from smcdecode.samplers.resampling import ancestors
 from smcdecode.testing import check_distribution, check_evidence_unbiased, exact_target, sequences
@@ -162,6 +164,46 @@ def test_host_mask_round_as_one_waiting_graph_draws_what_the_eager_round_draws(p
     assert torch.equal(graphs.tokens.cpu(), eager.tokens.cpu())
     torch.testing.assert_close(graphs.log_weights.cpu(), eager.log_weights.cpu(), rtol=0, atol=1e-9)
     _check_constraint(graphs, PATTERNS[0] if path == "regex" else r"[ab]+a", model)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path, workers", [("regex", 0), ("llguidance", 0), ("llguidance", 2)])
+def test_host_mask_rounds_pipelined_draw_what_rounds_read_in_turn_draw(device, path, workers, monkeypatch):
+    """With host masks a round is launched before the host reads the one before it (pipelined): the
+    host ends that round (its last drafts and bonus), reads it and forks its states between the
+    launch and the new round's first host point, while the device waits there. For the same seed it
+    draws what rounds read before each launch draw: tokens, weights, evidence, rounds, ESS, also
+    where requests end rounds apart (a round launched after every request ended does nothing) and
+    with the llguidance states in mask worker processes. On CUDA with CUDA graphs (the waiting graph)."""
+    if path == "llguidance":
+        pytest.importorskip("llguidance")
+    base, model = _setup(device)
+    engine = Engine(base.target, base.draft, config=EngineConfig(num_pages=30000, page_size=4, max_context=32,
+                                                                 host_workers=workers))
+    c = sd.Regex(PATTERNS[0]) if path == "regex" else sd.Grammar('start: ("a" | "b")+ "a"', path="llguidance")
+    prog = EngineTarget.of(sd.LM(model) * c, host_masks=path == "regex")
+    kw = dict(particles=4, block_size=2, max_new_tokens=20, eos_token_id=EOS, target=prog, draft_temperature=1.2,
+              record_weights=True)
+    launches, launch = [], Scheduler._launch
+
+    def counting(sched, rnd, bucket, k, occupied, K_now, held, meanwhile=None):
+        launches.append(held is not None and rnd.hosted)
+        return launch(sched, rnd, bucket, k, occupied, K_now, held, meanwhile)
+
+    monkeypatch.setattr(Scheduler, "_launch", counting)
+    piped = engine.smc_sd([PROMPT] * 24, **kw, seed=4, pipeline=True)
+    assert sum(launches) >= 2  # (rounds launched before the one before them was read)
+    launches.clear()
+    plain = engine.smc_sd([PROMPT] * 24, **kw, seed=4, pipeline=False)
+    assert not any(launches)
+    for name in ("tokens", "lengths", "log_weights", "log_evidence", "finished"):
+        assert torch.equal(getattr(piped, name).cpu(), getattr(plain, name).cpu()), name
+    assert piped.rounds == plain.rounds == len(piped.ess) == len(plain.ess) == len(piped.weights)
+    for a, b in zip(piped.ess + piped.resampled, plain.ess + plain.resampled):
+        np.testing.assert_array_equal(a, b)  # (NaN equal to NaN: the ESS of a request whose particles all died)
+    assert all(torch.equal(x, y) for x, y in zip(piped.weights, plain.weights))
+    assert len(set(plain.lengths.max(1).values.tolist())) > 1  # (requests ended rounds apart)
+    _check_constraint(piped, PATTERNS[0] if path == "regex" else r"[ab]+a", model)
 
 
 @pytest.mark.gpu

@@ -132,8 +132,9 @@ class Engine:
         if rows is None:
             pt_dev.copy_(torch.from_numpy(table.table), non_blocking=True)
         elif len(rows):
-            idx = torch.from_numpy(np.asarray(rows, dtype=np.int64))
-            pt_dev.index_copy_(0, idx.to(pt_dev.device), torch.from_numpy(table.table[idx.numpy()]).to(pt_dev.device))
+            idx = np.asarray(rows, dtype=np.int64)
+            pt_dev.index_copy_(0, torch.from_numpy(idx).to(pt_dev.device, non_blocking=True),
+                               torch.from_numpy(table.table[idx]).to(pt_dev.device, non_blocking=True))
 
     # -- strategies -----------------------------------------------------------------------------
 

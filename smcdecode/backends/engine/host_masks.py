@@ -155,9 +155,10 @@ class HostMasks:
             self._pool.close()
             self._pool = None
 
-    def begin(self, rows: int, k_max: int, drafts: Tensor, handed: bool = False) -> None:
-        """A round over ``rows`` rows with ``k_max`` draft steps: its drafts buffer, and whether it hands
-        each column over (``hand_over``; otherwise ``drafted`` or, failing that, the drafts buffer)."""
+    def prepare(self, rows: int, k_max: int, handed: bool = False) -> None:
+        """Before a round over ``rows`` rows with ``k_max`` draft steps is launched: raise if this
+        HostMasks cannot serve it, or if a wait of the device gave up; finish a release an interrupt
+        cut short. (``begin`` starts the round's states, in a pipelined round after its launch.)"""
         if (handed or self._pool is not None) and (k_max >= self._handed.shape[0] or rows > self._handed.shape[1]):
             raise SMCDecodeError(f"a round of {rows} rows and {k_max} draft steps hands over more than the "
                                  f"{self._handed.shape[1]} rows and {self._handed.shape[0] - 1} steps this HostMasks holds")
@@ -168,6 +169,12 @@ class HostMasks:
             if self._releasing:
                 self.release()
             self._gave_up()
+
+    def begin(self, rows: int, k_max: int, drafts: Tensor, handed: bool = False) -> None:
+        """A round over ``rows`` rows with ``k_max`` draft steps: its drafts buffer, and whether it hands
+        each column over (``hand_over``; otherwise ``drafted`` or, failing that, the drafts buffer).
+        The round before it must have ended on the host (``end``)."""
+        self.prepare(rows, k_max, handed)
         self.rows, self.k_max, self.drafts, self.handed = rows, k_max, drafts, handed
         if self._pool is not None and self._pool.closed:  # (stopped for another round shape's workers)
             if any(m.remote for m in self.requests.values()):
@@ -175,7 +182,7 @@ class HostMasks:
             self._drop_pool()
         if self._pool is not None:  # (the last round's end record read its columns: they are rewritten now)
             self._pool.step_wait()
-            if self.waits:  # (requests added: compiled in the workers now, not while the device waits)
+            if self.waits:  # (requests added: compiled in the workers now; a pipelined round adds none)
                 self._pool.settle()
         if self._pool is not None and rows > self._pool.rows:
             raise SMCDecodeError(f"a round of {rows} rows on mask workers sized for {self._pool.rows} rows")
@@ -255,8 +262,8 @@ class HostMasks:
         """The host points of a round that ``waits``, launched whole: for each draft step and the
         bonus, its masks written into host buffer 0 and the point counted (the device waits for the
         count). The caller releases the device on anything raised (``release``). Point 0 writes the
-        buffer at once: the round before must be over on the device (the scheduler reads each
-        round with host masks before it launches the next)."""
+        buffer at once: the round before must have copied its last masks up (the scheduler has
+        read it: its resampling is over)."""
         _SERVING[0] += 1  # (a pinned buffer freed meanwhile is unpinned after: ``mask_workers._unpin``)
         try:
             for i in range(self.k_max + 1):

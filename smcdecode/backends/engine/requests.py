@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ...errors import SMCDecodeError
-from .smc import Round
+from .smc import NEG_INF, Round
 from .targets import DeviceAutomaton, EngineTarget
 
 
@@ -58,7 +58,8 @@ class Finished:
 @dataclass
 class Flight:
     """A launched round: where its packed flags land on the host, its shape, the requests in it (by
-    slot), their K, the pages set aside for its end (None: none) and its recorded weights."""
+    slot), their K, the pages set aside for its end (None: none), its recorded weights, and whether
+    the host's end of it is still due."""
 
     parity: int
     bucket: int
@@ -69,6 +70,7 @@ class Flight:
     held: np.ndarray | None
     event: object
     weights: Tensor | None
+    ends: Tensor | None = None  # its bonus buffer, where the host's end of it waits for its read (``HostMasks.end``)
 
 
 @dataclass
@@ -80,6 +82,20 @@ class Leaving:
     host: Tensor
     event: object
     step: int
+
+    @classmethod
+    def start(cls, b: dict, g: int, N: int, request: Request, history: dict, step: int, pinned: bool) -> Leaving:
+        """Slot g's outputs (rows g·N …, buffers ``b``) on their way to the host in one copy."""
+        T, r = request.max_new_tokens, slice(g * N, g * N + request.particles)
+        pack = torch.cat([b["tokens"][r, :T].reshape(-1).double(), b["n_gen"][r].double(), b["drafted"][r].double(),
+                          b["log_w"][r], b["accepted"][r].double(), b["log_Z"][g : g + 1]])
+        host = torch.empty(pack.shape, dtype=torch.float64, pin_memory=pinned)
+        host.copy_(pack, non_blocking=True)
+        event = None
+        if pinned:
+            event = torch.cuda.Event()
+            event.record()
+        return cls(request, history, host, event, step)
 
     def finished(self) -> Finished:
         """The request's outputs, once copied (``host``: tokens, lengths, drafted, log w, accepted, log Z)."""
@@ -95,14 +111,43 @@ class Leaving:
                         accepted=x[n * T + 3 * n : n * T + 4 * n].long())
 
 
-def idle_settings(b: dict, rows: slice) -> None:
-    """Settings of rows no request holds: the round still runs over them (dead, never chosen), so
-    they get a block size that fits every round shape (0: also the K = 0 rounds of a scheduler
-    without drafts) and finite temperatures, power and budget."""
+def idle_settings(b: dict, rows: slice, groups: slice) -> None:
+    """Rows no request holds (``groups``: their request slots): the round still runs over them, dead
+    (never chosen, as if finished), with a block size that fits every round shape (0: also the K = 0
+    rounds of a scheduler without drafts) and finite temperatures, power and budget."""
+    b["valid"][rows] = False
+    b["finished"][rows] = True
+    b["log_w"][rows] = NEG_INF
+    b["seq"][rows] = 1
     for name in ("T_draft", "T_target", "alpha", "budget"):
         b[name][rows] = 1
     b["K_row"][rows] = 0
     b["exact"][rows] = False
+    b["n"][groups] = 1
+
+
+def request_settings(b: dict, rows: slice, g: int, req: Request, alpha: float, pad: int) -> None:
+    """The rows of request ``req`` in slot g (``rows``: all N_max of them; its first ``particles``
+    live): its prompt's last tokens, budget, K, temperatures and power, fresh weights and evidence."""
+    ids, dev = list(req.prompt), b["seq"].device
+    valid = torch.arange(rows.stop - rows.start, device=dev) < req.particles
+    b["seq"][rows] = len(ids) - 1
+    b["pending"][rows] = torch.tensor(ids[-2:] if len(ids) > 1 else ids * 2, device=dev)  # (no draft: unread)
+    b["last"][rows] = ids[-1]
+    b["tokens"][rows] = pad
+    for name in ("n_gen", "drafted", "accepted"):
+        b[name][rows] = 0
+    b["budget"][rows] = req.max_new_tokens
+    b["K_row"][rows] = req.block_size
+    b["exact"][rows] = req.exact
+    b["T_draft"][rows] = float(req.draft_temperature)
+    b["T_target"][rows] = float(req.target_temperature)
+    b["alpha"][rows] = alpha
+    b["valid"][rows] = valid
+    b["finished"][rows] = ~valid
+    b["log_w"][rows] = torch.where(valid, 0.0, NEG_INF).double()
+    b["n"][g] = req.particles
+    b["log_Z"][g] = 0.0
 
 
 def bucket_of(n: int, slots: int) -> int:

@@ -60,9 +60,10 @@ from .requests import (
     check_fits,
     idle_settings,
     program_constraints,
+    request_settings,
     rows_of,
 )
-from .smc import NEG_INF, Round, build_round, capture_round, round_code, run_round
+from .smc import Round, build_round, capture_round, round_code, run_round
 from .targets import CombinedAutomaton, EngineTarget, Settings
 
 
@@ -153,12 +154,7 @@ class Scheduler:
             self.host.clear()
         self.full = rounds.full
         b = self.full.buffers
-        b["finished"].fill_(True)
-        b["valid"].fill_(False)
-        b["log_w"].fill_(NEG_INF)
-        b["n"].fill_(1)
-        b["seq"].fill_(1)
-        idle_settings(b, slice(None))
+        idle_settings(b, slice(None), slice(None))
         b["host_incr"].zero_()
         self.lens = np.ones(B, dtype=np.int64)  # target tokens cached per row (dead rows: 1)
         self.t_end = np.zeros(slots, dtype=np.int64)
@@ -177,6 +173,9 @@ class Scheduler:
         self.shrink = shrink
         self.batched_prefill = batched_prefill
         self._flights: list[Flight] = []
+        # (inside a launch with host points: requests that ended in the round read there are released
+        # after the host's last point, since releasing uploads to the device, which waits for it)
+        self._leaving_late: list[int] | None = None
         self._leaving: list[Leaving] = []
         self._steps = 0
         pinned = dev.type == "cuda"
@@ -250,34 +249,14 @@ class Scheduler:
 
     def _settings(self, g: int, req: Request) -> None:
         """The request's rows: shared prompt pages and its settings in the round's buffers."""
-        b, N, dev = self.full.buffers, self.Nmax, self.engine.device
+        b, N, n = self.full.buffers, self.Nmax, req.particles
         rows = np.arange(g * N, (g + 1) * N)
-        ids = list(req.prompt)
-        n = req.particles
         self.table.share_prefix(rows.tolist(), int(rows[0]))
-        self.lens[rows] = len(ids) - 1
-        self.t_end[g] = len(ids) - 1 + req.max_new_tokens  # its position once its budget is spent
+        self.lens[rows] = len(req.prompt) - 1
+        self.t_end[g] = len(req.prompt) - 1 + req.max_new_tokens  # its position once its budget is spent
         r = slice(int(rows[0]), int(rows[-1]) + 1)
-        valid = torch.arange(N, device=dev) < n
-        b["seq"][r] = len(ids) - 1
-        b["pending"][r] = torch.tensor(ids[-2:] if len(ids) > 1 else ids * 2, device=dev)  # (no draft: unread)
-        b["last"][r] = ids[-1]
-        b["tokens"][r] = self.pad
-        b["n_gen"][r] = 0
-        b["drafted"][r] = 0
-        b["budget"][r] = req.max_new_tokens
-        b["K_row"][r] = req.block_size
-        b["exact"][r] = req.exact
-        b["accepted"][r] = 0
-        b["T_draft"][r] = float(req.draft_temperature)
-        b["T_target"][r] = float(req.target_temperature)
         prog = self._program(req)
-        b["alpha"][r] = prog.alpha
-        b["valid"][r] = valid
-        b["finished"][r] = ~valid
-        b["log_w"][r] = torch.where(valid, 0.0, NEG_INF).double()
-        b["n"][g] = n
-        b["log_Z"][g] = 0.0
+        request_settings(b, r, g, req, prog.alpha, self.pad)
         own = self.own[id(prog)]
         for c, s in enumerate(b["states"]):
             s[r] = self.combined.initial_of(own[c]) if c < len(own) else 0
@@ -298,30 +277,15 @@ class Scheduler:
         """Free slot g: its pages, its rows' settings; with ``keep`` its outputs start their way to
         the host (``_collect`` hands them out once there, without waiting for a round in flight)."""
         b, N, req = self.full.buffers, self.Nmax, self.requests[g]
-        n, T = req.particles, req.max_new_tokens
-        r = slice(g * N, g * N + n)
-        if keep:  # one copy: tokens, lengths, drafted, log w, log Z
-            pack = torch.cat([b["tokens"][r, :T].reshape(-1).double(), b["n_gen"][r].double(),
-                              b["drafted"][r].double(), b["log_w"][r], b["accepted"][r].double(),
-                              b["log_Z"][g : g + 1]])
-            host = torch.empty(pack.shape, dtype=torch.float64, pin_memory=self._host_packed.is_pinned())
-            host.copy_(pack, non_blocking=True)
-            event = None
-            if host.is_pinned():
-                event = torch.cuda.Event()
-                event.record()
-            self._leaving.append(Leaving(req, self.history[g], host, event, self._steps))
+        if keep:
+            self._leaving.append(Leaving.start(b, g, N, req, self.history[g], self._steps,
+                                               self._host_packed.is_pinned()))
         rows = np.arange(g * N, (g + 1) * N)
         self.table.free_rows(rows)
         self.engine.upload(self.table, b["pt"], ([], []), rows=rows)  # (idle rows write to the null page)
         self.lens[rows] = 1
         full = slice(g * N, (g + 1) * N)
-        b["valid"][full] = False
-        b["finished"][full] = True
-        b["log_w"][full] = NEG_INF
-        b["seq"][full] = 1
-        idle_settings(b, full)
-        b["n"][g] = 1
+        idle_settings(b, full, slice(g, g + 1))
         for _, _, mine in self.rewards:
             mine[full] = False
         if self.host is not None:
@@ -407,13 +371,15 @@ class Scheduler:
     def _rows(self, groups) -> np.ndarray:
         return rows_of(groups, self.Nmax)
 
-    def _pipelined(self, bucket: int, k: int, K_now: dict) -> bool:
+    def _pipelined(self, bucket: int, k: int, K_now: dict, joined: bool) -> bool:
         """Whether this round can be launched before the one in flight is read: its graph exists,
-        the host has nothing to do inside the proposal (no host masks: checked requests are checked
-        after it, once the round before is read), and every request drafts k tokens (so every
-        row's pages for the next round are known before this one ends) or is exact."""
-        return (self.pipeline and (self.host is None or not self.host.masked) and not self.rewards
-                and self.plan is None and (bucket, k, False) in self._rounds.by_bucket
+        every request drafts k tokens (so every row's pages for the next round are known before
+        this one ends) or is exact, and no rewards or schedule need the round before first. With
+        host masks the host reads the round before between the launch and its first host point
+        (the device waits there), and no request joined (its constraints compile before a launch)."""
+        masked = self.host is not None and self.host.masked
+        return (self.pipeline and not (masked and joined) and not self.rewards
+                and self.plan is None and (bucket, k, masked) in self._rounds.by_bucket
                 # (exact rows hold their pages from admission on: any K)
                 and all(v == k or self.requests[g].exact for g, v in K_now.items()))
 
@@ -435,20 +401,21 @@ class Scheduler:
             if self.requests[g] is None:
                 joining.append((g, self.queue.popleft()))
         if joining:
+            self._end_host()  # (the host's end of the round in flight covers the requests in it alone)
             self._admit(joining)
         occupied = [g for g, r in enumerate(self.requests) if r is not None]
         if not occupied:
             self._drain()
             return self._collect(wait_all=True)
         bucket, k, K_now = self._shape(occupied)
-        pipelined = self._pipelined(bucket, k, K_now)
+        pipelined = self._pipelined(bucket, k, K_now, bool(joining))
         if self._flights and not (pipelined and self._flights[-1].held is not None):
             self._drain()  # (requests may have left)
             occupied = [g for g, r in enumerate(self.requests) if r is not None]
             if not occupied:
                 return self._collect(wait_all=True)
             bucket, k, K_now = self._shape(occupied)
-            pipelined = self._pipelined(bucket, k, K_now)
+            pipelined = self._pipelined(bucket, k, K_now, bool(joining))
         b = self.full.buffers
         R = bucket * self.Nmax
         # pages for this round's writes: every occupied row's, or (a round in flight placed the
@@ -468,7 +435,10 @@ class Scheduler:
                            if ahead else None)
         rnd = self._round(bucket, k)
         held = self._give(occupied, ahead, k, R) if pipelined else None
-        if held is not None and ahead.issuperset(occupied) and self._ended(self._flights[-1]):
+        # (a round whose host end is due was not waited for: what the next one needs of it is read
+        # while the next one waits for its first masks; if every row ended, that one does nothing)
+        if (held is not None and ahead.issuperset(occupied) and self._flights[-1].ends is None
+                and self._ended(self._flights[-1])):
             self.table.unhold(held.reshape(-1))  # (every request ended in the round in flight: no round after it)
             self._drain()
             return self._collect(wait_all=True)
@@ -507,12 +477,27 @@ class Scheduler:
         return held
 
     def _launch(self, rnd, bucket: int, k: int, occupied: list[int], K_now: dict, held, meanwhile=None) -> None:
-        b, R = self.full.buffers, bucket * self.Nmax
+        b, R, host = self.full.buffers, bucket * self.Nmax, self.host
         requests = {g: self.requests[g] for g in occupied}  # (as launched: ``meanwhile`` may release some)
-        if self.host is not None:
-            self.host.begin(R, k, rnd.buffers["drafts"], handed=True)
-        self.host_s += run_round(rnd, self.host, [(tracker, mine[:R]) for _, tracker, mine in self.rewards], k,
-                                 self.cap, meanwhile=meanwhile)
+        if host is not None and rnd.hosted:  # (host points: the round before ends on the host after the launch)
+            host.prepare(R, k, handed=True)
+            read = meanwhile
+
+            def meanwhile() -> None:
+                if read is not None:
+                    read()
+                host.begin(R, k, rnd.buffers["drafts"], handed=True)
+            self._leaving_late = []
+        elif host is not None:
+            host.begin(R, k, rnd.buffers["drafts"], handed=True)
+        try:
+            seconds, ends = run_round(rnd, host, [(tracker, mine[:R]) for _, tracker, mine in self.rewards], k,
+                                      self.cap, meanwhile=meanwhile)
+        finally:
+            late, self._leaving_late = self._leaving_late or [], None
+            for g in late:
+                self._release(g)
+        self.host_s += seconds
         stats = None
         if self.plan is not None:
             stats = torch.stack([b["accept"], b["accept_n"], b["draft_lw"]]).cpu()
@@ -525,7 +510,8 @@ class Scheduler:
             event = torch.cuda.Event()
             event.record()
         self._flights.append(Flight(p, bucket, k, list(occupied), requests, dict(K_now), held, event,
-                                     b["W"][:bucket].clone() if self.record_weights else None))
+                                     b["W"][:bucket].clone() if self.record_weights else None,
+                                     rnd.buffers["bonus"] if ends else None))
         self._parity ^= 1
         self.launched += 1
 
@@ -533,16 +519,23 @@ class Scheduler:
         while self._flights:
             self._read()
 
+    def _end_host(self, f: Flight | None = None) -> None:
+        """The host's end of round ``f`` (default: the last launched), where still due (``run_round``)."""
+        f = f or (self._flights[-1] if self._flights else None)
+        if f is not None and f.ends is not None:
+            self.host.end(f.ends)
+            f.ends = None
+
     def _read(self, next_held=None) -> None:
         """Read the oldest round in flight: book its forks and pages on the host, record the requests'
         statistics, release those whose particles all finished. ``next_held``: the pages set aside for
         the round launched after it (read while its proposal runs), else the next flight's."""
         f = self._flights.pop(0)
+        self._end_host(f)  # (its drafts and bonus consumed: before its forks)
         if f.event is not None:
             f.event.synchronize()
         R, bucket, N = f.bucket * self.Nmax, f.bucket, self.Nmax
         h = self._host_packed[f.parity, : 3 * R + 2 * bucket + 1].numpy()
-        self.round += 1
         index = np.arange(self.slots * N)
         index[:R] = h[:R].astype(np.int64)
         T = h[R : 2 * R].astype(np.int64)
@@ -553,6 +546,7 @@ class Scheduler:
         for g in stale:
             index[g * N : (g + 1) * N] = np.arange(g * N, (g + 1) * N)
         groups = [g for g in f.groups if g not in stale]
+        self.round += bool(groups)  # (a round launched after its requests all ended did nothing)
         self.table.fork(index)
         gone = [g for g in groups if finished[g].all()]
         live = self._rows([g for g in groups if not finished[g].all()])
@@ -586,7 +580,10 @@ class Scheduler:
             if f.weights is not None:
                 hist["weights"].append(f.weights[g])
             if g in gone:
-                self._release(g)
+                if self._leaving_late is not None:
+                    self._leaving_late.append(g)
+                else:
+                    self._release(g)
 
     def run(self) -> list[Finished]:
         """Step until every submitted request has finished; results in completion order."""

@@ -70,6 +70,8 @@ class Round:
     propose: object = None
     finish: object = None
     keep: list = field(default_factory=list)  # tensors the captured code reads (kept alive)
+    # host points in the proposal (host masks): ``propose(meanwhile)`` runs ``meanwhile`` before the first
+    hosted: bool = False
 
 
 def host_terms(b: dict, rewards: list, hosted, longest_new: int) -> None:
@@ -92,31 +94,35 @@ def host_terms(b: dict, rewards: list, hosted, longest_new: int) -> None:
     b["host_incr"].copy_(incr)
 
 
-def run_round(rnd: Round, host, rewards: list, k: int, longest_new: int, meanwhile=None) -> float:
-    """Run a round (draft steps ``k``): its proposal, the host's work, its resampling; returns the
-    seconds of the host's verdicts (``host_terms``: ``rewards`` and the host constraints ``host``).
+def run_round(rnd: Round, host, rewards: list, k: int, longest_new: int, meanwhile=None) -> tuple[float, bool]:
+    """Run a round (draft steps ``k``): its proposal, the host's work, its resampling; returns (the
+    seconds of the host's verdicts, ``host_terms``: ``rewards`` and the host constraints ``host``;
+    whether the host's end of the round is left to the caller, ``HostMasks.end``).
     With host masks alone, where no request is checked or may reach its budget
     (``HostMasks.verdicts_due``), the resampling needs no verdict: it is launched before the host
-    catches up with the round's last tokens (``HostMasks.end``), which then overlaps it.
+    catches up with the round's last tokens, which the caller does later (then True): with the
+    next round launched, it overlaps both rounds on the device.
     ``meanwhile``: host work run once the proposal is launched, before the host reads it (a
-    pipelined round's read of the round before it)."""
-    late = host is not None and not rewards and not host.verdicts_due()
-    rnd.propose()
-    if meanwhile is not None:
-        meanwhile()
-    if late:
+    pipelined round's read of the round before it); with host points, before the first of them."""
+    if rnd.hosted:
+        rnd.propose(meanwhile)
+    else:
+        rnd.propose()
+        if meanwhile is not None:
+            meanwhile()
+    # (decided after ``meanwhile``: it may have ended the round before on the host)
+    if host is not None and not rewards and not host.verdicts_due():
         host.drafted(k, rnd.buffers["bonus"])  # (the bonus handed over as a column)
         rnd.finish()
+        return 0.0, True
     if host is not None:
-        host.end(rnd.buffers["bonus"], None if late else rnd.buffers)
-    if late:
-        return 0.0
+        host.end(rnd.buffers["bonus"], rnd.buffers)
     t0 = time.perf_counter()
     if rewards or host is not None:
         host_terms(rnd.buffers, rewards, host, longest_new)
     t1 = time.perf_counter()
     rnd.finish()
-    return t1 - t0
+    return t1 - t0, False
 
 
 def build_round(engine, G, Nmax, Kmax, cap, pt_start, automata, eos, pad, resampler, tau, host: bool,
@@ -414,9 +420,11 @@ def capture_round(engine, rnd: Round, graphs: bool, split: bool, host=None) -> N
             with host.open_gate():  # (the capture's first run passes every wait)
                 graph = engine.graphs.capture(run, True)
 
-            def replay() -> None:
+            def replay(meanwhile=None) -> None:
                 try:
                     graph()
+                    if meanwhile is not None:
+                        meanwhile()
                     host.serve()
                 except BaseException:  # (an error or an interrupt: the device let past its waits first)
                     host.release()
@@ -424,8 +432,14 @@ def capture_round(engine, rnd: Round, graphs: bool, split: bool, host=None) -> N
 
             rnd.propose = replay
         else:
-            rnd.propose = lambda: drive(propose(), lambda event: host.mask(event[1], b["host_bits"]))
+            def eager(meanwhile=None) -> None:
+                if meanwhile is not None:
+                    meanwhile()
+                drive(propose(), lambda event: host.mask(event[1], b["host_bits"]))
+
+            rnd.propose = eager
         rnd.finish = engine.graphs.capture(finish, graphs)
+        rnd.hosted = True
     elif not graphs:
         rnd.propose, rnd.finish = run, finish
     elif split:

@@ -3,6 +3,8 @@ the same static buffers (as serving engines do)."""
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 
@@ -51,7 +53,16 @@ class GraphCache:
         graph = torch.cuda.CUDAGraph()
         # NOTE: each graph gets its own memory pool (a shared graph_pool_handle tripped an allocator
         # assertion in torch 2.11); the pool is freed with the graph (clear_graphs).
-        with torch.cuda.graph(graph):
-            fn()
+        # NOTE: no garbage collection while capturing: an object freed then (another engine's graph
+        # and its memory pool, a pinned buffer) makes CUDA calls a capture forbids, which abort the
+        # process (torch.cuda.graph collects once before the capture begins)
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph):
+                fn()
+        finally:
+            if collecting:
+                gc.enable()
         torch.cuda.set_rng_state(rng)
         return graph.replay

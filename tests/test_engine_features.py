@@ -174,7 +174,8 @@ def test_host_mask_rounds_pipelined_draw_what_rounds_read_in_turn_draw(device, p
     launch and the new round's first host point, while the device waits there. For the same seed it
     draws what rounds read before each launch draw: tokens, weights, evidence, rounds, ESS, also
     where requests end rounds apart (a round launched after every request ended does nothing) and
-    with the llguidance states in mask worker processes. On CUDA with CUDA graphs (the waiting graph)."""
+    with the llguidance states in mask worker processes; a round launched without pages set aside
+    finds none left from the calls before. On CUDA with CUDA graphs (the waiting graph)."""
     if path == "llguidance":
         pytest.importorskip("llguidance")
     base, model = _setup(device)
@@ -188,6 +189,8 @@ def test_host_mask_rounds_pipelined_draw_what_rounds_read_in_turn_draw(device, p
 
     def counting(sched, rnd, bucket, k, occupied, K_now, held, meanwhile=None):
         launches.append(held is not None and rnd.hosted)
+        if held is None:  # (no pages set aside: none from an earlier round, this call's or one before it)
+            assert not sched.full.buffers["fresh"][: bucket * sched.Nmax].any()
         return launch(sched, rnd, bucket, k, occupied, K_now, held, meanwhile)
 
     monkeypatch.setattr(Scheduler, "_launch", counting)

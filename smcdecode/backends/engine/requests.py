@@ -72,6 +72,17 @@ class Flight:
     weights: Tensor | None
     ends: Tensor | None = None  # its bonus buffer, where the host's end of it waits for its read (``HostMasks.end``)
 
+    def record(self, history: dict, g: int, ess: float, resampled: bool, parents: np.ndarray | None) -> None:
+        """Slot g's statistics of this round into its ``history`` (``parents``: its rows' ancestors;
+        None: never resampled, rows of exact speculative decoding)."""
+        n = self.requests[g].particles
+        history["ess"].append(ess)
+        history["resampled"].append(resampled)
+        history["block_sizes"].append(self.K[g])
+        history["survivors"].append(n if parents is None else len(np.unique(parents[:n])))
+        if self.weights is not None:
+            history["weights"].append(self.weights[g])
+
 
 @dataclass
 class Leaving:

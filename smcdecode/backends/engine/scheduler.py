@@ -182,6 +182,7 @@ class Scheduler:
         self._parity = 0
         self._host_packed = torch.empty(2, 3 * B + 2 * slots + 1, dtype=torch.float64, pin_memory=pinned)
         self._stage = torch.zeros(2, B, b["fresh"].shape[1], dtype=torch.long, pin_memory=pinned)
+        self._fresh_set = True  # (``fresh`` may hold an earlier scheduler's pages: ``_give_none``)
         torch.manual_seed(seed)
 
     # -- requests ------------------------------------------------------------------------------
@@ -434,7 +435,7 @@ class Scheduler:
         self.engine.upload(self.table, b["pt"], copies, rows=self._rows(sorted(set(occupied) - ahead))
                            if ahead else None)
         rnd = self._round(bucket, k)
-        held = self._give(occupied, ahead, k, R) if pipelined else None
+        held = self._give(occupied, ahead, k, R) if pipelined else self._give_none()
         # (a round whose host end is due was not waited for: what the next one needs of it is read
         # while the next one waits for its first masks; if every row ended, that one does nothing)
         if (held is not None and ahead.issuperset(occupied) and self._flights[-1].ends is None
@@ -462,6 +463,13 @@ class Scheduler:
             f.event.synchronize()
         return bool(self._host_packed[f.parity, 3 * f.bucket * self.Nmax + 2 * f.bucket] > 0)
 
+    def _give_none(self) -> None:
+        """No pages set aside for the end of the round about to launch: ``fresh`` all zeros (pages an
+        earlier round was given, this scheduler's or one before it on these buffers, are booked by now)."""
+        if self._fresh_set:
+            self.full.buffers["fresh"].zero_()
+            self._fresh_set = False
+
     def _give(self, occupied: list[int], ahead: set, k: int, R: int) -> np.ndarray | None:
         """Set pages aside for the end of the round about to launch (the pages of the round after
         it) and upload them to ``fresh``; None (zeros uploaded) when too few pages are free."""
@@ -474,6 +482,7 @@ class Scheduler:
         stage = self._stage[self._parity]
         stage.numpy()[:R] = 0 if held is None else held[:R]
         b["fresh"][:R].copy_(stage[:R], non_blocking=True)
+        self._fresh_set = True
         return held
 
     def _launch(self, rnd, bucket: int, k: int, occupied: list[int], K_now: dict, held, meanwhile=None) -> None:
@@ -571,14 +580,7 @@ class Scheduler:
                 self.host.fork(index)
         parents = index[:R].reshape(bucket, N)
         for g in groups:
-            hist = self.history[g]
-            hist["ess"].append(float(ess[g]))
-            hist["resampled"].append(bool(do[g]))
-            hist["block_sizes"].append(f.K[g])
-            n = f.requests[g].particles  # (exact rows are never resampled)
-            hist["survivors"].append(n if self.exact_only else len(np.unique(parents[g, :n])))
-            if f.weights is not None:
-                hist["weights"].append(f.weights[g])
+            f.record(self.history[g], g, float(ess[g]), bool(do[g]), None if self.exact_only else parents[g])
             if g in gone:
                 if self._leaving_late is not None:
                     self._leaving_late.append(g)

@@ -51,6 +51,28 @@ def test_pack_unpack_round_trip(V):
     assert torch.equal(no_bit_set(bits, V), ~mask.any(-1)), V
 
 
+@pytest.mark.parametrize("eos", [0, 31, 37, 69])
+def test_bonus_masks_tell_whether_a_row_goes_on(eos):
+    """After a round's bonus masks the next round is launched without waiting for the round's end
+    only where some row goes on: its masks allow a token but not EOS (a row allowed EOS may end; a row
+    allowed nothing dies)."""
+    V = 70
+    host = HostMasks(2, V, "cpu")
+    host.eos = eos
+    masks = torch.zeros(4, V, dtype=torch.bool)
+    masks[0, eos] = True  # EOS alone
+    masks[1] = True  # every token
+    # (row 2: no token; row 3: every token, EOS too)
+    masks[3] = True
+    assert not host._goes_on(pack_bits(masks).numpy())
+    masks[2, (eos + 1) % V] = True  # a token, not EOS: that row goes on
+    assert host._goes_on(pack_bits(masks).numpy())
+    masks[2, eos] = True
+    assert not host._goes_on(pack_bits(masks).numpy())
+    host.eos = -1  # (no EOS: every row goes on until its budget)
+    assert host._goes_on(pack_bits(masks).numpy())
+
+
 def test_engine_sampler_reads_packed_masks_on_the_cpu():
     """The engine's sampler given the host's masks packed (``mask_bits``) draws as with the unpacked
     mask (the torch function unpacks them; the fused kernel reads them: test_engine_kernels)."""

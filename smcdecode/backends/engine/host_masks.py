@@ -96,6 +96,9 @@ class HostMasks:
         # host's count of points in ``_posted`` (pinned; kernels/host.py) and then uploads buffer 0
         # (``await_masks``); the host computes each point's masks into buffer 0 and counts it (``serve``)
         self.waits = False
+        # does a row go on after the round (its bonus masks, in a round that ``waits``: a row left
+        # tokens but not EOS)? Then the next round is launched without waiting for this one's end
+        self.eos, self.continuing = -1, False
         if self.pinned:
             self._posted = torch.zeros(2, dtype=torch.long, pin_memory=True)  # [points posted, gave up]
             self._posted_np = self._posted.numpy()  # (written as plain stores, in order after the masks)
@@ -139,6 +142,7 @@ class HostMasks:
     def clear(self) -> None:
         """Every request removed (a new scheduler over this round's shape)."""
         self.requests.clear()
+        self.continuing = False
         if self._pool is not None:
             if self._pool.usable:
                 self._pool.clear()
@@ -240,6 +244,7 @@ class HostMasks:
         if self._uploaded[self._turn]:
             self._upload_events[self._turn].synchronize()
         bits = self._fill(i, self._turn)
+        self._seen_masks(i, bits)
         if bits is None:
             out.fill_(-1)
             return
@@ -285,13 +290,29 @@ class HostMasks:
         """Host point i of a round that ``waits``: its masks in host buffer 0, then the count raised."""
         if i:  # (the device has copied point i − 1's masks up once it hands draft column i − 1 over)
             self._column(i - 1)
-        if self._fill(i, 0) is None:
+        bits = self._fill(i, 0)
+        self._seen_masks(i, bits)
+        if bits is None:
             self._bits[0][: self.rows].numpy().fill(-1)
         self._count += 1
         # a fence: taking and releasing a lock orders the masks' stores before the count's, on any CPU
         self._fence.acquire()
         self._fence.release()
         self._posted_np[0] = self._count
+
+    def _seen_masks(self, i: int, bits: Tensor | None) -> None:
+        if i == self.k_max:  # (the bonus masks: ``continuing``)
+            self.continuing = bits is not None and self._goes_on(bits.numpy())
+
+    def _goes_on(self, bits) -> bool:
+        """Do the bonus masks ``bits`` (int32 [rows, W]) leave a row some token but not EOS?"""
+        if self.eos < 0:
+            return True
+        word, bit = divmod(self.eos, 32)
+        for r in np.flatnonzero((bits[:, word] >> bit) & 1 == 0):
+            if bits[r].any():
+                return True
+        return False
 
     @contextlib.contextmanager
     def open_gate(self):

@@ -152,6 +152,7 @@ class Scheduler:
         self.host = rounds.host
         if self.host is not None:
             self.host.clear()
+            self.host.eos = self.eos
         self.full = rounds.full
         b = self.full.buffers
         idle_settings(b, slice(None), slice(None))
@@ -436,10 +437,9 @@ class Scheduler:
                            if ahead else None)
         rnd = self._round(bucket, k)
         held = self._give(occupied, ahead, k, R) if pipelined else self._give_none()
-        # (a round whose host end is due was not waited for: what the next one needs of it is read
-        # while the next one waits for its first masks; if every row ended, that one does nothing)
-        if (held is not None and ahead.issuperset(occupied) and self._flights[-1].ends is None
-                and self._ended(self._flights[-1])):
+        # (not waited for where the round in flight's bonus masks left a row without EOS: it goes on)
+        if (held is not None and ahead.issuperset(occupied)
+                and not (self._flights[-1].ends is not None and self.host.continuing) and self._ended(self._flights[-1])):
             self.table.unhold(held.reshape(-1))  # (every request ended in the round in flight: no round after it)
             self._drain()
             return self._collect(wait_all=True)

@@ -213,6 +213,54 @@ def test_host_mask_rounds_pipelined_draw_what_rounds_read_in_turn_draw(device, p
             engine.graphs[key].host.close()
 
 
+@pytest.mark.parametrize("seed", range(4, 8))  # (seeds where the plain request ends at EOS, after the cancel)
+def test_no_round_is_launched_after_every_request_ended_once_host_masks_leave(seed):
+    """A pipelined round with host masks is launched without waiting for the round before only where
+    that round's bonus masks left a row going on; a round without host-masked requests (the masked
+    one cancelled) says nothing of that: the scheduler then waits, as for plain rounds, and launches
+    no round after every request ended."""
+    from smcdecode.backends.engine.scheduler import Request
+
+    engine, model = _setup("cpu")
+    masked = EngineTarget.of(sd.LM(model) * sd.Regex(r"[ab]{5,19}"), host_masks=True)
+    plain = EngineTarget.of(sd.LM(model))
+    sched = Scheduler(engine, slots=2, max_particles=4, max_block_size=2, eos_token_id=EOS, target=[masked, plain],
+                      pipeline=True, seed=seed)
+    sched.submit(Request(PROMPT, particles=4, block_size=2, max_new_tokens=25, id="masked", target=masked))
+    sched.submit(Request(PROMPT, particles=1, block_size=2, max_new_tokens=25, id="plain", target=plain))
+    sched.step()
+    assert sched.cancel("masked")
+    sched.run()
+    assert sched.launched == sched.round  # (every round launched did some request's work)
+
+
+def test_an_error_while_a_pipelined_host_mask_round_starts_returns_its_pages(monkeypatch):
+    """An error raised between a pipelined round's launch and its first host point (here the host's
+    fork of the round before) comes out of ``step`` with the pages set aside for that round back on
+    the free list: every page is then either in use or free."""
+    from smcdecode.backends.engine import host_masks
+    from smcdecode.backends.engine.scheduler import Request
+
+    engine, model = _setup("cpu")
+    masked = EngineTarget.of(sd.LM(model) * sd.Regex(r"[ab]{5,19}"), host_masks=True)
+    sched = Scheduler(engine, slots=2, max_particles=4, max_block_size=2, eos_token_id=EOS, target=masked,
+                      pipeline=True, seed=1, ess_threshold=1.0)  # (resampled every round: a fork each round)
+    for i in range(2):
+        sched.submit(Request(PROMPT, particles=4, block_size=2, max_new_tokens=25, id=i))
+    sched.step()
+    sched.step()
+    assert sched._flights and sched._flights[-1].held is not None  # (the round in flight was pipelined)
+
+    def failing(self, index):
+        raise RuntimeError("a fork failed")
+
+    monkeypatch.setattr(host_masks.HostMasks, "fork", failing)
+    with pytest.raises(RuntimeError, match="a fork failed"):
+        sched.step()
+    table = sched.table
+    assert len(table.free) + table.used == table.ref.shape[0] - 1  # (page 0, the null page, is neither)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_an_error_between_host_points_releases_the_waiting_graph(monkeypatch):

@@ -3,9 +3,23 @@ the same static buffers (as serving engines do)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import torch
+
+
+@contextlib.contextmanager
+def no_collection():
+    """No garbage collection inside (this process's): where a CUDA call that an object's finalizer
+    makes would abort a capture, or wait for a device that waits for this host."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 class GraphCache:
@@ -56,13 +70,7 @@ class GraphCache:
         # NOTE: no garbage collection while capturing: an object freed then (another engine's graph
         # and its memory pool, a pinned buffer) makes CUDA calls a capture forbids, which abort the
         # process (torch.cuda.graph collects once before the capture begins)
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.cuda.graph(graph):
-                fn()
-        finally:
-            if collecting:
-                gc.enable()
+        with no_collection(), torch.cuda.graph(graph):
+            fn()
         torch.cuda.set_rng_state(rng)
         return graph.replay

@@ -45,6 +45,7 @@ from torch import Tensor
 from ...errors import SMCDecodeError
 from ...potentials.grammar import LLGuidanceConstraint
 from ...potentials.token_bytes import token_texts
+from .graphs import no_collection
 from .mask_workers import _SERVING, MaskWorkers, shared_buffer, unpin_deferred
 from .request_masks import RequestMasks, advance_requests, fill_requests
 
@@ -173,6 +174,12 @@ class HostMasks:
             if self._releasing:
                 self.release()
             self._gave_up()
+        if self._pool is not None and self._pool.closed:  # (stopped for another round shape's workers)
+            if any(m.remote for m in self.requests.values()):
+                raise SMCDecodeError("the mask workers holding this round's requests were stopped")
+            self._drop_pool()
+        if self._pool is not None and rows > self._pool.rows:
+            raise SMCDecodeError(f"a round of {rows} rows on mask workers sized for {self._pool.rows} rows")
 
     def begin(self, rows: int, k_max: int, drafts: Tensor, handed: bool = False) -> None:
         """A round over ``rows`` rows with ``k_max`` draft steps: its drafts buffer, and whether it hands
@@ -180,16 +187,11 @@ class HostMasks:
         The round before it must have ended on the host (``end``)."""
         self.prepare(rows, k_max, handed)
         self.rows, self.k_max, self.drafts, self.handed = rows, k_max, drafts, handed
-        if self._pool is not None and self._pool.closed:  # (stopped for another round shape's workers)
-            if any(m.remote for m in self.requests.values()):
-                raise SMCDecodeError("the mask workers holding this round's requests were stopped")
-            self._drop_pool()
+        self.continuing = False  # (until this round's bonus masks say otherwise)
         if self._pool is not None:  # (the last round's end record read its columns: they are rewritten now)
             self._pool.step_wait()
             if self.waits:  # (requests added: compiled in the workers now; a pipelined round adds none)
                 self._pool.settle()
-        if self._pool is not None and rows > self._pool.rows:
-            raise SMCDecodeError(f"a round of {rows} rows on mask workers sized for {self._pool.rows} rows")
         if self._bits[0].shape[0] < rows:
             self._bits = [torch.empty(rows, self.W, dtype=torch.int32, pin_memory=self.pinned) for _ in range(2)]
         self._columns, self._in_shared = {}, set()
@@ -269,15 +271,24 @@ class HostMasks:
         count). The caller releases the device on anything raised (``release``). Point 0 writes the
         buffer at once: the round before must have copied its last masks up (the scheduler has
         read it: its resampling is over)."""
-        _SERVING[0] += 1  # (a pinned buffer freed meanwhile is unpinned after: ``mask_workers._unpin``)
-        try:
+        with self.serving():
             for i in range(self.k_max + 1):
                 self._post(i)
+        self._gave_up()
+
+    @contextlib.contextmanager
+    def serving(self):
+        """Inside: a round that waits for the host's masks may be launched and not yet served, so
+        nothing may wait for the device: a pinned buffer freed inside is unpinned after it
+        (``mask_workers._unpin``), and no garbage collection runs (a finalizer's CUDA call could wait)."""
+        _SERVING[0] += 1
+        try:
+            with no_collection():
+                yield
         finally:
             _SERVING[0] -= 1
-        self._gave_up()
-        if not _SERVING[0]:
-            unpin_deferred()
+            if not _SERVING[0]:
+                unpin_deferred()
 
     def _gave_up(self) -> None:
         """Raise if a wait of the device gave up (a point came later than it waits: it went on without it)."""

@@ -15,13 +15,12 @@ reused by later schedulers of the same shape.
     while sched.busy:
         finished = sched.step()   # one round; the requests that finished (in the round read)
 
-Pipelined rounds: where a round allows it (one K for every request, no host work inside the
-proposal) the host sets pages aside before the launch, the round's graph forks the page table and
-places them itself (``smc.pages_code``), and ``step`` launches round r + 1 before it reads round r,
-booking the same pages on the host while round r + 1 runs (superset-path checks: while its proposal
-runs, before the host checks its tokens). A request's particles all finished in round r are read,
-and its slot freed, after round r + 1 was launched (for its rows a no-op); its outputs reach the
-host without waiting for that round (``_collect``).
+Pipelined rounds (one K for every request, no reward or schedule): the host sets pages aside before
+the launch, the round's graph forks the page table and places them (``smc.pages_code``), and ``step``
+launches round r + 1 before it reads round r, booking the same pages while round r + 1 runs (with
+host masks before its first host point; superset checks: before the host checks its tokens). A
+request whose particles all finished in round r leaves after round r + 1's launch (a no-op for its
+rows); its outputs reach the host without waiting for that round (``_collect``).
 
 A scheduler runs a fixed set of target programs (``target=[...]``; a request names its own in
 ``Request.target``): their automata share one device table, α is per row, rewards are scored per
@@ -170,17 +169,12 @@ class Scheduler:
         self.host_s = 0.0
         # rounds launched but not read yet (pipelined: one launched ahead) and finished requests whose
         # outputs are on their way to the host
-        self.pipeline = self.use_graphs if pipeline is None else pipeline
-        self.shrink = shrink
-        self.batched_prefill = batched_prefill
-        self._flights: list[Flight] = []
+        self.pipeline, self.shrink = (self.use_graphs if pipeline is None else pipeline), shrink
+        self.batched_prefill, self._flights, self._leaving, self._steps = batched_prefill, [], [], 0
         # (inside a launch with host points: requests that ended in the round read there are released
         # after the host's last point, since releasing uploads to the device, which waits for it)
         self._leaving_late: list[int] | None = None
-        self._leaving: list[Leaving] = []
-        self._steps = 0
-        pinned = dev.type == "cuda"
-        self._parity = 0
+        pinned, self._parity = dev.type == "cuda", 0
         self._host_packed = torch.empty(2, 3 * B + 2 * slots + 1, dtype=torch.float64, pin_memory=pinned)
         self._stage = torch.zeros(2, B, b["fresh"].shape[1], dtype=torch.long, pin_memory=pinned)
         self._fresh_set = True  # (``fresh`` may hold an earlier scheduler's pages: ``_give_none``)
@@ -396,12 +390,8 @@ class Scheduler:
     def _step(self) -> list[Finished]:
         t0 = time.perf_counter()
         self._steps += 1
-        joining = []
-        for g in range(self.slots):
-            if not self.queue:
-                break
-            if self.requests[g] is None:
-                joining.append((g, self.queue.popleft()))
+        free = [g for g in range(self.slots) if self.requests[g] is None]
+        joining = [(g, self.queue.popleft()) for g in free[: len(self.queue)]]
         if joining:
             self._end_host()  # (the host's end of the round in flight covers the requests in it alone)
             self._admit(joining)
@@ -498,16 +488,19 @@ class Scheduler:
                 host.begin(R, k, rnd.buffers["drafts"], handed=True)
             self._leaving_late = []
         elif host is not None:
+            self._end_host()
             host.begin(R, k, rnd.buffers["drafts"], handed=True)
         try:
             seconds, ends = run_round(rnd, host, [(tracker, mine[:R]) for _, tracker, mine in self.rewards], k,
                                       self.cap, meanwhile=meanwhile)
-        finally:
-            late, self._leaving_late = self._leaving_late or [], None
-            for g in late:
-                self._release(g)
+        except BaseException:
+            with contextlib.suppress(Exception):  # (the pages set aside go back; the original error propagates)
+                self._release_late()
+                if held is not None:
+                    self.table.unhold(held.reshape(-1))
+            raise
+        self._release_late()
         self.host_s += seconds
-        stats = None
         if self.plan is not None:
             stats = torch.stack([b["accept"], b["accept_n"], b["draft_lw"]]).cpu()
             self.plan.observe(group_statistics(stats[0], stats[1], stats[2], b["active"].cpu(), self.slots))
@@ -523,6 +516,11 @@ class Scheduler:
                                      rnd.buffers["bonus"] if ends else None))
         self._parity ^= 1
         self.launched += 1
+
+    def _release_late(self) -> None:
+        late, self._leaving_late = self._leaving_late or [], None
+        for g in late:
+            self._release(g)
 
     def _drain(self) -> None:
         while self._flights:

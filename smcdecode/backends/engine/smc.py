@@ -421,14 +421,15 @@ def capture_round(engine, rnd: Round, graphs: bool, split: bool, host=None) -> N
                 graph = engine.graphs.capture(run, True)
 
             def replay(meanwhile=None) -> None:
-                try:
-                    graph()
-                    if meanwhile is not None:
-                        meanwhile()
-                    host.serve()
-                except BaseException:  # (an error or an interrupt: the device let past its waits first)
-                    host.release()
-                    raise
+                with host.serving():  # (from the launch on: nothing may wait for the device)
+                    try:
+                        graph()
+                        if meanwhile is not None:
+                            meanwhile()
+                        host.serve()
+                    except BaseException:  # (an error or an interrupt: the device let past its waits first)
+                        host.release()
+                        raise
 
             rnd.propose = replay
         else:

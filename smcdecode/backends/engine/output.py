@@ -13,7 +13,7 @@ class EngineOutput:
     lengths: Tensor  # [G, N]
     log_weights: Tensor  # [G, N] float64, since the last resampling (SMC-SD; zeros otherwise)
     log_evidence: Tensor  # [G] float64 (SMC-SD; zeros otherwise)
-    ess: list = field(default_factory=list)  # per round, [G] (host)
+    ess: list = field(default_factory=list)  # per round, [G] (host; NaN: the request had finished before it)
     resampled: list = field(default_factory=list)  # per round, [G] bool (host)
     rounds: int = 0
     peak_pages: int = 0

@@ -478,13 +478,13 @@ class Scheduler:
     def _launch(self, rnd, bucket: int, k: int, occupied: list[int], K_now: dict, held, meanwhile=None) -> None:
         b, R, host = self.full.buffers, bucket * self.Nmax, self.host
         requests = {g: self.requests[g] for g in occupied}  # (as launched: ``meanwhile`` may release some)
+        before_points = meanwhile
         if host is not None and rnd.hosted:  # (host points: the round before ends on the host after the launch)
             host.prepare(R, k, handed=True)
-            read = meanwhile
 
-            def meanwhile() -> None:
-                if read is not None:
-                    read()
+            def before_points() -> None:  # (the read of the round before, then this round's start)
+                if meanwhile is not None:
+                    meanwhile()
                 host.begin(R, k, rnd.buffers["drafts"], handed=True)
             self._leaving_late = []
         elif host is not None:
@@ -492,7 +492,7 @@ class Scheduler:
             host.begin(R, k, rnd.buffers["drafts"], handed=True)
         try:
             seconds, ends = run_round(rnd, host, [(tracker, mine[:R]) for _, tracker, mine in self.rewards], k,
-                                      self.cap, meanwhile=meanwhile)
+                                      self.cap, meanwhile=before_points)
         except BaseException:
             with contextlib.suppress(Exception):  # (the pages set aside go back; the original error propagates)
                 self._release_late()

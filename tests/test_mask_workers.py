@@ -144,6 +144,14 @@ def test_settle_waits_until_the_workers_hold_the_requests_added(model):
         assert pool.accepting([0, 1]) == {0: [False] * 4, 1: [False] * 4}
         pool.settle()  # (nothing added since: nothing sent)
         assert not any(pool._owed)
+        # a new call's clear posts the reset and returns: its answer is owed until the next
+        # operation that asks (here the settle before the call's first round), which collects it
+        host.clear()
+        assert pool._owed == pool._posted and not pool.where
+        host.add(0, RequestMasks([c], 4, block_size=2, budget=100))
+        pool.settle()
+        assert set(pool.where) == {0} and not any(pool._owed)
+        assert pool.accepting([0]) == {0: [False] * 4}
     finally:
         host.close()
 

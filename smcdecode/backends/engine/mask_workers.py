@@ -276,7 +276,10 @@ class MaskWorkers:
 
     def clear(self) -> None:
         """Every request dropped: operations not yet sent are dropped too, the processes forget every
-        request (and an error left from a failed call), and an answer not yet collected is dropped."""
+        request (and an error left from a failed call), and an answer not yet collected is dropped.
+        The reset is posted, not waited for: a new call's scheduler clears its host before its
+        prefill, which the processes' reset then overlaps (its answer, owed, is collected before the
+        next operation that asks for one)."""
         self.where.clear()
         self._pending.clear()
         self._queued = [[] for _ in self._procs]
@@ -285,7 +288,7 @@ class MaskWorkers:
             self.step_wait()  # (a record still running goes before the reset)
         self._queued = [[("reset", None)] for _ in self._procs]
         with contextlib.suppress(SMCDecodeError):
-            self.wait(self.send())
+            self.send()
 
     def settle(self) -> None:
         """Send the operations queued and wait until the processes given requests since have added

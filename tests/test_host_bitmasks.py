@@ -191,7 +191,9 @@ def test_host_masks_pack_every_request_into_one_bitmask(model, device, handed, w
     rows of both requests filled in one call) equals each request's own boolean masks on its rows and
     every token elsewhere. ``handed``: the round hands each drafted column over (``drafted``: on a GPU a
 pinned copy and an event); else the host reads it from the drafts buffer. ``workers``: the first
-    request's llguidance states held by two mask worker processes, the second's (a regex too) here."""
+    request's llguidance states held by two mask worker processes, the second's (a regex too) here.
+    In the last round the first request has left: its rows, written with its masks before, allow
+    every token again."""
     V = model.vocab_size
     schemas = _schemas("jsonschemabench_Glaiveai2K.jsonl", 2)
     cs = [JSONSchema(s, path="llguidance").bind(model) for s in schemas]
@@ -204,7 +206,11 @@ pinned copy and an event); else the host reads it from the drafts buffer. ``work
     assert [m.remote for m in host.requests.values()] == [bool(workers), False]
     g = torch.Generator().manual_seed(2)
     rows = 8
-    for _round in range(3):
+    live = [True, True]
+    for _round in range(4):
+        if _round == 3:
+            host.remove(0)
+            live[0] = False
         drafts = torch.zeros(rows, 2, dtype=torch.long, device=device)
         host.begin(rows, 2, drafts)
         for i in range(3):  # draft steps 0, 1 and the bonus
@@ -213,13 +219,15 @@ pinned copy and an event); else the host reads it from the drafts buffer. ``work
             m = unpack_bits(out, V).cpu()
             expect = torch.ones(rows, V, dtype=torch.bool)
             for slot, (c, s) in enumerate(zip(cs, refs)):
-                expect[slot * 4: slot * 4 + len(s)] = c.allowed(s)
+                if live[slot]:
+                    expect[slot * 4: slot * 4 + len(s)] = c.allowed(s)
             expect[4:6] &= regex.allowed(ref_regex)
             assert torch.equal(m, expect), (_round, i)
             choice = expect.clone()
             choice[:, model.eos_token_id] = False
             d = torch.multinomial(choice.double() + 1e-30 * (~choice.any(1, keepdim=True)), 1, generator=g)[:, 0]
-            refs = [c.advance(s, d[slot * 4: slot * 4 + len(s)]) for slot, (c, s) in enumerate(zip(cs, refs))]
+            refs = [c.advance(s, d[slot * 4: slot * 4 + len(s)]) if live[slot] else s
+                    for slot, (c, s) in enumerate(zip(cs, refs))]
             ref_regex = regex.advance(ref_regex, d[4:6])
             d_dev = d.to(device)
             if i < 2:

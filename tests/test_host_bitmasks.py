@@ -290,6 +290,64 @@ def test_host_masks_of_rows_sharing_matchers_equal_their_replayed_histories(mode
 
 
 @pytest.mark.slow
+def test_next_round_first_masks_filled_before_the_resampling_follow_the_ancestors(model):
+    """With mask workers, a round's end fills the next round's step-0 masks from the states before the
+    resampling, and step 0 gives each row its ancestor's row. Rows draw their tokens on their own (so
+    their masks differ), the resampling moves rows between ancestors, and requests come and go between
+    a round's end and the next round's step 0: every step's rows equal the masks of each row's own
+    replayed history, and the rows of a request that left (or of a smaller one in its slot) allow
+    every token. The walk is checked to be one where the ancestors' masks differ from the rows' own."""
+    V, eos, K = model.vocab_size, model.eos_token_id, 2
+    schemas = _schemas("jsonschemabench_Glaiveai2K.jsonl", 2)
+    cs = [JSONSchema(s, path="llguidance").bind(model) for s in schemas]
+    host = HostMasks(4, V, "cpu", rows=8, k_max=K, workers=2)
+    held = {0: (cs[0], 4), 1: (cs[1], 2)}  # slot -> (constraint, rows)
+    for slot, (c, n) in held.items():
+        host.add(slot, RequestMasks([c], n, K, budget=1000))
+    hist = {0: [[] for _ in range(4)], 1: [[] for _ in range(2)]}
+    g = torch.Generator().manual_seed(5)
+    out = torch.empty(8, host.W, dtype=torch.int32)
+    moved = 0  # rows whose ancestor's step-0 mask differs from their own history's
+    for rnd in range(5):
+        if rnd == 2:  # a smaller request takes slot 1 between the end and step 0: its row 5 is free
+            host.remove(1)
+            held[1], hist[1] = (cs[1], 1), [[]]
+            host.add(1, RequestMasks([cs[1]], 1, K, budget=1000))
+        if rnd == 3:  # slot 1 left: its row allows every token
+            host.remove(1)
+            del held[1], hist[1]
+        drafts = torch.zeros(8, K, dtype=torch.long)
+        host.begin(8, K, drafts)
+        for i in range(K + 1):
+            host.mask(i, out)
+            expect = torch.ones(8, V, dtype=torch.bool)
+            for slot, (c, n) in held.items():
+                expect[slot * 4: slot * 4 + n] = _reference_mask(c, c._replay(hist[slot]))
+            assert torch.equal(unpack_bits(out, V), expect), (rnd, i)
+            choice = expect.clone()
+            choice[:, eos] = False
+            d = torch.multinomial(choice.double() + 1e-30 * (~choice.any(1, keepdim=True)), 1, generator=g)[:, 0]
+            for slot, (_, n) in held.items():
+                for r in range(n):
+                    hist[slot][r].append(int(d[slot * 4 + r]))
+            if i < K:
+                drafts[:, i] = d
+                host.drafted(i, d)
+            else:
+                host.end(d)
+        index = np.arange(8)
+        for slot, (c, n) in held.items():
+            local = torch.randint(0, n, (n,), generator=g).numpy()
+            before = _reference_mask(c, c._replay(hist[slot]))
+            moved += int((before[local] != before).any(1).sum())
+            index[slot * 4: slot * 4 + n] = slot * 4 + local
+            hist[slot] = [list(hist[slot][a]) for a in local]
+        host.fork(index)
+    assert moved > 0  # (some step 0 did take rows from other ancestors whose masks differ)
+    host.close()
+
+
+@pytest.mark.slow
 def test_requests_of_one_constraint_take_lanes_whose_masks_agree(model):
     """Three requests under one constraint take lanes 0, 1, 2 (each a compile of its own, so
     llguidance fills them in parallel); fed the same tokens, every request's HostMasks rows equal

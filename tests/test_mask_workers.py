@@ -156,6 +156,30 @@ def test_settle_waits_until_the_workers_hold_the_requests_added(model):
         host.close()
 
 
+@pytest.mark.slow
+def test_idle_workers_sleep_and_a_post_wakes_them(model):
+    """A worker idle past its watch flags its sleep on the bell; a batch posted then wakes it (the
+    wake-up is skipped while every worker watches, so a lost one would leave the answer to the
+    sleep's 1 s timeout)."""
+    c = JSONSchema(OPEN, path="llguidance").bind(model)
+    host = HostMasks(4, model.vocab_size, "cpu", rows=8, k_max=2, workers=2)
+    host.add(0, RequestMasks([c], 4, block_size=2, budget=100))
+    host.add(1, RequestMasks([c], 4, block_size=2, budget=100))
+    pool = host._pool
+    try:
+        pool.settle()
+        for _ in range(5):
+            deadline = time.monotonic() + 5
+            while not pool._asleep.all() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert pool._asleep.all()
+            start = time.monotonic()
+            assert pool.accepting([0, 1]) == {0: [False] * 4, 1: [False] * 4}
+            assert time.monotonic() - start < 0.5
+    finally:
+        host.close()
+
+
 def test_a_buffer_freed_while_a_round_is_served_is_unpinned_after():
     """A pinned buffer freed while a round waits on the device for the host's masks is not unpinned
     then (that waits for the device, which waits for this host), but once the round is served."""

@@ -90,6 +90,11 @@ class HostMasks:
         else:
             self._mem, self._bits = None, [torch.empty(0, self.W, dtype=torch.int32) for _ in range(2)]
         self._turn = 0
+        # the next round's step-0 masks of requests in the mask workers, filled at this round's end from
+        # the states before the resampling (``end``): (step buffer, slot -> its RequestMasks); and the
+        # resampling's ancestors, which ``_fill`` then gathers those rows by (``fork``)
+        self._prefilled: tuple[int, dict] | None = None
+        self._ancestors = None
         # each buffer's upload (an event, recorded after its copy; made once: a new event costs more than the copy)
         self._upload_events = [torch.cuda.Event(), torch.cuda.Event()] if self.pinned else None
         self._uploaded = [False, False]  # has each buffer's event been recorded?
@@ -144,6 +149,7 @@ class HostMasks:
         """Every request removed (a new scheduler over this round's shape)."""
         self.requests.clear()
         self.continuing = False
+        self._prefilled = None
         if self._pool is not None:
             if self._pool.usable:
                 self._pool.clear()
@@ -334,6 +340,7 @@ class HostMasks:
             self._pool.step_wait()
         self._posted_np[0] = 2**62
         self._bits[0].numpy().fill(-1)
+        self._prefilled = None
         try:
             yield
         finally:
@@ -345,6 +352,7 @@ class HostMasks:
         if not self.pinned:
             return
         self._releasing = True  # (until it is through: ``begin`` finishes a release an interrupt cut short)
+        self._prefilled = None
         self._posted_np[0] = 2**62
         torch.cuda.synchronize(self.device)
         self._seen.zero_()
@@ -365,10 +373,13 @@ class HostMasks:
             step = min(i, m.K)
             if m.counts(step):
                 counted.append((m, step, self._rows(slot, m.n)))
+        prefilled, self._prefilled = self._prefilled, None
         if not counted:
             return None
         bits = self._bits[turn][: self.rows]
-        if sum(m.n for m, _, _ in counted) < self.rows:  # (rows no request constrains: every token)
+        if i == 0 and prefilled is not None and prefilled[0] == turn:
+            counted = self._gather(counted, prefilled[1], bits.numpy())
+        elif sum(m.n for m, _, _ in counted) < self.rows:  # (rows no request constrains: every token)
             bits.numpy().fill(-1)  # (numpy's: one thread, where torch's fill would wake its pool)
         remote = [t for t in counted if t[0].remote]
         if remote:  # (the workers fill their rows while this process fills its own)
@@ -379,6 +390,31 @@ class HostMasks:
         if remote:
             self._pool.step_wait()
         return bits
+
+    def _gather(self, counted: list, prefilled: dict, bits) -> list:
+        """Step 0's masks in ``bits`` (int32 [rows, W]) of the requests of ``counted`` ((RequestMasks,
+        step, its rows)) that the last round's end filled (``prefilled``: slot -> RequestMasks) from their
+        states before the resampling: each row takes its ancestor's row. The other rows allow every
+        token; returns the counted requests left to fill."""
+        self._pool.step_wait()  # (the end's record, which filled them)
+        ancestors, self._ancestors = self._ancestors, None
+        covered = np.zeros(len(bits), dtype=bool)
+        rest, moved = [], []
+        for t in counted:
+            m, _, r = t
+            if prefilled.get(m.slot) is m:
+                covered[r] = True
+                moved.append(np.arange(r.start, r.stop))
+            else:
+                rest.append(t)
+        if not covered.all():
+            bits[~covered] = -1
+        if ancestors is not None and moved:
+            rows = np.concatenate(moved)
+            src = ancestors[rows]
+            if (src != rows).any():
+                bits[rows] = bits[src]
+        return rest
 
     def _catch_up(self, todo: list) -> None:
         """Bring each request of ``todo`` ((RequestMasks, step i, its rows)) to draft step i: the drafted
@@ -395,17 +431,19 @@ class HostMasks:
             for m, _ in due:
                 m.consumed += 1
 
-    def _items(self, todo: list, fill: bool, bonus: set = frozenset()) -> list:
+    def _items(self, todo: list, fill, bonus: set = frozenset()) -> list:
         """The step-record items (``MaskWorkers.step``) of the remote requests of ``todo`` ((RequestMasks,
         step i, its rows)): each request consumes the drafted columns up to draft step i (each column
-        shared first: ``_share``), then the bonus where its slot is in ``bonus``, then fills if ``fill``."""
+        shared first: ``_share``), then the bonus where its slot is in ``bonus``, then fills if ``fill``
+        (True, or the set of slots that fill)."""
         items = []
         for m, step, r in todo:
             last = max(m.consumed, min(step, m.k))
             for j in range(m.consumed, last):
                 self._share(j)
-            if last > m.consumed or fill or m.slot in bonus:
-                items.append((m.slot, m.consumed, last, r.start, int(m.slot in bonus), int(fill)))
+            fills = fill if isinstance(fill, bool) else m.slot in fill
+            if last > m.consumed or fills or m.slot in bonus:
+                items.append((m.slot, m.consumed, last, r.start, int(m.slot in bonus), int(fills)))
             m.consumed = last
         return items
 
@@ -432,12 +470,23 @@ class HostMasks:
             tokens = self._column(self.k_max).tolist()
             advance_requests([(m, tokens[r]) for m, r in local_due])
         remote = [t for t in todo if t[0].remote]
+        self._prefilled = None
         if remote:  # (the workers catch up while the device resamples)
             if due:
                 self._share(self.k_max)
-            items = self._items(remote, fill=False, bonus=due)
+            # and fill the next round's step-0 masks of the requests that draft in it, from the states
+            # before the resampling (``_gather`` takes each row's ancestor's), into the buffer that
+            # step will use: so the host's reading of this round overlaps that fill
+            turn = 0 if self.waits else self._turn ^ 1
+            ahead = {m.slot for m, _, _ in remote if m.slot in due and min(m.K, m.budget - m.position - m.K - 1) > 0}
+            if ahead and not self.waits and self._uploaded[turn]:
+                self._upload_events[turn].synchronize()  # (its last upload is done)
+            items = self._items(remote, fill=ahead, bonus=due)
             if items:
-                self._pool.step(0, self.k_max, items)
+                self._pool.step(turn, self.k_max, items)
+            if ahead:
+                self._prefilled = (turn, {slot: self.requests[slot] for slot in ahead})
+        self._ancestors = None
         for m, _, _ in todo:
             m.position += m.K + 1
         self._columns, self._in_shared = {}, set()
@@ -508,6 +557,8 @@ class HostMasks:
     def fork(self, index) -> None:
         """Resampling: ``index`` [≥ rows] the rows' ancestors (global row numbers)."""
         index = np.asarray(index)
+        if self._prefilled is not None:  # (the next step 0's rows, filled before it: ``_gather``)
+            self._ancestors = index
         for slot, m in self.requests.items():
             local = index[self._rows(slot, m.n)] - slot * self.n_max
             if (local != np.arange(m.n)).any():

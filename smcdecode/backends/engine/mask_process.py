@@ -20,8 +20,9 @@ import numpy as np
 import torch
 
 # a process's mailbox: its control words (one 64-byte line each, so no two processes write one line):
-# batches posted, taken, done, a batch's byte length, its answer's; the last step record done, failed
-POSTED, TAKEN, DONE, LENGTH, ANSWER, STEP_DONE, STEP_FAIL = range(7)
+# batches posted, taken, done, a batch's byte length, its answer's; the last step record done, failed;
+# whether the process is asleep on the bell (``MaskWorkers._ring`` wakes the bell only then)
+POSTED, TAKEN, DONE, LENGTH, ANSWER, STEP_DONE, STEP_FAIL, ASLEEP = range(8)
 LINE = 8  # int64 words a process's control line
 # the step record (int64 words, after the control lines and the bell's line): its sequence number (odd
 # while written), the step buffer it fills, the bonus column, its items, then each process's batches
@@ -167,7 +168,11 @@ class _Worker:
             # the next step comes within a draft forward: watch a while before sleeping (a busy wait, on
             # purpose: a sleeping process would wake later than the step comes)
             if time.perf_counter() - idle > SPIN:
+                # (the flag is stored before the kernel reads the bell, behind the futex's own barrier: a
+                # ring after ``ring`` was read either sees the flag and wakes, or changed the bell)
+                ctrl[w, ASLEEP] = 1
                 sleep_on(self.bell.ctypes.data, ring, 1.0)
+                ctrl[w, ASLEEP] = 0
                 if os.getppid() != parent:
                     return
 

@@ -38,6 +38,7 @@ import os
 import pickle
 import platform
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -48,6 +49,7 @@ import torch
 from ...errors import SMCDecodeError
 from .mask_process import (
     ANSWER,
+    ASLEEP,
     BONUS,
     DONE,
     IN_CAP,
@@ -159,7 +161,7 @@ class MaskWorkers:
     Batches travel through shared memory: each process has a mailbox (a control line and a byte area)
     where this process writes a pickled batch of operations and raises POSTED; step records have one
     area for all. After either, this process bumps the bell, a shared word the processes sleep on (a
-    futex), and wakes them. A process, watching its mailbox and the record for ``SPIN`` seconds after
+    futex), and wakes the processes asleep on it, if any (each flags its sleep in its control line). A process, watching its mailbox and the record for ``SPIN`` seconds after
     its last work and then asleep on the bell, runs a batch or its part of a record, writes its answer
     and raises DONE (STEP_DONE), which this process spins on (a step's wait is short). A batch longer
     than the mailbox goes through the pipe. The order holds both ways: a record names each process's
@@ -185,6 +187,7 @@ class MaskWorkers:
         self.bits = [whole[t * rows * words: (t + 1) * rows * words].view(rows, words) for t in (0, 1)]
         self._box = mmap.mmap(-1, area_start(processes, rows) + processes * (IN_CAP + OUT_CAP))
         self._ctrl, self._bell, self._record = views(self._box, processes, rows)
+        self._asleep, self._fence = self._ctrl[:, ASLEEP], threading.Lock()
         ctx = multiprocessing.get_context("fork")
         self._conns, self._procs = [], []
         self._finalizer = weakref.finalize(self, _close, self._ctrl, self._bell, self._conns, self._procs)
@@ -414,9 +417,15 @@ class MaskWorkers:
                 raise self._ended(w) from None
 
     def _ring(self) -> None:
-        """Bump the bell and wake the processes asleep on it (after a batch or a record is posted)."""
+        """Bump the bell and wake the processes asleep on it (after a batch or a record is posted), if
+        any is: a process watching for work sees the post itself, and a wake-up is a system call."""
         self._bell[0] = (int(self._bell[0]) + 1) & 0x7FFFFFFF
-        wake_all(self._bell.ctypes.data)
+        # a fence (a lock's atomic instruction) between the bell's store and the flags' load: a process
+        # that raised its flag after this load sees the new bell in its futex and does not sleep
+        self._fence.acquire()
+        self._fence.release()
+        if self._asleep.any():
+            wake_all(self._bell.ctypes.data)
 
     def _spin(self, w: int, word: int, target: int) -> None:
         """Wait until process w's control word reaches ``target`` (spinning: the wait is short; a

@@ -383,7 +383,7 @@ class HostMasks:
             bits.numpy().fill(-1)  # (numpy's: one thread, where torch's fill would wake its pool)
         remote = [t for t in counted if t[0].remote]
         if remote:  # (the workers fill their rows while this process fills its own)
-            self._pool.step(turn, 0, self._items(remote, fill=True))
+            self._pool.step(turn, 0, self._items(remote, fill={m.slot for m, _, _ in remote}))
         local = [t for t in counted if not t[0].remote]
         self._catch_up(local)
         fill_requests([(m, r) for m, _, r in local], bits, self.rows)
@@ -431,17 +431,17 @@ class HostMasks:
             for m, _ in due:
                 m.consumed += 1
 
-    def _items(self, todo: list, fill, bonus: set = frozenset()) -> list:
+    def _items(self, todo: list, fill: set, bonus: set = frozenset()) -> list:
         """The step-record items (``MaskWorkers.step``) of the remote requests of ``todo`` ((RequestMasks,
         step i, its rows)): each request consumes the drafted columns up to draft step i (each column
-        shared first: ``_share``), then the bonus where its slot is in ``bonus``, then fills if ``fill``
-        (True, or the set of slots that fill)."""
+        shared first: ``_share``), then the bonus where its slot is in ``bonus``, then fills where its
+        slot is in ``fill``."""
         items = []
         for m, step, r in todo:
             last = max(m.consumed, min(step, m.k))
             for j in range(m.consumed, last):
                 self._share(j)
-            fills = fill if isinstance(fill, bool) else m.slot in fill
+            fills = m.slot in fill
             if last > m.consumed or fills or m.slot in bonus:
                 items.append((m.slot, m.consumed, last, r.start, int(m.slot in bonus), int(fills)))
             m.consumed = last

@@ -161,10 +161,11 @@ class MaskWorkers:
     Batches travel through shared memory: each process has a mailbox (a control line and a byte area)
     where this process writes a pickled batch of operations and raises POSTED; step records have one
     area for all. After either, this process bumps the bell, a shared word the processes sleep on (a
-    futex), and wakes the processes asleep on it, if any (each flags its sleep in its control line). A process, watching its mailbox and the record for ``SPIN`` seconds after
-    its last work and then asleep on the bell, runs a batch or its part of a record, writes its answer
-    and raises DONE (STEP_DONE), which this process spins on (a step's wait is short). A batch longer
-    than the mailbox goes through the pipe. The order holds both ways: a record names each process's
+    futex), and wakes the processes asleep on it, if any (each flags its sleep in its control line).
+    A process, watching its mailbox and the record for ``SPIN`` seconds after its last work and then
+    asleep on the bell, runs a batch or its part of a record, writes its answer and raises DONE
+    (STEP_DONE), which this process spins on (a step's wait is short). A batch longer than the
+    mailbox goes through the pipe. The order holds both ways: a record names each process's
     batches before it, which run first, and a batch goes to a process only once the process finished
     the record before it."""
 

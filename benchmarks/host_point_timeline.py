@@ -23,6 +23,15 @@ graph is launched:
   (the host's and the mask workers' work of a step; the device runs the next draft forward meanwhile);
 - ``round``: launch to the next launch.
 
+On the device (the engine's wait kernel replaced by a copy that also stamps the GPU's global timer
+when a wait begins and ends): ``wait{j}``, how long the device waited at host point j (j = K: the
+bonus), and ``busy{j}``, its work from passing the point before to reaching point j (for j = 0:
+from the round before's bonus point: its end, then this round's start and first draft forward).
+Each timed call is paired with an unconstrained call at the same lengths (each request's
+``max_new_tokens`` its longest particle's length, as ``structured_engine.py``'s same-length
+comparison), whose ``round`` intervals are reported beside (``plain round``), with both calls'
+times and their rounds' totals.
+
 Prints medians and 10th / 90th percentiles over the rounds; --out writes them as JSON.
 """
 
@@ -38,6 +47,9 @@ import time
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import globaltimer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import structured_engine as se  # noqa: E402
@@ -48,6 +60,7 @@ from smcdecode.backends.engine import host_masks as HM  # noqa: E402
 from smcdecode.backends.engine import mask_workers as MW  # noqa: E402
 from smcdecode.backends.engine import scheduler as S  # noqa: E402
 from smcdecode.backends.engine.config import EngineConfig  # noqa: E402
+from smcdecode.backends.engine.kernels import host as KH  # noqa: E402
 from smcdecode.backends.engine.targets import EngineTarget  # noqa: E402
 from smcdecode.potentials.json_schema import JSONSchema  # noqa: E402
 
@@ -56,6 +69,61 @@ SCHEMAS = {"tree": (se.TREE_SCHEMA, "auto"), "held": (se.HELD_TREE_SCHEMA, "auto
 LOG: list = []  # (tag, argument, start, end)
 ON = [False]
 IN_READ = [False]
+POSTS: dict = {}  # the host's count of points after posting one -> that point's step j
+STAMPS = 1 << 16  # device stamps kept (a ring)
+
+
+@triton.jit
+def _stamped_wait(posted_ptr, seen_ptr, stamps_ptr, n_ptr, LIMIT_NS: tl.constexpr, RING: tl.constexpr):
+    # kernels/host.py's wait, plus (count awaited, GPU time when the wait began, when it ended)
+    target = tl.load(seen_ptr) + 1
+    start = globaltimer()
+    posted = tl.load(posted_ptr, volatile=True)
+    while (posted < target) & (globaltimer() - start < LIMIT_NS):
+        posted = tl.load(posted_ptr, volatile=True)
+    end = globaltimer()
+    tl.store(seen_ptr, target)
+    if posted < target:
+        tl.store(posted_ptr + 1, 1)
+    n = tl.load(n_ptr)
+    at = stamps_ptr + 3 * (n % RING)
+    tl.store(at, target)
+    tl.store(at + 1, start)
+    tl.store(at + 2, end)
+    tl.store(n_ptr, n + 1)
+
+
+class DeviceStamps:
+    """The engine's host-point wait replaced (before any round is captured) by ``_stamped_wait``."""
+
+    def __init__(self):
+        self.stamps = torch.zeros(STAMPS, 3, dtype=torch.long, device="cuda")
+        self.n = torch.zeros(1, dtype=torch.long, device="cuda")
+
+        def wait(posted, seen, give_up_s=KH.GIVE_UP_S):
+            _stamped_wait[(1,)](posted, seen, self.stamps, self.n, LIMIT_NS=int(give_up_s * 1e9), RING=STAMPS,
+                                num_warps=1)
+
+        KH.wait_for_host = wait  # (host_masks imports it at each capture)
+
+    def reset(self) -> None:
+        torch.cuda.synchronize()
+        self.n.zero_()
+        POSTS.clear()
+
+    def add(self, stats: dict) -> None:
+        """Each stamped wait of the last call by its step: ``wait{j}`` and ``busy{j}`` (ms) into ``stats``."""
+        n = int(self.n.item())
+        if n > STAMPS:
+            raise SystemExit(f"more than {STAMPS} host points in a call")
+        rows = self.stamps[:n].tolist()
+        for i, (target, start, end) in enumerate(rows):
+            j = POSTS.get(target)
+            if j is None:
+                continue
+            stats.setdefault(f"wait{j}", []).append((end - start) / 1e6)
+            if i:
+                stats.setdefault(f"busy{j}", []).append((start - rows[i - 1][2]) / 1e6)
 
 
 def stamp(owner, attr: str, tag: str, arg: bool = False, inside: list | None = None) -> None:
@@ -85,6 +153,13 @@ def install() -> None:
     stamp(HM.HostMasks, "end", "end")
     stamp(HM.HostMasks, "begin", "begin")
     stamp(HM.HostMasks, "_post", "post", arg=True)
+    posting = HM.HostMasks._post
+
+    def post(self, i):  # (the count it raises: which step a device wait was for)
+        posting(self, i)
+        POSTS[self._count] = i
+
+    HM.HostMasks._post = post
     stamp(HM.HostMasks, "_column", "col", arg=True)
     stamp(MW.MaskWorkers, "step_wait", "stepwait")
     synchronize = torch.cuda.Event.synchronize
@@ -155,6 +230,7 @@ def main() -> None:
     _, target, draft, model, prompts, eos = se.smollm2_models(ns, "cuda", torch.bfloat16)
     engine = Engine(target, draft, EngineConfig(num_pages=args.requests * 12 * 30 + 64, page_size=16,
                                                 max_context=max(len(p) for p in prompts) + 272))
+    device = DeviceStamps()
     install()
     N, K, L = 8, 8, 256
     P = prompts[: args.requests]
@@ -167,20 +243,32 @@ def main() -> None:
         c = JSONSchema(schema, path=path).bind(model)
         kw = {"particles": N, "block_size": K, "target": EngineTarget.of(sd.LM(model) * c), "eos_token_id": eos}
         for _ in range(3):
-            engine.smc_sd(P, max_new_tokens=L, **kw)
+            out = engine.smc_sd(P, max_new_tokens=L, **kw)
+        same = [max(1, int(out.lengths[g].max())) for g in range(len(P))]  # (the calls draw alike)
+        engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=same)  # (captures its rounds)
         stats: dict = {}
-        calls = []
+        calls, plain_calls, plain = [], [], {}
         for _ in range(3):
-            LOG.clear()
-            torch.cuda.synchronize()
-            ON[0] = True
-            t0 = time.perf_counter()
-            engine.smc_sd(P, max_new_tokens=L, **kw)
-            torch.cuda.synchronize()
-            ON[0] = False
-            calls.append(1e3 * (time.perf_counter() - t0))
-            launches = rounds_of(LOG, K, stats)
-        print(f"{name} G={args.requests} ({c.path}): calls {[round(t, 1) for t in calls]} ms, {launches} rounds a call")
+            for constrained in (True, False):
+                LOG.clear()
+                device.reset()
+                ON[0] = True
+                t0 = time.perf_counter()
+                if constrained:
+                    engine.smc_sd(P, max_new_tokens=L, **kw)
+                else:
+                    engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=same)
+                torch.cuda.synchronize()
+                ON[0] = False
+                (calls if constrained else plain_calls).append(1e3 * (time.perf_counter() - t0))
+                if constrained:
+                    launches = rounds_of(LOG, K, stats)
+                    device.add(stats)
+                else:
+                    rounds_of(LOG, K, plain)
+        stats["plain round"] = plain["round"]
+        print(f"{name} G={args.requests} ({c.path}): calls {[round(t, 1) for t in calls]} ms, {launches} rounds a call; "
+              f"unconstrained at the same lengths {[round(t, 1) for t in plain_calls]} ms")
         table = {}
         for key, v in stats.items():
             v = sorted(v)
@@ -188,7 +276,8 @@ def main() -> None:
                           "p90_ms": v[9 * len(v) // 10], "n": len(v)}
             print(f"  {key:18s} median {table[key]['median_ms']:7.3f} ms  p10 {table[key]['p10_ms']:7.3f}  "
                   f"p90 {table[key]['p90_ms']:7.3f}  n={len(v)}")
-        res["schemas"][name] = {"path": c.path, "call_ms": calls, "rounds": launches, "intervals": table}
+        res["schemas"][name] = {"path": c.path, "call_ms": calls, "plain_same_length_call_ms": plain_calls,
+                                "same_length": same, "rounds": launches, "intervals": table}
         engine.clear_graphs()
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

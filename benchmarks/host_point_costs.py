@@ -17,8 +17,6 @@ and each variant's difference from the plain step.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -32,7 +30,7 @@ from smcdecode.potentials.constraint import pack_bits
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parent))
 
-from sampler_ab import graph_of  # noqa: E402  (warmed up on a side stream, then captured)
+from sampler_ab import graph_of, replayed_us, write_results  # noqa: E402  (graph_of: warmed up, then captured)
 
 PARTS = ("wait", "upload", "masked", "hand_over")
 VARIANTS = {  # name -> the parts a step has
@@ -95,14 +93,7 @@ def timed_case(R: int, V: int, D: int, K: int, repeats: int, replays: int) -> di
     for rep in range(repeats):
         order = names[rep % len(names):] + names[: rep % len(names)]
         for name in order:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(replays):
-                graphs[name].replay()
-            end.record()
-            end.synchronize()
-            times[name].append(1e3 * start.elapsed_time(end) / (replays * K))
+            times[name].append(replayed_us(graphs[name], replays, K))
     med = {name: statistics.median(v) for name, v in times.items()}
     return {"rows": R, "vocab": V, "hidden": D, "steps": K, "us_per_step": med,
             "over_plain_us": {name: med[name] - med["plain"] for name in names}, "times_us": times}
@@ -127,12 +118,7 @@ def main() -> None:
         print(f"R={R} V={args.vocab} D={args.hidden}: µs a draft step (median of {args.repeats})", flush=True)
         for name, us in row["us_per_step"].items():
             print(f"  {name:18s} {us:7.2f}  ({row['over_plain_us'][name]:+6.2f} over plain)", flush=True)
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "repeats": args.repeats, "replays": args.replays, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=1))
-    print(f"wrote {args.out}")
+    write_results(args.out, rows, repeats=args.repeats, replays=args.replays)
 
 
 if __name__ == "__main__":

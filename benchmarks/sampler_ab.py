@@ -18,6 +18,7 @@ Writes benchmarks/results/sampler_ab.json and prints a table."""
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import json
 import statistics
@@ -71,6 +72,27 @@ def time_graph(g, calls: int) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1000.0 / calls  # µs per call
+
+
+def replayed_us(g, replays: int, per: int = 1) -> float:
+    """µs a call: the graph ``g`` replayed ``replays`` times (``per`` calls a replay), timed by events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    end.synchronize()
+    return 1e3 * start.elapsed_time(end) / (replays * per)
+
+
+def write_results(out: Path, rows: list, **meta) -> None:
+    """``rows`` with the device, torch's version, the date and ``meta``, as JSON into ``out``."""
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **meta, "rows": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    print(f"wrote {out}")
 
 
 def check_same(old, new, what: str) -> None:

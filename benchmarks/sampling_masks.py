@@ -12,8 +12,6 @@ variants must draw the same tokens (checked).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -26,7 +24,7 @@ from smcdecode.potentials.constraint import pack_bits, unpack_bits
 RESULTS = Path(__file__).resolve().parent / "results"
 sys.path.insert(0, str(RESULTS.parent))
 
-from sampler_ab import graph_of  # noqa: E402  (compiled, warmed up on a side stream, captured)
+from sampler_ab import graph_of, replayed_us, write_results  # noqa: E402  (graph_of: warmed up on a side stream, captured)
 
 
 def timed_case(R: int, V: int, repeats: int, replays: int) -> dict:
@@ -49,14 +47,7 @@ def timed_case(R: int, V: int, repeats: int, replays: int) -> dict:
     times: dict = {"unpacked": [], "packed": []}
     for i in range(repeats):
         for name in (("unpacked", "packed") if i % 2 == 0 else ("packed", "unpacked")):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(replays):
-                graphs[name].replay()
-            end.record()
-            end.synchronize()
-            times[name].append(1e3 * start.elapsed_time(end) / replays)
+            times[name].append(replayed_us(graphs[name], replays))
     same = torch.equal(outs["unpacked"].token, outs["packed"].token) and torch.equal(
         outs["unpacked"].log_norm, outs["packed"].log_norm)
     return {"rows": R, "vocab": V, "unpacked_us": statistics.median(times["unpacked"]),
@@ -80,12 +71,7 @@ def main() -> None:
             rows.append(row)
             print(f"R={R:4d} V={V:6d}: unpacked then masked {row['unpacked_us']:7.1f} µs, packed "
                   f"{row['packed_us']:7.1f} µs a step (same draws: {row['same_draws']})", flush=True)
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "repeats": args.repeats, "replays": args.replays, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=1))
-    print(f"wrote {args.out}")
+    write_results(args.out, rows, repeats=args.repeats, replays=args.replays)
 
 
 if __name__ == "__main__":

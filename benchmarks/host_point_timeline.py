@@ -29,8 +29,8 @@ bonus), and ``busy{j}``, its work from passing the point before to reaching poin
 from the round before's bonus point: its end, then this round's start and first draft forward).
 Each timed call is paired with an unconstrained call at the same lengths (each request's
 ``max_new_tokens`` its longest particle's length, as ``structured_engine.py``'s same-length
-comparison), whose ``round`` intervals are reported beside (``plain round``), with both calls'
-times and their rounds' totals.
+comparison), whose ``round`` intervals are reported beside (``plain round``), and both calls'
+times.
 
 Prints medians and 10th / 90th percentiles over the rounds; --out writes them as JSON.
 """

@@ -571,9 +571,14 @@ def test_triton_sampler_equals_the_torch_function_draw_for_draw(R):
                 torch.testing.assert_close(a_[same], b_[same], rtol=1e-4, atol=1e-4, equal_nan=True)
         if "mask" in kw:  # the mask packed (a bit a token, as the host uploads it): the same, bit for bit
             kw["mask_bits"] = pack_bits(kw.pop("mask"))
-            packed = triton_sample_and_score(logits, temperature, torch.tensor(3, device="cuda"), gather, bits=bits, **kw)
+            unmasked = torch.full((R, 2), 7.0, device="cuda")  # (written into a strided column)
+            packed = triton_sample_and_score(logits, temperature, torch.tensor(3, device="cuda"), gather, bits=bits,
+                                             unmasked_out=unmasked[:, 0], **kw)
             for a_, b_ in zip(packed, fused):
                 assert torch.equal(a_.nan_to_num(), b_.nan_to_num())
+            expect = torch.where(torch.isfinite(fused.log_norm), fused.log_prob + fused.log_norm, 0.0)
+            torch.testing.assert_close(unmasked[:, 0], expect, rtol=0, atol=1e-6)
+            assert (unmasked[:, 1] == 7.0).all() and unmasked[2, 0] == 0  # (row 2 is dead)
 
 
 def test_wait_for_host_holds_the_stream_until_the_host_counts_and_gives_up_on_time():

@@ -516,6 +516,44 @@ def test_interpreted_sample_and_score_skips_rows_but_draws_the_same_tokens():
     assert not torch.equal(tok_other[drawn], tok_s[drawn])  # the seed still matters
 
 
+def test_interpreted_packed_masks_find_dead_rows_and_write_the_unmasked_log_q():
+    """A packed mask without ``dead``: each program finds the rows that allow nothing from the bits
+    (bits set past V in the last word do not count), and the draws, log π, normalisers are those of
+    the same mask as bytes with ``dead`` given; ``unmasked_out`` (a strided column, as the round's
+    log_q_all[:, i]) gets log q(token) of the unmasked softmax, 0 on a dead row."""
+    from smcdecode.potentials.constraint import pack_bits
+
+    kernels = _interpreted_kernels()
+    g = torch.Generator().manual_seed(6)
+    R, V = 8, 3100  # (V % 32 = 28: the last word has 4 bits past V)
+    logits = torch.randn(R, V, generator=g) * 2
+    mask = torch.rand(R, V, generator=g) < 0.2
+    mask[3] = False  # dead
+    mask[5] = False  # dead, but for a bit past V (set below)
+    mask[6] = False
+    mask[6, -1] = True  # only the last token
+    bits = pack_bits(mask)
+    bits[5, -1] |= 1 << 30
+    noise = torch.randint(-(2**31), 2**31 - 1, (R, V), generator=g, dtype=torch.int32)
+    seed = torch.tensor(5)
+    out = torch.full((R, 3), 7.0)
+    got = kernels.triton_sample_and_score(logits, 0.9, seed, bits=noise, mask_bits=bits, unmasked_out=out[:, 1])
+    ref = kernels.triton_sample_and_score(logits, 0.9, seed, bits=noise, mask=mask, dead=~mask.any(-1))
+    assert torch.equal(got.token, ref.token)
+    for a, b in zip(got[1:3], ref[1:3]):
+        torch.testing.assert_close(a, b)
+    assert torch.isinf(got.log_norm[[3, 5]]).all() and torch.isfinite(got.log_norm[[0, 1, 2, 4, 6, 7]]).all()
+    assert got.token[6] == V - 1
+    live = torch.tensor([r not in (3, 5) for r in range(R)])
+    logq = torch.log_softmax(logits / 0.9, -1).gather(1, got.token[:, None])[:, 0]
+    torch.testing.assert_close(out[live, 1], logq[live], rtol=1e-5, atol=1e-5)
+    assert (out[~live, 1] == 0).all() and (out[:, [0, 2]] == 7.0).all()
+    with pytest.raises(ValueError, match="unmasked_out must be float32 of shape"):
+        kernels.triton_sample_and_score(logits, 0.9, seed, mask_bits=bits, unmasked_out=out[:4, 1])
+    with pytest.raises(ValueError, match="unmasked_out needs a mask"):
+        kernels.triton_sample_and_score(logits, 0.9, seed, unmasked_out=out[:, 1])
+
+
 class _LaunchSpy:
     """Stands in for a Triton kernel object: records the keyword arguments of each launch."""
 
@@ -604,6 +642,20 @@ for every in (1, 9):
     build(sampling._sample_merge_kernel, {"PART": "*fp32", "LOGITS": "*bf16", "stride_r": "i32", "inv_temp": "fp32",
                                    "GATHER": "*i64", "TOK": "*i64", "LOGP_TOK": "*fp32", "LOGP_GATHER": "*fp32"},
           {"NSPLIT": 16, "NSPLIT_P2": 16, "HAS_GATHER": True, "SAMPLE_EVERY": every}, 1, 2)
+# the general path with the host's packed masks, dead rows read from the bits, the unmasked log q written
+build(sampling._general_split_kernel, {"LOGITS": "*bf16", "SEED": "*i64", "BITS": "*i64", "MASK": "*i32",
+                                       "DEAD": "*i64", "ALPHA": "*fp32", "stride_r": "i32", "stride_m": "i32",
+                                       "inv_temp": "fp32", "INV_TEMP": "*fp32", "PART": "*fp32"},
+      {"V": 49155, "CHUNK": 8192, "BLOCK": 1024, "NSPLIT": 7, "SAMPLE_EVERY": 1, "DRAW": True, "TEMP_PER_ROW": True,
+       "NOISE_BITS": False, "HAS_MASK": True, "HAS_ALPHA": False, "PACKED": True, "DEAD_FROM_BITS": True}, 4, 2)
+build(sampling._general_merge_kernel, {"PART": "*fp32", "LOGITS": "*bf16", "stride_r": "i32", "inv_temp": "fp32",
+                                       "INV_TEMP": "*fp32", "GATHER": "*i64", "DEAD": "*i64", "MASK": "*i32",
+                                       "stride_m": "i32", "ALPHA": "*fp32", "TOK": "*i64", "LOGP_TOK": "*fp32",
+                                       "LOG_NORM": "*fp32", "LOGP_GATHER": "*fp32", "UNMASKED": "*fp32",
+                                       "stride_u": "i32"},
+      {"V": 49155, "NSPLIT": 7, "NSPLIT_P2": 8, "HAS_GATHER": False, "SAMPLE_EVERY": 1, "DRAW": True,
+       "TEMP_PER_ROW": True, "HAS_MASK": True, "HAS_ALPHA": False, "DEAD_FROM_BITS": True, "HAS_UNMASKED": True},
+      1, 2)
 attn = {"Q": "*bf16", "KP": "*bf16", "VP": "*bf16", "PT": "*i32", "POS": "*i64", "O": "*bf16", "OP": "*fp32",
         "LSE": "*fp32", "CNT": "*i32", "COS": "*fp32", "SIN": "*fp32", "sm_scale": "fp32", "stride_qt": "i32",
         "stride_pt": "i32"}
@@ -662,7 +714,8 @@ print("compiled")
 def test_kernels_compile_for_a_gpu_target():
     """The kernels this CPU suite runs in the interpreter also compile for an H100/H200 (sm_90, with
     the ptxas that ships with triton; no GPU needed): the row-skipping sampler, the attention with
-    the page-id prefetch and non-default blocks, warps and stages, the page copy, and the skinny product with every
+    the page-id prefetch and non-default blocks, warps and stages, the page copy, the general path on
+    packed masks, and the skinny product with every
     load of its K loop software-pipelined (async copies, 4 stages)."""
     import os
     import subprocess

@@ -15,10 +15,11 @@ Host and device overlap: the round hands each draft column over as soon as it is
 (``hand_over``, inside the round's graph: a copy into a pinned buffer and an event), so the host
 waits for that sample only and computes the next step's masks while the device runs the draft's
 next forward (or, for the bonus, the target's pass). With CUDA graphs the proposal is one graph,
-launched whole before the host's first point (``waits``): at each host point the device waits for
-the host's count of points in pinned memory (kernels/host.py), then copies the bitmask up; the
-host computes the points in order (``serve``) and raises the count after each. So the device
-starts a step as soon as its masks are written, with no launch between. So nothing the host does
+launched whole before the host's first point (``waits``): on a side stream, from the moment the
+step before has used its masks, the device waits for the host's count of points in pinned memory
+(kernels/host.py), then copies the bitmask up, while its main stream runs on to the point that uses
+them (``fetch``, ``await_masks``); the host computes the points in order (``serve``) and raises the
+count after each. So the device starts a step as soon as its masks are written, with no launch between. So nothing the host does
 between the launch and its last point may wait for the device (the host constraints compute on the
 CPU; a pinned buffer freed then is unpinned after: ``mask_workers._unpin``); an error there lets the
 device past its waits before it propagates (``release``). Eager (no graphs), the proposal yields at
@@ -102,6 +103,10 @@ class HostMasks:
         # host's count of points in ``_posted`` (pinned; kernels/host.py) and then uploads buffer 0
         # (``await_masks``); the host computes each point's masks into buffer 0 and counts it (``serve``)
         self.waits = False
+        # a side stream for the round's copies to and from the host and its waits, beside its work
+        # (``hand_over``, ``fetch``); ``_fetching``: a point's masks are on their way (``await_masks``)
+        self._side = torch.cuda.Stream(self.device) if self.pinned else None
+        self._fetching = False
         # does a row go on after the round (its bonus masks, in a round that ``waits``: a row left
         # tokens but not EOS)? Then the next round is launched without waiting for this one's end
         self.eos, self.continuing = -1, False
@@ -226,9 +231,15 @@ class HostMasks:
 
     def hand_over(self, i: int, tokens: Tensor) -> None:
         """The round's code (captured into its graph): draft step i's column ``tokens`` [rows] copied to
-        the host's buffer without blocking, and step i's event recorded after the copy."""
-        self._handed[i, : tokens.shape[0]].copy_(tokens, non_blocking=True)
-        if self._handed_events is not None:
+        the host's buffer without blocking, and step i's event recorded after the copy; on a GPU on
+        the side stream, so that the device's next forward does not wait for the copy."""
+        if self._side is None:
+            self._handed[i, : tokens.shape[0]].copy_(tokens)
+            return
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        tokens.record_stream(self._side)  # (its memory is not reused before the side stream has read it)
+        with torch.cuda.stream(self._side):
+            self._handed[i, : tokens.shape[0]].copy_(tokens, non_blocking=True)
             self._handed_events[i].record()
 
     def _column(self, j: int) -> Tensor:
@@ -261,15 +272,31 @@ class HostMasks:
             self._upload_events[self._turn].record()
             self._uploaded[self._turn] = True
 
-    def await_masks(self, out: Tensor) -> None:
-        """The round's code at a host point when the round ``waits`` (captured into its graph): wait for
-        the host's next point, then upload host buffer 0 into ``out`` (int32 [rows, ⌈V/32⌉])."""
+    def fetch(self, out: Tensor) -> None:
+        """The round's code when it ``waits`` (captured into its graph), once the step before has read
+        ``out``: on the side stream, wait for the host's next point, then upload host buffer 0 into
+        ``out`` (int32 [rows, ⌈V/32⌉]). The device's own work goes on meanwhile, up to the point
+        that uses the masks (``await_masks``): where the host is ahead, the wait and the upload
+        cost the round nothing."""
         from .kernels.host import wait_for_host  # (the kernels need triton: on a GPU only)
 
         if self._mem is None:  # (a buffer that ``begin`` may grow would leave the graph a stale address)
             raise SMCDecodeError("a round that waits for the host's masks needs a HostMasks made with rows > 0")
-        wait_for_host(self._posted, self._seen)
-        out.copy_(self._bits[0][: out.shape[0]], non_blocking=True)
+        if self._fetching:
+            raise SMCDecodeError("fetch() twice without await_masks() between: a host point's masks not used")
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side):
+            wait_for_host(self._posted, self._seen)
+            out.copy_(self._bits[0][: out.shape[0]], non_blocking=True)
+        self._fetching = True
+
+    def await_masks(self) -> None:
+        """The round's code at a host point when the round ``waits``: the device's work from here
+        waits for the masks ``fetch`` uploaded."""
+        if not self._fetching:
+            raise SMCDecodeError("await_masks() without fetch() before it: no host point's masks on their way")
+        torch.cuda.current_stream(self.device).wait_stream(self._side)
+        self._fetching = False
 
     def serve(self) -> None:
         """The host points of a round that ``waits``, launched whole: for each draft step and the
@@ -340,7 +367,7 @@ class HostMasks:
             self._pool.step_wait()
         self._posted_np[0] = 2**62
         self._bits[0].numpy().fill(-1)
-        self._prefilled = None
+        self._prefilled, self._fetching = None, False
         try:
             yield
         finally:

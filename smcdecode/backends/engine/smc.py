@@ -210,13 +210,20 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
 
     def host_point(i: int):
         """The host's masks of draft step i (i = K_max: the bonus) into ``host_bits``: yielded for the
-        host to write, or, in a round that ``waits``, waited for on the device (``HostMasks.await_masks``)."""
+        host to write, or, in a round that ``waits``, awaited (``HostMasks.await_masks``: the device
+        has waited for them and uploaded them beside its work since ``fetch``)."""
         if not hosted:
             return
         if host.waits:
-            host.await_masks(b["host_bits"])
+            host.await_masks()
         else:
             yield "mask", i
+
+    def fetch() -> None:
+        """In a round that ``waits``: the next host point's masks waited for and uploaded into
+        ``host_bits`` on a side stream, from here (``host_bits`` read by the step before) on."""
+        if hosted and host.waits:
+            host.fetch(b["host_bits"])
 
     def propose():
         seeds = torch.randint(0, 2**62, (Kmax + 2,), device=T.device)
@@ -226,22 +233,25 @@ def round_code(engine, b: dict, automata, eos: int, pad: int, resampler: str, ta
         kept = list(b["states"])  # states after the row's first min(i, k_eff) drafts
         # 1. K_max draft tokens from q' (the first forward covers the two tokens the draft has not seen;
         # no draft model: K_max = 0, the target as proposal)
+        fetch()
         if draft is not None:
             batch = PagedBatch.build((T - 1)[:, None] + pair, b["pt"], PS)
             logits = draft(b["pending"], engine.kv_d, batch, last_only=True)[:, 0]  # [B, V]
         for i in range(Kmax):
             yield from host_point(i)
             m = masks(states)
-            d, log_q[:, i], log_mass, _ = sample_and_score(logits, b["T_draft"], seeds[i], triton=fused, **m)
+            # (with a mask, a schedule's statistic too: log q(d) of the unmasked draft,
+            # log q'(d) + log Σ_v q(v)·1[valid], 0 on a row the mask leaves no token)
+            d, log_q[:, i], _, _ = sample_and_score(logits, b["T_draft"], seeds[i], triton=fused, **m,
+                                                    unmasked_out=b["log_q_all"][:, i] if m else None)
             drafts[:, i] = d
             if exact is not None:
                 b["draft_logits"][:, i] = logits
             if hosted:  # (the host computes the next step's masks while the draft's next forward runs)
                 host.hand_over(i, d)
-            # a schedule's statistic, log q(d) of the unmasked draft:
-            # log q'(d) + log Σ_v q(v)·1[valid] (0 on a row the mask leaves no token)
-            b["log_q_all"][:, i] = log_q[:, i] if not m else torch.where(
-                torch.isfinite(log_mass), log_q[:, i] + log_mass, 0.0)
+                fetch()
+            if not m:
+                b["log_q_all"][:, i] = log_q[:, i]
             states = [a.advance(s, d) for a, s in zip(automata, states)]
             kept = [torch.where(i < k_eff, s, k) for s, k in zip(states, kept)]
             if i < Kmax - 1:

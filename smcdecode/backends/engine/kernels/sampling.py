@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ....potentials.constraint import no_bit_set
 from ....samplers.steps import Scored
 from .common import num_sms, pdl_args, pdl_enter
 
@@ -303,13 +302,31 @@ def _general_chunk(LOGITS, MASK, seed, BITS, r, s, stride_r, stride_m, inv_temp,
 
 
 @triton.jit
+def _no_bit_set(MASK, r, stride_m, V: tl.constexpr):
+    """Does packed row r of ``MASK`` (int32 words, a bit a token) allow no token of the V? (the bits
+    past V in the last word left out; ``potentials.constraint.no_bit_set``)"""
+    W: tl.constexpr = (V + 31) // 32
+    WB: tl.constexpr = 512
+    TAIL: tl.constexpr = V % 32
+    w = tl.arange(0, WB)
+    seen = tl.zeros([WB], tl.int32)
+    for w0 in range(0, W, WB):
+        word = tl.load(MASK + r * stride_m + w0 + w, mask=w0 + w < W, other=0)
+        if TAIL:
+            word = tl.where(w0 + w == W - 1, word & ((1 << TAIL) - 1), word)
+        seen = seen | word
+    return tl.max((seen != 0).to(tl.int32), 0) == 0
+
+
+@triton.jit
 def _general_split_kernel(LOGITS, SEED, BITS, MASK, DEAD, ALPHA, stride_r, stride_m, inv_temp, INV_TEMP, PART,
                           V: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NSPLIT: tl.constexpr,
                           SAMPLE_EVERY: tl.constexpr, DRAW: tl.constexpr, TEMP_PER_ROW: tl.constexpr,
                           NOISE_BITS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ALPHA: tl.constexpr,
-                          PACKED: tl.constexpr = 0, PDL: tl.constexpr = 0):
+                          PACKED: tl.constexpr = 0, DEAD_FROM_BITS: tl.constexpr = 0, PDL: tl.constexpr = 0):
     """Split s of row r of the general path: (max_x, Σ exp(x − max_x), max_y, Σ exp(y − max_y), best
-    race key on y, its index, its y) into PART [R, NSPLIT, 7]."""
+    race key on y, its index, its y) into PART [R, NSPLIT, 7]. ``DEAD_FROM_BITS``: whether the row
+    is dead is read from its packed mask here (else from ``DEAD``)."""
     pdl_enter(PDL)
     r = tl.program_id(0)
     s = tl.program_id(1)
@@ -320,7 +337,9 @@ def _general_split_kernel(LOGITS, SEED, BITS, MASK, DEAD, ALPHA, stride_r, strid
     if HAS_ALPHA:
         alpha = tl.load(ALPHA + r)
     dead = False
-    if HAS_MASK:
+    if DEAD_FROM_BITS:
+        dead = _no_bit_set(MASK, r, stride_m, V)
+    elif HAS_MASK:
         dead = tl.load(DEAD + r) != 0
     if DRAW:
         if r % SAMPLE_EVERY == SAMPLE_EVERY - 1:  # (always, for SAMPLE_EVERY = 1)
@@ -351,12 +370,15 @@ def _general_split_kernel(LOGITS, SEED, BITS, MASK, DEAD, ALPHA, stride_r, strid
 
 
 @triton.jit
-def _general_merge_kernel(PART, LOGITS, stride_r, inv_temp, INV_TEMP, GATHER, DEAD, ALPHA, TOK, LOGP_TOK, LOG_NORM,
-                          LOGP_GATHER, NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr, HAS_GATHER: tl.constexpr,
+def _general_merge_kernel(PART, LOGITS, stride_r, inv_temp, INV_TEMP, GATHER, DEAD, MASK, stride_m, ALPHA, TOK,
+                          LOGP_TOK, LOG_NORM, LOGP_GATHER, UNMASKED, stride_u, V: tl.constexpr,
+                          NSPLIT: tl.constexpr, NSPLIT_P2: tl.constexpr, HAS_GATHER: tl.constexpr,
                           SAMPLE_EVERY: tl.constexpr, DRAW: tl.constexpr, TEMP_PER_ROW: tl.constexpr,
-                          HAS_MASK: tl.constexpr, HAS_ALPHA: tl.constexpr, PDL: tl.constexpr = 0):
+                          HAS_MASK: tl.constexpr, HAS_ALPHA: tl.constexpr, DEAD_FROM_BITS: tl.constexpr = 0,
+                          HAS_UNMASKED: tl.constexpr = 0, PDL: tl.constexpr = 0):
     """Row r of the general path: the token, log π(token) = y_tok − lse_y, the normaliser
-    lse_y − α·lse_x (both −inf on a dead row), log p(gather) = x_g − lse_x."""
+    lse_y − α·lse_x (both −inf on a dead row), log p(gather) = x_g − lse_x; (HAS_UNMASKED) log π(token)
+    + the normaliser into UNMASKED[r · stride_u] (0 where the normaliser is −inf)."""
     pdl_enter(PDL)
     r = tl.program_id(0)
     if TEMP_PER_ROW:
@@ -364,7 +386,9 @@ def _general_merge_kernel(PART, LOGITS, stride_r, inv_temp, INV_TEMP, GATHER, DE
     alpha = 1.0
     if HAS_ALPHA:
         alpha = tl.load(ALPHA + r)
-    if HAS_MASK:
+    if DEAD_FROM_BITS:
+        dead = _no_bit_set(MASK, r, stride_m, V)
+    elif HAS_MASK:
         dead = tl.load(DEAD + r) != 0
     s = tl.arange(0, NSPLIT_P2)
     ok = s < NSPLIT
@@ -385,8 +409,12 @@ def _general_merge_kernel(PART, LOGITS, stride_r, inv_temp, INV_TEMP, GATHER, DE
         j = tl.argmax(key, 0)
         tok = tl.load(PART + (r * NSPLIT + j) * 7 + 5).to(tl.int64)
         yb = tl.load(PART + (r * NSPLIT + j) * 7 + 6)
+        logp = tl.where(none, float("-inf"), yb - lse_y)
         tl.store(TOK + r, tok)
-        tl.store(LOGP_TOK + r, tl.where(none, float("-inf"), yb - lse_y))
+        tl.store(LOGP_TOK + r, logp)
+        if HAS_UNMASKED:
+            finite = (norm > float("-inf")) & (norm < float("inf"))
+            tl.store(UNMASKED + r * stride_u, tl.where(finite, logp + norm, 0.0))
     else:
         tl.store(TOK + r, -1)
         tl.store(LOGP_TOK + r, float("nan"))
@@ -410,7 +438,8 @@ def _sample_chunk(R: int, V: int, block: int, device: torch.device) -> int:
 def triton_sample_and_score(logits: Tensor, temperature: float | Tensor, seed: Tensor, gather: Tensor | None = None,
                             sample_every: int = 1, chunk: int | None = None, *, alpha: Tensor | None = None,
                             mask: Tensor | None = None, draw: bool = True, bits: Tensor | None = None,
-                            dead: Tensor | None = None, mask_bits: Tensor | None = None) -> Scored:
+                            dead: Tensor | None = None, mask_bits: Tensor | None = None,
+                            unmasked_out: Tensor | None = None) -> Scored:
     """``samplers.steps.sample_and_score`` in one read of ``logits`` [R, V] (unit stride in V), no host
     sync: for x = logits / T (``temperature`` a float or [R] float32), token ~ π ∝ exp(α·x)·1[valid] by
     the exponential race, log π(token), log Σ_v p^α·1[valid] (with ``alpha`` [R] or ``mask`` [R, V]
@@ -422,7 +451,9 @@ def triton_sample_and_score(logits: Tensor, temperature: float | Tensor, seed: T
     int32: those words instead (the reference then draws the same tokens). ``chunk``: logits a split
     program reads (a multiple of 1024; default ``_sample_chunk``). ``dead`` [R] bool: the rows whose
     mask allows nothing (default: reduced from ``mask``). ``mask_bits`` [R, ⌈V/32⌉] int32: the mask
-    packed, a bit a token (``potentials.constraint.pack_bits``), read as it is (instead of ``mask``)."""
+    packed, a bit a token (``potentials.constraint.pack_bits``), read as it is (instead of ``mask``;
+    without ``dead``, each program reads the row's bits for it). ``unmasked_out``: see
+    ``engine.sampling.sample_and_score`` (written by the merge)."""
     R, V = logits.shape
     if mask is not None and mask_bits is not None:
         raise ValueError("give the mask as mask (bool [R, V]) or as mask_bits (packed int32), not both")
@@ -453,6 +484,8 @@ def triton_sample_and_score(logits: Tensor, temperature: float | Tensor, seed: T
     flags = dict(SAMPLE_EVERY=sample_every, DRAW=draw, TEMP_PER_ROW=per_row)
     p2 = max(2, triton.next_power_of_2(nsplit))
     if alpha is None and mask is None and mask_bits is None:
+        if unmasked_out is not None:
+            raise ValueError("unmasked_out needs a mask (mask or mask_bits): without one it is log π(token) itself")
         part = torch.empty(R, nsplit, 5, device=dev, dtype=torch.float32)
         _sample_split_kernel[(R, nsplit)](logits, seed, noise if noise is not None else tok, logits.stride(0),
                                           scalar_inv_t, inv_t if per_row else part, part, V=V, CHUNK=chunk,
@@ -470,19 +503,26 @@ def triton_sample_and_score(logits: Tensor, temperature: float | Tensor, seed: T
         dead = ~mask.any(-1) if dead is None else dead.contiguous()
     elif mask_bits is not None:
         m8 = mask_bits.contiguous()
-        dead = no_bit_set(m8, V) if dead is None else dead.contiguous()
+        dead = tok if dead is None else dead.contiguous()  # (none given: each program reads the row's bits)
     else:
         m8, dead = tok, tok
     masked = mask is not None or mask_bits is not None
+    from_bits = mask_bits is not None and dead is tok
+    if unmasked_out is not None and (unmasked_out.dtype != torch.float32 or unmasked_out.shape != (R,)):
+        raise ValueError(f"unmasked_out must be float32 of shape {(R,)}, got {unmasked_out.dtype} "
+                         f"{tuple(unmasked_out.shape)}")
     a = alpha.float().contiguous() if alpha is not None else part
     _general_split_kernel[(R, nsplit)](logits, seed, noise if noise is not None else tok, m8, dead, a,
                                        logits.stride(0), m8.stride(0), scalar_inv_t, inv_t if per_row else part,
                                        part, V=V, CHUNK=chunk, BLOCK=block, NSPLIT=nsplit,
                                        NOISE_BITS=noise is not None, HAS_MASK=masked, PACKED=mask_bits is not None,
-                                       HAS_ALPHA=alpha is not None, num_warps=4, **flags, **pdl_args(dev))
+                                       HAS_ALPHA=alpha is not None, DEAD_FROM_BITS=from_bits, num_warps=4, **flags,
+                                       **pdl_args(dev))
+    unmasked = unmasked_out if unmasked_out is not None else log_norm
     _general_merge_kernel[(R,)](part, logits, logits.stride(0), scalar_inv_t, inv_t if per_row else part,
-                                gather if gather is not None else tok, dead, a, tok, logp_tok, log_norm,
-                                logp_gather if gather is not None else logp_tok, NSPLIT=nsplit, NSPLIT_P2=p2,
-                                HAS_GATHER=gather is not None, HAS_MASK=masked,
-                                HAS_ALPHA=alpha is not None, num_warps=1, **flags, **pdl_args(dev))
+                                gather if gather is not None else tok, dead, m8, m8.stride(0), a, tok, logp_tok,
+                                log_norm, logp_gather if gather is not None else logp_tok, unmasked,
+                                unmasked.stride(0), V=V, NSPLIT=nsplit, NSPLIT_P2=p2, HAS_GATHER=gather is not None,
+                                HAS_MASK=masked, HAS_ALPHA=alpha is not None, DEAD_FROM_BITS=from_bits,
+                                HAS_UNMASKED=unmasked_out is not None, num_warps=1, **flags, **pdl_args(dev))
     return Scored(tok, logp_tok, log_norm, logp_gather)

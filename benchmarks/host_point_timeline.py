@@ -24,9 +24,13 @@ graph is launched:
 - ``round``: launch to the next launch.
 
 On the device (the engine's wait kernel replaced by a copy that also stamps the GPU's global timer
-when a wait begins and ends): ``wait{j}``, how long the device waited at host point j (j = K: the
-bonus), and ``busy{j}``, its work from passing the point before to reaching point j (for j = 0:
-from the round before's bonus point: its end, then this round's start and first draft forward).
+when a wait begins and ends): ``wait{j}``, how long the wait for host point j lasted (j = K: the
+bonus), and ``busy{j}``, from the end of the wait before to the start of wait j (for j = 0: from the
+round before's bonus point). The engine waits on a side stream (``HostMasks.fetch``), which starts
+waiting for point j as soon as draft step j − 1 has sampled (point 0: as the round starts), while
+its main stream runs the draft's forward: ``wait{j}`` is how far the host's post came after that
+step's sampling, not a stall of the device's work, which stops only where a step joins the side
+stream to sample (``HostMasks.await_masks``) before the masks are up.
 Each timed call is paired with an unconstrained call at the same lengths (each request's
 ``max_new_tokens`` its longest particle's length, as ``structured_engine.py``'s same-length
 comparison), whose ``round`` intervals are reported beside (``plain round``), and both calls'

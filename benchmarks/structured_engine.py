@@ -352,6 +352,9 @@ def main() -> None:
     ap.add_argument("--no-open", action="store_true",
                     help="leave out the rows of the pattern-keys and open object schemas (on the path the "
                          "constraint chooses, the superset path, and on llguidance)")
+    ap.add_argument("--only", default=None,
+                    help="run only the rows of these schemas, comma-separated labels (e.g. 'contact' or "
+                         "'small object,tree'): a row measured alone, to compare with the same row in a full run")
     ap.add_argument("--particles", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -392,6 +395,14 @@ def main() -> None:
                                   for p in ("auto", "llguidance")]) + \
         [("tree", TREE_SCHEMA, "auto", True), ("tree, held strings", HELD_TREE_SCHEMA, "auto", True),
          ("tree, held strings", HELD_TREE_SCHEMA, "auto", False)]
+    if args.only:
+        wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+        known = list(dict.fromkeys(lab for lab, _, _, _ in schemas))
+        unknown = [w for w in wanted if w not in known]
+        if unknown or not wanted:
+            raise SystemExit(f"--only {args.only!r}: {', '.join(map(repr, unknown)) or 'no label'} not among the "
+                             f"schemas' labels {', '.join(map(repr, known))}")
+        schemas = [row for row in schemas if row[0] in wanted]
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "schema": schema,
            "schemas": {lab: sc for lab, sc, _, _ in schemas},
            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "rows": [],

@@ -304,3 +304,26 @@ def test_quality_summary_counts_what_the_rows_say(sq, tmp_path):
     assert cov["all_methods"]["Glaiveai2K"] == 2
 
 
+
+
+def test_structured_engine_only_runs_the_rows_named_and_refuses_unknown_labels(monkeypatch, tmp_path):
+    """``structured_engine.py --only``: an unknown label stops the script with the labels it knows
+    (before any model loads); known ones leave only those schemas' rows, on each path they run."""
+    import types
+
+    se = _script("structured_engine")
+    monkeypatch.setattr(sys, "argv", ["structured_engine.py", "--tiny", "--only", "contact,nope"])
+    with pytest.raises(SystemExit, match="'nope' not among the schemas' labels 'small object', 'contact'"):
+        se.main()
+    seen = []
+    monkeypatch.setattr(se, "random_models", lambda args, device, dtype: ("stub", None, None, None, [[1, 2, 3]], 0))
+    monkeypatch.setattr(se, "Engine", lambda target, draft, config: types.SimpleNamespace(config=config))
+    monkeypatch.setattr(se, "run_model", lambda name, engine, model, prompts, eos, schemas, args, device:
+                        seen.append([(lab, path, held) for lab, _, path, held in schemas]) or [])
+    out = tmp_path / "rows.json"
+    monkeypatch.setattr(sys, "argv", ["structured_engine.py", "--tiny", "--only", "contact,tree", "--models", "random",
+                                      "--out", str(out)])
+    se.main()
+    assert seen == [[("contact", "auto", True), ("contact", "llguidance", True), ("contact", "llguidance", False),
+                     ("tree", "auto", True)]]
+    assert json.loads(out.read_text())["rows"] == []

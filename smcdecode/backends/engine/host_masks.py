@@ -19,10 +19,11 @@ launched whole before the host's first point (``waits``): on a side stream, from
 step before has used its masks, the device waits for the host's count of points in pinned memory
 (kernels/host.py), then copies the bitmask up, while its main stream runs on to the point that uses
 them (``fetch``, ``await_masks``); the host computes the points in order (``serve``) and raises the
-count after each. So the device starts a step as soon as its masks are written, with no launch between. So nothing the host does
-between the launch and its last point may wait for the device (the host constraints compute on the
-CPU; a pinned buffer freed then is unpinned after: ``mask_workers._unpin``); an error there lets the
-device past its waits before it propagates (``release``). Eager (no graphs), the proposal yields at
+count after each. So the device starts a step as soon as its masks are written, with no launch
+between. So nothing the host does between the launch and its last point may wait for the device
+(the host constraints compute on the CPU; a pinned buffer freed then is unpinned after:
+``mask_workers._unpin``); an error there lets the device past its waits before it propagates
+(``release``). Eager (no graphs), the proposal yields at
 each host point and the host uploads that step's masks (``mask``).
 
 Checked requests (a JSONSchema on the superset path, a request of several particles): the round

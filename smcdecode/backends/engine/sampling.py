@@ -24,7 +24,8 @@ def sample_and_score(logits: Tensor, temperature: float | Tensor, seed: Tensor, 
     (int32 [R, ⌈V/32⌉], a bit a token: the host's masks as uploaded), which the kernel reads as it is.
     ``unmasked_out`` ([R] float32, any stride; with ``mask`` or ``mask_bits``): written with
     log π(token) + the normaliser, which for α = 1 is the token's log-probability without the mask
-    (a draft's log q(d)), and 0 on a row the mask leaves no token."""
+    (a draft's log q(d)), and 0 on a row the mask leaves no token; rows that do not draw
+    (``sample_every``, ``draw``) are left as they are by the kernel."""
     if mask is not None and mask_bits is not None:
         raise ValueError("give the mask as mask (bool [R, V]) or as mask_bits (packed int32), not both")
     if unmasked_out is not None and mask is None and mask_bits is None:

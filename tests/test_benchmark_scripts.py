@@ -327,3 +327,16 @@ def test_structured_engine_only_runs_the_rows_named_and_refuses_unknown_labels(m
     assert seen == [[("contact", "auto", True), ("contact", "llguidance", True), ("contact", "llguidance", False),
                      ("tree", "auto", True)]]
     assert json.loads(out.read_text())["rows"] == []
+
+
+def test_structured_engine_reads_the_hosts_load_from_proc_stat():
+    """``cpu_share``: the busy and stolen shares of all CPUs' time between two readings of /proc/stat
+    (idle and iowait are not busy; steal is another tenant's); None where /proc/stat cannot be read."""
+    se = _script("structured_engine")
+    share = se.cpu_share([100, 0, 50, 800, 50, 0, 0, 0], [200, 0, 100, 1000, 50, 0, 0, 50])
+    assert share == {"cpu_busy": pytest.approx(0.5), "cpu_steal": pytest.approx(0.125)}
+    assert se.cpu_share(None, [1] * 8) == {"cpu_busy": None, "cpu_steal": None}
+    if Path("/proc/stat").exists():
+        now = se.cpu_times()
+        assert len(now) == 8 and all(x >= 0 for x in now)
+    assert se.host_probe(repeats=3) > 0

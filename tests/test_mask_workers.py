@@ -377,3 +377,24 @@ def test_superset_rounds_pipelined_give_the_unpipelined_outputs(model, monkeypat
     for b in runs[1:]:
         assert a.rounds == b.rounds and torch.equal(a.lengths, b.lengths) and torch.equal(a.tokens, b.tokens)
         assert torch.equal(a.log_weights, b.log_weights)
+
+
+@pytest.mark.slow
+def test_clear_graphs_stops_the_mask_workers_at_once(model):
+    """``Engine.clear_graphs``: the rounds' mask worker processes stop then, even where the rounds are
+    still referenced (here: their HostMasks, kept by the test), and the next call starts new ones
+    and samples as before."""
+    c = JSONSchema(OPEN, path="llguidance")
+    smc = sd.SMC(sd.LM(model) * c, sd.Draft(model), particles=2, block_size=2, backend="engine",
+                 engine_options={"host_workers": 1})
+    first = smc.run_groups("A cat as JSON:", 1, max_new_tokens=6, seed=3)
+    (engine,) = [e for e in _ENGINES[model].values() if e.config.host_workers == 1]
+    hosts = [engine.graphs[k].host for k in engine.graphs.keys() if getattr(engine.graphs[k], "host", None) is not None]
+    pools = [h._pool for h in hosts if h._pool is not None]
+    procs = [p for pool in pools for p in pool._procs]
+    assert pools and all(p.is_alive() for p in procs)
+    engine.clear_graphs()
+    assert all(pool.closed for pool in pools) and not any(p.is_alive() for p in procs)
+    assert all(h._pool is None for h in hosts)
+    again = smc.run_groups("A cat as JSON:", 1, max_new_tokens=6, seed=3)
+    assert torch.equal(again.tokens, first.tokens) and torch.equal(again.log_weights, first.log_weights)

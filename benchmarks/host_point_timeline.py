@@ -219,6 +219,53 @@ def rounds_of(log: list, K: int, stats: dict) -> int:
     return len(launches)
 
 
+def timeline(engine, model, P: list, eos: int, name: str, device: DeviceStamps, N: int = 8, K: int = 8,
+             L: int = 256) -> dict:
+    """Schema ``name``'s timeline on ``engine`` (any engine whose rounds were captured after
+    ``DeviceStamps`` and ``install``: a fresh one, or one that ran other calls before): three warm-up
+    calls, then three constrained calls stamped, each paired with an unconstrained call at the same
+    lengths. Prints the table; returns it with the calls' times."""
+    schema, path = SCHEMAS[name]
+    c = JSONSchema(schema, path=path).bind(model)
+    kw = {"particles": N, "block_size": K, "target": EngineTarget.of(sd.LM(model) * c), "eos_token_id": eos}
+    for _ in range(3):
+        out = engine.smc_sd(P, max_new_tokens=L, **kw)
+    same = [max(1, int(out.lengths[g].max())) for g in range(len(P))]  # (the calls draw alike)
+    engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=same)  # (captures its rounds)
+    stats: dict = {}
+    calls, plain_calls, plain = [], [], {}
+    for _ in range(3):
+        for constrained in (True, False):
+            LOG.clear()
+            device.reset()
+            ON[0] = True
+            t0 = time.perf_counter()
+            if constrained:
+                engine.smc_sd(P, max_new_tokens=L, **kw)
+            else:
+                engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=same)
+            torch.cuda.synchronize()
+            ON[0] = False
+            (calls if constrained else plain_calls).append(1e3 * (time.perf_counter() - t0))
+            if constrained:
+                launches = rounds_of(LOG, K, stats)
+                device.add(stats)
+            else:
+                rounds_of(LOG, K, plain)
+    stats["plain round"] = plain["round"]
+    print(f"{name} G={len(P)} ({c.path}): calls {[round(t, 1) for t in calls]} ms, {launches} rounds a call; "
+          f"unconstrained at the same lengths {[round(t, 1) for t in plain_calls]} ms")
+    table = {}
+    for key, v in stats.items():
+        v = sorted(v)
+        table[key] = {"median_ms": statistics.median(v), "p10_ms": v[len(v) // 10],
+                      "p90_ms": v[9 * len(v) // 10], "n": len(v)}
+        print(f"  {key:18s} median {table[key]['median_ms']:7.3f} ms  p10 {table[key]['p10_ms']:7.3f}  "
+              f"p90 {table[key]['p90_ms']:7.3f}  n={len(v)}")
+    return {"path": c.path, "call_ms": calls, "plain_same_length_call_ms": plain_calls, "same_length": same,
+            "rounds": launches, "intervals": table}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smollm2-gguf", required=True, help="SmolLM2-135M-Instruct GGUF (structured_engine.py)")
@@ -244,45 +291,7 @@ def main() -> None:
            "host_workers": engine.config.host_workers, "requests": args.requests, "N": N, "K": K,
            "max_new_tokens": L, "schemas": {}}
     for name in args.schemas.split(","):
-        schema, path = SCHEMAS[name]
-        c = JSONSchema(schema, path=path).bind(model)
-        kw = {"particles": N, "block_size": K, "target": EngineTarget.of(sd.LM(model) * c), "eos_token_id": eos}
-        for _ in range(3):
-            out = engine.smc_sd(P, max_new_tokens=L, **kw)
-        same = [max(1, int(out.lengths[g].max())) for g in range(len(P))]  # (the calls draw alike)
-        engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=same)  # (captures its rounds)
-        stats: dict = {}
-        calls, plain_calls, plain = [], [], {}
-        for _ in range(3):
-            for constrained in (True, False):
-                LOG.clear()
-                device.reset()
-                ON[0] = True
-                t0 = time.perf_counter()
-                if constrained:
-                    engine.smc_sd(P, max_new_tokens=L, **kw)
-                else:
-                    engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=same)
-                torch.cuda.synchronize()
-                ON[0] = False
-                (calls if constrained else plain_calls).append(1e3 * (time.perf_counter() - t0))
-                if constrained:
-                    launches = rounds_of(LOG, K, stats)
-                    device.add(stats)
-                else:
-                    rounds_of(LOG, K, plain)
-        stats["plain round"] = plain["round"]
-        print(f"{name} G={args.requests} ({c.path}): calls {[round(t, 1) for t in calls]} ms, {launches} rounds a call; "
-              f"unconstrained at the same lengths {[round(t, 1) for t in plain_calls]} ms")
-        table = {}
-        for key, v in stats.items():
-            v = sorted(v)
-            table[key] = {"median_ms": statistics.median(v), "p10_ms": v[len(v) // 10],
-                          "p90_ms": v[9 * len(v) // 10], "n": len(v)}
-            print(f"  {key:18s} median {table[key]['median_ms']:7.3f} ms  p10 {table[key]['p10_ms']:7.3f}  "
-                  f"p90 {table[key]['p90_ms']:7.3f}  n={len(v)}")
-        res["schemas"][name] = {"path": c.path, "call_ms": calls, "plain_same_length_call_ms": plain_calls,
-                                "same_length": same, "rounds": launches, "intervals": table}
+        res["schemas"][name] = timeline(engine, model, P, eos, name, device, N, K, L)
         engine.clear_graphs()
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

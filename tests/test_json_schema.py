@@ -647,3 +647,20 @@ def test_the_llguidance_encoder_of_a_deleted_model_says_so():
     gc.collect()
     with pytest.raises(sd.SMCDecodeError, match="was deleted"):
         encoder("12")
+
+
+def test_the_llguidance_encoder_takes_a_model_that_cannot_be_weakly_referenced():
+    from smcdecode.potentials.token_bytes import _BytesTokenizer
+
+    class Slotted:  # (no __weakref__: not cached per model, held by the encoder as it is)
+        __slots__ = ("eos_token_id",)
+
+        def __init__(self):
+            self.eos_token_id = 2
+
+        def encode(self, text):
+            return [len(text)]
+
+    encoder = _BytesTokenizer(Slotted(), [b"a", b"b", None])
+    assert encoder("abc") == [3]
+    assert encoder.special_token_ids == [2]

@@ -114,8 +114,12 @@ class _BytesTokenizer:
 
     def __init__(self, model, tokens: list[bytes | None], names: list[str] | None = None):
         # (weakly: the tokenizer is cached per model in a WeakKeyDictionary, whose entry would keep its
-        # model alive forever if its value referenced it)
-        self._model = weakref.ref(model)
+        # model alive forever if its value referenced it; a model that cannot be weakly referenced is
+        # not cached, so it is held as it is)
+        try:
+            self._model = weakref.ref(model)
+        except TypeError:
+            self._model = lambda: model
         self._name = getattr(model, "name", type(model).__name__)
         self.eos_token_id = model.eos_token_id
         self.bos_token_id = None

@@ -1,12 +1,17 @@
 """Scratch: host_point_timeline --schemas contact in a fresh process (alone) or after a full structured_engine run in the same process (after)."""
-import gc, os, runpy, sys, time
+import gc
+import os
+import runpy
+import sys
 from pathlib import Path
+
 import torch
+
 mode, out = sys.argv[1], os.environ["OUT"]
 
 def facts(tag):
     st = Path("/proc/self/status").read_text()
-    thr = [l for l in st.splitlines() if l.startswith(("Threads", "VmRSS"))]
+    thr = [line for line in st.splitlines() if line.startswith(("Threads", "VmRSS"))]
     ms = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
     h = {}
     try:

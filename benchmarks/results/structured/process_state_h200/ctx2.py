@@ -1,9 +1,14 @@
 """Scratch: full structured_engine run; before loading SmolLM2: report what of the random models' run is still alive, and (CLEAN=1) empty torch's caches (device and pinned host)."""
-import collections, gc, os, sys, time
-from pathlib import Path
+import collections
+import gc
+import os
+import sys
+
 import torch
+
 sys.path.insert(0, "benchmarks")
 import structured_engine as se
+
 
 def report(tag):
     gc.collect()
@@ -15,7 +20,7 @@ def report(tag):
         try:
             if isinstance(o, torch.Tensor):
                 dev["pinned" if (o.device.type == "cpu" and o.is_pinned()) else o.device.type] += 1
-        except Exception:
+        except Exception:  # (an object isinstance or is_pinned fails on while the process tears down: not counted)
             pass
     graphs = sum(1 for o in objs if isinstance(o, torch.cuda.CUDAGraph))
     print(f"ALIVE {tag}: {dict(c.most_common(25))} tensors={dict(dev)} graphs={graphs} "
@@ -26,7 +31,9 @@ orig = se.smollm2_models
 def patched(args, device, dtype):
     report("before SmolLM2")
     if os.environ.get("CLEAN") == "1":
-        torch.cuda.synchronize(); torch.cuda.empty_cache(); (getattr(torch._C, '_host_emptyCache', None) or getattr(torch._C, '_accelerator_emptyHostCache'))()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        (getattr(torch._C, '_host_emptyCache', None) or torch._C._accelerator_emptyHostCache)()
         report("after emptying caches")
     return orig(args, device, dtype)
 se.smollm2_models = patched

@@ -5,45 +5,22 @@ import gc
 import json
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, "benchmarks")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import capture  # noqa: E402
 import host_point_timeline as hpt  # noqa: E402
 import structured_engine as se  # noqa: E402
 
 mode, out = sys.argv[1], os.environ["OUT"]
-ENG, SM = [None], [None]
-make = se.Engine
-
-
-def rec(*a, **k):
-    e = make(*a, **k)
-    ENG[0] = e
-    return e
-
-
-se.Engine = rec
-load = se.smollm2_models
-
-
-def patched(args, device, dtype):
-    ENG[0] = None  # (the random models' engine is not kept alive by this script)
-    SM[0] = load(args, device, dtype)
-    return SM[0]
-
-
-se.smollm2_models = patched
+make = capture.install(se, forget_random_engine=True)
+ENG, SM = capture.ENG, capture.SM
 models = "smollm2" if mode == "alone" else "random,smollm2"
-sys.argv = ["structured_engine.py", "--smollm2-gguf", "/tmp/model.gguf", "--models", models, "--repeats", "5",
-            "--out", f"{out}/ctx3_se_{mode}.json"]
-t0 = time.time()
-try:
-    se.main()
-except SystemExit as e:
-    print("se exit:", e, flush=True)
-print(f"SE done in {time.time() - t0:.0f} s", flush=True)
+seconds = capture.run(se, ["--smollm2-gguf", "/tmp/model.gguf", "--models", models, "--repeats", "5",
+                          "--out", f"{out}/ctx3_se_{mode}.json"])
+print(f"SE done in {seconds:.0f} s", flush=True)
 gc.collect()
 
 

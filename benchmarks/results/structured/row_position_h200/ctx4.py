@@ -11,31 +11,15 @@ import time
 import torch
 
 sys.path.insert(0, "benchmarks")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import capture  # noqa: E402
 import structured_engine as se  # noqa: E402
 
 from smcdecode.potentials.json_schema import JSONSchema  # noqa: E402
 
 mode, out = sys.argv[1], os.environ["OUT"]
-ENG, SM = [None], [None]
-make = se.Engine
-
-
-def rec(*a, **k):
-    e = make(*a, **k)
-    ENG[0] = e
-    return e
-
-
-se.Engine = rec
-load = se.smollm2_models
-
-
-def patched(args, device, dtype):
-    SM[0] = load(args, device, dtype)
-    return SM[0]
-
-
-se.smollm2_models = patched
+make = capture.install(se, forget_random_engine=False)
+ENG, SM = capture.ENG, capture.SM
 GC = {"n": 0, "s": 0.0, "gen2": 0, "t": 0.0}
 
 
@@ -51,14 +35,9 @@ def gccb(phase, info):
 gc.callbacks.append(gccb)
 extra = {"all": ["--requests", "8"], "only": ["--requests", "8", "--only", "contact"],
          "gone": ["--requests", "1,8", "--only", "contact"], "full": ["--requests", "1,8"], "rand": ["--models", "random,smollm2"]}[mode.rstrip("0123456789")]
-sys.argv = ["structured_engine.py", "--smollm2-gguf", "/tmp/model.gguf", "--models", "smollm2",
-            "--repeats", "5", "--out", f"{out}/ctx4_se_{mode}.json", *extra]
-t0 = time.time()
-try:
-    se.main()
-except SystemExit as e:
-    print("se exit:", e, flush=True)
-print(f"SE done in {time.time() - t0:.0f} s; gc {GC}; objects {len(gc.get_objects())}", flush=True)
+seconds = capture.run(se, ["--smollm2-gguf", "/tmp/model.gguf", "--models", "smollm2", "--repeats", "5",
+                          "--out", f"{out}/ctx4_se_{mode}.json", *extra])
+print(f"SE done in {seconds:.0f} s; gc {GC}; objects {len(gc.get_objects())}", flush=True)
 name, target, draft, model, prompts, eos = SM[0]
 old, P = ENG[0], prompts[:8]
 new = make(target, draft, old.config)

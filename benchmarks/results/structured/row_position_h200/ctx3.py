@@ -25,12 +25,15 @@ gc.collect()
 
 
 class NoStamps:
+    """Stands in for ``hpt.DeviceStamps`` on an engine whose rounds were captured without the stamping
+    wait kernel (A): the timeline then holds the host's stamps alone."""
+
     def reset(self):
         torch.cuda.synchronize()
         hpt.POSTS.clear()
 
     def add(self, stats):
-        pass
+        """No device stamps to add (the rounds were captured without them)."""
 
 
 _, target, draft, model, prompts, eos = SM[0]

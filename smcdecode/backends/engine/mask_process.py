@@ -13,7 +13,6 @@ import os
 import pickle
 import signal
 import sys
-import threading
 import time
 import traceback
 
@@ -33,10 +32,6 @@ SEQ, TURN, BONUS, ITEMS, PRE = range(5)
 ITEM = 8
 IN_CAP, OUT_CAP = 1 << 20, 1 << 16  # mailbox bytes (in, answers); a longer message goes through the pipe
 SPIN = 0.002  # seconds a worker watches for work after a batch or step before it sleeps on the bell
-# the bell's line (int32 words): the bell the processes sleep on; whether the main process sleeps on the
-# done bell, waiting for a step record; the done bell, which a process bumps (and wakes) after its step
-# when the main process sleeps there (``MaskWorkers.step_wait``)
-RING, MAIN_WAITS, STEP_BELL = 0, 4, 8
 _SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1  # (x86-64 Linux)
 _WOKEN = (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR)  # (a futex wait's ordinary ends besides a wake-up)
 
@@ -66,10 +61,9 @@ def area_start(processes: int, rows: int) -> int:
 
 
 def views(box, processes: int, rows: int) -> tuple:
-    """The control lines [processes, LINE], the bell's line [16] (int32: ``RING``, ``MAIN_WAITS``,
-    ``STEP_BELL``) and the step record of ``box``."""
+    """The control lines [processes, LINE], the bell [1] (int32) and the step record of ``box``."""
     ctrl = np.frombuffer(box, dtype=np.int64, count=processes * LINE).reshape(processes, LINE)
-    bell = np.frombuffer(box, dtype=np.int32, count=2 * LINE, offset=processes * LINE * 8)
+    bell = np.frombuffer(box, dtype=np.int32, count=1, offset=processes * LINE * 8)
     record = np.frombuffer(box, dtype=np.int64, count=PRE + processes + ITEM * rows, offset=(processes + 1) * LINE * 8)
     return ctrl, bell, record
 
@@ -145,13 +139,12 @@ class _Worker:
         self.held: dict = {}  # slot -> RequestMasks
         self.error = None  # an error not yet reported
         self.seen = self.steps = 0  # batches taken; the last record looked at (its SEQ)
-        self.fence = threading.Lock()
 
     def run(self, parent: int) -> None:
         ctrl, w, record, P = self.ctrl, self.w, self.record, self.P
         idle = time.perf_counter()
         while True:
-            ring = int(self.bell[RING])  # (read before looking for work: a ring after it wakes the sleep below)
+            ring = int(self.bell[0])  # (read before looking for work: a ring after it wakes the sleep below)
             posted = int(ctrl[w, POSTED])
             if posted < 0:
                 return
@@ -217,13 +210,6 @@ class _Worker:
         if self.error is not None:
             self.ctrl[self.w, STEP_FAIL] = seq
         self.ctrl[self.w, STEP_DONE] = seq
-        # a fence between that store and the flag's load (the main process stores its flag, then loads
-        # STEP_DONE: one of the two sees the other's store), then the main process woken if it sleeps
-        self.fence.acquire()
-        self.fence.release()
-        if self.bell[MAIN_WAITS]:
-            self.bell[STEP_BELL] = (int(self.bell[STEP_BELL]) + 1) & 0x7FFFFFFF
-            wake_all(self.bell[STEP_BELL:].ctypes.data)
 
     def batch(self) -> None:
         """Take the next batch from the mailbox (or the pipe), run it, answer it if it asks."""

@@ -56,20 +56,16 @@ from .mask_process import (
     ITEM,
     ITEMS,
     LENGTH,
-    MAIN_WAITS,
     OUT_CAP,
     POSTED,
     PRE,
-    RING,
     SEQ,
-    STEP_BELL,
     STEP_DONE,
     STEP_FAIL,
     TAKEN,
     TURN,
     area_start,
     serve,
-    sleep_on,
     views,
     wake_all,
 )
@@ -77,9 +73,6 @@ from .mask_process import (
 TIMEOUT = 300.0  # seconds a worker may take over one batch (a batch that adds a request compiles its grammar)
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # this process's MaskWorkers
 MAX_LIVE = 8  # sets of workers kept at once (a set per round shape; beyond: idle ones are stopped)
-# seconds this process spins on a step record's processes before it sleeps until the last is done:
-# spinning, it would take a core from the processes it waits for
-STEP_WATCH = 20e-6
 
 
 def _supported() -> str | None:
@@ -361,36 +354,13 @@ class MaskWorkers:
     def step_wait(self) -> None:
         """Wait for the processes of the last step record; an error one of them met is raised here."""
         asked, self._stepping = self._stepping, []
-        self._await_step(asked, 2 * self._steps)
+        for w in asked:
+            self._spin(w, STEP_DONE, 2 * self._steps)
         failed = [w for w in asked if self._ctrl[w, STEP_FAIL] == 2 * self._steps]
         if failed:  # (the error itself comes with an answer)
             for w in failed:
                 self._queued[w].append(("report", None))
             self.wait(self.send())
-
-    def _await_step(self, asked: list[int], target: int) -> None:
-        """Wait until each process of ``asked`` has done step record ``target`` (its STEP_DONE):
-        spinning ``STEP_WATCH`` seconds, then asleep on the done bell, which the processes ring once
-        done while this process sleeps there (``MAIN_WAITS``). A process that died, or that has not
-        answered in ``TIMEOUT`` seconds, is an error."""
-        ctrl, bell, start = self._ctrl, self._bell, time.perf_counter()
-        left = [w for w in asked if ctrl[w, STEP_DONE] < target]
-        while left and time.perf_counter() - start < STEP_WATCH:
-            left = [w for w in left if ctrl[w, STEP_DONE] < target]
-        while left:
-            bell[MAIN_WAITS] = 1
-            self._fence.acquire()  # (a fence between the flag's store and STEP_DONE's loads: see _Worker.step)
-            self._fence.release()
-            ring = int(bell[STEP_BELL])
-            left = [w for w in left if ctrl[w, STEP_DONE] < target]
-            if left:
-                sleep_on(bell[STEP_BELL:].ctypes.data, ring, 0.05)
-            bell[MAIN_WAITS] = 0
-            left = [w for w in left if ctrl[w, STEP_DONE] < target]
-            if left and time.perf_counter() - start > 1.0:
-                for w in left:  # (past a second: the slow way, which checks the processes' lives)
-                    self._spin(w, STEP_DONE, target)
-                return
 
     def send(self) -> list[int]:
         """Post every process its queued operations (without waiting for them to run); the processes
@@ -450,7 +420,7 @@ class MaskWorkers:
     def _ring(self) -> None:
         """Bump the bell and wake the processes asleep on it (after a batch or a record is posted), if
         any is: a process watching for work sees the post itself, and a wake-up is a system call."""
-        self._bell[RING] = (int(self._bell[RING]) + 1) & 0x7FFFFFFF
+        self._bell[0] = (int(self._bell[0]) + 1) & 0x7FFFFFFF
         # a fence (a lock's atomic instruction) between the bell's store and the flags' load: a process
         # that raised its flag after this load sees the new bell in its futex and does not sleep
         self._fence.acquire()
@@ -486,7 +456,7 @@ def _close(ctrl, bell, conns, procs) -> None:
     for w, p in enumerate(procs):
         if p.is_alive():  # (a stop message: POSTED set to -1)
             ctrl[w, POSTED] = -1
-    bell[RING] = (int(bell[RING]) + 1) & 0x7FFFFFFF
+    bell[0] = (int(bell[0]) + 1) & 0x7FFFFFFF
     wake_all(bell.ctypes.data)
     for p in procs:
         p.join(2)

@@ -143,8 +143,7 @@ def _scanned(c, state: MatcherBatch, tokens: list) -> list | None:
     """The string-scanner states of ``state`` after one token per row (None where it has none)."""
     if state.scans is None:
         return None
-    advance = c._strings.advance
-    return [advance(s, t) for s, t in zip(state.scans, tokens)]
+    return list(map(c._strings.advance, state.scans, tokens))
 
 
 def consume_rows(c, state: MatcherBatch, seqs: list) -> MatcherBatch:
@@ -191,38 +190,47 @@ def consume_rows(c, state: MatcherBatch, seqs: list) -> MatcherBatch:
 def _automaton_rows(c, state: MatcherBatch, rows, r0: int, words) -> set:
     """The rows of ``rows`` inside a string value, their masks written into ``words`` (the string's
     masks: json_strings.py); the others need llguidance's."""
-    if state.scans is None:
+    scans, matchers = state.scans, state.matchers
+    if scans is None:
         return set()
-    fill = c._strings.fill
-    return {i for i in rows if state.scans[i][1] == AUTOMATON and not state.matchers[i].is_error()
-            and fill(state.scans[i], state.matchers[i], words[r0 + i])}
+    fill, inside = c._strings.fill, set()
+    for i in rows:
+        scan = scans[i]
+        if scan[1] == AUTOMATON and not matchers[i].is_error() and fill(scan, matchers[i], words[r0 + i]):
+            inside.add(i)
+    return inside
 
 
-def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
+def fill_bits_together(parts: list, out: Tensor, rows: int, words=None) -> None:
     """``parts``: (llguidance constraint, its MatcherBatch, first row) — write every part's
     ``allowed_bits`` into rows first_row … first_row + B − 1 of ``out`` (int32 [≥ rows, ⌈V/32⌉],
     contiguous, on the CPU) in one call into llguidance's thread pool (the engine's host masks: the
-    particles of every request of a step at once). Rows of no part are left as they are."""
+    particles of every request of a step at once). Rows of no part are left as they are.
+    ``words``: ``out.numpy()``, where the caller keeps it (a mask worker's step buffers, checked
+    once), so ``out`` is not checked again."""
     W = parts[0][0]._words
-    if out.dim() != 2 or out.shape[0] < rows or out.shape[1] != W or out.dtype != torch.int32 \
-            or out.device.type != "cpu" or out.stride() != (W, 1):
-        raise SMCDecodeError(f"the bitmask must be a contiguous int32 CPU tensor of shape ({rows}, {W}), "
-                             f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    if words is None:
+        if out.dim() != 2 or out.shape[0] < rows or out.shape[1] != W or out.dtype != torch.int32 \
+                or out.device.type != "cpu" or out.stride() != (W, 1):
+            raise SMCDecodeError(f"the bitmask must be a contiguous int32 CPU tensor of shape ({rows}, {W}), "
+                                 f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+        words = out.numpy()
     pairs, cached, shared, keyed = [], [], [], {}
-    words = out.numpy()
     for c, state, r0 in parts:
-        state.check()
-        n = len(state)
+        if state.spent:
+            state.check()
+        matchers = state.matchers
+        n = len(matchers)
         if c._words != W or r0 < 0 or r0 + n > rows:
             raise SMCDecodeError(f"a part of {n} rows at row {r0} does not fit a bitmask of {rows} rows "
                                  f"of {W} words (its constraint has {c._words})")
         if state.bits is not None:
             cached.append((state, r0))
             continue
-        matchers = state.matchers
         if len(set(map(id, matchers))) == n:
             inside = _automaton_rows(c, state, range(n), r0, words)
-            pairs += [(m, r0 + i) for i, m in enumerate(matchers) if i not in inside]
+            pairs += [(m, r0 + i) for i, m in enumerate(matchers) if i not in inside] if inside else \
+                [(m, r0 + i) for i, m in enumerate(matchers)]
             if state.keys is not None:  # (the key rule of every part of one tracker at once)
                 ks = keyed.setdefault(id(c._keys), (c._keys, [], []))
                 ks[1].extend(range(r0, r0 + n))
@@ -258,5 +266,5 @@ def fill_bits_together(parts: list, out: Tensor, rows: int) -> None:
             c._keys.restrict_rows(words, [r0 + i for i in first], [state.keys[i] for i in first])
         to += [r0 + i for i in rest]
         of += [r0 + i for i in src]
-    if to:  # (the rows sharing a matcher: its row's mask, its key rule applied)
-        words[to] = words[of]
+    for t, o in zip(to, of):  # (the rows sharing a matcher: its row's mask, its key rule applied)
+        words[t] = words[o]

@@ -128,6 +128,7 @@ class _Worker:
         self.tok, self.texts, self.words = tok, texts, words
         whole = torch.frombuffer(mem, dtype=torch.int32)
         self.bits = [whole[t * rows * words: (t + 1) * rows * words].view(rows, words) for t in (0, 1)]
+        self.packed = [b.numpy() for b in self.bits]  # (the same memory as numpy: checked once, not per fill)
         self.ctrl, self.bell, self.record = views(box, processes, rows)
         self.columns = np.frombuffer(columns, dtype=np.int64).reshape(-1, rows)
         start = area_start(processes, rows) + w * (IN_CAP + OUT_CAP)
@@ -204,7 +205,7 @@ class _Worker:
                     advance_requests(due)
                 fills = [(m.part(a, end), slice(row + a, row + end)) for m, _, _, row, _, a, end in mine if end > a]
                 if fills:
-                    fill_requests(fills, self.bits[turn], self.rows)
+                    fill_requests(fills, self.bits[turn], self.rows, self.packed[turn])
             except Exception as e:  # noqa: BLE001 - reported to the main process with the next answer
                 self.error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
         if self.error is not None:

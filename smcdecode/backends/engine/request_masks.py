@@ -105,16 +105,17 @@ def advance_requests(items: list) -> None:
         m.states[j] = s
 
 
-def fill_requests(items: list, bits: Tensor, rows: int) -> None:
+def fill_requests(items: list, bits: Tensor, rows: int, words=None) -> None:
     """``items``: (RequestMasks, its rows: a slice) — each request's masks of its states as they
     stand written into ``bits[rows]`` (int32 [≥ rows, ⌈V/32⌉] on the CPU): the llguidance rows of
     every request in one call into llguidance's thread pool, then each request's further
-    constraints ANDed in (``HostMasks.mask``, and a mask worker's fill)."""
+    constraints ANDed in (``HostMasks.mask``, and a mask worker's fill). ``words``: ``bits.numpy()``
+    where the caller keeps it (``fill_bits_together``)."""
     shared = []
     for m, r in items:
         m.fill(bits, r, shared)
     if shared:
-        fill_bits_together(shared, bits, rows)
+        fill_bits_together(shared, bits, rows, words)
     for m, r in items:
         if len(m.constraints) > 1:
             m.restrict(bits[r])

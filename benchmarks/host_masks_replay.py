@@ -40,14 +40,14 @@ RESULTS = BENCH / "results"
 
 WORKER = r"""
 import hashlib, json, statistics, sys, time, inspect
+sys.path.insert(0, json.loads(sys.argv[1])["bench"])
+from replay_calls import replay_call, start
 import torch
 import smcdecode as sd
 from smcdecode.backends.engine.host_masks import HostMasks, RequestMasks
 from smcdecode.potentials.json_schema import JSONSchema
-cfg = json.loads(sys.argv[1])
-torch.set_num_threads(1)
+cfg, model = start()
 trace = json.load(open(cfg["trace"]))
-model = sd.load_model()
 V = model.vocab_size
 W = (V + 31) // 32
 lanes = "lane" in inspect.signature(RequestMasks).parameters
@@ -78,23 +78,8 @@ for part in trace["parts"]:
                 host.add(slot, RequestMasks([c], n, K, budget, **kw))
                 continue
             t0, c0 = time.perf_counter(), time.thread_time()
-            if name == "remove":
-                host.remove(a)
-            elif name == "begin":
-                host.begin(a[0], a[1], torch.zeros(a[0], max(a[1], 1), dtype=torch.long), **handed)
-                rounds += 1
-            elif name == "mask":
-                host.mask(a, bits[: host.rows])
-            elif name == "drafted" and handed and a[0] < host.k_max:  # (as the engine's round hands them over)
-                host.hand_over(a[0], torch.tensor(a[1], dtype=torch.long))
-            elif name == "drafted":
-                host.drafted(a[0], torch.tensor(a[1], dtype=torch.long))
-            elif name == "end":
-                host.end(torch.tensor(a, dtype=torch.long), None)
-            elif name == "fork":
-                host.fork(torch.tensor(a, dtype=torch.long))
-            elif name == "rejects":
-                host.rejects(a)
+            replay_call(host, name, a, bits, handed)
+            rounds += name == "begin"
             wall += time.perf_counter() - t0
             cpu += time.thread_time() - c0
             if name == "mask" and rep == 0:
@@ -231,7 +216,8 @@ def replay(args) -> None:
         for p in range(args.passes):
             for name in (sorted(variants) if p % 2 == 0 else sorted(variants, reverse=True)):
                 tree, w = variants[name]
-                cfg = {"trace": str(trace.resolve()), "repeats": args.repeats, "threads": args.threads, "workers": w}
+                cfg = {"trace": str(trace.resolve()), "repeats": args.repeats, "threads": args.threads, "workers": w,
+                       "bench": str(BENCH)}
                 r = run_tree(tree, cfg, WORKER, OMP_NUM_THREADS="1")
                 for part in r["parts"]:
                     raw.append({"tree": name, "path": str(tree), "workers": w, "pass": p, "trace": trace.name, **part})

@@ -26,14 +26,15 @@ BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
 
 WORKER = r"""
-import json, os, sys, time
+import json, sys, time
+sys.path.insert(0, json.loads(sys.argv[1])["bench"])
+from replay_calls import replay_call, start
 import torch
 import smcdecode as sd
 from smcdecode.backends.engine import mask_process
 from smcdecode.backends.engine.host_masks import HostMasks, RequestMasks
 from smcdecode.potentials.json_schema import JSONSchema
-cfg = json.loads(sys.argv[1])
-torch.set_num_threads(1)
+cfg, model = start()
 step = mask_process._Worker.step
 timed = {"n": 0, "s": 0.0, "cpu": 0.0}
 
@@ -49,7 +50,6 @@ def timed_step(self, mine, turn, bonus, seq):  # (patched before the worker is f
 
 mask_process._Worker.step = timed_step
 trace = json.load(open(cfg["trace"]))
-model = sd.load_model()
 V = model.vocab_size
 part = next(p for p in trace["parts"] if p["requests"] == cfg["requests"])
 c = JSONSchema(part["schema"], path="llguidance", threads=1).bind(model)
@@ -62,22 +62,8 @@ for _ in range(cfg["replays"]):
         if name == "add":
             slot, n, K, budget = a
             host.add(slot, RequestMasks([c], n, K, budget, lane=slot * part["particles"]))
-        elif name == "remove":
-            host.remove(a)
-        elif name == "begin":
-            host.begin(a[0], a[1], torch.zeros(a[0], max(a[1], 1), dtype=torch.long), handed=True)
-        elif name == "mask":
-            host.mask(a, bits[: host.rows])
-        elif name == "drafted" and a[0] < host.k_max:
-            host.hand_over(a[0], torch.tensor(a[1], dtype=torch.long))
-        elif name == "drafted":
-            host.drafted(a[0], torch.tensor(a[1], dtype=torch.long))
-        elif name == "end":
-            host.end(torch.tensor(a, dtype=torch.long), None)
-        elif name == "fork":
-            host.fork(torch.tensor(a, dtype=torch.long))
-        elif name == "rejects":
-            host.rejects(a)
+        else:
+            replay_call(host, name, a, bits, {"handed": True})
 host.close()
 print("RESULT " + json.dumps({"smcdecode": sd.__file__}))
 """
@@ -85,7 +71,7 @@ print("RESULT " + json.dumps({"smcdecode": sd.__file__}))
 
 def one(tree: Path, trace: Path, requests: int, replays: int, stats: Path) -> dict:
     stats.unlink(missing_ok=True)
-    cfg = {"trace": str(trace), "requests": requests, "replays": replays, "stats": str(stats)}
+    cfg = {"trace": str(trace), "requests": requests, "replays": replays, "stats": str(stats), "bench": str(BENCH)}
     env = dict(os.environ, PYTHONPATH=str(tree))
     out = subprocess.run([sys.executable, "-c", WORKER, json.dumps(cfg)], cwd=tree, env=env, capture_output=True,
                          text=True, timeout=1800)

@@ -211,7 +211,7 @@ class StringMasks:
 
     def __init__(self, schema: dict, token_bytes: list, words: int):
         self.root, self.words = schema, words
-        self.token_bytes, self._tokens = token_bytes, len(token_bytes)
+        self.token_bytes = token_bytes
         self.vocab = _Vocabulary(token_bytes)
         self._children: dict = {}  # (id(schema), key or index) -> child subschema or None
         self._automata: dict = {}  # id(schema) -> _StringDFA or None
@@ -345,13 +345,12 @@ class StringMasks:
 
     def advance(self, scan, token: int):
         """The scanner state after token ``token``."""
-        data = self.token_bytes[token] if 0 <= token < self._tokens else None
+        data = self.token_bytes[token] if 0 <= token < len(self.token_bytes) else None
         if not data:
             return scan
         if scan[1] == AUTOMATON:  # (most tokens inside a string keep it open: one cached step)
             dfa, state, verdicts = scan[2]
-            hit = dfa._steps.get((state, data))
-            state, after = dfa.step(state, data) if hit is None else hit
+            state, after = dfa.step(state, data)
             if after < 0 and state != dfa.dead:
                 return scan[0], AUTOMATON, (dfa, state, verdicts)
         return self._scan(scan, data)

@@ -217,8 +217,7 @@ def fill_bits_together(parts: list, out: Tensor, rows: int, words=None) -> None:
         words = out.numpy()
     pairs, cached, shared, keyed = [], [], [], {}
     for c, state, r0 in parts:
-        if state.spent:
-            state.check()
+        state.check()
         matchers = state.matchers
         n = len(matchers)
         if c._words != W or r0 < 0 or r0 + n > rows:
@@ -229,8 +228,7 @@ def fill_bits_together(parts: list, out: Tensor, rows: int, words=None) -> None:
             continue
         if len(set(map(id, matchers))) == n:
             inside = _automaton_rows(c, state, range(n), r0, words)
-            pairs += [(m, r0 + i) for i, m in enumerate(matchers) if i not in inside] if inside else \
-                [(m, r0 + i) for i, m in enumerate(matchers)]
+            pairs += [(m, r0 + i) for i, m in enumerate(matchers) if i not in inside]
             if state.keys is not None:  # (the key rule of every part of one tracker at once)
                 ks = keyed.setdefault(id(c._keys), (c._keys, [], []))
                 ks[1].extend(range(r0, r0 + n))
@@ -266,5 +264,7 @@ def fill_bits_together(parts: list, out: Tensor, rows: int, words=None) -> None:
             c._keys.restrict_rows(words, [r0 + i for i in first], [state.keys[i] for i in first])
         to += [r0 + i for i in rest]
         of += [r0 + i for i in src]
-    for t, o in zip(to, of):  # (the rows sharing a matcher: its row's mask, its key rule applied)
+    # (the rows sharing a matcher: its row's mask, its key rule applied; row by row, which costs less
+    # than numpy's indexing for a few rows: no row is both a source and a target)
+    for t, o in zip(to, of):
         words[t] = words[o]

@@ -20,8 +20,9 @@ def key(row: dict) -> tuple:
 
 
 def path_label(row: dict) -> str:
-    return row["path"] + (" (insisted on)" if row.get("path_asked") == "llguidance" and row["schema"] in
-                          ("small object", "contact") else "")
+    """The path, and whether the constraint was asked for it (``path="llguidance"`` …) rather than let
+    ``path="auto"`` choose."""
+    return row["path"] + (" (insisted on)" if row.get("path_asked") not in (None, "auto") else "")
 
 
 def inside(row: dict) -> str:

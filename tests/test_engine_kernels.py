@@ -616,3 +616,34 @@ def test_wait_for_host_holds_the_stream_until_the_host_counts_and_gives_up_on_ti
     assert 0.15 < time.perf_counter() - t0 < 10 and int(posted[1]) == 1 and int(seen[0]) == 5
     with pytest.raises(ValueError, match="pinned"):
         wait_for_host(torch.zeros(2, dtype=torch.long), seen)
+
+
+def test_wait_for_host_waits_for_every_party_and_hand_over_flags_the_column():
+    """With several parties (the engine's process and the mask workers) the device waits until every
+    count, a line apart, exceeds its own; ``hand_over`` writes a column into host memory and then the
+    device's count into the flag word, so a host process that sees the flag reads the column."""
+    import time
+
+    from smcdecode.backends.engine.kernels.host import hand_over, wait_for_host
+    from smcdecode.backends.engine.mask_workers import shared_buffer
+
+    # (host memory as the engine's sync lines and columns are: shared mappings registered with CUDA)
+    mem, _ = shared_buffer(8 * 3 * 8, True)
+    posted = torch.frombuffer(mem, dtype=torch.long)
+    cmem, _ = shared_buffer(8 * 40, True)
+    column = torch.frombuffer(cmem, dtype=torch.long)
+    seen = torch.zeros(1, dtype=torch.long, device="cuda")
+    flag = posted[2 * 8:]
+    assert posted.is_pinned() and column.is_pinned() and int(posted.abs().sum()) == 0
+    tokens = torch.arange(37, device="cuda") * 3 + 1
+    wait_for_host(posted, seen, parties=2)
+    hand_over(tokens, column, flag, seen)
+    for p in (0, 8):  # (one party's count alone does not let it through)
+        time.sleep(0.05)
+        assert not torch.cuda.current_stream().query() and int(flag[0]) == 0, p
+        posted[p] = 1
+    torch.cuda.synchronize()
+    assert int(seen[0]) == 1 and int(flag[0]) == 1 and int(posted[1]) == 0
+    assert torch.equal(column[:37], tokens.cpu()) and int(column[37:].abs().sum()) == 0
+    with pytest.raises(ValueError, match="parties"):
+        wait_for_host(posted, seen, parties=4)

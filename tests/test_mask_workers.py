@@ -398,3 +398,34 @@ def test_clear_graphs_stops_the_mask_workers_at_once(model):
     assert all(h._pool is None for h in hosts)
     again = smc.run_groups("A cat as JSON:", 1, max_new_tokens=6, seed=3)
     assert torch.equal(again.tokens, first.tokens) and torch.equal(again.log_weights, first.log_weights)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("schema", [OPEN, HELD])
+def test_rounds_the_workers_serve_on_a_gpu_sample_as_the_engine_process_does(schema):
+    """On a GPU a round is one CUDA graph that waits at each host point. With mask workers holding
+    every masked request, the workers serve the round's points on their own (host_points.py: the
+    device hands each column over with a flag they watch, and waits for each worker's count): the
+    tokens, lengths and weights equal those of the engine's process serving every point itself
+    (no workers), for three requests of four particles over several rounds, one request alone
+    (shared by the workers) and a request whose particles are resampled."""
+    model = sd.load_model(device="cuda")
+    c = JSONSchema(schema, path="llguidance")
+    prompt = "Describe a cat as JSON with a name, tags and integer fields:"
+    for groups in (3, 1):
+        outs = []
+        for w in (0, 2):
+            smc = sd.SMC(sd.LM(model) * c, sd.Draft(model), particles=4, block_size=3, backend="engine",
+                         engine_options={"host_workers": w})
+            outs.append(smc.run_groups(prompt, groups, max_new_tokens=40, seed=5))
+            engine = next(e for e in _ENGINES[model].values() if e.config.host_workers == w)
+            hosts = [engine.graphs[k].host for k in engine.graphs.keys()
+                     if getattr(engine.graphs[k], "host", None) is not None]
+            assert hosts and all(h.waits for h in hosts)  # (rounds launched whole: the served path)
+            assert all((h._pool is not None) == bool(w) for h in hosts)
+        a, b = outs
+        assert torch.equal(a.lengths, b.lengths) and torch.equal(a.tokens, b.tokens), groups
+        assert torch.equal(a.log_weights, b.log_weights), groups
+        assert b.lengths.min() > 5

@@ -37,9 +37,6 @@ documents, a request takes llguidance's masks (so it is not left without a sampl
 
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import numpy as np
 import torch
 from torch import Tensor
@@ -47,14 +44,14 @@ from torch import Tensor
 from ...errors import SMCDecodeError
 from ...potentials.grammar import LLGuidanceConstraint
 from ...potentials.token_bytes import token_texts
-from .graphs import no_collection
-from .mask_workers import _SERVING, MaskWorkers, shared_buffer, unpin_deferred
+from .host_points import HostPoints
+from .mask_workers import MaskWorkers, shared_buffer
 from .request_masks import RequestMasks, advance_requests, fill_requests
 
 __all__ = ["HostMasks", "RequestMasks"]
 
 
-class HostMasks:
+class HostMasks(HostPoints):
     """The host constraints of every request in a round (slot g: rows g·N_max … g·N_max + n_g − 1)."""
 
     def __init__(self, n_max: int, vocab_size: int, device, rows: int = 0, k_max: int = 0, workers: int = 0):
@@ -111,13 +108,9 @@ class HostMasks:
         # does a row go on after the round (its bonus masks, in a round that ``waits``: a row left
         # tokens but not EOS)? Then the next round is launched without waiting for this one's end
         self.eos, self.continuing = -1, False
-        if self.pinned:
-            self._posted = torch.zeros(2, dtype=torch.long, pin_memory=True)  # [points posted, gave up]
-            self._posted_np = self._posted.numpy()  # (written as plain stores, in order after the masks)
-            self._seen = torch.zeros(1, dtype=torch.long, device=self.device)  # points the device passed
-            self._count = 0
-            self._fence = threading.Lock()
-            self._releasing = False
+        self._syncmem = None  # (with workers on a GPU: the sync lines they share with the device)
+        if self.pinned:  # the parties' counts of points, the device's (host_points.py)
+            self._init_points()
 
     def __bool__(self) -> bool:
         return bool(self.requests)
@@ -143,7 +136,8 @@ class HostMasks:
         if self._pool is None:
             c = masks.constraints[0]
             self._pool = MaskWorkers(self.workers, self._handed.shape[1], self.W, c._base_tok,
-                                     token_texts(c.model, c._base_tok), self._shared, self._mem)
+                                     token_texts(c.model, c._base_tok), self._shared, self._mem, self._syncmem,
+                                     points=self._handed.shape[0])
         return self._pool if all(c._base_tok is self._pool.tok for c in masks.constraints) else None
 
     def remove(self, slot: int) -> None:
@@ -230,19 +224,6 @@ class HostMasks:
         else:
             self._columns[i] = (tokens[: self.rows].clone(), None)
 
-    def hand_over(self, i: int, tokens: Tensor) -> None:
-        """The round's code (captured into its graph): draft step i's column ``tokens`` [rows] copied to
-        the host's buffer without blocking, and step i's event recorded after the copy; on a GPU on
-        the side stream, so that the device's next forward does not wait for the copy."""
-        if self._side is None:
-            self._handed[i, : tokens.shape[0]].copy_(tokens)
-            return
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
-        tokens.record_stream(self._side)  # (its memory is not reused before the side stream has read it)
-        with torch.cuda.stream(self._side):
-            self._handed[i, : tokens.shape[0]].copy_(tokens, non_blocking=True)
-            self._handed_events[i].record()
-
     def _column(self, j: int) -> Tensor:
         if j not in self._columns:
             if self.handed and j < self.k_max:  # (handed over by the round: wait for its copy)
@@ -273,134 +254,11 @@ class HostMasks:
             self._upload_events[self._turn].record()
             self._uploaded[self._turn] = True
 
-    def fetch(self, out: Tensor) -> None:
-        """The round's code when it ``waits`` (captured into its graph), once the step before has read
-        ``out``: on the side stream, wait for the host's next point, then upload host buffer 0 into
-        ``out`` (int32 [rows, ⌈V/32⌉]). The device's own work goes on meanwhile, up to the point
-        that uses the masks (``await_masks``): where the host is ahead, the wait and the upload
-        cost the round nothing."""
-        from .kernels.host import wait_for_host  # (the kernels need triton: on a GPU only)
-
-        if self._mem is None:  # (a buffer that ``begin`` may grow would leave the graph a stale address)
-            raise SMCDecodeError("a round that waits for the host's masks needs a HostMasks made with rows > 0")
-        if self._fetching:
-            raise SMCDecodeError("fetch() twice without await_masks() between: a host point's masks not used")
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._side):
-            wait_for_host(self._posted, self._seen)
-            out.copy_(self._bits[0][: out.shape[0]], non_blocking=True)
-        self._fetching = True
-
-    def await_masks(self) -> None:
-        """The round's code at a host point when the round ``waits``: the device's work from here
-        waits for the masks ``fetch`` uploaded."""
-        if not self._fetching:
-            raise SMCDecodeError("await_masks() without fetch() before it: no host point's masks on their way")
-        torch.cuda.current_stream(self.device).wait_stream(self._side)
-        self._fetching = False
-
-    def serve(self) -> None:
-        """The host points of a round that ``waits``, launched whole: for each draft step and the
-        bonus, its masks written into host buffer 0 and the point counted (the device waits for the
-        count). The caller releases the device on anything raised (``release``). Point 0 writes the
-        buffer at once: the round before must have copied its last masks up (the scheduler has
-        read it: its resampling is over)."""
-        with self.serving():
-            for i in range(self.k_max + 1):
-                self._post(i)
-        self._gave_up()
-
-    @contextlib.contextmanager
-    def serving(self):
-        """Inside: a round that waits for the host's masks may be launched and not yet served, so
-        nothing may wait for the device: a pinned buffer freed inside is unpinned after it
-        (``mask_workers._unpin``), and no garbage collection runs (a finalizer's CUDA call could wait)."""
-        _SERVING[0] += 1
-        try:
-            with no_collection():
-                yield
-        finally:
-            _SERVING[0] -= 1
-            if not _SERVING[0]:
-                unpin_deferred()
-
-    def _gave_up(self) -> None:
-        """Raise if a wait of the device gave up (a point came later than it waits: it went on without it)."""
-        if self._posted_np[1]:
-            self.release()
-            raise SMCDecodeError("the device gave up waiting for the host's masks at a host point (kernels/host.py's "
-                                 "GIVE_UP_S): that round's tokens are not valid")
-
-    def _post(self, i: int) -> None:
-        """Host point i of a round that ``waits``: its masks in host buffer 0, then the count raised."""
-        if i:  # (the device has copied point i − 1's masks up once it hands draft column i − 1 over)
-            self._column(i - 1)
-        bits = self._fill(i, 0)
-        self._seen_masks(i, bits)
-        if bits is None:
-            self._bits[0][: self.rows].numpy().fill(-1)
-        self._count += 1
-        # a fence: taking and releasing a lock orders the masks' stores before the count's, on any CPU
-        self._fence.acquire()
-        self._fence.release()
-        self._posted_np[0] = self._count
-
-    def _seen_masks(self, i: int, bits: Tensor | None) -> None:
-        if i == self.k_max:  # (the bonus masks: ``continuing``)
-            self.continuing = bits is not None and self._goes_on(bits.numpy())
-
-    def _goes_on(self, bits) -> bool:
-        """Do the bonus masks ``bits`` (int32 [rows, W]) leave a row some token but not EOS?"""
-        if self.eos < 0:
-            return True
-        word, bit = divmod(self.eos, 32)
-        for r in np.flatnonzero((bits[:, word] >> bit) & 1 == 0):
-            if bits[r].any():
-                return True
-        return False
-
-    @contextlib.contextmanager
-    def open_gate(self):
-        """Every wait of the device passes while inside, on masks that allow every token (a round's
-        graph capture runs its code once); the counts start from 0 after it."""
-        torch.cuda.synchronize(self.device)  # (no round still reads the masks' buffer)
-        if self._pool is not None:  # (the capture's first run rewrites the columns the workers read)
-            self._pool.step_wait()
-        self._posted_np[0] = 2**62
-        self._bits[0].numpy().fill(-1)
-        self._prefilled, self._fetching = None, False
-        try:
-            yield
-        finally:
-            self.release()
-
-    def release(self) -> None:
-        """Let the device past every wait it is in or has queued, wait for it, and start the counts
-        again from 0 (after an error between host points: the round's outputs are not used)."""
-        if not self.pinned:
-            return
-        self._releasing = True  # (until it is through: ``begin`` finishes a release an interrupt cut short)
-        self._prefilled = None
-        self._posted_np[0] = 2**62
-        torch.cuda.synchronize(self.device)
-        self._seen.zero_()
-        torch.cuda.synchronize(self.device)
-        self._posted_np[:] = 0
-        self._count = 0
-        self._releasing = False
-
     def _fill(self, i: int, turn: int) -> Tensor | None:
         """The packed masks of draft step i (i = K_max: the bonus) written into host buffer ``turn``
         (its first ``rows`` rows, returned; every token allowed on the rows no request constrains), or
         None where no request's masks count at this step."""
-        counted = []
-        for slot, m in self.requests.items():
-            # (checked requests take no masks; past a request's block its bonus comes at i = K_max)
-            if m.checked or (i >= m.K and i != self.k_max):
-                continue
-            step = min(i, m.K)
-            if m.counts(step):
-                counted.append((m, step, self._rows(slot, m.n)))
+        counted = self._counted(i)
         prefilled, self._prefilled = self._prefilled, None
         if not counted:
             return None
@@ -418,6 +276,18 @@ class HostMasks:
         if remote:
             self._pool.step_wait()
         return bits
+
+    def _counted(self, i: int) -> list:
+        """(RequestMasks, its step, its rows) of the requests whose masks count at draft step i."""
+        counted = []
+        for slot, m in self.requests.items():
+            # (checked requests take no masks; past a request's block its bonus comes at i = K_max)
+            if m.checked or (i >= m.K and i != self.k_max):
+                continue
+            step = min(i, m.K)
+            if m.counts(step):
+                counted.append((m, step, self._rows(slot, m.n)))
+        return counted
 
     def _gather(self, counted: list, prefilled: dict, bits) -> list:
         """Step 0's masks in ``bits`` (int32 [rows, W]) of the requests of ``counted`` ((RequestMasks,
@@ -459,16 +329,19 @@ class HostMasks:
             for m, _ in due:
                 m.consumed += 1
 
-    def _items(self, todo: list, fill: set, bonus: set = frozenset()) -> list:
+    def _items(self, todo: list, fill: set, bonus: set = frozenset(), handed: bool = False) -> list:
         """The step-record items (``MaskWorkers.step``) of the remote requests of ``todo`` ((RequestMasks,
         step i, its rows)): each request consumes the drafted columns up to draft step i (each column
-        shared first: ``_share``), then the bonus where its slot is in ``bonus``, then fills where its
-        slot is in ``fill``."""
+        shared first: ``_share``; ``handed``: the device hands them over to the workers itself), then
+        the bonus where its slot is in ``bonus``, then fills where its slot is in ``fill``."""
         items = []
         for m, step, r in todo:
             last = max(m.consumed, min(step, m.k))
             for j in range(m.consumed, last):
-                self._share(j)
+                if handed:
+                    self._in_shared.add(j)
+                else:
+                    self._share(j)
             fills = m.slot in fill
             if last > m.consumed or fills or m.slot in bonus:
                 items.append((m.slot, m.consumed, last, r.start, int(m.slot in bonus), int(fills)))

@@ -25,11 +25,14 @@ import torch
 POSTED, TAKEN, DONE, LENGTH, ANSWER, STEP_DONE, STEP_FAIL, ASLEEP = range(8)
 LINE = 8  # int64 words a process's control line
 # the step record (int64 words, after the control lines and the bell's line): its sequence number (odd
-# while written), the step buffer it fills, the bonus column, its items, then each process's batches
-# before it; then per item: the process that holds the request, its slot, first and last column
-# consumed, first row, bonus consumed, and the request's rows this process fills (from, to: none if equal)
-SEQ, TURN, BONUS, ITEMS, PRE = range(5)
-ITEM = 8
+# while written), the step buffer it fills, the bonus column, its items, the host points it spans (0: a
+# step; else a round's plan, ``_Worker.plan``), the count of points before them, whether the engine's
+# process called the plan off (its sequence number), then each process's batches before it; then per
+# item: the process that holds the request, its slot (-1: rows that allow every token), first and last
+# column consumed, first row, bonus consumed, the request's rows this process fills (from, to: none if
+# equal), and the host point of a plan it belongs to
+SEQ, TURN, BONUS, ITEMS, POINTS, BASE, ABORT, PRE = range(8)
+ITEM = 9
 IN_CAP, OUT_CAP = 1 << 20, 1 << 16  # mailbox bytes (in, answers); a longer message goes through the pipe
 SPIN = 0.002  # seconds a worker watches for work after a batch or step before it sleeps on the bell
 _SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1  # (x86-64 Linux)
@@ -55,17 +58,30 @@ def sleep_on(address: int, value: int, seconds: float) -> None:
 def wake_all(address: int) -> None:
     _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, ctypes.c_int(0x7FFFFFFF), None, None, 0)
 
-def area_start(processes: int, rows: int) -> int:
-    """Where the mailboxes' byte areas begin: after the control lines, the bell's line and the record."""
-    return (processes + 1) * LINE * 8 + (PRE + processes + ITEM * rows) * 8
+def area_start(processes: int, items: int) -> int:
+    """Where the mailboxes' byte areas begin: after the control lines, the bell's line and the record
+    (of at most ``items`` items)."""
+    return (processes + 1) * LINE * 8 + (PRE + processes + ITEM * items) * 8
 
 
-def views(box, processes: int, rows: int) -> tuple:
+def views(box, processes: int, items: int) -> tuple:
     """The control lines [processes, LINE], the bell [1] (int32) and the step record of ``box``."""
     ctrl = np.frombuffer(box, dtype=np.int64, count=processes * LINE).reshape(processes, LINE)
     bell = np.frombuffer(box, dtype=np.int32, count=1, offset=processes * LINE * 8)
-    record = np.frombuffer(box, dtype=np.int64, count=PRE + processes + ITEM * rows, offset=(processes + 1) * LINE * 8)
+    record = np.frombuffer(box, dtype=np.int64, count=PRE + processes + ITEM * items, offset=(processes + 1) * LINE * 8)
     return ctrl, bell, record
+
+
+def sync_words(processes: int) -> int:
+    """int64 words of the device's sync lines (``HostMasks``: pinned, in shared memory where there are
+    mask workers): line 0 the engine's process's count of host points (word 1: the device gave up
+    waiting), line 1 + w worker w's count (a round the workers serve: ``_Worker.plan``), line
+    processes + 1 the drafted column handed over last (the device's count of points passed then)."""
+    return (processes + 2) * LINE
+
+
+def flag_word(processes: int) -> int:
+    return (processes + 1) * LINE
 
 
 class _NoModel:
@@ -102,15 +118,16 @@ def _rebuilt(spec: tuple, tok, words: int, keys, texts: list):
 
 
 def serve(w: int, ours: int, conn, box, processes: int, mem, rows: int, words: int, tok, texts: list, columns,
-           parent: int) -> None:
+          parent: int, items: int, sync) -> None:
     """A worker process: run the batches posted to its mailbox and its part of each step record until
     told to stop (or until the main process ``parent`` is gone). ``ours``: the main process's end of
-    the pipe, closed here."""
+    the pipe, closed here; ``items``: the step record's capacity; ``sync``: the device's sync lines
+    (``sync_words``; None: no round is served by the workers)."""
     code = 0
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C is the main process's to handle)
         os.close(ours)
-        _Worker(w, conn, box, processes, mem, rows, words, tok, texts, columns).run(parent)
+        _Worker(w, conn, box, processes, mem, rows, words, tok, texts, columns, items, sync, parent).run()
     except BaseException:  # noqa: BLE001 - reported on stderr; the main process sees the exit code
         traceback.print_exc()
         code = 1
@@ -122,16 +139,20 @@ class _Worker:
     """A worker process: its requests (``RequestMasks`` over rebuilt constraints) and its views of the
     shared memory."""
 
-    def __init__(self, w: int, conn, box, processes: int, mem, rows: int, words: int, tok, texts: list, columns):
+    def __init__(self, w: int, conn, box, processes: int, mem, rows: int, words: int, tok, texts: list, columns,
+                 items: int, sync, parent: int):
         torch.set_num_threads(1)
-        self.w, self.conn, self.P, self.rows = w, conn, processes, rows
+        self.w, self.conn, self.P, self.rows, self.parent = w, conn, processes, rows, parent
         self.tok, self.texts, self.words = tok, texts, words
         whole = torch.frombuffer(mem, dtype=torch.int32)
         self.bits = [whole[t * rows * words: (t + 1) * rows * words].view(rows, words) for t in (0, 1)]
         self.packed = [b.numpy() for b in self.bits]  # (the same memory as numpy: checked once, not per fill)
-        self.ctrl, self.bell, self.record = views(box, processes, rows)
+        self.ctrl, self.bell, self.record = views(box, processes, items)
+        # (the device's sync lines: this process's count of points served, the column handed over last)
+        self.sync = None if sync is None else np.frombuffer(sync, dtype=np.int64, count=sync_words(processes))
+        self.done_at, self.flag_at = (1 + w) * LINE, flag_word(processes)
         self.columns = np.frombuffer(columns, dtype=np.int64).reshape(-1, rows)
-        start = area_start(processes, rows) + w * (IN_CAP + OUT_CAP)
+        start = area_start(processes, items) + w * (IN_CAP + OUT_CAP)
         self.inbox = memoryview(box)[start: start + IN_CAP]
         self.outbox = memoryview(box)[start + IN_CAP: start + IN_CAP + OUT_CAP]
         self.keys = []  # the vocabulary's KeyTracker, built when a constraint first needs it
@@ -141,7 +162,7 @@ class _Worker:
         self.error = None  # an error not yet reported
         self.seen = self.steps = 0  # batches taken; the last record looked at (its SEQ)
 
-    def run(self, parent: int) -> None:
+    def run(self) -> None:
         ctrl, w, record, P = self.ctrl, self.w, self.record, self.P
         idle = time.perf_counter()
         while True:
@@ -156,13 +177,16 @@ class _Worker:
             seq = int(record[SEQ])
             if seq > self.steps and seq % 2 == 0:
                 n, before = int(record[ITEMS]), int(record[PRE + w])
-                turn, bonus = int(record[TURN]), int(record[BONUS])
+                turn, bonus, points, base = int(record[TURN]), int(record[BONUS]), int(record[POINTS]), int(record[BASE])
                 items = record[PRE + P: PRE + P + ITEM * n].tolist()
                 if int(record[SEQ]) != seq or before > self.seen:  # (rewritten meanwhile; batches first)
                     continue
                 self.steps = seq
                 mine = [items[i + 1: i + ITEM] for i in range(0, len(items), ITEM) if items[i] == w]
-                if mine:  # (a record names this process only where it has taken every batch before it)
+                if mine and points:  # (a round's host points: ``plan``)
+                    self.plan(mine, points, base, seq)
+                    idle = time.perf_counter()
+                elif mine:  # (a record names this process only where it has taken every batch before it)
                     self.step(mine, turn, bonus, seq)
                     idle = time.perf_counter()
                 continue
@@ -174,7 +198,7 @@ class _Worker:
                 ctrl[w, ASLEEP] = 1
                 sleep_on(self.bell.ctypes.data, ring, 1.0)
                 ctrl[w, ASLEEP] = 0
-                if os.getppid() != parent:
+                if os.getppid() != self.parent:
                     return
 
     def constraint(self, spec):
@@ -189,28 +213,74 @@ class _Worker:
         return self.built[spec]
 
     def step(self, mine: list, turn: int, bonus: int, seq: int) -> None:
-        """This process's part of a step record: (slot, first, last, row, bonus?, fill from, fill to) each:
-        every row consumes, the rows from … to − 1 of the request fill."""
-        from .request_masks import advance_requests, fill_requests
-
-        if self.error is None:
-            try:
-                mine = [(self.held[slot], *rest) for slot, *rest in mine]
-                cols = self.columns
-                for j in range(min(m[1] for m in mine), max(m[2] for m in mine)):
-                    advance_requests([(m, cols[j, row: row + m.n].tolist())
-                                      for m, first, last, row, *_ in mine if first <= j < last])
-                due = [(m, cols[bonus, row: row + m.n].tolist()) for m, _, _, row, b, _, _ in mine if b]
-                if due:
-                    advance_requests(due)
-                fills = [(m.part(a, end), slice(row + a, row + end)) for m, _, _, row, _, a, end in mine if end > a]
-                if fills:
-                    fill_requests(fills, self.bits[turn], self.rows, self.packed[turn])
-            except Exception as e:  # noqa: BLE001 - reported to the main process with the next answer
-                self.error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
+        """This process's part of a step record: (slot, first, last, row, bonus?, fill from, fill to,
+        point) each: every row consumes, the rows from … to − 1 of the request fill."""
+        self.work(mine, turn, bonus)
         if self.error is not None:
             self.ctrl[self.w, STEP_FAIL] = seq
         self.ctrl[self.w, STEP_DONE] = seq
+
+    def plan(self, mine: list, points: int, base: int, seq: int) -> None:
+        """This process's part of a round's host points (``MaskWorkers.plan``), in order: before point
+        i > 0 it waits for draft column i − 1, which the device hands over once past point i − 1
+        (it writes its count of points passed, base + i, into the flag line after the column); after
+        point i it counts base + i + 1 in its sync line, which the device waits for with the others'
+        (kernels/host.py). A failed point still counts, so the device goes on; the error comes with
+        the record's end. Called off (the record's ABORT): it stops counting at once."""
+        at: list[list] = [[] for _ in range(points)]
+        for item in mine:
+            at[item[7]].append(item)
+        sync, record, done = self.sync, self.record, self.done_at
+        for i, todo in enumerate(at):
+            if todo:
+                if i and not self._handed(base + i, seq):
+                    break
+                self.work(todo, 0, 0)
+            if record[ABORT] == seq:
+                break
+            sync[done] = base + i + 1  # (after the masks' stores: x86 keeps stores in order)
+        if self.error is not None:
+            self.ctrl[self.w, STEP_FAIL] = seq
+        self.ctrl[self.w, STEP_DONE] = seq
+
+    def _handed(self, target: int, seq: int) -> bool:
+        """Wait until the device's flag line reaches ``target`` (a busy wait: the column comes within a
+        draft forward); False if the plan was called off or the engine's process is gone."""
+        sync, record, at, i = self.sync, self.record, self.flag_at, 0
+        while sync[at] < target:
+            if record[ABORT] == seq:
+                return False
+            i += 1
+            if i % 100000 == 0 and os.getppid() != self.parent:
+                return False
+        return True
+
+    def work(self, mine: list, turn: int, bonus: int) -> None:
+        """Items (slot, first, last, row, bonus?, fill from, fill to, point) run: the rows consume, fill
+        (slot -1: rows row + from … row + to − 1 allow every token); an error is kept for the answer."""
+        from .request_masks import advance_requests, fill_requests
+
+        if self.error is not None:
+            return
+        try:
+            for slot, _, _, row, _, a, end, _ in mine:
+                if slot < 0:
+                    self.packed[turn][row + a: row + end] = -1
+            mine = [(self.held[slot], *rest) for slot, *rest in mine if slot >= 0]
+            if not mine:
+                return
+            cols = self.columns
+            for j in range(min(m[1] for m in mine), max(m[2] for m in mine)):
+                advance_requests([(m, cols[j, row: row + m.n].tolist())
+                                  for m, first, last, row, *_ in mine if first <= j < last])
+            due = [(m, cols[bonus, row: row + m.n].tolist()) for m, _, _, row, b, *_ in mine if b]
+            if due:
+                advance_requests(due)
+            fills = [(m.part(a, end), slice(row + a, row + end)) for m, _, _, row, _, a, end, _ in mine if end > a]
+            if fills:
+                fill_requests(fills, self.bits[turn], self.rows, self.packed[turn])
+        except Exception as e:  # noqa: BLE001 - reported to the main process with the next answer
+            self.error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
 
     def batch(self) -> None:
         """Take the next batch from the mailbox (or the pipe), run it, answer it if it asks."""

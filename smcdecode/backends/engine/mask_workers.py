@@ -48,8 +48,10 @@ import torch
 
 from ...errors import SMCDecodeError
 from .mask_process import (
+    ABORT,
     ANSWER,
     ASLEEP,
+    BASE,
     BONUS,
     DONE,
     IN_CAP,
@@ -57,6 +59,7 @@ from .mask_process import (
     ITEMS,
     LENGTH,
     OUT_CAP,
+    POINTS,
     POSTED,
     PRE,
     SEQ,
@@ -169,7 +172,8 @@ class MaskWorkers:
     batches before it, which run first, and a batch goes to a process only once the process finished
     the record before it."""
 
-    def __init__(self, processes: int, rows: int, words: int, tok, texts: list, columns: mmap.mmap, bits: mmap.mmap):
+    def __init__(self, processes: int, rows: int, words: int, tok, texts: list, columns: mmap.mmap, bits: mmap.mmap,
+                 sync: mmap.mmap | None = None, points: int = 1):
         if processes < 1 or rows < 1:
             raise SMCDecodeError(f"mask workers need at least one process and one row, got {processes} and {rows}")
         why = _supported()
@@ -186,8 +190,11 @@ class MaskWorkers:
         self._mem = bits  # (its owner pinned it, if at all, and unpins it)
         whole = torch.frombuffer(self._mem, dtype=torch.int32)
         self.bits = [whole[t * rows * words: (t + 1) * rows * words].view(rows, words) for t in (0, 1)]
-        self._box = mmap.mmap(-1, area_start(processes, rows) + processes * (IN_CAP + OUT_CAP))
-        self._ctrl, self._bell, self._record = views(self._box, processes, rows)
+        # (a record holds a step's items, or a round's plan: up to ``points`` host points, each with an
+        # item per row at most and one for the rows no request constrains)
+        self._items = (rows + 1) * max(points, 1)
+        self._box = mmap.mmap(-1, area_start(processes, self._items) + processes * (IN_CAP + OUT_CAP))
+        self._ctrl, self._bell, self._record = views(self._box, processes, self._items)
         self._asleep, self._fence = self._ctrl[:, ASLEEP], threading.Lock()
         ctx = multiprocessing.get_context("fork")
         self._conns, self._procs = [], []
@@ -197,7 +204,7 @@ class MaskWorkers:
                 here, there = ctx.Pipe()
                 self._conns.append(here)
                 p = ctx.Process(target=serve, args=(w, here.fileno(), there, self._box, processes, self._mem, rows,
-                                                     words, tok, texts, columns, os.getpid()),
+                                                     words, tok, texts, columns, os.getpid(), self._items, sync),
                                 daemon=True, name="smcdecode-masks")
                 with warnings.catch_warnings():  # (Python warns of forking a process with threads; the child
                     warnings.simplefilter("ignore", DeprecationWarning)  # runs llguidance and numpy only)
@@ -211,6 +218,7 @@ class MaskWorkers:
         self._posted = [0] * processes
         self._owed = [0] * processes  # the message whose answer each process owes (0: none)
         self._steps, self._stepping = 0, []  # records written; the processes the last one asks, until done
+        self._planning = False  # is the last record a round's plan, not yet waited for?
         self.where: dict[int, list] = {}  # slot -> its processes, each with the rows it fills: (w, first, end)
         self._pending: dict[int, tuple] = {}  # slot -> (specs, n, lane, share): added, placed at the next send
         _LIVE.add(self)
@@ -337,14 +345,46 @@ class MaskWorkers:
         where ``bonus?`` is 1, column ``bonus``, then, where ``fill?`` is 1, write their masks into step
         buffer ``turn`` (each process that holds the request its block of rows). Returns at once;
         ``step_wait`` waits for it."""
-        held = [(w, slot, first, last, row, b, a if fill else 0, end if fill else 0)
+        held = [(w, slot, first, last, row, b, a if fill else 0, end if fill else 0, 0)
                 for slot, first, last, row, b, fill in items for w, a, end in self._held(slot)]
+        self._write(turn, bonus, 0, 0, held)
+
+    def plan(self, base: int, points: int, items: list) -> list[int]:
+        """Write a round's plan: its ``points`` host points in one record, which the processes serve on
+        their own (``mask_process._Worker.plan``). ``items``: (slot, first, last, row, bonus?, fill?,
+        point) as for ``step`` (into step buffer 0), and (-1, 0, 0, row, 0, n, point) for the n rows
+        from ``row`` that allow every token at that point (written by a process the point concerns);
+        ``base``: the count of points before the round's first. Returns the processes it asks (each
+        counts every point in its sync line); ``step_wait`` waits for them, ``abort`` calls it off."""
+        held = [(w, slot, first, last, row, b, a if fill else 0, end if fill else 0, point)
+                for slot, first, last, row, b, fill, point in items if slot >= 0 for w, a, end in self._held(slot)]
+        for _, _, _, row, _, n, point in (i for i in items if i[0] < 0):
+            ws = [h[0] for h in held if h[8] == point] or [min(h[0] for h in held)] if held else [0]
+            held.append((ws[0], -1, 0, 0, row, 0, 0, n, point))
+        self._write(0, 0, points, base, held)
+        self._planning = True
+        return self._stepping
+
+    def abort(self) -> None:
+        """Call off a plan in flight: its processes stop counting points (each says so, or has died)."""
+        if not self._planning:
+            return
+        self._record[ABORT] = 2 * self._steps
+        asked, self._stepping, self._planning = self._stepping, [], False
+        for w in asked:
+            with contextlib.suppress(SMCDecodeError):  # (a process that died counts no more)
+                self._spin(w, STEP_DONE, 2 * self._steps)
+
+    def _write(self, turn: int, bonus: int, points: int, base: int, held: list) -> None:
+        """Write a record of ``held`` items (process, slot, first, last, row, bonus?, from, to, point)."""
+        if len(held) > self._items:
+            raise SMCDecodeError(f"a step record of {len(held)} items, more than the {self._items} it holds")
         self.send()  # (the batches queued before it go first)
         self.step_wait()  # (the record's area is rewritten: the last record done)
         rec, P = self._record, len(self._procs)
         self._steps += 1
         rec[SEQ] = 2 * self._steps - 1  # (odd: being written)
-        rec[TURN], rec[BONUS], rec[ITEMS] = turn, bonus, len(held)
+        rec[TURN], rec[BONUS], rec[ITEMS], rec[POINTS], rec[BASE], rec[ABORT] = turn, bonus, len(held), points, base, 0
         rec[PRE: PRE + P] = self._posted
         rec[PRE + P: PRE + P + ITEM * len(held)] = np.asarray(held, dtype=np.int64).reshape(-1)
         rec[SEQ] = 2 * self._steps
@@ -353,7 +393,7 @@ class MaskWorkers:
 
     def step_wait(self) -> None:
         """Wait for the processes of the last step record; an error one of them met is raised here."""
-        asked, self._stepping = self._stepping, []
+        asked, self._stepping, self._planning = self._stepping, [], False
         for w in asked:
             self._spin(w, STEP_DONE, 2 * self._steps)
         failed = [w for w in asked if self._ctrl[w, STEP_FAIL] == 2 * self._steps]
@@ -398,7 +438,7 @@ class MaskWorkers:
         return out
 
     def _area(self, w: int, answer: bool) -> memoryview:
-        start = area_start(len(self._procs), self.rows) + w * (IN_CAP + OUT_CAP) + (IN_CAP if answer else 0)
+        start = area_start(len(self._procs), self._items) + w * (IN_CAP + OUT_CAP) + (IN_CAP if answer else 0)
         return memoryview(self._box)[start: start + (OUT_CAP if answer else IN_CAP)]
 
     def _post(self, w: int, message) -> None:

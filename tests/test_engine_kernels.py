@@ -636,6 +636,16 @@ def test_wait_for_host_waits_for_every_party_and_hand_over_flags_the_column():
     flag = posted[2 * 8:]
     assert posted.is_pinned() and column.is_pinned() and int(posted.abs().sum()) == 0
     tokens = torch.arange(37, device="cuda") * 3 + 1
+    # (each kernel launched once first, every wait passing: a kernel's first launch loads its module,
+    # which waits for the device, so it must not come while the device waits for this host)
+    posted[0] = posted[8] = 2**62
+    wait_for_host(posted, seen, parties=2)
+    hand_over(tokens, column, flag, seen)
+    torch.cuda.synchronize()
+    assert int(flag[0]) == 1 and torch.equal(column[:37], tokens.cpu())
+    seen.zero_()
+    posted.zero_()
+    column.zero_()
     wait_for_host(posted, seen, parties=2)
     hand_over(tokens, column, flag, seen)
     for p in (0, 8):  # (one party's count alone does not let it through)

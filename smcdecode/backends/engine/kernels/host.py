@@ -10,6 +10,10 @@ over the bus), then raises ``seen``. ``hand_over`` writes a drafted column into 
 behind a system-wide fence, the device's count into a flag the workers watch. It has no torch reference (torch cannot
 wait on the host inside a stream); tests/test_engine_kernels.py checks it on the GPU.
 
+A kernel's first launch in a process loads its module, which waits for the device: each is launched
+once while every wait passes (the round's capture, ``HostMasks.open_gate``) before a wait can hold the
+device.
+
 Should the host not post for ``GIVE_UP_S`` seconds (a process stopped between points), the kernel
 gives up, sets posted[1] and lets the round go on; the host reads that word after each round's
 points and raises (``HostMasks.serve``).

@@ -37,6 +37,10 @@ Each timed call is paired with an unconstrained call at the same lengths (each r
 comparison), whose ``round`` intervals are reported beside (``plain round``), and both calls'
 times.
 
+Where the mask workers serve a round's host points themselves (every masked request theirs:
+``smcdecode/backends/engine/host_points.py``), this process posts no point: the ``post``/``col``
+intervals and the device's per-point stamps are then absent, and ``round`` remains.
+
 Prints medians and 10th / 90th percentiles over the rounds; --out writes them as JSON.
 """
 
@@ -79,16 +83,19 @@ STAMPS = 1 << 16  # device stamps kept (a ring)
 
 
 @triton.jit
-def _stamped_wait(posted_ptr, seen_ptr, stamps_ptr, n_ptr, LIMIT_NS: tl.constexpr, RING: tl.constexpr):
-    # kernels/host.py's wait, plus (count awaited, GPU time when the wait began, when it ended)
+def _stamped_wait(posted_ptr, seen_ptr, stamps_ptr, n_ptr, LIMIT_NS: tl.constexpr, RING: tl.constexpr,
+                  PARTIES: tl.constexpr, BLOCK: tl.constexpr, STRIDE: tl.constexpr):
+    # kernels/host.py's wait (every party's count), plus (count awaited, GPU time when the wait began, when it ended)
     target = tl.load(seen_ptr) + 1
     start = globaltimer()
-    posted = tl.load(posted_ptr, volatile=True)
-    while (posted < target) & (globaltimer() - start < LIMIT_NS):
-        posted = tl.load(posted_ptr, volatile=True)
+    j = tl.arange(0, BLOCK)
+    at, live = posted_ptr + j * STRIDE, j < PARTIES
+    low = tl.min(tl.load(at, mask=live, other=target, volatile=True), axis=0)
+    while (low < target) & (globaltimer() - start < LIMIT_NS):
+        low = tl.min(tl.load(at, mask=live, other=target, volatile=True), axis=0)
     end = globaltimer()
     tl.store(seen_ptr, target)
-    if posted < target:
+    if low < target:
         tl.store(posted_ptr + 1, 1)
     n = tl.load(n_ptr)
     at = stamps_ptr + 3 * (n % RING)
@@ -105,8 +112,9 @@ class DeviceStamps:
         self.stamps = torch.zeros(STAMPS, 3, dtype=torch.long, device="cuda")
         self.n = torch.zeros(1, dtype=torch.long, device="cuda")
 
-        def wait(posted, seen, give_up_s=KH.GIVE_UP_S):
+        def wait(posted, seen, give_up_s=KH.GIVE_UP_S, parties=1, stride=8):
             _stamped_wait[(1,)](posted, seen, self.stamps, self.n, LIMIT_NS=int(give_up_s * 1e9), RING=STAMPS,
+                                PARTIES=parties, BLOCK=max(2, triton.next_power_of_2(parties)), STRIDE=stride,
                                 num_warps=1)
 
         KH.wait_for_host = wait  # (host_masks imports it at each capture)

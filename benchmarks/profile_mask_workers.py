@@ -25,6 +25,9 @@ read and llguidance's check), ``host_terms`` (the verdicts uploaded) and the sch
 round. Medians over the host points of the timed calls, in ms; the raw timeline of one call
 goes to --out. ``--no-timeline`` times the calls only (an A/B against another tree);
 ``--pipeline-ab`` times the same calls pipelined and not, alternately, in one process.
+Where the mask workers serve a round's host points themselves (every masked request theirs:
+``smcdecode/backends/engine/host_points.py``), this process posts no point: ``parts_ms`` is then
+empty, and the calls' and the rounds' times remain.
 
     python benchmarks/profile_mask_workers.py --smollm2-gguf PATH --schema small   # one NVIDIA GPU
 """

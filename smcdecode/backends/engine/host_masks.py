@@ -19,7 +19,8 @@ launched whole before the host's first point (``waits``): on a side stream, from
 step before has used its masks, the device waits for the host's count of points in pinned memory
 (kernels/host.py), then copies the bitmask up, while its main stream runs on to the point that uses
 them (``fetch``, ``await_masks``); the host computes the points in order (``serve``) and raises the
-count after each. So the device starts a step as soon as its masks are written, with no launch
+count after each, or, where the mask workers hold every masked request, the workers serve the points
+themselves and the device waits for each worker's count (host_points.py). So the device starts a step as soon as its masks are written, with no launch
 between. So nothing the host does between the launch and its last point may wait for the device
 (the host constraints compute on the CPU; a pinned buffer freed then is unpinned after:
 ``mask_workers._unpin``); an error there lets the device past its waits before it propagates

@@ -429,3 +429,105 @@ def test_rounds_the_workers_serve_on_a_gpu_sample_as_the_engine_process_does(sch
         assert torch.equal(a.lengths, b.lengths) and torch.equal(a.tokens, b.tokens), groups
         assert torch.equal(a.log_weights, b.log_weights), groups
         assert b.lengths.min() > 5
+
+
+@pytest.mark.slow
+def test_a_plan_the_workers_serve_gives_the_masks_of_the_engine_process(model):
+    """The host points of rounds the mask workers serve on their own (host_points.py: one plan record,
+    the drafted columns and a flag in shared memory, each worker's count), with a thread here playing
+    the device: it waits for every count, reads the point's masks, draws the next column from them
+    and hands it over with its flag. Through three rounds with resamplings between them (two requests
+    of 3 and 2 rows of N_max 4, so some rows no request constrains; in the last round one request
+    left), every point's masks equal those the engine's process computes itself from the same
+    tokens, and the counts end where the plans say."""
+    import threading
+
+    c = JSONSchema(HELD, path="llguidance").bind(model)
+    d = JSONSchema(OPEN, path="llguidance").bind(model)
+    V, K, rows = model.vocab_size, 2, 8
+    host = HostMasks(4, V, "cpu", rows=rows, k_max=K, workers=2)
+    host._init_points(pin=False)  # (the sync lines a GPU's HostMasks has, in plain shared memory)
+    host.waits = True
+    ref = HostMasks(4, V, "cpu", rows=rows, k_max=K, workers=0)
+    for h in (host, ref):
+        h.add(0, RequestMasks([c], 3, block_size=K, budget=100))
+        h.add(1, RequestMasks([d], 2, block_size=K, budget=100))
+    g = torch.Generator().manual_seed(7)
+
+    def draw(bits: torch.Tensor) -> torch.Tensor:
+        allowed = torch.stack([(bits[:, t // 32] >> (t % 32)) & 1 for t in range(V)], 1).bool()
+        allowed[:, model.eos_token_id] = False
+        return torch.multinomial(allowed.double() + 1e-30 * (~allowed.any(1, keepdim=True)), 1, generator=g)[:, 0]
+
+    for _round in range(3):
+        if _round == 2:
+            for h in (host, ref):
+                h.remove(0)
+        for h in (host, ref):
+            h.begin(rows, K, torch.zeros(rows, K, dtype=torch.long), handed=True)
+        base, seen, failed = host._count, [], []
+
+        def device(base=base, seen=seen, failed=failed):
+            try:
+                for i in range(K + 1):
+                    deadline = time.monotonic() + 60
+                    while host._counts.min() < base + i + 1:
+                        assert time.monotonic() < deadline, f"point {i} never counted"
+                    bits = host._bits[0][:rows].clone()
+                    tokens = draw(bits)
+                    seen.append((bits, tokens))
+                    if i < K:
+                        host._handed[i, :rows] = tokens
+                        host._flag[0] = base + i + 1
+            except BaseException as e:  # noqa: BLE001 - reported below
+                failed.append(e)
+                host._counts[:] = 2**62
+
+        player = threading.Thread(target=device, daemon=True)
+        player.start()
+        host.serve()
+        player.join(60)
+        assert not failed and len(seen) == K + 1
+        assert host._count == base + K + 1 and (host._counts == base + K + 1).all()
+        for i, (bits, tokens) in enumerate(seen):
+            out = torch.empty(rows, host.W, dtype=torch.int32)
+            ref.mask(i, out)
+            assert torch.equal(out, bits), (_round, i)
+            if i < K:
+                ref.hand_over(i, tokens)
+        bonus = seen[-1][1]
+        for h in (host, ref):
+            h.end(bonus)
+        index = torch.tensor([1, 1, 0, 3, 5, 4, 6, 7]) if _round == 0 else torch.arange(rows)
+        for h in (host, ref):
+            h.fork(index)
+    host.close()
+
+
+@pytest.mark.slow
+def test_a_plan_called_off_stops_its_workers_counting(model):
+    """``MaskWorkers.abort`` (what ``HostMasks.release`` does first after an error): workers serving a
+    plan whose drafted columns never come stop waiting at once and count no further point, so the
+    release's reset of the counts is not overwritten afterwards."""
+    import threading
+
+    c = JSONSchema(OPEN, path="llguidance").bind(model)
+    host = HostMasks(4, model.vocab_size, "cpu", rows=4, k_max=2, workers=2)
+    host._init_points(pin=False)
+    host.waits = True
+    host.add(0, RequestMasks([c], 4, block_size=2, budget=100))
+    host.begin(4, 2, torch.zeros(4, 2, dtype=torch.long), handed=True)
+    served = threading.Thread(target=host.serve, daemon=True)
+    served.start()
+    deadline = time.monotonic() + 60
+    while host._counts[1:].min() < 1:  # (point 0 needs no column: both workers count it)
+        assert time.monotonic() < deadline
+    time.sleep(0.2)  # (the workers now wait for column 0, which no device hands over)
+    assert host._counts[1:].max() == 1 and served.is_alive()
+    t0 = time.monotonic()
+    host._pool.abort()
+    served.join(10)
+    assert not served.is_alive() and time.monotonic() - t0 < 5
+    time.sleep(0.2)
+    assert (host._counts[1:] == 1).all()  # (no further point counted)
+    host.close()

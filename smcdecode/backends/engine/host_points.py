@@ -45,14 +45,15 @@ def _runs(free: np.ndarray) -> list[tuple[int, int]]:
 class HostPoints:
     """The host points of ``HostMasks`` (see the module docstring)."""
 
-    def _init_points(self) -> None:
-        """The sync lines (pinned; shared with the mask workers where there are any), the device's count."""
+    def _init_points(self, pin: bool = True) -> None:
+        """The sync lines (pinned, ``pin`` False: for a test that plays the device on the CPU; shared with
+        the mask workers where there are any), the device's count."""
         P = self.workers
         if P:
-            self._syncmem, _ = shared_buffer(8 * sync_words(P), True)
+            self._syncmem, _ = shared_buffer(8 * sync_words(P), pin)
             self._posted = torch.frombuffer(self._syncmem, dtype=torch.long)
         else:
-            self._posted = torch.zeros(sync_words(0), dtype=torch.long, pin_memory=True)
+            self._posted = torch.zeros(sync_words(0), dtype=torch.long, pin_memory=pin)
         self._posted_np = self._posted.numpy()  # (written as plain stores, in order after the masks)
         self._counts = self._posted_np[: (P + 1) * LINE: LINE]  # every party's count of points
         self._flag = self._posted[flag_word(P):]  # the column the device handed over last (its count then)

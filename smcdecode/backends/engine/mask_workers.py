@@ -74,6 +74,7 @@ from .mask_process import (
 )
 
 TIMEOUT = 300.0  # seconds a worker may take over one batch (a batch that adds a request compiles its grammar)
+ABORT_S = 5.0  # seconds a worker may take to stop serving a plan called off (it stops at its next check)
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # this process's MaskWorkers
 MAX_LIVE = 8  # sets of workers kept at once (a set per round shape; beyond: idle ones are stopped)
 
@@ -218,7 +219,7 @@ class MaskWorkers:
         self._posted = [0] * processes
         self._owed = [0] * processes  # the message whose answer each process owes (0: none)
         self._steps, self._stepping = 0, []  # records written; the processes the last one asks, until done
-        self._planning = False  # is the last record a round's plan, not yet waited for?
+        self._planning, self._planned = False, []  # is the last record a round's plan not yet over; its processes
         self.where: dict[int, list] = {}  # slot -> its processes, each with the rows it fills: (w, first, end)
         self._pending: dict[int, tuple] = {}  # slot -> (specs, n, lane, share): added, placed at the next send
         _LIVE.add(self)
@@ -362,18 +363,23 @@ class MaskWorkers:
             ws = [h[0] for h in held if h[8] == point] or [min(h[0] for h in held)] if held else [0]
             held.append((ws[0], -1, 0, 0, row, 0, 0, n, point))
         self._write(0, 0, points, base, held)
-        self._planning = True
+        self._planning, self._planned = True, self._stepping
         return self._stepping
 
     def abort(self) -> None:
-        """Call off a plan in flight: its processes stop counting points (each says so, or has died)."""
+        """Call off a plan in flight: its processes stop counting points (each says so at once, or has
+        died; one that does neither within ABORT_S is stopped with the others: it may count no more)."""
         if not self._planning:
             return
         self._record[ABORT] = 2 * self._steps
-        asked, self._stepping, self._planning = self._stepping, [], False
-        for w in asked:
-            with contextlib.suppress(SMCDecodeError):  # (a process that died counts no more)
-                self._spin(w, STEP_DONE, 2 * self._steps)
+        self._stepping, self._planning = [], False
+        for w in self._planned:
+            try:
+                self._spin(w, STEP_DONE, 2 * self._steps, ABORT_S)
+            except SMCDecodeError:
+                if self._procs[w].is_alive():
+                    self.close()
+                    return
 
     def _write(self, turn: int, bonus: int, points: int, base: int, held: list) -> None:
         """Write a record of ``held`` items (process, slot, first, last, row, bonus?, from, to, point)."""
@@ -393,9 +399,10 @@ class MaskWorkers:
 
     def step_wait(self) -> None:
         """Wait for the processes of the last step record; an error one of them met is raised here."""
-        asked, self._stepping, self._planning = self._stepping, [], False
+        asked, self._stepping = self._stepping, []
         for w in asked:
             self._spin(w, STEP_DONE, 2 * self._steps)
+        self._planning = False  # (a plan is over once every process it asks is done: not before)
         failed = [w for w in asked if self._ctrl[w, STEP_FAIL] == 2 * self._steps]
         if failed:  # (the error itself comes with an answer)
             for w in failed:
@@ -468,9 +475,9 @@ class MaskWorkers:
         if self._asleep.any():
             wake_all(self._bell.ctypes.data)
 
-    def _spin(self, w: int, word: int, target: int) -> None:
+    def _spin(self, w: int, word: int, target: int, limit: float = TIMEOUT) -> None:
         """Wait until process w's control word reaches ``target`` (spinning: the wait is short; a
-        process that died, or that has not answered in ``TIMEOUT`` seconds, is an error)."""
+        process that died, or that has not answered in ``limit`` seconds, is an error)."""
         ctrl, i, start = self._ctrl, 0, None
         while ctrl[w, word] < target:
             i += 1
@@ -478,9 +485,9 @@ class MaskWorkers:
                 if not self._procs[w].is_alive():
                     raise self._ended(w)
                 start = start or time.monotonic()
-                if time.monotonic() - start > TIMEOUT:
+                if time.monotonic() - start > limit:
                     raise SMCDecodeError(f"host-mask worker process {self._procs[w].pid} has not answered in "
-                                         f"{TIMEOUT:.0f} s; pass host_workers=0 in engine_options to compute the "
+                                         f"{limit:.0f} s; pass host_workers=0 in engine_options to compute the "
                                          "masks in this process")
                 time.sleep(0)  # (a long wait: let this process's other threads run)
 

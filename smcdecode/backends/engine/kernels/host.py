@@ -37,8 +37,8 @@ def _wait_kernel(posted_ptr, seen_ptr, LIMIT_NS: tl.constexpr, PARTIES: tl.const
     j = tl.arange(0, BLOCK)
     at, live = posted_ptr + j * STRIDE, j < PARTIES
     low = tl.min(tl.load(at, mask=live, other=target, volatile=True), axis=0)
-    # the time waited, from the global timer's steps: a step over 1 ms (a poll takes about 1 µs) counts
-    # as 1 ms, so a jump of the timer (seen on an H200 in a process's first waits) is no give-up
+    # the time waited, summed from the global timer's steps, each counted as 1 ms at most (a poll takes
+    # about 1 µs): a jump of the timer cannot end a wait early
     before = globaltimer()
     waited = before - before
     while (low < target) & (waited < LIMIT_NS):

@@ -360,8 +360,8 @@ class MaskWorkers:
         held = [(w, slot, first, last, row, b, a if fill else 0, end if fill else 0, point)
                 for slot, first, last, row, b, fill, point in items if slot >= 0 for w, a, end in self._held(slot)]
         for _, _, _, row, _, n, point in (i for i in items if i[0] < 0):
-            ws = [h[0] for h in held if h[8] == point] or [min(h[0] for h in held)] if held else [0]
-            held.append((ws[0], -1, 0, 0, row, 0, 0, n, point))
+            w = next((h[0] for h in held if h[8] == point), held[0][0] if held else 0)
+            held.append((w, -1, 0, 0, row, 0, 0, n, point))
         self._write(0, 0, points, base, held)
         self._planning, self._planned = True, self._stepping
         return self._stepping

@@ -96,17 +96,20 @@ def test_engine_sampler_reads_packed_masks_on_the_cpu():
         sample_and_score(logits, 0.9, None, mask=mask, mask_bits=pack_bits(mask))
 
 
-def _reference_mask(c, state) -> torch.Tensor:
+def _reference_mask(c, state, matchers=None) -> torch.Tensor:
     """bool [B, V] from llguidance's single-matcher bitmask, dead rows emptied, repeated keys removed
-    by the boolean key rule (the path before packed masks)."""
+    by the boolean key rule (the path before packed masks). ``matchers``: llguidance's matchers fed
+    the rows' tokens, where ``state``'s may stand in for them past a complete document
+    (``matchers.Stopped``)."""
     V = c.model.vocab_size
+    matchers = state.matchers if matchers is None else matchers
     rows = []
-    for m in state.matchers:
+    for m in matchers:
         raw = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
         rows.append(torch.from_numpy(np.unpackbits(raw, bitorder="little")[:V].astype(bool)))
     mask = torch.stack(rows)
     for i in range(len(state)):
-        if state.matchers[i].is_error():
+        if matchers[i].is_error():
             mask[i] = False
     if state.keys is not None:
         mask = c._keys.restrict(mask, state.keys)
@@ -133,8 +136,9 @@ def test_bitmask_fill_equals_single_matcher_masks_on_real_schemas(model, source)
     for schema in _schemas(source, 3):
         c = JSONSchema(schema, path="llguidance").bind(model)
         state = c.start(8)
+        theirs = [c._template.deep_copy() for _ in range(8)]  # (llguidance's own, fed the same tokens)
         for step in range(24):
-            ref = _reference_mask(c, state)
+            ref = _reference_mask(c, state, theirs)
             bits = c.allowed_bits(state)
             assert torch.equal(unpack_bits(bits, V), ref), (schema, step)
             assert torch.equal(c.allowed(state), ref)
@@ -158,6 +162,8 @@ def test_bitmask_fill_equals_single_matcher_masks_on_real_schemas(model, source)
                 bad = (~ref[7]).nonzero()[0, 0]
                 tokens[7] = bad
             state = c.advance(state, tokens)
+            for m, t in zip(theirs, tokens.tolist()):
+                m.consume_token(t)
             checked += int(alive.sum())
         assert state.matchers[7].is_error() and not c.allowed(state)[7].any()
     assert checked > 3 * 24 * 2  # particles stay alive for much of the walk (a finished document allows EOS only)

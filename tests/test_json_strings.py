@@ -16,7 +16,7 @@ from smcdecode.potentials import json_strings
 from smcdecode.potentials.constraint import unpack_bits
 from smcdecode.potentials.json_schema import JSONSchema
 from smcdecode.potentials.json_strings import AUTOMATON, StringMasks, automaton_strings
-from smcdecode.potentials.matchers import MatcherBatch, fill_bits_together
+from smcdecode.potentials.matchers import MatcherBatch, Stopped, consume_rows, fill_bits_together
 from smcdecode.potentials.schema_regex import UnsupportedSchema, schema_regex
 
 pytest.importorskip("llguidance")
@@ -112,6 +112,119 @@ def _walks_agree(c, model, rng, walks: int) -> int:
             written.append(t)
             state = c.advance(state, torch.tensor([t]))
     return in_automata
+
+
+def _reference_row(c, matcher) -> tuple:
+    """llguidance's own verdicts at ``matcher`` (a real llguidance matcher): its packed mask (none where
+    it is dead, as the engine's masks), accepting (the constraint's: not dead), dead, and the matcher's
+    own accepting."""
+    bits = torch.zeros(1, c._words, dtype=torch.int32)
+    if not matcher.is_error():
+        matcher.unsafe_compute_mask_ptr(bits.data_ptr(), c._words * 4)
+    return bits, matcher.is_accepting() and not matcher.is_error(), matcher.is_error(), matcher.is_accepting()
+
+
+def _our_rows(c, state) -> list:
+    bits = torch.zeros(len(state), c._words, dtype=torch.int32)
+    fill_bits_together([(c, state, 0)], bits, len(state))
+    accepting = c.accepting(state).tolist()
+    return [(bits[i: i + 1], accepting[i], state.dead(i), state.matchers[i].is_accepting()) for i in range(len(state))]
+
+
+def _same(ours, theirs, what) -> None:
+    assert torch.equal(ours[0], theirs[0]), what
+    assert ours[1:] == theirs[1:], (what, ours[1:], theirs[1:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index, whitespace", [(0, "compact"), (1, "compact"), (3, "compact"), (5, "compact"),
+                                               (0, "flexible")])
+def test_a_closed_document_stands_for_llguidances_stopped_parser(index, whitespace):
+    """Where a token closes the document (its top-level object or array), the particle's matcher is
+    not advanced by it: a ``Stopped`` state stands in for llguidance's stopped parser (learned from
+    the first such token of the constraint, consumed for real). Against llguidance's matchers fed the
+    same tokens: the same masks, accepting and dead rows at the close and after it (end-of-sequence
+    tokens, then any other token), for rows of their own and rows sharing a matcher (a fork), and in
+    the superset path's check (``consume_rows``)."""
+    model = sd.load_model()
+    c = JSONSchema(SCHEMAS[index], path="llguidance", whitespace=whitespace).bind(model)
+    assert c._strings is not None and c._stop_mask is None
+    texts, eos = c._strings.token_bytes, model.eos_token_id
+    rng, stood_in, shared_stood_in, closed = random.Random(index), 0, 0, 0
+    for _ in range(6):
+        state, ref, written = c.start(1), c._lane(0).deep_copy(), []
+        for _ in range(80):
+            _same(_our_rows(c, state)[0], _reference_row(c, ref), model.decode(written))
+            allowed = unpack_bits(_our_rows(c, state)[0][0], model.vocab_size)[0].nonzero().flatten().tolist()
+            if eos in allowed or not allowed:
+                break
+            closing = [t for t in allowed if texts[t] and any(b in texts[t] for b in b'"]},')]
+            t = rng.choice(closing if closing and rng.random() < 0.7 else allowed)
+            before = MatcherBatch([state.matchers[0].deep_copy()], state.keys, state.scans), ref.deep_copy(), t
+            state = c.advance(state, torch.tensor([t]))
+            ref.consume_token(t)
+            written.append(t)
+        if eos not in allowed:
+            continue
+        closed += 1
+        stood_in += isinstance(state.matchers[0], Stopped)
+        # the closing token taken by rows that share one matcher (a fork), beside a row that takes
+        # another token
+        prev, prev_ref, t = before
+        others = [a for a in unpack_bits(_our_rows(c, prev)[0][0], model.vocab_size)[0].nonzero().flatten().tolist()
+                  if a != t]
+        step = [t, t] + others[:1]
+        rows = c.advance(c.fork(prev, torch.zeros(len(step), dtype=torch.long)), torch.tensor(step))
+        for i, (ours, u) in enumerate(zip(_our_rows(c, rows), step)):
+            r = prev_ref.deep_copy()
+            r.consume_token(u)
+            _same(ours, _reference_row(c, r), ("shared", i))
+        shared_stood_in += isinstance(rows.matchers[0], Stopped) and rows.matchers[0] is rows.matchers[1]
+        # three rows of this state (one matcher shared), then: end, end; end, another token; another
+        # token twice (the other tokens: one the grammar takes before a close, and a plain one)
+        other = [t for t in range(model.vocab_size) if t != eos and texts[t] == b"}"][0]
+        refs = [ref.deep_copy() for _ in range(3)]
+        copies = [MatcherBatch([state.matchers[0].deep_copy()], state.keys, state.scans) for _ in range(2)]
+        rows = c.fork(copies[0], torch.tensor([0, 0, 0]))
+        for step in ([eos, eos, other], [eos, other, other]):
+            rows = c.advance(rows, torch.tensor(step))
+            for r, t in zip(refs, step):
+                r.consume_token(t)
+            for i, (ours, r) in enumerate(zip(_our_rows(c, rows), refs)):
+                _same(ours, _reference_row(c, r), (step, i))
+        # the superset path's check: whole sequences after the close
+        seqs = [[eos], [eos, other], [other], None]
+        checked = consume_rows(c, c.fork(copies[1], torch.tensor([0, 0, 0, 0])), seqs)
+        for i, q in enumerate(seqs):
+            r = ref.deep_copy()
+            for t in q or ():
+                r.consume_token(t)
+            _same(_our_rows(c, checked)[i], _reference_row(c, r), ("check", q))
+    assert closed >= 3  # (the walks ended documents)
+    if whitespace == "compact":  # (no whitespace may follow a document: llguidance's parser stops there)
+        # (the first close of the constraint is consumed for real, to learn the stopped mask; a document
+        # written in one token, ``{}``, leaves the scanner where it began and is consumed too)
+        assert c._stop_mask not in (None, False) and stood_in >= 1 and shared_stood_in >= 1
+    else:
+        assert c._stop_mask is not None
+
+
+@pytest.mark.slow
+def test_a_close_llguidance_refuses_leaves_the_particle_dead():
+    """A token that would close a document missing a required key (no mask drew it: a potential's
+    replay, a proposal that ignores the constraint) is consumed, and its particle dies, as with
+    llguidance's matcher; after the constraint learned that its closes stop the parser too."""
+    model = sd.load_model()
+    c = JSONSchema(SCHEMAS[0], path="llguidance").bind(model)
+    ids = model.tokenizer.encode('{"name": "ab", "tags": []}', add_special_tokens=False)
+    short = model.tokenizer.encode('{"name": "ab"}', add_special_tokens=False)
+    assert model.tokenizer.decode(short[-1:]).endswith("}")
+    for seq, dead in ((ids, False), (short, True), (ids, False)):
+        state = c.start(1)
+        for t in seq:
+            state = c.advance(state, torch.tensor([t]))
+        assert state.dead(0) is dead and c.accepting(state).tolist() == [not dead]
+    assert isinstance(state.matchers[0], Stopped)  # (the second complete document: stood in)
 
 
 def test_subschemas_along_the_path():

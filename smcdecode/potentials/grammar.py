@@ -73,6 +73,9 @@ class LLGuidanceConstraint(TokenConstraint):
     # masks inside string values without llguidance's walk (json_strings.py; JSONSchema, where it has
     # strings): built when bound to a model
     _strings = None
+    # past a complete document (matchers.py ``_stopped``): None, not known yet in this process; False,
+    # llguidance's parser does not stop there; else the stopped parser's mask and end tokens
+    _stop_mask = None
 
     def _automaton_strings(self):
         """The schema whose string values take ``json_strings.StringMasks`` (None: every mask is llguidance's)."""

@@ -2,10 +2,14 @@
 the engine's host path uses: every request's rows advanced by a token together
 (``advance_together``), rows advanced by several tokens each (``consume_rows``: the superset path's
 check), every request's masks filled into one packed bitmask (``fill_bits_together``), in the
-calling thread or llguidance's thread pool (``_executor``)."""
+calling thread or llguidance's thread pool (``_executor``), and the state past a complete document
+(``Stopped``), which stands in for llguidance's matcher there."""
 
 from __future__ import annotations
 
+import ctypes
+
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -69,6 +73,71 @@ class MatcherBatch:
             )
 
 
+class Stopped:
+    """The state of a particle past the end of a complete JSON document, in place of its llguidance
+    matcher: what llguidance's matcher does once the token that closes the document stopped its
+    parser, without that token's consume. (llguidance checks, as it consumes that token, whether its
+    parser must stop, which costs about 50 µs, a score of ordinary tokens' consumes; in an engine
+    round every row of a request tends to close its document at the same host point.) As llguidance's
+    stopped matcher: its mask is the end-of-sequence token(s) (``mask``, packed int32 [W], learned from
+    a matcher that stopped: ``_stopped``), it takes those tokens and stays as it is, and any other
+    token puts it in the error state (no longer accepting). It has the methods of llguidance's
+    matcher that this module and the constraint's state operations call on a particle's matcher."""
+
+    __slots__ = ("mask", "eos", "error")
+
+    def __init__(self, mask: np.ndarray, eos: frozenset, error: bool = False):
+        self.mask, self.eos, self.error = mask, eos, error
+
+    def consume_token(self, token: int) -> None:
+        if token not in self.eos:
+            self.error = True
+
+    def is_error(self) -> bool:
+        return self.error
+
+    def is_accepting(self) -> bool:
+        return not self.error
+
+    def deep_copy(self) -> Stopped:
+        return Stopped(self.mask, self.eos, self.error)
+
+    def unsafe_compute_mask_ptr(self, address: int, nbytes: int) -> None:
+        ctypes.memmove(address, self.mask.ctypes.data, min(nbytes, self.mask.nbytes))
+
+
+def _closing(c, before: list | None, after: list | None) -> set:
+    """The rows whose token closes their document's top-level object or array, as the string scanners
+    (json_strings.py) before and after it say (none without them, or where the constraint ``c``
+    learned that llguidance's parser does not stop there: ``_stopped``)."""
+    if after is None or c._stop_mask is False:
+        return set()
+    return {i for i, (a, b) in enumerate(zip(before, after)) if a[0] and not b[0]}
+
+
+def _stopped(c, m, token: int):
+    """A particle whose token ``token`` closes its document (``_closing``), matcher ``m``: its state
+    after the token. Where llguidance takes the token (``validate_tokens``, a few µs), that is the
+    state of a stopped parser: a ``Stopped``, with the mask learned from the first such token of the
+    constraint ``c`` in this process, which is consumed for real and returned, ``m`` itself (if
+    llguidance's parser did not stop there, the grammar lets more follow a document: ``c`` never
+    takes the shortcut, and its matchers consume as ever). Else None: the caller consumes the token
+    (a token llguidance refuses: its error state follows)."""
+    known = c._stop_mask
+    if known is False or isinstance(m, Stopped) or m.validate_tokens([token]) != 1:
+        return None
+    if known is None:
+        m.consume_token(token)
+        c._stop_mask = False
+        if m.is_stopped() and not m.is_error():
+            mask = np.zeros(c._words, dtype=np.int32)
+            m.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+            eos = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+            c._stop_mask = (mask, frozenset(eos.tolist()))
+        return m
+    return Stopped(*known)
+
+
 _EXECUTORS: dict = {}  # llguidance thread pools by thread count (None: its default), one per process
 
 
@@ -102,15 +171,28 @@ def advance_together(parts: list) -> list[MatcherBatch]:
         matchers = state.take()
         if len(tokens) != len(matchers):
             raise SMCDecodeError(f"{len(tokens)} tokens for {len(matchers)} particles: give one token per particle")
+        scans = _scanned(c, state, tokens)
         if len(set(map(id, matchers))) == len(matchers):  # (no row shares its matcher: each consumes)
-            flat_m += matchers
-            flat_t += tokens
             keys = None if state.keys is None else list(map(c._keys.advance, state.keys, tokens))
-            out.append(MatcherBatch(matchers, keys, _scanned(c, state, tokens)))
+            closing = _closing(c, state.scans, scans)
+            if closing:  # (rows that close their document: no consume where llguidance would stop)
+                matchers = list(matchers)
+                for i, t in enumerate(tokens):
+                    s = _stopped(c, matchers[i], t) if i in closing else None
+                    if s is None:
+                        flat_m.append(matchers[i])
+                        flat_t.append(t)
+                    else:
+                        matchers[i] = s
+            else:
+                flat_m += matchers
+                flat_t += tokens
+            out.append(MatcherBatch(matchers, keys, scans))
             continue
         owners: dict = {}  # (id(matcher), token) -> the matcher that consumes it
+        firsts: dict = {}  # (id(matcher), token) -> its first row
         claimed, rows = set(), []
-        for m, t in zip(matchers, tokens):
+        for i, (m, t) in enumerate(zip(matchers, tokens)):
             k = (id(m), t)
             if k not in owners:
                 if id(m) in claimed:
@@ -118,9 +200,15 @@ def advance_together(parts: list) -> list[MatcherBatch]:
                 else:
                     claimed.add(id(m))
                     owners[k] = m
+                firsts[k] = i
             rows.append(k)
-        for (_, t), o in owners.items():  # (every copy was taken above, before any consumes)
-            o.consume_token(t)
+        closing = _closing(c, state.scans, scans)
+        for k, o in list(owners.items()):  # (every copy was taken above, before any consumes)
+            s = _stopped(c, o, k[1]) if firsts[k] in closing else None
+            if s is None:
+                o.consume_token(k[1])
+            else:
+                owners[k] = s
         keys = None
         if state.keys is not None:  # (rows that share a matcher share its key state)
             new: dict = {}
@@ -129,7 +217,7 @@ def advance_together(parts: list) -> list[MatcherBatch]:
                 if k not in new:
                     new[k] = c._keys.advance(key, k[1])
                 keys.append(new[k])
-        out.append(MatcherBatch([owners[k] for k in rows], keys, _scanned(c, state, tokens)))
+        out.append(MatcherBatch([owners[k] for k in rows], keys, scans))
     # NOTE: one by one: llguidance's consume_token_par measured no faster, on a 2-core host and on a
     # 16-core one (the host work of recorded SmolLM2 rounds replayed: within the noise of either).
     # A disallowed token puts its matcher in its (absorbing) error state.
@@ -248,7 +336,11 @@ def fill_bits_together(parts: list, out: Tensor, rows: int, words=None) -> None:
         else:
             # NOTE: what llguidance.torch.fill_next_token_bitmask_par does, without importing that
             # module (it applies torch.compile at import, which costs seconds)
-            executor.unsafe_compute_mask_ptr(pairs, out.data_ptr(), W * 4, rows)
+            for m, r in pairs:
+                if type(m) is Stopped:  # (not llguidance's: the pool takes its matchers only)
+                    words[r] = m.mask
+            executor.unsafe_compute_mask_ptr([(m, r) for m, r in pairs if type(m) is not Stopped], out.data_ptr(),
+                                             W * 4, rows)
     for state, r0 in cached:
         out[r0: r0 + len(state)] = state.bits
     # a dead particle (llguidance's error state; computing a mask can find a dead end and put the

@@ -1,5 +1,7 @@
 """The A/B of this folder: each process's rows on llguidance's path with the strings' automata
-(SmolLM2, eight requests), and the medians over the four processes of each variant."""
+(SmolLM2, eight requests), with the host's probe (``host_probe_us``: µs a fixed piece of pure Python
+took just before and just after the row's timed calls), and the medians over the four processes of
+each variant."""
 
 import glob
 import json
@@ -8,7 +10,7 @@ import statistics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 rows: dict = {}
-print("process  variant  schema        ratio   ms/round constrained vs plain   extra ms/round")
+print("process  variant  schema        ratio   ms/round constrained vs plain   extra ms/round   host probe (µs, before and after)")
 for f in sorted(glob.glob(os.path.join(HERE, "ab_*.json")), key=lambda p: int(os.path.basename(p).split("_")[1])):
     name = os.path.basename(f)[:-5]
     variant = name.split("_")[2]
@@ -17,8 +19,9 @@ for f in sorted(glob.glob(os.path.join(HERE, "ab_*.json")), key=lambda p: int(os
             continue
         c, p = r["ms_per_round_constrained"], r["ms_per_round_plain_same_length"]
         rows.setdefault((r["schema"], variant), []).append((r["ratio_same_length"], c, p))
+        probe = " / ".join(f"{x:.0f}" for x in r.get("host_probe_us") or [])
         print(f"{name:9s} {variant:7s} {r['schema']:13s} {100 * r['ratio_same_length']:5.1f} %  {c:5.1f} vs {p:5.1f}"
-              f"                  {c - p:4.1f}")
+              f"                  {c - p:4.1f}            {probe}")
 print("\nmedians over the processes of each variant:")
 for (schema, variant), v in sorted(rows.items()):
     med = [statistics.median(x[i] for x in v) for i in range(3)]

@@ -160,7 +160,7 @@ def test_a_closed_document_stands_for_llguidances_stopped_parser(index, whitespa
                 break
             closing = [t for t in allowed if texts[t] and any(b in texts[t] for b in b'"]},')]
             t = rng.choice(closing if closing and rng.random() < 0.7 else allowed)
-            before = MatcherBatch([state.matchers[0].deep_copy()], state.keys, state.scans), ref.deep_copy(), t
+            before = state.matchers[0].deep_copy(), state.keys, state.scans, ref.deep_copy(), t
             state = c.advance(state, torch.tensor([t]))
             ref.consume_token(t)
             written.append(t)
@@ -170,16 +170,27 @@ def test_a_closed_document_stands_for_llguidances_stopped_parser(index, whitespa
         stood_in += isinstance(state.matchers[0], Stopped)
         # the closing token taken by rows that share one matcher (a fork), beside a row that takes
         # another token
-        prev, prev_ref, t = before
-        others = [a for a in unpack_bits(_our_rows(c, prev)[0][0], model.vocab_size)[0].nonzero().flatten().tolist()
+        matcher, keys, scans, prev_ref, t = before
+
+        def prev(n=1, matcher=matcher, keys=keys, scans=scans):  # (n rows of the state before the close, a
+            # matcher of their own each)
+            return MatcherBatch([matcher.deep_copy() for _ in range(n)], None if keys is None else keys * n, scans * n)
+
+        others = [a for a in unpack_bits(_our_rows(c, prev())[0][0], model.vocab_size)[0].nonzero().flatten().tolist()
                   if a != t]
         step = [t, t] + others[:1]
-        rows = c.advance(c.fork(prev, torch.zeros(len(step), dtype=torch.long)), torch.tensor(step))
+        rows = c.advance(c.fork(prev(), torch.zeros(len(step), dtype=torch.long)), torch.tensor(step))
         for i, (ours, u) in enumerate(zip(_our_rows(c, rows), step)):
             r = prev_ref.deep_copy()
             r.consume_token(u)
             _same(ours, _reference_row(c, r), ("shared", i))
         shared_stood_in += isinstance(rows.matchers[0], Stopped) and rows.matchers[0] is rows.matchers[1]
+        # the same with a matcher of its own for each row
+        rows = c.advance(prev(len(step)), torch.tensor(step))
+        for i, (ours, u) in enumerate(zip(_our_rows(c, rows), step)):
+            r = prev_ref.deep_copy()
+            r.consume_token(u)
+            _same(ours, _reference_row(c, r), ("own", i))
         # three rows of this state (one matcher shared), then: end, end; end, another token; another
         # token twice (the other tokens: one the grammar takes before a close, and a plain one)
         other = [t for t in range(model.vocab_size) if t != eos and texts[t] == b"}"][0]
@@ -201,12 +212,49 @@ def test_a_closed_document_stands_for_llguidances_stopped_parser(index, whitespa
                 r.consume_token(t)
             _same(_our_rows(c, checked)[i], _reference_row(c, r), ("check", q))
     assert closed >= 3  # (the walks ended documents)
-    if whitespace == "compact":  # (no whitespace may follow a document: llguidance's parser stops there)
-        # (the first close of the constraint is consumed for real, to learn the stopped mask; a document
-        # written in one token, ``{}``, leaves the scanner where it began and is consumed too)
-        assert c._stop_mask not in (None, False) and stood_in >= 1 and shared_stood_in >= 1
-    else:
-        assert c._stop_mask is not None
+    # (llguidance's parser stops after a document, flexible whitespace too: none may follow it. The first
+    # close of the constraint is consumed for real, to learn the stopped mask; a document written in
+    # one token, ``{}``, leaves the scanner where it began and is consumed too)
+    assert c._stop_mask not in (None, False) and stood_in >= 1 and shared_stood_in >= 1
+
+
+@pytest.mark.slow
+def test_closed_documents_with_llguidances_thread_pool_and_a_new_binding():
+    """Masks through llguidance's thread pool (``threads=2``) where every row, or some, stood in for a
+    stopped parser; and a constraint bound anew learns the stopped mask anew."""
+    model = sd.load_model()
+    c = JSONSchema(SCHEMAS[0], path="llguidance", threads=2).bind(model)
+    assert c._executor is not None
+    ids = model.tokenizer.encode('{"name": "ab", "tags": ["x"]}', add_special_tokens=False)
+    state = c.start(3)
+    for t in ids[:-1]:
+        state = c.advance(state, torch.tensor([t] * 3))
+    ref = c._lane(0).deep_copy()
+    for t in ids[:-1]:
+        ref.consume_token(t)
+    closed = ref.deep_copy()
+    closed.consume_token(ids[-1])
+    learn = c.advance(MatcherBatch([m.deep_copy() for m in state.matchers], state.keys, state.scans),
+                      torch.tensor([ids[-1]] * 3))  # (the first close: consumed for real)
+    assert c._stop_mask not in (None, False)
+    for step, refs in (([ids[-1]] * 3, [closed] * 3), ([ids[-1], ids[-1], ids[-2]], [closed, closed, None])):
+        rows = c.advance(MatcherBatch([m.deep_copy() for m in state.matchers], state.keys, state.scans),
+                         torch.tensor(step))
+        assert sum(isinstance(m, Stopped) for m in rows.matchers) == 2 + (refs[2] is not None)
+        bits = c.allowed_bits(rows)
+        for i, r in enumerate(refs):
+            if r is None:  # (a row that took the token before the close again: llguidance's own)
+                r = ref.deep_copy()
+                r.consume_token(step[i])
+            _same((bits[i: i + 1], *_our_rows(c, rows)[i][1:]), _reference_row(c, r), (step, i))
+    assert len(learn) == 3
+    again = JSONSchema(SCHEMAS[0], path="llguidance", threads=2)
+    first = again.bind(model)
+    first.advance(MatcherBatch([m.deep_copy() for m in state.matchers], state.keys, state.scans),
+                  torch.tensor([ids[-1]] * 3))
+    other = sd.load_model()  # (another model object: bound anew)
+    assert other is not model
+    assert first._stop_mask not in (None, False) and first.bind(other)._stop_mask is None
 
 
 @pytest.mark.slow

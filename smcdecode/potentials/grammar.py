@@ -175,6 +175,7 @@ class LLGuidanceConstraint(TokenConstraint):
         self._words = (model.vocab_size + 31) // 32
         strings = self._automaton_strings()
         self._strings = None if strings is None else StringMasks.of(strings, token_texts(model, tok), self._words)
+        self._stop_mask = None  # (learned anew for this model's vocabulary: matchers._stopped)
 
     def worker_spec(self) -> tuple:
         """What a mask worker process needs to rebuild this constraint's llguidance path

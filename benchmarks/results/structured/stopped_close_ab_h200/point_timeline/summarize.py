@@ -64,5 +64,10 @@ for s, name in enumerate(SETS):
     print(f"  host (flag seen -> last worker done): {q(host)}")
     print(f"  device (last worker done -> next flag): {q(device)}")
     print(f"  slowest worker's work:                {q(slowest)}")
-    print(f"  points whose slowest work took over 0.6 ms: {sum(x > 600 for x in slowest)}; their share of the "
-          f"host time: {100 * sum(h for h, x in zip(host, slowest) if x > 600) / sum(host):.0f} %")
+    dear = [x for x in slowest if x > 600]
+    print(f"  points whose slowest work took over 0.6 ms: {len(dear)}"
+          + (f" ({min(dear) / 1e3:.2f}-{max(dear) / 1e3:.2f} ms)" if dear else "")
+          + f"; their share of the host time: {100 * sum(h for h, x in zip(host, slowest) if x > 600) / sum(host):.0f} %")
+    rest = [x for x in slowest if x <= 600]
+    print(f"  the other {len(rest)}: under 0.1 ms {sum(x < 100 for x in rest)}, 0.1-0.3 ms "
+          f"{sum(100 <= x <= 300 for x in rest)}, 0.3-0.6 ms {sum(x > 300 for x in rest)}")

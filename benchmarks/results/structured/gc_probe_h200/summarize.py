@@ -39,7 +39,7 @@ print(f"mask workers with no collection at all: {sum(not table(v) for v in worke
 lines = [line.split() for line in logs[main[0]] if not line.startswith("#")]
 t0 = float(lines[0][0])
 window = collections.defaultdict(float)
-for t, g, us, _ in lines:
+for t, _g, us, _ in lines:
     window[int((float(t) - t0) // 10) * 10] += int(us) / 1e3
 print("engine's process, ms of collection per 10 s from its first collection: " +
       ", ".join(f"{k}s: {v:.0f}" for k, v in sorted(window.items())))

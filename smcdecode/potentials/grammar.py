@@ -76,6 +76,8 @@ class LLGuidanceConstraint(TokenConstraint):
     # past a complete document (matchers.py ``_stopped``): None, not known yet in this process; False,
     # llguidance's parser does not stop there; else the stopped parser's mask and end tokens
     _stop_mask = None
+    # llguidance's masks by the particles' outlines (matchers.py ``_known_rows``): made when bound
+    _outline_masks = None
 
     def _automaton_strings(self):
         """The schema whose string values take ``json_strings.StringMasks`` (None: every mask is llguidance's)."""
@@ -176,6 +178,7 @@ class LLGuidanceConstraint(TokenConstraint):
         strings = self._automaton_strings()
         self._strings = None if strings is None else StringMasks.of(strings, token_texts(model, tok), self._words)
         self._stop_mask = None  # (learned anew for this model's vocabulary: matchers._stopped)
+        self._outline_masks = {}
 
     def worker_spec(self) -> tuple:
         """What a mask worker process needs to rebuild this constraint's llguidance path

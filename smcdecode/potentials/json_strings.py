@@ -32,6 +32,7 @@ subset of their languages), and so do all strings of a constraint with ``force_c
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import time
@@ -65,7 +66,10 @@ _AMBIGUOUS = {"anyOf", "oneOf", "allOf", "not", "if", "then", "else", "dependent
               "unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$recursiveRef", "contains"}
 _QUOTE, _BACKSLASH = 0x22, 0x5C
 OUT, KEY, STRING, AUTOMATON = range(4)  # scanner modes: between strings, in a key, in a string, in a string automaton
-START = ((), OUT, None)
+START = ((), OUT, None, 0)  # (stack, mode, the mode's state, the outline's id: ``StringMasks.outline``)
+_PRINTS_KEPT = 1 << 18  # outline steps kept per StringMasks (then forgotten: ids are never given twice)
+_IDS = itertools.count(1)  # outline ids, unique in the process (0: the empty document)
+_SHUT = b"\""  # (an automaton string's closing quote in an outline: its content left out)
 _UNKNOWN = False  # a key whose subschema is not known here (one written with an escape): none
 _PLAIN_KEY = re.compile(r"[\x20-\x7e]*")  # (keys whose patternProperties matches Python finds as llguidance does)
 
@@ -219,6 +223,7 @@ class StringMasks:
         self._keep: list = []  # (the subschemas whose ids key the caches)
         self.rests: dict = {}  # bytes after a closing quote -> id (shared by the automata)
         self.may: list = []  # rest id -> may it follow a string value (``_Row.may``)
+        self._outlines: dict = {}  # (outline id, token id or bytes) -> the outline's id after them
         # the schema's automata and their states' rows built now while EAGER_S last (the rest when first needed)
         self._eager_until = time.perf_counter() + EAGER_S
         for sub in _subschemas(schema):
@@ -347,29 +352,52 @@ class StringMasks:
         """The scanner state after token ``token``."""
         data = self.token_bytes[token] if 0 <= token < len(self.token_bytes) else None
         if not data:
-            return scan
+            return scan[0], scan[1], scan[2], self.outline(scan[3], token)
         if scan[1] == AUTOMATON:  # (most tokens inside a string keep it open: one cached step)
             dfa, state, verdicts = scan[2]
             state, after = dfa.step(state, data)
             if after < 0 and state != dfa.dead:
-                return scan[0], AUTOMATON, (dfa, state, verdicts)
-        return self._scan(scan, data)
+                return scan[0], AUTOMATON, (dfa, state, verdicts), scan[3]
+        stack, mode, x, kept = self._scan(scan, data)
+        return stack, mode, x, self.outline(scan[3], token if kept is None else kept)
+
+    def outline(self, at: int, step) -> int:
+        """The id of the outline ``at`` followed by ``step`` (a token id: its bytes, none inside a
+        string automaton's string; or bytes). A particle's *outline* is its document so far with the
+        content of every string value a string automaton wrote left out (its quotes kept): equal
+        outlines, equal ids (the same steps from the same id), so an id names one outline.
+        llguidance's parser is in the same state after any value of such a string (the premise of
+        the string automata's rests, ``_Row``), so particles with one outline, outside those
+        strings, get the same mask from llguidance (``matchers.fill_bits_together`` keeps them)."""
+        key = (at, step)
+        got = self._outlines.get(key)
+        if got is None:
+            if len(self._outlines) >= _PRINTS_KEPT:
+                self._outlines.clear()
+            got = self._outlines[key] = next(_IDS)
+        return got
 
     def _scan(self, scan, data: bytes):
-        stack, mode, x = scan
+        """(stack, mode, the mode's state after ``data``, and its bytes outside string automata's
+        strings where it touched one, else None)."""
+        stack, mode, x = scan[0], scan[1], scan[2]
+        kept = None if mode != AUTOMATON else bytearray()
         i, n = 0, len(data)
         while i < n:
             if mode == AUTOMATON:
                 dfa, state, verdicts = x
                 state, after = dfa.step(state, data[i:])
-                if state == dfa.dead:
-                    return stack, OUT, None  # (left the string's language: llguidance's error state follows)
+                if state == dfa.dead:  # (left the string's language: llguidance's error state follows)
+                    return stack, OUT, None, bytes(kept) + b"\xff"
                 if after < 0:
-                    return stack, AUTOMATON, (dfa, state, verdicts)
+                    return stack, AUTOMATON, (dfa, state, verdicts), bytes(kept)
                 i, mode, x = i + after, OUT, None
+                kept += _SHUT
                 continue
             c = data[i]
             i += 1
+            if kept is not None:
+                kept.append(c)
             if mode == OUT:
                 if c == 0x7B:  # {
                     stack = (*stack, (self._value(stack), None, True))
@@ -385,7 +413,12 @@ class StringMasks:
                         mode, x = KEY, (b"", False)
                     else:
                         dfa = self.automaton(self._value(stack))
-                        mode, x = (AUTOMATON, (dfa, dfa.start, _Verdicts())) if dfa is not None else (STRING, False)
+                        if dfa is None:
+                            mode, x = STRING, False
+                        else:
+                            mode, x = AUTOMATON, (dfa, dfa.start, _Verdicts())
+                            if kept is None:
+                                kept = bytearray(data[:i])
             elif mode == KEY:
                 raw, escaped = x
                 if c == _QUOTE and not escaped:
@@ -402,7 +435,7 @@ class StringMasks:
                     mode, x = OUT, None
                 else:
                     x = not x and c == _BACKSLASH
-        return stack, mode, x
+        return stack, mode, x, None if kept is None else bytes(kept)
 
     def fill(self, scan, matcher, out: np.ndarray) -> bool:
         """Inside a string automaton: write the mask of a particle at ``scan`` whose llguidance state is ``matcher``

@@ -139,6 +139,7 @@ def _stopped(c, m, token: int):
     return Stopped(*known)
 
 
+OUTLINE_MASKS_KEPT = 2048  # llguidance's masks kept per constraint by outline (``_known_rows``; then forgotten)
 _EXECUTORS: dict = {}  # llguidance thread pools by thread count (None: its default), one per process
 
 
@@ -276,18 +277,48 @@ def consume_rows(c, state: MatcherBatch, seqs: list) -> MatcherBatch:
     return MatcherBatch([m if k is None else owners[(id(m), k)] for m, k in zip(matchers, keys)], new_keys, scans)
 
 
-def _automaton_rows(c, state: MatcherBatch, rows, r0: int, words) -> set:
-    """The rows of ``rows`` inside a string value, their masks written into ``words`` (the string's
-    masks: json_strings.py); the others need llguidance's."""
+def _known_rows(c, state: MatcherBatch, rows, r0: int, words, miss: list) -> list:
+    """The rows of ``rows`` whose masks are known without llguidance's walk written into ``words``:
+    inside a string value, the string's masks (json_strings.py); elsewhere, where the constraint
+    ``c`` has kept llguidance's mask of the row's outline (``StringMasks.outline``:
+    ``c._outline_masks``). The others' (matcher, row) are appended to ``miss``, and the outline of
+    each that has one is listed in the answer's order, ``miss[len(answer):]``'s rows then being the
+    ones llguidance computes without keeping."""
     scans, matchers = state.scans, state.matchers
     if scans is None:
-        return set()
-    fill, inside = c._strings.fill, set()
+        miss += [(matchers[i], r0 + i) for i in rows]
+        return []
+    fill, kept = c._strings.fill, c._outline_masks
+    outlines, plain = [], []
     for i in rows:
-        scan = scans[i]
-        if scan[1] == AUTOMATON and not matchers[i].is_error() and fill(scan, matchers[i], words[r0 + i]):
-            inside.add(i)
-    return inside
+        scan, m = scans[i], matchers[i]
+        if scan[1] == AUTOMATON:
+            if m.is_error() or not fill(scan, m, words[r0 + i]):
+                plain.append((m, r0 + i))
+        elif type(m) is Stopped:
+            plain.append((m, r0 + i))
+        else:
+            known = kept.get(scan[3])
+            if known is None:
+                miss.append((m, r0 + i))
+                outlines.append(scan[3])
+            else:
+                words[r0 + i] = known
+                if m.is_error():  # (a dead particle: no token)
+                    words[r0 + i] = 0
+    miss += plain
+    return outlines
+
+
+def _keep_outlines(c, pairs: list, outlines: list, words) -> None:
+    """Keep llguidance's masks of rows just computed (``_known_rows``' misses) by their outlines, but
+    a dead particle's."""
+    kept = c._outline_masks
+    for (m, r), o in zip(pairs, outlines):
+        if not m.is_error():
+            if len(kept) >= OUTLINE_MASKS_KEPT:
+                kept.clear()
+            kept[o] = words[r].copy()
 
 
 def fill_bits_together(parts: list, out: Tensor, rows: int, words=None) -> None:
@@ -304,7 +335,7 @@ def fill_bits_together(parts: list, out: Tensor, rows: int, words=None) -> None:
             raise SMCDecodeError(f"the bitmask must be a contiguous int32 CPU tensor of shape ({rows}, {W}), "
                                  f"got {out.dtype} {tuple(out.shape)} on {out.device}")
         words = out.numpy()
-    pairs, cached, shared, keyed = [], [], [], {}
+    pairs, cached, shared, keyed, outlined = [], [], [], {}, []
     for c, state, r0 in parts:
         state.check()
         matchers = state.matchers
@@ -316,17 +347,16 @@ def fill_bits_together(parts: list, out: Tensor, rows: int, words=None) -> None:
             cached.append((state, r0))
             continue
         if len(set(map(id, matchers))) == n:
-            inside = _automaton_rows(c, state, range(n), r0, words)
-            pairs += [(m, r0 + i) for i, m in enumerate(matchers) if i not in inside]
+            at = len(pairs)
+            outlined.append((c, at, _known_rows(c, state, range(n), r0, words, pairs)))
             if state.keys is not None:  # (the key rule of every part of one tracker at once)
                 ks = keyed.setdefault(id(c._keys), (c._keys, [], []))
                 ks[1].extend(range(r0, r0 + n))
                 ks[2].extend(state.keys)
         else:  # one mask per distinct matcher, copied to the rows sharing it (its key rule applied)
             first, rest, src = state.distinct()
-            # (a complete document's stopped matcher: llguidance's mask is EOS alone)
-            inside = _automaton_rows(c, state, first, r0, words)
-            pairs += [(matchers[i], r0 + i) for i in first if i not in inside]
+            at = len(pairs)
+            outlined.append((c, at, _known_rows(c, state, first, r0, words, pairs)))
             shared.append((c, state, r0, first, rest, src))
     if pairs:
         executor = parts[0][0]._executor
@@ -345,6 +375,9 @@ def fill_bits_together(parts: list, out: Tensor, rows: int, words=None) -> None:
                     theirs.append((m, r))
             if theirs:
                 executor.unsafe_compute_mask_ptr(theirs, out.data_ptr(), W * 4, rows)
+        for c, at, outlines in outlined:
+            if outlines:
+                _keep_outlines(c, pairs[at: at + len(outlines)], outlines, words)
     for state, r0 in cached:
         out[r0: r0 + len(state)] = state.bits
     # a dead particle (llguidance's error state; computing a mask can find a dead end and put the

@@ -176,7 +176,8 @@ class LLGuidanceConstraint(TokenConstraint):
         self.model = model
         self._words = (model.vocab_size + 31) // 32
         strings = self._automaton_strings()
-        self._strings = None if strings is None else StringMasks.of(strings, token_texts(model, tok), self._words)
+        self._strings = None if strings is None else \
+            StringMasks.of(strings, token_texts(model, tok), self._words, self._grammar)
         self._stop_mask = None  # (learned anew for this model's vocabulary: matchers._stopped)
         self._outline_masks = {}
 

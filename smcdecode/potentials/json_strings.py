@@ -32,6 +32,7 @@ subset of their languages), and so do all strings of a constraint with ``force_c
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import re
@@ -54,7 +55,8 @@ EAGER_S = 2.0  # seconds a schema's automata and rows are built in at binding (t
 EAGER_STATES = 1024  # byte states past which an automaton's rows are built when first needed
 KEPT = 16  # StringMasks kept per process (``StringMasks.of``)
 _MASKS_KEPT = 4  # whole masks kept per automaton state (one per set of verdicts on its rests)
-_STEPS_KEPT = 1 << 14  # (state, token bytes) steps kept per automaton
+_STEPS_KEPT = 1 << 14  # (state, token bytes) steps kept per automaton; scanner steps kept per StringMasks
+_VERDICTS_KEPT = 4096  # strings' verdicts kept per StringMasks (by the outline where the string opened)
 _BUILT: dict = {}
 _AFTER_VALUE = frozenset(b",}] \t\n\r")  # (the bytes JSON lets follow a string value)
 _HELD = ("pattern", "format", "minLength", "maxLength")
@@ -224,6 +226,10 @@ class StringMasks:
         self.rests: dict = {}  # bytes after a closing quote -> id (shared by the automata)
         self.may: list = []  # rest id -> may it follow a string value (``_Row.may``)
         self._outlines: dict = {}  # (outline id, token id or bytes) -> the outline's id after them
+        self._states: dict = {}  # (outline id, mode, automaton state or -1) -> the scanner state
+        self._next: dict = {}  # (id of a scanner state, token) -> (that state, the state after the token)
+        self._verdicts: dict = {}  # outline id inside a string -> the verdicts on its rests (_Verdicts)
+        self._grammars: dict = {}  # a grammar -> its StringMasks (``of``: these automata, its own states)
         # the schema's automata and their states' rows built now while EAGER_S last (the rest when first needed)
         self._eager_until = time.perf_counter() + EAGER_S
         for sub in _subschemas(schema):
@@ -232,16 +238,21 @@ class StringMasks:
             self.automaton(sub)
 
     @classmethod
-    def of(cls, schema: dict, token_bytes: list, words: int) -> StringMasks:
-        """``StringMasks(schema, token_bytes, words)``, one per schema and vocabulary in this process
-        (a mask worker forked from it finds the automata built)."""
+    def of(cls, schema: dict, token_bytes: list, words: int, grammar) -> StringMasks:
+        """The string masks of ``schema`` over a vocabulary for the llguidance grammar ``grammar``
+        (hashable: its text), one per schema, vocabulary and grammar in this process (a mask worker
+        forked from it finds the automata built). The grammars of one schema (its whitespace, say)
+        share the automata; each has its own scanner states, whose rests' verdicts are its own."""
         key = (json.dumps(schema, sort_keys=True), len(token_bytes), words)
         hit = _BUILT.get(key)
         if hit is None or not (hit.token_bytes is token_bytes or hit.token_bytes == token_bytes):
             hit = _BUILT[key] = cls(schema, token_bytes, words)
             while len(_BUILT) > KEPT:
                 _BUILT.pop(next(iter(_BUILT)))
-        return hit
+        if grammar not in hit._grammars:
+            own = hit._grammars[grammar] = copy.copy(hit)
+            own._states, own._next, own._verdicts = {}, {}, {}
+        return hit._grammars[grammar]
 
     def rest_id(self, rest: bytes) -> int:
         if rest not in self.rests:
@@ -349,17 +360,40 @@ class StringMasks:
         return self.child(schema, slot)
 
     def advance(self, scan, token: int):
-        """The scanner state after token ``token``."""
+        """The scanner state after token ``token``. A state is a function of the particle's outline
+        (``outline``) and, inside a string automaton's string, its automaton state: one object for
+        each (``_states``), whose steps are kept (``_next``), so that most steps are one lookup."""
+        hit = self._next.get((id(scan), token))
+        if hit is not None:
+            return hit[1]
+        new = self._stepped(scan, token)
+        key = (new[3], new[1], new[2][1] if new[1] == AUTOMATON else -1)
+        new = self._states.setdefault(key, new)
+        if len(self._next) >= _STEPS_KEPT:
+            self._next.clear()
+            self._states.clear()
+        self._next[(id(scan), token)] = (scan, new)  # (the state kept with its step: its id is not reused)
+        return new
+
+    def _stepped(self, scan, token: int):
         data = self.token_bytes[token] if 0 <= token < len(self.token_bytes) else None
         if not data:
             return scan[0], scan[1], scan[2], self.outline(scan[3], token)
-        if scan[1] == AUTOMATON:  # (most tokens inside a string keep it open: one cached step)
+        if scan[1] == AUTOMATON:  # (most tokens inside a string keep it open)
             dfa, state, verdicts = scan[2]
             state, after = dfa.step(state, data)
             if after < 0 and state != dfa.dead:
                 return scan[0], AUTOMATON, (dfa, state, verdicts), scan[3]
         stack, mode, x, kept = self._scan(scan, data)
-        return stack, mode, x, self.outline(scan[3], token if kept is None else kept)
+        at = self.outline(scan[3], token if kept is None else kept)
+        if mode == AUTOMATON and x[2] is None:  # (a string opened: its rests' verdicts are its outline's)
+            verdicts = self._verdicts.get(at)
+            if verdicts is None:
+                if len(self._verdicts) >= _VERDICTS_KEPT:
+                    self._verdicts.clear()
+                verdicts = self._verdicts[at] = _Verdicts()
+            x = (x[0], x[1], verdicts)
+        return stack, mode, x, at
 
     def outline(self, at: int, step) -> int:
         """The id of the outline ``at`` followed by ``step`` (a token id: its bytes, none inside a
@@ -416,7 +450,7 @@ class StringMasks:
                         if dfa is None:
                             mode, x = STRING, False
                         else:
-                            mode, x = AUTOMATON, (dfa, dfa.start, _Verdicts())
+                            mode, x = AUTOMATON, (dfa, dfa.start, None)
                             if kept is None:
                                 kept = bytearray(data[:i])
             elif mode == KEY:

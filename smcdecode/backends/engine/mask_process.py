@@ -112,7 +112,7 @@ def _rebuilt(spec: tuple, tok, words: int, keys, texts: list):
         raise c._error(template.get_error())
     c._tok, c._template, c._lanes = tok, template, [template]
     c._executor, c._keys, c._words = None, keys if key_rule else None, words
-    c._strings = None if strings is None else StringMasks.of(json.loads(strings), texts, words)
+    c._strings = None if strings is None else StringMasks.of(json.loads(strings), texts, words, grammar)
     c._outline_masks = {}
     c.model = _NoModel()
     return c

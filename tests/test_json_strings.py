@@ -48,6 +48,14 @@ SCHEMAS = [
                                                                                 {"type": "string", "maxLength": 3}]}},
      "additionalProperties": {"type": "string", "minLength": 2, "maxLength": 5}},
 ]
+# numbers at several places beside held strings (outlines leave a number's digits out once it ended)
+NUMBERS = {"type": "object", "additionalProperties": False, "required": ["a", "b", "c", "d"], "properties": {
+    "a": {"type": "integer", "minimum": 0, "maximum": 150}, "b": {"type": "array", "items": {"type": "integer"},
+                                                                    "maxItems": 3},
+    "c": {"type": "string", "maxLength": 5}, "d": {"type": "number"},
+    "e": {"type": "array", "maxItems": 2, "items": {"type": "object", "additionalProperties": False, "required": ["n", "s"],
+                                                    "properties": {"n": {"type": "integer"},
+                                                                   "s": {"type": "string", "maxLength": 3}}}}}}
 
 
 def _masks(c, state) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,8 +100,9 @@ def test_masks_and_steps_kept_past_their_caches_limits_stay_llguidances(monkeypa
         assert _walks_agree(c, model, random.Random(3), 8) > 10
 
 
-def _walks_agree(c, model, rng, walks: int) -> int:
-    """Random walks through ``c``'s documents, the masks compared at every step; the steps inside strings."""
+def _walks_agree(c, model, rng, walks: int, steps: list | None = None) -> int:
+    """Random walks through ``c``'s documents, the masks compared at every step; the steps inside strings
+    (``steps``: each step's scanner state appended)."""
     texts = c._strings.token_bytes
     in_automata = 0
     for _ in range(walks):
@@ -101,6 +110,8 @@ def _walks_agree(c, model, rng, walks: int) -> int:
         for _ in range(60):
             ours, theirs = _masks(c, state)
             in_automata += state.scans[0][1] == AUTOMATON
+            if steps is not None:
+                steps.append(state.scans[0])
             diff = unpack_bits(ours ^ theirs, model.vocab_size)[0].nonzero().flatten().tolist()
             assert not diff, (model.decode(written), [texts[d] for d in diff[:8]])
             allowed = unpack_bits(ours, model.vocab_size)[0].nonzero().flatten().tolist()
@@ -112,6 +123,37 @@ def _walks_agree(c, model, rng, walks: int) -> int:
             written.append(t)
             state = c.advance(state, torch.tensor([t]))
     return in_automata
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schema", [NUMBERS, NODE], ids=["numbers", "tree"])
+def test_masks_kept_by_outline_stay_llguidances(schema):
+    """Many walks through one constraint: most masks outside strings are the ones kept by the
+    particles' outlines (``StringMasks.outline``: the document with string automata's contents, and
+    the digits of numbers that ended, left out), and every mask is llguidance's."""
+    model = sd.load_model()
+    c = JSONSchema(schema, path="llguidance").bind(model)
+    steps = []
+    assert _walks_agree(c, model, random.Random(5), 40, steps) > 20
+    outside = [s for s in steps if s[1] != AUTOMATON]
+    numbers = sum(s[1] == json_strings.NUMBER for s in steps)
+    assert len(outside) - len(c._outline_masks) > 200, (len(c._outline_masks), len(outside))  # (kept masks were used)
+    assert schema is NODE or numbers > 20
+
+
+@pytest.mark.slow
+def test_a_dead_particle_gets_no_token_where_its_outline_has_a_kept_mask():
+    model = sd.load_model()
+    c = JSONSchema(NUMBERS, path="llguidance").bind(model)
+    state = c.advance(c.start(2), torch.tensor(model.encode('{"a')[:1] * 2))
+    bits = torch.zeros(2, c._words, dtype=torch.int32)
+    fill_bits_together([(c, state, 0)], bits, 2)
+    assert state.scans[0][3] in c._outline_masks and bits[1].any()
+    state.matchers[1].consume_token(model.encode("x")[0])  # (dead, its scanner state as the live row's)
+    assert state.matchers[1].is_error()
+    bits[:] = -1
+    fill_bits_together([(c, state, 0)], bits, 2)
+    assert bits[0].any() and not bits[1].any()
 
 
 def _reference_row(c, matcher) -> tuple:

@@ -67,11 +67,16 @@ _VALUE_KEYS = {*_STRING_KEYS, "enum", "const"}
 _AMBIGUOUS = {"anyOf", "oneOf", "allOf", "not", "if", "then", "else", "dependentSchemas", "dependencies",
               "unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$recursiveRef", "contains"}
 _QUOTE, _BACKSLASH = 0x22, 0x5C
-OUT, KEY, STRING, AUTOMATON = range(4)  # scanner modes: between strings, in a key, in a string, in a string automaton
+# scanner modes: between strings, in a key, in a string, in a string automaton, in a number value whose
+# subschema is known
+OUT, KEY, STRING, AUTOMATON, NUMBER = range(5)
 START = ((), OUT, None, 0)  # (stack, mode, the mode's state, the outline's id: ``StringMasks.outline``)
 _PRINTS_KEPT = 1 << 18  # outline steps kept per StringMasks (then forgotten: ids are never given twice)
 _IDS = itertools.count(1)  # outline ids, unique in the process (0: the empty document)
 _SHUT = b"\""  # (an automaton string's closing quote in an outline: its content left out)
+_NUMBERED = "number"  # (a number value in an outline, once it ended: its digits left out)
+_NUMBER_BYTES = frozenset(b"0123456789+-.eE")
+_NUMBER_START = frozenset(b"-0123456789")
 _UNKNOWN = False  # a key whose subschema is not known here (one written with an escape): none
 _PLAIN_KEY = re.compile(r"[\x20-\x7e]*")  # (keys whose patternProperties matches Python finds as llguidance does)
 
@@ -282,8 +287,8 @@ class StringMasks:
     def child(self, parent, slot):
         """The subschema of the value at ``slot`` (a key: str; an index: int) of a container whose
         subschema is ``parent`` (None: unknown, or not one subschema)."""
-        if parent is None or slot is None or slot is _UNKNOWN:
-            return None
+        if parent is None or slot is None or slot is _UNKNOWN or "enum" in parent or "const" in parent:
+            return None  # (a container held to values as a whole: its values' contents matter after them)
         key = (id(parent), slot)
         if key not in self._children:
             self._children[key] = self._resolve(parent, slot)
@@ -367,7 +372,8 @@ class StringMasks:
         if hit is not None:
             return hit[1]
         new = self._stepped(scan, token)
-        key = (new[3], new[1], new[2][1] if new[1] == AUTOMATON else -1)
+        mode = new[1]
+        key = (new[3], mode, new[2][1] if mode == AUTOMATON else new[2] if mode == NUMBER else -1)
         new = self._states.setdefault(key, new)
         if len(self._next) >= _STEPS_KEPT:
             self._next.clear()
@@ -384,8 +390,8 @@ class StringMasks:
             state, after = dfa.step(state, data)
             if after < 0 and state != dfa.dead:
                 return scan[0], AUTOMATON, (dfa, state, verdicts), scan[3]
-        stack, mode, x, kept = self._scan(scan, data)
-        at = self.outline(scan[3], token if kept is None else kept)
+        stack, mode, x, base, kept = self._scan(scan, data)
+        at = self.outline(base, token if kept is None else bytes(kept)) if kept is None or kept else base
         if mode == AUTOMATON and x[2] is None:  # (a string opened: its rests' verdicts are its outline's)
             verdicts = self._verdicts.get(at)
             if verdicts is None:
@@ -412,26 +418,42 @@ class StringMasks:
         return got
 
     def _scan(self, scan, data: bytes):
-        """(stack, mode, the mode's state after ``data``, and its bytes outside string automata's
-        strings where it touched one, else None)."""
-        stack, mode, x = scan[0], scan[1], scan[2]
-        kept = None if mode != AUTOMATON else bytearray()
+        """(stack, mode, the mode's state after ``data``, the outline id the token's step extends, and
+        the token's step: None where it is the token itself, else the bytes of it that the outline
+        keeps). In a number value whose subschema is known the state is the outline's id before the
+        number; the number's digits leave the outline once it ended, as a string automaton's content
+        does (the parser's state after such a value does not depend on it either)."""
+        stack, mode, x, base = scan[0], scan[1], scan[2], scan[3]
+        kept = None if mode != AUTOMATON and mode != NUMBER else bytearray()
         i, n = 0, len(data)
         while i < n:
             if mode == AUTOMATON:
                 dfa, state, verdicts = x
                 state, after = dfa.step(state, data[i:])
                 if state == dfa.dead:  # (left the string's language: llguidance's error state follows)
-                    return stack, OUT, None, bytes(kept) + b"\xff"
+                    return stack, OUT, None, base, kept + b"\xff"
                 if after < 0:
-                    return stack, AUTOMATON, (dfa, state, verdicts), bytes(kept)
+                    return stack, AUTOMATON, (dfa, state, verdicts), base, kept
                 i, mode, x = i + after, OUT, None
                 kept += _SHUT
                 continue
             c = data[i]
+            if mode == NUMBER:
+                if c in _NUMBER_BYTES:
+                    kept.append(c)
+                    i += 1
+                    continue
+                base, kept = self.outline(x, _NUMBERED), bytearray()  # (the number ended before c)
+                mode, x = OUT, None
             i += 1
             if kept is not None:
                 kept.append(c)
+            if mode == OUT and c in _NUMBER_START and (not stack or not stack[-1][2] or stack[-1][1] is not None) \
+                    and self._value(stack) is not None:  # (a number value starts)
+                before = data[: i - 1] if kept is None else kept[:-1]
+                base = x = self.outline(base, bytes(before)) if before else base
+                mode, kept = NUMBER, bytearray((c,))
+                continue
             if mode == OUT:
                 if c == 0x7B:  # {
                     stack = (*stack, (self._value(stack), None, True))
@@ -469,7 +491,7 @@ class StringMasks:
                     mode, x = OUT, None
                 else:
                     x = not x and c == _BACKSLASH
-        return stack, mode, x, None if kept is None else bytes(kept)
+        return stack, mode, x, base, kept
 
     def fill(self, scan, matcher, out: np.ndarray) -> bool:
         """Inside a string automaton: write the mask of a particle at ``scan`` whose llguidance state is ``matcher``

@@ -8,6 +8,7 @@ calling thread or llguidance's thread pool (``_executor``), and the state past a
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import numpy as np
 import torch
@@ -316,8 +317,9 @@ def _keep_outlines(c, pairs: list, outlines: list, words) -> None:
     kept = c._outline_masks
     for (m, r), o in zip(pairs, outlines):
         if not m.is_error():
-            if len(kept) >= OUTLINE_MASKS_KEPT:
-                kept.clear()
+            if len(kept) >= OUTLINE_MASKS_KEPT:  # (the older half forgotten)
+                for k in list(itertools.islice(kept, OUTLINE_MASKS_KEPT // 2)):
+                    del kept[k]
             kept[o] = words[r].copy()
 
 

@@ -142,6 +142,19 @@ def test_masks_kept_by_outline_stay_llguidances(schema):
 
 
 @pytest.mark.slow
+def test_strings_of_a_container_held_to_an_enum_or_const_keep_llguidances_masks():
+    """An object held to whole values (``enum``/``const`` beside its properties): what its strings may
+    hold depends on the rest of the object, so they keep llguidance's masks (a string automaton's
+    would allow every string of the property's own subschema)."""
+    model = sd.load_model()
+    for held in ({"enum": [{"a": "xy", "b": 1}, {"a": "zz", "b": 2}]}, {"const": {"a": "xy", "b": 1}}):
+        schema = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+                  "properties": {"a": {"type": "string", "maxLength": 5}, "b": {"type": "integer"}}, **held}
+        c = JSONSchema(schema, path="llguidance").bind(model)
+        assert _walks_agree(c, model, random.Random(2), 4) == 0
+
+
+@pytest.mark.slow
 def test_a_dead_particle_gets_no_token_where_its_outline_has_a_kept_mask():
     model = sd.load_model()
     c = JSONSchema(NUMBERS, path="llguidance").bind(model)

@@ -90,14 +90,29 @@ def test_automata_built_when_first_needed_give_the_same_masks(monkeypatch):
 
 @pytest.mark.slow
 def test_masks_and_steps_kept_past_their_caches_limits_stay_llguidances(monkeypatch):
-    """A state's whole masks (one per set of rest verdicts) and the automata's cached steps, with room
-    for one of each: every later one evicts the earlier, and the masks stay llguidance's."""
+    """A state's whole masks (one per set of rest verdicts), the automata's cached steps, the scanner's
+    states and steps, the outlines, the rests' verdicts and llguidance's masks kept by outline, each
+    with little room: every later one evicts earlier ones, and the masks stay llguidance's."""
+    from smcdecode.potentials import matchers
+
     monkeypatch.setattr(json_strings, "_MASKS_KEPT", 1)
     monkeypatch.setattr(json_strings, "_STEPS_KEPT", 1)
+    monkeypatch.setattr(json_strings, "_PRINTS_KEPT", 3)
+    monkeypatch.setattr(json_strings, "_VERDICTS_KEPT", 1)
+    monkeypatch.setattr(matchers, "OUTLINE_MASK_BYTES", 0)  # (64 masks)
+    kept, keep = [0], matchers._keep_outlines
+
+    def counted(c, pairs, outlines, words):
+        kept[0] += len(outlines)
+        keep(c, pairs, outlines, words)
+
+    monkeypatch.setattr(matchers, "_keep_outlines", counted)
     model = sd.load_model()
-    for schema in (SCHEMAS[0], NODE):
+    for schema in (SCHEMAS[0], NODE, NUMBERS):
+        kept[0] = 0
         c = JSONSchema(schema, path="llguidance").bind(model)
-        assert _walks_agree(c, model, random.Random(3), 8) > 10
+        assert _walks_agree(c, model, random.Random(3), 12) > 10
+        assert len(c._outline_masks) <= 64 < kept[0] and len(c._strings._outlines) <= 3
 
 
 def _walks_agree(c, model, rng, walks: int, steps: list | None = None) -> int:

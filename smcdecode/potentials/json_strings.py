@@ -15,18 +15,26 @@ their bytes after the closing quote belong to the grammar. So, for a JSON Schema
   alive (one packed row per automaton state, built at binding), and every token that closes the
   string validly and whose rest (its bytes after the closing quote) the grammar takes. The rest's
   verdict does not depend on the string's content (the parser's state after a string value is the
-  same whatever the value), so llguidance is asked once per string and rest (``validate_tokens`` of
-  one token that closes there), and the answer is kept with the particle's scanner state. A rest
-  that JSON cannot let follow a value (anything but a comma, a closing bracket or whitespace first)
-  is never allowed;
-- everywhere else (keys, numbers, structure) llguidance computes the mask, as before.
+  same whatever the value), so llguidance is asked once per place in the document and rest
+  (``validate_tokens`` of one token that closes there), and the answer is kept by the particle's
+  outline where the string opened (below). A rest that JSON cannot let follow a value (anything but a
+  comma, a closing bracket or whitespace first) is never allowed;
+- everywhere else (keys, numbers, structure) the mask is llguidance's, kept by *outline*: a particle's
+  document so far with the content of every string an automaton wrote, and the digits of every
+  number value that ended, left out (``StringMasks.outline``: an id per outline). For the same
+  reason as the rests', llguidance's parser is in the same state after any such value, so particles
+  with one outline get one mask: llguidance computes it for the first (``matchers._known_rows``),
+  the others copy it. A scanner state is a function of the outline (and, inside a string, of the
+  automaton's state), so the scanner keeps one object per state and the step from it by each token:
+  most steps are one lookup.
 
 The masks are llguidance's, bit for bit (``tests/test_json_strings.py`` compares them along random
 walks over the default model's vocabulary); only their cost changes. A string's subschema is
 resolved along the document's path through ``properties``, ``patternProperties``,
 ``additionalProperties``, ``items``, ``prefixItems`` and local ``$ref``; where a step is ambiguous
-(``anyOf``, ``oneOf``, ``allOf``, conditionals, type lists) the strings below it keep llguidance's
-masks. ``date`` and ``date-time`` formats keep them too (the device translation takes a strict
+(``anyOf``, ``oneOf``, ``allOf``, conditionals, type lists), or where a container is held to whole
+values (``enum``, ``const``), the strings and numbers below it keep llguidance's masks and stay in
+the outline. ``date`` and ``date-time`` formats keep them too (the device translation takes a strict
 subset of their languages), and so do all strings of a constraint with ``force_canonical``.
 """
 
@@ -71,7 +79,7 @@ _QUOTE, _BACKSLASH = 0x22, 0x5C
 # subschema is known
 OUT, KEY, STRING, AUTOMATON, NUMBER = range(5)
 START = ((), OUT, None, 0)  # (stack, mode, the mode's state, the outline's id: ``StringMasks.outline``)
-_PRINTS_KEPT = 1 << 18  # outline steps kept per StringMasks (then forgotten: ids are never given twice)
+_PRINTS_KEPT = 1 << 16  # outline steps kept per StringMasks (then forgotten: ids are never given twice)
 _IDS = itertools.count(1)  # outline ids, unique in the process (0: the empty document)
 _SHUT = b"\""  # (an automaton string's closing quote in an outline: its content left out)
 _NUMBERED = "number"  # (a number value in an outline, once it ended: its digits left out)
@@ -149,8 +157,8 @@ class _Row:
 
 
 class _Verdicts:
-    """llguidance's verdicts on the rests after one string closes (-1: not asked yet), kept with the
-    particles writing that string (forks share it)."""
+    """llguidance's verdicts on the rests after a string closes, kept by the outline where the string
+    opened (every particle writing a string there shares them: ``StringMasks._stepped``)."""
 
     __slots__ = ("ok", "masks")
 

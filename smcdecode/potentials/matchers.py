@@ -1,9 +1,10 @@
 """Batches of llguidance particle states (``MatcherBatch``) and the batched operations on them that
 the engine's host path uses: every request's rows advanced by a token together
 (``advance_together``), rows advanced by several tokens each (``consume_rows``: the superset path's
-check), every request's masks filled into one packed bitmask (``fill_bits_together``), in the
-calling thread or llguidance's thread pool (``_executor``), and the state past a complete document
-(``Stopped``), which stands in for llguidance's matcher there."""
+check), every request's masks filled into one packed bitmask (``fill_bits_together``: inside string values
+the strings' automata's, elsewhere llguidance's, computed in the calling thread or llguidance's
+thread pool, ``_executor``, or kept from a particle with the same outline, ``_known_rows``), and the
+state past a complete document (``Stopped``), which stands in for llguidance's matcher there."""
 
 from __future__ import annotations
 
@@ -140,7 +141,8 @@ def _stopped(c, m, token: int):
     return Stopped(*known)
 
 
-OUTLINE_MASKS_KEPT = 2048  # llguidance's masks kept per constraint by outline (``_known_rows``; then forgotten)
+OUTLINE_MASK_BYTES = 8 << 20  # llguidance's masks kept per constraint by outline (``_known_rows``; the older half
+# forgotten past it)
 _EXECUTORS: dict = {}  # llguidance thread pools by thread count (None: its default), one per process
 
 
@@ -314,11 +316,11 @@ def _known_rows(c, state: MatcherBatch, rows, r0: int, words, miss: list) -> lis
 def _keep_outlines(c, pairs: list, outlines: list, words) -> None:
     """Keep llguidance's masks of rows just computed (``_known_rows``' misses) by their outlines, but
     a dead particle's."""
-    kept = c._outline_masks
+    kept, most = c._outline_masks, max(64, OUTLINE_MASK_BYTES // words[0].nbytes)
     for (m, r), o in zip(pairs, outlines):
         if not m.is_error():
-            if len(kept) >= OUTLINE_MASKS_KEPT:  # (the older half forgotten)
-                for k in list(itertools.islice(kept, OUTLINE_MASKS_KEPT // 2)):
+            if len(kept) >= most:
+                for k in list(itertools.islice(kept, most // 2)):
                     del kept[k]
             kept[o] = words[r].copy()
 

@@ -284,9 +284,9 @@ def _known_rows(c, state: MatcherBatch, rows, r0: int, words, miss: list) -> lis
     """The rows of ``rows`` whose masks are known without llguidance's walk written into ``words``:
     inside a string value, the string's masks (json_strings.py); elsewhere, where the constraint
     ``c`` has kept llguidance's mask of the row's outline (``StringMasks.outline``:
-    ``c._outline_masks``). The others' (matcher, row) are appended to ``miss``, and the outline of
-    each that has one is listed in the answer's order, ``miss[len(answer):]``'s rows then being the
-    ones llguidance computes without keeping."""
+    ``c._outline_masks``). The others' (matcher, row) are appended to ``miss``: first the rows
+    whose masks are to be kept, whose outlines the answer lists in the same order, then the others
+    (a dead particle inside a string, a ``Stopped``)."""
     scans, matchers = state.scans, state.matchers
     if scans is None:
         miss += [(matchers[i], r0 + i) for i in rows]

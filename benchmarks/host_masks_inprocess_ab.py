@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from replay_calls import replay_call
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -65,21 +66,9 @@ def replayer(pkg: str, part: dict, fresh: bool):
             if name == "add":
                 slot, n, K, budget = a
                 host.add(slot, hm.RequestMasks([c], n, K, budget, lane=slot * part["particles"]))
-            elif name == "remove":
-                host.remove(a)
-            elif name == "begin":
-                host.begin(a[0], a[1], torch.zeros(a[0], max(a[1], 1), dtype=torch.long))
-            elif name == "mask":
-                host.mask(a, bits[: host.rows])
-                points += 1
-            elif name == "drafted":
-                host.drafted(a[0], torch.tensor(a[1], dtype=torch.long))
-            elif name == "end":
-                host.end(torch.tensor(a, dtype=torch.long), None)
-            elif name == "fork":
-                host.fork(torch.tensor(a, dtype=torch.long))
-            elif name == "rejects":
-                host.rejects(a)
+            else:
+                replay_call(host, name, a, bits, {})
+                points += name == "mask"
         seconds = time.perf_counter() - t
         host.close()
         return seconds, points, bits

@@ -1,14 +1,16 @@
 """The A/B of this folder: each process's rows on llguidance's path with the strings' automata
 (SmolLM2, eight requests), with the host's probe (``host_probe_us``: µs a fixed piece of pure Python
 took just before and just after the row's timed calls), and the medians over the four processes of
-each variant."""
+each variant. ``python summarize.py FOLDER`` reads another folder's ``ab_*.json`` the same way
+(``outline_ab_h200/summarize.py`` does)."""
 
 import glob
 import json
 import os
 import statistics
+import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.abspath(sys.argv[1]) if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
 rows: dict = {}
 print("process  variant  schema        ratio   ms/round constrained vs plain   extra ms/round   host probe (µs, before and after)")
 for f in sorted(glob.glob(os.path.join(HERE, "ab_*.json")), key=lambda p: int(os.path.basename(p).split("_")[1])):

@@ -142,18 +142,34 @@ def _walks_agree(c, model, rng, walks: int, steps: list | None = None) -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schema", [NUMBERS, NODE], ids=["numbers", "tree"])
-def test_masks_kept_by_outline_stay_llguidances(schema):
+def test_masks_kept_by_outline_stay_llguidances(schema, monkeypatch):
     """Many walks through one constraint: most masks outside strings are the ones kept by the
     particles' outlines (``StringMasks.outline``: the document with string automata's contents, and
     the digits of numbers that ended, left out), and every mask is llguidance's."""
+    from smcdecode.potentials import matchers
+
+    stored, keep = [], matchers._keep_outlines
+    monkeypatch.setattr(matchers, "_keep_outlines", lambda c, pairs, outlines, words: (
+        stored.extend(outlines), keep(c, pairs, outlines, words)))
     model = sd.load_model()
     c = JSONSchema(schema, path="llguidance").bind(model)
     steps = []
     assert _walks_agree(c, model, random.Random(5), 40, steps) > 20
     outside = [s for s in steps if s[1] != AUTOMATON]
-    numbers = sum(s[1] == json_strings.NUMBER for s in steps)
-    assert len(outside) - len(c._outline_masks) > 200, (len(c._outline_masks), len(outside))  # (kept masks were used)
-    assert schema is NODE or numbers > 20
+    assert len(outside) - len(stored) > 200, (len(stored), len(outside))  # (masks copied from those kept)
+    if schema is NUMBERS:  # (numbers written, and left the outline once they ended)
+        assert sum(s[1] == json_strings.NUMBER for s in steps) > 20
+        assert any(step == json_strings._NUMBERED for _, step in c._strings._outlines)
+
+
+def test_each_grammar_of_a_schema_has_its_own_scanner_states_and_the_same_automata():
+    """The rests' verdicts depend on the grammar (compact or flexible whitespace after a string), so
+    each grammar's scanner states (which hold them) are its own; the automata are built once."""
+    model = sd.load_model()
+    a, b = (JSONSchema(SCHEMAS[0], path="llguidance", whitespace=w).bind(model) for w in ("compact", "flexible"))
+    again = JSONSchema(SCHEMAS[0], path="llguidance").bind(model)
+    assert a._strings is not b._strings and a._strings is again._strings
+    assert a._strings._distinct is b._strings._distinct and a._strings._verdicts is not b._strings._verdicts
 
 
 @pytest.mark.slow
@@ -167,6 +183,32 @@ def test_strings_of_a_container_held_to_an_enum_or_const_keep_llguidances_masks(
                   "properties": {"a": {"type": "string", "maxLength": 5}, "b": {"type": "integer"}}, **held}
         c = JSONSchema(schema, path="llguidance").bind(model)
         assert _walks_agree(c, model, random.Random(2), 4) == 0
+
+
+@pytest.mark.slow
+def test_particles_with_one_outline_share_llguidances_mask_within_a_fill(monkeypatch):
+    """Rows at one place of the document with different numbers and strings behind them have one
+    outline (the numbers' digits and the strings' content left out): one fill has llguidance compute
+    the mask once and copies it to the others; every row's mask is llguidance's, a dead row's none."""
+    from smcdecode.potentials import matchers
+
+    stored, keep = [], matchers._keep_outlines
+    monkeypatch.setattr(matchers, "_keep_outlines", lambda c, pairs, outlines, words: (
+        stored.extend(outlines), keep(c, pairs, outlines, words)))
+    model = sd.load_model()
+    c = JSONSchema(NUMBERS, path="llguidance").bind(model)
+    texts = ['{"a": 25, "b": [1, 22], "c": "ab", "d": ', '{"a": 3, "b": [7, 1], "c": "xyz", "d": ',
+             '{"a": 140, "b": [0, 9], "c": "q", "d": ', '{"a": 3, "b": [7, 1], "c": "xyz", "d": ']
+    state = consume_rows(c, c.start(4), [model.encode(t) for t in texts])
+    assert len({s[3] for s in state.scans}) == 1 and not state.matchers[3].is_error()
+    state.matchers[3].consume_token(model.encode("x")[0])  # (dead, its outline the others')
+    bits = torch.full((4, c._words), -1, dtype=torch.int32)
+    fill_bits_together([(c, state, 0)], bits, 4)
+    assert len(stored) == 1  # (one mask computed for the four rows)
+    for i in range(3):
+        _, theirs = _masks(c, MatcherBatch([state.matchers[i]], None, [state.scans[i]]))
+        assert torch.equal(bits[i: i + 1], theirs) and bits[i].any()
+    assert not bits[3].any()
 
 
 @pytest.mark.slow

@@ -411,12 +411,15 @@ class StringMasks:
 
     def outline(self, at: int, step) -> int:
         """The id of the outline ``at`` followed by ``step`` (a token id: its bytes, none inside a
-        string automaton's string; or bytes). A particle's *outline* is its document so far with the
-        content of every string value a string automaton wrote left out (its quotes kept): equal
-        outlines, equal ids (the same steps from the same id), so an id names one outline.
-        llguidance's parser is in the same state after any value of such a string (the premise of
-        the string automata's rests, ``_Row``), so particles with one outline, outside those
-        strings, get the same mask from llguidance (``matchers.fill_bits_together`` keeps them)."""
+        string automaton's string; bytes; or ``_NUMBERED``, a number value that ended). A
+        particle's *outline* is its document so far with the content of every string value a string
+        automaton wrote (its quotes kept), and the digits of every number value that ended, left
+        out. One id names one outline (the same steps from the same id give the same id, and ids are
+        never given twice); one outline may have several ids (other tokenisations, a table
+        cleared), which only costs a mask computed again. llguidance's parser is in the same state
+        after any value of such a string or number (the premise of the string automata's rests,
+        ``_Row``), so particles with one outline, outside those strings, get the same mask from
+        llguidance (``matchers.fill_bits_together`` keeps them)."""
         key = (at, step)
         got = self._outlines.get(key)
         if got is None:

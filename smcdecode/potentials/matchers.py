@@ -280,13 +280,15 @@ def consume_rows(c, state: MatcherBatch, seqs: list) -> MatcherBatch:
     return MatcherBatch([m if k is None else owners[(id(m), k)] for m, k in zip(matchers, keys)], new_keys, scans)
 
 
-def _known_rows(c, state: MatcherBatch, rows, r0: int, words, miss: list) -> list:
+def _known_rows(c, state: MatcherBatch, rows, r0: int, words, miss: list, firsts: dict, twins: list) -> list:
     """The rows of ``rows`` whose masks are known without llguidance's walk written into ``words``:
     inside a string value, the string's masks (json_strings.py); elsewhere, where the constraint
     ``c`` has kept llguidance's mask of the row's outline (``StringMasks.outline``:
     ``c._outline_masks``). The others' (matcher, row) are appended to ``miss``: first the rows
     whose masks are to be kept, whose outlines the answer lists in the same order, then the others
-    (a dead particle inside a string, a ``Stopped``)."""
+    (a dead particle inside a string, a ``Stopped``); but a row whose outline an earlier row of the
+    same fill missed (``firsts``: (id of the constraint, outline) -> that row's (matcher, row)) goes
+    to ``twins`` as (matcher, row, that row's matcher, its row), to copy its mask once computed."""
     scans, matchers = state.scans, state.matchers
     if scans is None:
         miss += [(matchers[i], r0 + i) for i in rows]
@@ -303,8 +305,13 @@ def _known_rows(c, state: MatcherBatch, rows, r0: int, words, miss: list) -> lis
         else:
             known = kept.get(scan[3])
             if known is None:
-                miss.append((m, r0 + i))
-                outlines.append(scan[3])
+                first = firsts.get((id(c), scan[3]))
+                if first is None:
+                    firsts[(id(c), scan[3])] = (m, r0 + i)
+                    miss.append((m, r0 + i))
+                    outlines.append(scan[3])
+                else:
+                    twins.append((m, r0 + i, *first))
             else:
                 words[r0 + i] = known
                 if m.is_error():  # (a dead particle: no token)
@@ -339,7 +346,7 @@ def fill_bits_together(parts: list, out: Tensor, rows: int, words=None) -> None:
             raise SMCDecodeError(f"the bitmask must be a contiguous int32 CPU tensor of shape ({rows}, {W}), "
                                  f"got {out.dtype} {tuple(out.shape)} on {out.device}")
         words = out.numpy()
-    pairs, cached, shared, keyed, outlined = [], [], [], {}, []
+    pairs, cached, shared, keyed, outlined, firsts, twins = [], [], [], {}, [], {}, []
     for c, state, r0 in parts:
         state.check()
         matchers = state.matchers
@@ -352,7 +359,7 @@ def fill_bits_together(parts: list, out: Tensor, rows: int, words=None) -> None:
             continue
         if len(set(map(id, matchers))) == n:
             at = len(pairs)
-            outlined.append((c, at, _known_rows(c, state, range(n), r0, words, pairs)))
+            outlined.append((c, at, _known_rows(c, state, range(n), r0, words, pairs, firsts, twins)))
             if state.keys is not None:  # (the key rule of every part of one tracker at once)
                 ks = keyed.setdefault(id(c._keys), (c._keys, [], []))
                 ks[1].extend(range(r0, r0 + n))
@@ -360,7 +367,7 @@ def fill_bits_together(parts: list, out: Tensor, rows: int, words=None) -> None:
         else:  # one mask per distinct matcher, copied to the rows sharing it (its key rule applied)
             first, rest, src = state.distinct()
             at = len(pairs)
-            outlined.append((c, at, _known_rows(c, state, first, r0, words, pairs)))
+            outlined.append((c, at, _known_rows(c, state, first, r0, words, pairs, firsts, twins)))
             shared.append((c, state, r0, first, rest, src))
     if pairs:
         executor = parts[0][0]._executor
@@ -382,6 +389,13 @@ def fill_bits_together(parts: list, out: Tensor, rows: int, words=None) -> None:
         for c, at, outlines in outlined:
             if outlines:
                 _keep_outlines(c, pairs[at: at + len(outlines)], outlines, words)
+    for m, r, first, fr in twins:  # (rows whose outline an earlier row of this fill computed)
+        if first.is_error():  # (it met a dead end: this row computes its own, and dies the same way)
+            m.unsafe_compute_mask_ptr(out.data_ptr() + r * W * 4, W * 4)
+        else:
+            words[r] = words[fr]
+        if m.is_error():
+            words[r] = 0
     for state, r0 in cached:
         out[r0: r0 + len(state)] = state.bits
     # a dead particle (llguidance's error state; computing a mask can find a dead end and put the

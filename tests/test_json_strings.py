@@ -97,7 +97,7 @@ def test_masks_and_steps_kept_past_their_caches_limits_stay_llguidances(monkeypa
 
     monkeypatch.setattr(json_strings, "_MASKS_KEPT", 1)
     monkeypatch.setattr(json_strings, "_STEPS_KEPT", 1)
-    monkeypatch.setattr(json_strings, "_PRINTS_KEPT", 3)
+    monkeypatch.setattr(json_strings, "_OUTLINES_KEPT", 3)
     monkeypatch.setattr(json_strings, "_VERDICTS_KEPT", 1)
     monkeypatch.setattr(matchers, "OUTLINE_MASK_BYTES", 0)  # (64 masks)
     kept, keep = [0], matchers._keep_outlines

@@ -79,7 +79,7 @@ _QUOTE, _BACKSLASH = 0x22, 0x5C
 # subschema is known
 OUT, KEY, STRING, AUTOMATON, NUMBER = range(5)
 START = ((), OUT, None, 0)  # (stack, mode, the mode's state, the outline's id: ``StringMasks.outline``)
-_PRINTS_KEPT = 1 << 16  # outline steps kept per StringMasks (then forgotten: ids are never given twice)
+_OUTLINES_KEPT = 1 << 16  # outline steps kept per StringMasks (then forgotten: ids are never given twice)
 _IDS = itertools.count(1)  # outline ids, unique in the process (0: the empty document)
 _SHUT = b"\""  # (an automaton string's closing quote in an outline: its content left out)
 _NUMBERED = "number"  # (a number value in an outline, once it ended: its digits left out)
@@ -423,7 +423,7 @@ class StringMasks:
         key = (at, step)
         got = self._outlines.get(key)
         if got is None:
-            if len(self._outlines) >= _PRINTS_KEPT:
+            if len(self._outlines) >= _OUTLINES_KEPT:
                 self._outlines.clear()
             got = self._outlines[key] = next(_IDS)
         return got

@@ -4,9 +4,13 @@ bad setting is a clear error."""
 
 from __future__ import annotations
 
+import gc
+import mmap
 import os
 import signal
 import time
+import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,24 +184,119 @@ def test_idle_workers_sleep_and_a_post_wakes_them(model):
         host.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_pinned_buffer_is_unpinned_without_an_error_left_behind():
+    """On a GPU: the buffers of a round with host masks (HostMasks with mask workers: the columns, the
+    step buffers, the sync lines) are pinned, and unpinned when it goes, every unregistering
+    accepted (0); the next CUDA work runs (an unregistering CUDA refused left an error there that
+    the next CUDA call reported as its own)."""
+    from smcdecode.backends.engine import mask_workers
+
+    codes = []
+    real = torch.cuda.cudart
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(real(), name)
+
+        def cudaHostUnregister(self, address):
+            codes.append(int(real().cudaHostUnregister(address)))
+            return codes[-1]
+
+    try:
+        torch.cuda.cudart = Recording
+        host = HostMasks(4, 1000, "cuda", rows=8, k_max=4, workers=2)
+        assert host._mem is not None and host._syncmem is not None
+        del host
+        gc.collect()
+        mask_workers.unpin_deferred()
+    finally:
+        torch.cuda.cudart = real
+    assert codes == [0, 0, 0]
+    x = torch.arange(5, device="cuda") * 2
+    torch.cuda.synchronize()
+    assert x.tolist() == [0, 2, 4, 6, 8]
+
+
 def test_a_buffer_freed_while_a_round_is_served_is_unpinned_after():
     """A pinned buffer freed while a round waits on the device for the host's masks is not unpinned
     then (that waits for the device, which waits for this host), but once the round is served."""
     from smcdecode.backends.engine import mask_workers
 
     unpinned = []
-    real = torch.cuda.synchronize
+
+    class Cudart:  # (CUDA's own would refuse the made-up address and leave an error for later CUDA calls)
+        def cudaHostUnregister(self, address):
+            unpinned.append(address)
+            return 0
+
+    real, real_cudart = torch.cuda.synchronize, torch.cuda.cudart
+    mem = mmap.mmap(-1, 4096)
     try:
-        torch.cuda.synchronize = lambda *a: unpinned.append("synchronized")
+        torch.cuda.synchronize, torch.cuda.cudart = lambda *a: unpinned.append("synchronized"), Cudart
         mask_workers._SERVING[0] += 1
-        mask_workers._unpin(1234)
-        assert mask_workers._DEFERRED == [1234] and not unpinned
+        mask_workers._unpin(1234, mem)
+        assert mask_workers._DEFERRED == [(1234, mem)] and not unpinned
         mask_workers._SERVING[0] -= 1
         mask_workers.unpin_deferred()
-        assert not mask_workers._DEFERRED and unpinned == ["synchronized"]
+        assert not mask_workers._DEFERRED and unpinned == ["synchronized", 1234]
     finally:
-        torch.cuda.synchronize = real
+        torch.cuda.synchronize, torch.cuda.cudart = real, real_cudart
         mask_workers._DEFERRED.clear()
+
+
+def _mapped(address: int) -> bool:
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        first, end = (int(x, 16) for x in line.split()[0].split("-"))
+        if first <= address < end:
+            return True
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
+def test_a_pinned_buffer_is_unpinned_while_still_mapped_when_its_owner_goes():
+    """CUDA unregisters a pinned buffer only while its pages are mapped: the unpinning hangs on the
+    buffer's owner and holds the mapping, so it runs before the pages go (an mmap's own finalizer
+    runs after they went, which left the pages pinned and an error for the next CUDA call). CUDA's
+    two calls are recorded here (no GPU needed): each buffer is registered once and unregistered
+    once, mapped then, and let go after."""
+    from smcdecode.backends.engine import mask_workers
+
+    calls = []
+
+    class Cudart:
+        def cudaHostRegister(self, address, nbytes, flags):
+            calls.append(("register", address, nbytes, _mapped(address)))
+            return 0
+
+        def cudaHostUnregister(self, address):
+            calls.append(("unregister", address, None, _mapped(address)))
+            return 0
+
+    class Owner:
+        pass
+
+    real_cudart, real_sync = torch.cuda.cudart, torch.cuda.synchronize
+    try:
+        torch.cuda.cudart, torch.cuda.synchronize = Cudart, lambda *a: None
+        owner = Owner()
+        mems = [mask_workers.shared_buffer(n, True, owner) for n in (5000, 1 << 20)]
+        addresses = [torch.frombuffer(m, dtype=torch.uint8).data_ptr() for m in mems]
+        alive = [weakref.ref(m) for m in mems]
+        assert [c[0] for c in calls] == ["register", "register"] and all(c[3] for c in calls)
+        del mems
+        gc.collect()
+        assert len(calls) == 2 and all(_mapped(a) for a in addresses)  # (the owner holds them)
+        del owner
+        gc.collect()
+        assert sorted(c[1] for c in calls[2:]) == sorted(addresses)
+        assert [c[0] for c in calls[2:]] == ["unregister"] * 2 and all(c[3] for c in calls[2:])
+        assert not any(r() for r in alive)  # (the mappings let go once unpinned)
+        with pytest.raises(ValueError, match="owner"):
+            mask_workers.shared_buffer(4096, True)
+    finally:
+        torch.cuda.cudart, torch.cuda.synchronize = real_cudart, real_sync
 
 
 def _first_step(host, c, slot=0):

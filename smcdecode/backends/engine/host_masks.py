@@ -68,7 +68,7 @@ class HostMasks(HostPoints):
         # with an event per step; with workers in shared memory, where they read them (``_share``)
         self._shared = None
         if self.workers:
-            self._shared, _ = shared_buffer(8 * (k_max + 1) * rows, self.pinned)
+            self._shared = shared_buffer(8 * (k_max + 1) * rows, self.pinned, self)
             self._handed = torch.frombuffer(self._shared, dtype=torch.long).view(k_max + 1, rows)
         else:
             self._handed = torch.zeros(k_max + 1, rows, dtype=torch.long, pin_memory=self.pinned)
@@ -84,7 +84,7 @@ class HostMasks(HostPoints):
         # the packed masks of a step on the host, two buffers in turn (pinned on a GPU: uploaded without
         # blocking), at fixed addresses in a shared mapping where the mask workers write them too
         if rows:
-            self._mem, _ = shared_buffer(2 * rows * self.W * 4, self.pinned)
+            self._mem = shared_buffer(2 * rows * self.W * 4, self.pinned, self)
             whole = torch.frombuffer(self._mem, dtype=torch.int32)
             self._bits = [whole[t * rows * self.W: (t + 1) * rows * self.W].view(rows, self.W) for t in (0, 1)]
         else:

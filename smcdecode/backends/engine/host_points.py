@@ -50,7 +50,7 @@ class HostPoints:
         the mask workers where there are any), the device's count."""
         P = self.workers
         if P:
-            self._syncmem, _ = shared_buffer(8 * sync_words(P), pin)
+            self._syncmem = shared_buffer(8 * sync_words(P), pin, self)
             self._posted = torch.frombuffer(self._syncmem, dtype=torch.long)
         else:
             self._posted = torch.zeros(sync_words(0), dtype=torch.long, pin_memory=pin)

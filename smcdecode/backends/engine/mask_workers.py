@@ -89,30 +89,37 @@ def _supported() -> str | None:
     return None
 
 
-def shared_buffer(nbytes: int, pin: bool) -> tuple[mmap.mmap, weakref.finalize | None]:
+def shared_buffer(nbytes: int, pin: bool, owner=None) -> mmap.mmap:
     """An anonymous shared mapping of ``nbytes`` (processes forked later write the same pages) and,
-    with ``pin``, registered with CUDA as pinned memory (copies to and from it do not block) with
-    the finalizer that unregisters it (else None)."""
+    with ``pin``, registered with CUDA as pinned memory (copies to and from it do not block) until
+    ``owner`` is collected. The finalizer hangs on the owner and holds the mapping: an mmap's own
+    finalizer runs once its pages are unmapped, where CUDA no longer knows the pointer, keeps the
+    pages pinned and leaves an error that the next CUDA call in this thread reports as its own."""
     mem = mmap.mmap(-1, max(nbytes, 1))
     if not pin:
-        return mem, None
+        return mem
+    if owner is None:
+        raise ValueError("shared_buffer: a pinned buffer needs an owner (its unpinning hangs on it)")
     address = torch.frombuffer(mem, dtype=torch.uint8).data_ptr()
     err = torch.cuda.cudart().cudaHostRegister(address, len(mem), 0)
     if int(err) != 0:
         raise SMCDecodeError(f"CUDA refused to pin {len(mem)} bytes of host memory for the host masks' buffers "
                              f"(error {int(err)}): the engine's host-mask constraints need it on a GPU")
-    return mem, weakref.finalize(mem, _unpin, address)
+    weakref.finalize(owner, _unpin, address, mem)
+    return mem
 
 
 # (a round waiting on the device for the host's masks is being served: ``HostMasks.serve``; a buffer
 # freed meanwhile waits to be unpinned, since waiting for the device then would wait for this host)
 _SERVING = [0]
-_DEFERRED: list = []
+_DEFERRED: list = []  # (address, mapping): the mapping held until it is unpinned
 
 
-def _unpin(address: int) -> None:
+def _unpin(address: int, mem: mmap.mmap) -> None:
+    """Unregister the pinned ``mem`` at ``address`` (still mapped: this holds it) once the device is
+    done with it; while a round is served, later (``unpin_deferred``)."""
     if _SERVING[0]:
-        _DEFERRED.append(address)
+        _DEFERRED.append((address, mem))
         return
     with contextlib.suppress(Exception):  # (at interpreter exit CUDA may be gone already)
         torch.cuda.synchronize()  # (no copy to or from the buffer still in flight)
@@ -122,7 +129,7 @@ def _unpin(address: int) -> None:
 def unpin_deferred() -> None:
     """Unpin the buffers freed while a round was being served (``_SERVING``)."""
     while _DEFERRED:
-        _unpin(_DEFERRED.pop())
+        _unpin(*_DEFERRED.pop())
 
 
 def _cores() -> int:

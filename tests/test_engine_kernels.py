@@ -627,10 +627,14 @@ def test_wait_for_host_waits_for_every_party_and_hand_over_flags_the_column():
     from smcdecode.backends.engine.kernels.host import hand_over, wait_for_host
     from smcdecode.backends.engine.mask_workers import shared_buffer
 
+    class Owner:  # (the buffers stay pinned while it lives: to the test's end)
+        pass
+
     # (host memory as the engine's sync lines and columns are: shared mappings registered with CUDA)
-    mem, _ = shared_buffer(8 * 3 * 8, True)
+    owner = Owner()
+    mem = shared_buffer(8 * 3 * 8, True, owner)
     posted = torch.frombuffer(mem, dtype=torch.long)
-    cmem, _ = shared_buffer(8 * 40, True)
+    cmem = shared_buffer(8 * 40, True, owner)
     column = torch.frombuffer(cmem, dtype=torch.long)
     seen = torch.zeros(1, dtype=torch.long, device="cuda")
     flag = posted[2 * 8:]

@@ -188,12 +188,11 @@ def test_idle_workers_sleep_and_a_post_wakes_them(model):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_a_pinned_buffer_is_unpinned_without_an_error_left_behind():
     """On a GPU: the buffers of a round with host masks (HostMasks with mask workers: the columns, the
-    step buffers, the sync lines) are pinned, and unpinned when it goes, every unregistering
-    accepted (0); the next CUDA work runs (an unregistering CUDA refused left an error there that
-    the next CUDA call reported as its own)."""
+    step buffers, the sync lines) are pinned, and unpinned when it goes, each once, while still
+    mapped (as CUDA asks), every unregistering accepted (0); the next CUDA work runs."""
     from smcdecode.backends.engine import mask_workers
 
-    codes = []
+    calls = []  # (address, still mapped?, CUDA's answer)
     real = torch.cuda.cudart
 
     class Recording:
@@ -201,19 +200,23 @@ def test_on_a_gpu_a_pinned_buffer_is_unpinned_without_an_error_left_behind():
             return getattr(real(), name)
 
         def cudaHostUnregister(self, address):
-            codes.append(int(real().cudaHostUnregister(address)))
-            return codes[-1]
+            mapped = _mapped(address)
+            calls.append((address, mapped, int(real().cudaHostUnregister(address))))
+            return calls[-1][2]
 
+    gc.collect()  # (buffers of earlier tests unpinned before the recording)
     try:
         torch.cuda.cudart = Recording
         host = HostMasks(4, 1000, "cuda", rows=8, k_max=4, workers=2)
-        assert host._mem is not None and host._syncmem is not None
+        addresses = {torch.frombuffer(m, dtype=torch.uint8).data_ptr() for m in (host._shared, host._mem, host._syncmem)}
         del host
         gc.collect()
         mask_workers.unpin_deferred()
     finally:
         torch.cuda.cudart = real
-    assert codes == [0, 0, 0]
+    ours = [c for c in calls if c[0] in addresses]
+    assert len(ours) == 3 and {c[0] for c in ours} == addresses
+    assert all(mapped and code == 0 for _, mapped, code in ours)
     x = torch.arange(5, device="cuda") * 2
     torch.cuda.synchronize()
     assert x.tolist() == [0, 2, 4, 6, 8]
@@ -233,6 +236,7 @@ def test_a_buffer_freed_while_a_round_is_served_is_unpinned_after():
 
     real, real_cudart = torch.cuda.synchronize, torch.cuda.cudart
     mem = mmap.mmap(-1, 4096)
+    serving = mask_workers._SERVING[0]
     try:
         torch.cuda.synchronize, torch.cuda.cudart = lambda *a: unpinned.append("synchronized"), Cudart
         mask_workers._SERVING[0] += 1
@@ -243,7 +247,24 @@ def test_a_buffer_freed_while_a_round_is_served_is_unpinned_after():
         assert not mask_workers._DEFERRED and unpinned == ["synchronized", 1234]
     finally:
         torch.cuda.synchronize, torch.cuda.cudart = real, real_cudart
+        mask_workers._SERVING[0] = serving
         mask_workers._DEFERRED.clear()
+
+
+def test_an_unpinning_cuda_refuses_is_a_warning_that_names_the_error():
+    from smcdecode.backends.engine import mask_workers
+
+    class Refusing:
+        def cudaHostUnregister(self, address):
+            return 713
+
+    real, real_cudart = torch.cuda.synchronize, torch.cuda.cudart
+    try:
+        torch.cuda.synchronize, torch.cuda.cudart = (lambda *a: None), Refusing
+        with pytest.warns(RuntimeWarning, match=r"refused to unpin 4096 bytes .*error 713"):
+            mask_workers._unpin(1234, mmap.mmap(-1, 4096))
+    finally:
+        torch.cuda.synchronize, torch.cuda.cudart = real, real_cudart
 
 
 def _mapped(address: int) -> bool:
@@ -256,11 +277,10 @@ def _mapped(address: int) -> bool:
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
 def test_a_pinned_buffer_is_unpinned_while_still_mapped_when_its_owner_goes():
-    """CUDA unregisters a pinned buffer only while its pages are mapped: the unpinning hangs on the
-    buffer's owner and holds the mapping, so it runs before the pages go (an mmap's own finalizer
-    runs after they went, which left the pages pinned and an error for the next CUDA call). CUDA's
-    two calls are recorded here (no GPU needed): each buffer is registered once and unregistered
-    once, mapped then, and let go after."""
+    """A pinned buffer is unregistered while its pages are still mapped, as CUDA asks: the unpinning
+    hangs on the buffer's owner and holds the mapping (an mmap's own finalizer runs after its pages
+    are unmapped). CUDA's two calls are recorded here (no GPU needed): each buffer is registered
+    once and unregistered once, mapped then, and let go after."""
     from smcdecode.backends.engine import mask_workers
 
     calls = []
@@ -287,7 +307,7 @@ def test_a_pinned_buffer_is_unpinned_while_still_mapped_when_its_owner_goes():
         assert [c[0] for c in calls] == ["register", "register"] and all(c[3] for c in calls)
         del mems
         gc.collect()
-        assert len(calls) == 2 and all(_mapped(a) for a in addresses)  # (the owner holds them)
+        assert len(calls) == 2 and all(_mapped(a) for a in addresses)  # (pinned while the owner lives)
         del owner
         gc.collect()
         assert sorted(c[1] for c in calls[2:]) == sorted(addresses)
@@ -296,6 +316,8 @@ def test_a_pinned_buffer_is_unpinned_while_still_mapped_when_its_owner_goes():
         with pytest.raises(ValueError, match="owner"):
             mask_workers.shared_buffer(4096, True)
     finally:
+        owner = mems = None  # noqa: F841 - (a failure above: their unpinning runs now, with the recording cudart)
+        gc.collect()
         torch.cuda.cudart, torch.cuda.synchronize = real_cudart, real_sync
 
 

@@ -92,9 +92,9 @@ def _supported() -> str | None:
 def shared_buffer(nbytes: int, pin: bool, owner=None) -> mmap.mmap:
     """An anonymous shared mapping of ``nbytes`` (processes forked later write the same pages) and,
     with ``pin``, registered with CUDA as pinned memory (copies to and from it do not block) until
-    ``owner`` is collected. The finalizer hangs on the owner and holds the mapping: an mmap's own
-    finalizer runs once its pages are unmapped, where CUDA no longer knows the pointer, keeps the
-    pages pinned and leaves an error that the next CUDA call in this thread reports as its own."""
+    ``owner`` (any object that takes weak references) is collected. The unpinning hangs on the owner
+    and holds the mapping, so CUDA unregisters the range while it is still mapped, as CUDA asks (an
+    mmap's own finalizer runs after its pages are unmapped)."""
     mem = mmap.mmap(-1, max(nbytes, 1))
     if not pin:
         return mem
@@ -123,7 +123,12 @@ def _unpin(address: int, mem: mmap.mmap) -> None:
         return
     with contextlib.suppress(Exception):  # (at interpreter exit CUDA may be gone already)
         torch.cuda.synchronize()  # (no copy to or from the buffer still in flight)
-        torch.cuda.cudart().cudaHostUnregister(address)
+    err = 0
+    with contextlib.suppress(Exception):
+        err = int(torch.cuda.cudart().cudaHostUnregister(address))
+    if err:
+        warnings.warn(f"CUDA refused to unpin {len(mem)} bytes of the host masks' buffers (error {err}); the next "
+                      "CUDA call in this thread may report that error", RuntimeWarning, stacklevel=2)
 
 
 def unpin_deferred() -> None:

@@ -336,6 +336,19 @@ def measure(name: str, label: str, c, engine: Engine, model, P: list, eos: int, 
     return row
 
 
+def bound(model, label: str, schema: dict, path: str, held: bool):
+    """A row's constraint: ``schema`` bound to ``model`` on ``path``; ``held`` False: without the strings'
+    automata (llguidance's own walk inside strings). Carries its compile time, label and the path asked."""
+    t0 = time.perf_counter()
+    c = JSONSchema(schema, path=path).bind(model)
+    if not held:
+        c = copy.copy(c)
+        c._strings = None
+    c.compile_s, c.label, c.asked = time.perf_counter() - t0, label, path
+    c.held_strings = c._strings is not None
+    return c
+
+
 def run_model(name: str, engine: Engine, model, prompts, eos: int, schemas: list, args, device) -> list[dict]:
     """``schemas``: (label, schema, path, held) — path "automaton" / "llguidance" insists on one, "auto"
     lets the constraint choose (recorded as the row's ``path``); ``held`` False: llguidance's own walk
@@ -344,19 +357,11 @@ def run_model(name: str, engine: Engine, model, prompts, eos: int, schemas: list
     N, K, L = args.particles, args.block_size, args.max_new_tokens
     paths = {}
     for label, schema, path, held in schemas:
-        t0 = time.perf_counter()
         try:
-            c = JSONSchema(schema, path=path).bind(model)
+            paths[(label, path, held)] = bound(model, label, schema, path, held)
         except (ImportError, sd.SMCDecodeError) as e:
             rows.append({"model": name, "schema": label, "path": path, "skipped": f"{type(e).__name__}: {e}"})
             print(f"{name} {label} {path}: skipped ({e})", flush=True)
-            continue
-        if not held:
-            c = copy.copy(c)
-            c._strings = None
-        c.compile_s, c.label, c.asked = time.perf_counter() - t0, label, path
-        c.held_strings = c._strings is not None
-        paths[(label, path, held)] = c
     for G in args.requests:
         P = prompts[:G]
         engine.smc_sd(P, particles=N, block_size=K, max_new_tokens=2 * (K + 1))

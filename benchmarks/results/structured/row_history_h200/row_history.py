@@ -11,7 +11,6 @@ runs, and the mask workers' page faults per constrained call.
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import json
 import multiprocessing
@@ -26,7 +25,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # (benchmarks/, for structured_engine.py)
 import structured_engine as se  # noqa: E402
 
-from smcdecode import JSONSchema  # noqa: E402
 from smcdecode.backends.engine import Engine, EngineConfig  # noqa: E402
 
 _SNAPS: list = []
@@ -91,17 +89,7 @@ def row(tag: str, label: str, c, engine, model, P, eos, args, device) -> dict:
 
 
 def compiled(schemas, model) -> dict:
-    paths = {}
-    for label, schema, path, held in schemas:
-        t0 = time.perf_counter()
-        c = JSONSchema(schema, path=path).bind(model)
-        if not held:
-            c = copy.copy(c)
-            c._strings = None
-        c.compile_s, c.label, c.asked = time.perf_counter() - t0, label, path
-        c.held_strings = c._strings is not None
-        paths[(label, path, held)] = c
-    return paths
+    return {(label, path, held): se.bound(model, label, schema, path, held) for label, schema, path, held in schemas}
 
 
 def main() -> None:

@@ -294,7 +294,7 @@ def test_a_pinned_buffer_is_unpinned_while_still_mapped_when_its_owner_goes():
             calls.append(("unregister", address, None, _mapped(address)))
             return 0
 
-    class Owner:
+    class Owner:  # (any object that takes weak references: the buffers' unpinning hangs on it)
         pass
 
     real_cudart, real_sync = torch.cuda.cudart, torch.cuda.synchronize

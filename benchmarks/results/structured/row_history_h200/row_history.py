@@ -55,7 +55,7 @@ def memory() -> dict:
             k, _, v = line.partition(":")
             if k in ("Rss", "Anonymous", "AnonHugePages"):
                 out[k] = int(v.split()[0]) // 1024
-    except OSError:
+    except OSError:  # (no /proc/self/smaps_rollup: the row is recorded without its memory)
         pass
     return out
 
@@ -117,7 +117,7 @@ def main() -> None:
     for k in ("enabled", "defrag"):
         try:
             res["thp"][k] = Path(f"/sys/kernel/mm/transparent_hugepage/{k}").read_text().strip()
-        except OSError:
+        except OSError:  # (no such setting on this kernel: left out)
             pass
     print("THP", res["thp"], "python", sys.version.split()[0], flush=True)
     t_start = time.perf_counter()

@@ -25,15 +25,17 @@ def load(d: Path):
 
 
 def points(ps: list) -> list:
-    """One round's workers' records -> per point (starts, ends, seen-next) of every worker."""
+    """One round's workers' records -> per worker {point: (seen its column, work start, work end)}. A
+    worker's point is the number of columns it waited for before it (it waits for column i − 1 before
+    point i > 0, and records nothing at a point where it has no rows)."""
     per = []
     for p in ps:
-        pts, h = [], None
+        pts, h, i = {}, None, 0
         for x in p["pts"]:
             if x[0] == "h":
-                h = x[2]
+                h, i = x[2], i + 1
             elif x[0] == "w":
-                pts.append((h, x[1], x[2]))
+                pts[i] = (h, x[1], x[2])
                 h = None
         per.append(pts)
     return per
@@ -44,32 +46,40 @@ def q(x: list, f: float) -> float:
 
 
 def summarize(rows, plans) -> list:
+    """Per row of ``rows``: its ratio and call times, and from the workers' records of its rounds the
+    device gap after each point, each point's span, the slowest worker's lead over the median one,
+    a worker's round, the time from a round's start to its first work (at the round's first point
+    with rows), the workers' CPUs, and the probes twice.py took after the row."""
     out = []
     for r in rows:
         mine = [p for p in plans if r["t0"] <= p["t0"] <= r["t1"]]
         rounds = collections.defaultdict(list)
         for p in mine:
             rounds[p["seq"]].append(p)
-        gaps, spans, lead = [], [], []
+        gaps, spans, lead, first = [], [], [], []
         for ps in rounds.values():
             if len(ps) < 2:
                 continue
             per = points(ps)
-            n = min(len(x) for x in per)
-            for i in range(n):
-                done = [x[i][2] for x in per]
-                spans.append(max(done) - min(x[i][1] for x in per))
+            # (the device waits, at point i, for the workers with rows there; the others count it at once)
+            for i in sorted(set().union(*per)):
+                have = [x[i] for x in per if i in x]
+                done = [w[2] for w in have]
+                spans.append(max(done) - min(w[1] for w in have))
                 lead.append(max(done) - st.median(done))
-                if i + 1 < n:
-                    seen = [x[i + 1][0] for x in per if x[i + 1][0] is not None]
-                    if seen:
-                        gaps.append(min(seen) - max(done))
+                seen = [x[i + 1][0] for x in per if i + 1 in x and x[i + 1][0] is not None]
+                if seen:
+                    gaps.append(min(seen) - max(done))
+            low = min(min(x) for x in per if x)
+            first.append(min(x[low][1] for x in per if low in x) - min(p["t0"] for p in ps))
         ms = lambda x: {"median": 1e3 * st.median(x), "p90": 1e3 * q(x, 0.9)} if x else None  # noqa: E731
         out.append({k: r[k] for k in ("name", "label", "path", "held", "G", "take", "ratio")}
                    | {"constrained_s": r["con"], "plain_same_length_s": r["same"],
                       "rounds_served": len(rounds), "worker_pids": sorted({p["pid"] for p in mine}),
                       "device_gap_ms": ms(gaps), "point_span_ms": ms(spans), "slowest_lead_ms": ms(lead),
                       "round_in_worker_ms": ms([p["t1"] - p["t0"] for p in mine]),
+                      "first_work_after_plan_ms": ms(first),
+                      "worker_cpus": sorted({p["cpu"] for p in mine}),
                       "worker_involuntary_switches": sum(p["nivcsw"] for p in mine)}
                    | {k: r[k] for k in ("probe", "numa") if k in r})
     return out
